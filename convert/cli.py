@@ -1,0 +1,45 @@
+"""`dllm-convert HF_DIR OUT_DIR`: HuggingFace-release LLaDA/Dream checkpoint -> dllm-jax (orbax) checkpoint.
+
+Validates every tensor against config.json before converting (one error listing every problem), streams the
+tensors one at a time (peak memory ~ the converted params), shows a progress bar, and writes atomically: on any
+failure nothing is left at OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dllm_jax import checkpoint as ckpt
+from dllm_jax.config import ConfigError
+
+
+def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True) -> str:
+    hf = ckpt.HFCheckpoint(hf_dir)
+    config = hf.model_config(dtype=dtype)
+    params = ckpt.read_params(hf, config, progress=progress)
+    return str(ckpt.write_converted(params, config, out_dir, source_dir=hf_dir, force=force))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dllm-convert", description=__doc__.splitlines()[0])
+    ap.add_argument("hf_dir", help="directory with config.json and model.safetensors (or a sharded index)")
+    ap.add_argument("out_dir", help="where to write the converted checkpoint (must not exist unless --force)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the stored params (default: bfloat16, the release dtype)")
+    ap.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        out = convert(args.hf_dir, args.out_dir, args.dtype, args.force, progress=not args.quiet)
+    except (ckpt.CheckpointError, ConfigError, FileNotFoundError) as e:
+        print(f"dllm-convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"converted {args.hf_dir} -> {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Reading HF-layout safetensors checkpoints and writing/reading converted (orbax) ones.
+
+Everything is validated before any large allocation: a checkpoint with missing, unexpected or misshapen tensors
+fails with ONE error that lists every problem. Reading streams tensor by tensor into preallocated stacked arrays,
+so peak host memory is the converted params plus one tensor (LLaDA-8B: ~16 GB, fits 24 GB).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from dllm_jax.config import ConfigError, ModelConfig
+from dllm_jax.models import FAMILIES
+from dllm_jax.models.base import ParamMapping
+
+FORMAT_FILE = "dllm_jax.json"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "added_tokens.json")
+SOURCE_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
+_NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be converted or loaded; the message lists every problem found."""
+
+
+# ------------------------------------------------------------------------------------ HF safetensors in
+class HFCheckpoint:
+    """A directory in the HuggingFace release layout: config.json + model.safetensors or a sharded index."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"checkpoint directory {self.path} does not exist")
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is not a directory")
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"{self.path} has no config.json")
+        self.hf_config = json.loads((self.path / "config.json").read_text())
+        self.files = self._weight_files()
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no 'weight_map'")
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (self.path / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+            return [self.path / n for n in names]
+        single = self.path / "model.safetensors"
+        if single.is_file():
+            return [single]
+        found = sorted(self.path.glob("*.safetensors"))
+        if found:
+            return found
+        raise CheckpointError(f"{self.path} has no model.safetensors, no model.safetensors.index.json "
+                              f"and no *.safetensors file")
+
+    def tensor_index(self) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+        """name -> (file, shape, safetensors dtype string), from headers only (no tensor is read)."""
+        out: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+        for f in self.files:
+            try:
+                with safe_open(f, "np") as st:
+                    for name in st.keys():
+                        sl = st.get_slice(name)
+                        out[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"cannot read safetensors file {f}: {e}") from e
+        return out
+
+    def model_config(self, dtype: str = "bfloat16") -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config, dtype=dtype)
+
+
+def family_of(config: ModelConfig) -> ParamMapping:
+    return FAMILIES[config.family]
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> the PyTorch-layout shape it must have."""
+    from dllm_jax.modeling import param_shapes  # local import: modeling imports jax.numpy heavy bits
+
+    shapes = param_shapes(config)
+    out = {}
+    for name, (rule, layer) in family_of(config).expand(config).items():
+        leaf = shapes
+        for key in rule.path:
+            leaf = leaf[key]
+        shape = tuple(leaf.shape[1:] if layer is not None else leaf.shape)
+        out[name] = tuple(reversed(shape)) if rule.transpose else shape
+    return out
+
+
+def validate(ckpt: HFCheckpoint, config: ModelConfig) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    index = ckpt.tensor_index()
+    expected = expected_shapes(config)
+    problems = []
+    missing = sorted(set(expected) - set(index))
+    unexpected = sorted(set(index) - set(expected))
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(unexpected[:20])
+                        + (" ..." if len(unexpected) > 20 else ""))
+    for name in sorted(set(expected) & set(index)):
+        _, shape, dtype = index[name]
+        if shape != expected[name]:
+            problems.append(f"{name}: shape {list(shape)}, expected {list(expected[name])}")
+        if dtype not in SOURCE_DTYPES:
+            problems.append(f"{name}: dtype {dtype}, expected one of {sorted(SOURCE_DTYPES)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt.path} ({config.family}) does not match its config.json:\n  - "
+                              + "\n  - ".join(problems))
+    return index
+
+
+def read_params(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True) -> dict[str, Any]:
+    """Validate, then stream every tensor into a preallocated numpy param tree in config.dtype."""
+    index = validate(ckpt, config)
+    from dllm_jax.modeling import param_shapes
+
+    target = _NP_DTYPES[config.dtype]
+    params = _tree_map(lambda s: np.empty(s.shape, target), param_shapes(config))
+    plan = family_of(config).expand(config)
+    by_file: dict[Path, list[str]] = {}
+    for name in plan:
+        by_file.setdefault(index[name][0], []).append(name)
+    bar = tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress)
+    for f, names in by_file.items():
+        with safe_open(f, "np") as st:
+            for name in names:
+                rule, layer = plan[name]
+                t = st.get_tensor(name)
+                if rule.transpose:
+                    t = t.T
+                leaf = params
+                for key in rule.path[:-1]:
+                    leaf = leaf[key]
+                dst = leaf[rule.path[-1]]
+                if layer is None:
+                    dst[...] = t.astype(target)
+                else:
+                    dst[layer] = t.astype(target)
+                del t
+                bar.update(1)
+    bar.close()
+    return params
+
+
+def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The inverse mapping: (HF name, PyTorch-layout array) for every tensor of the param tree."""
+    for name, (rule, layer) in family_of(config).expand(config).items():
+        leaf = params
+        for key in rule.path:
+            leaf = leaf[key]
+        t = np.asarray(leaf if layer is None else leaf[layer])
+        yield name, np.ascontiguousarray(t.T if rule.transpose else t)
+
+
+def export_hf(params: dict[str, Any], config: ModelConfig, out_dir: str | os.PathLike,
+              max_shard_bytes: int | None = None, dtype: Any = ml_dtypes.bfloat16) -> Path:
+    """Write params in the family's exact HF release layout (config.json + safetensors, sharded if asked)."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in iter_hf_tensors(params, config):
+        t = t.astype(dtype)
+        if max_shard_bytes and size + t.nbytes > max_shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            for k, v in shard.items():
+                weight_map[k] = fname
+                total += v.nbytes
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(family_of(config).hf_config(config), indent=2))
+    return out
+
+
+# ------------------------------------------------------------------------------ converted (orbax) out/in
+def _tree_map(fn, tree):
+    if isinstance(tree, dict):
+        return {k: _tree_map(fn, v) for k, v in tree.items()}
+    return fn(tree)
+
+
+def is_converted(path: str | os.PathLike) -> bool:
+    return (Path(path) / FORMAT_FILE).is_file()
+
+
+def write_converted(params: dict[str, Any], config: ModelConfig, out_dir: str | os.PathLike,
+                    source_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Write atomically: everything goes to a temporary sibling directory that is renamed at the very end."""
+    import orbax.checkpoint as ocp
+
+    out = Path(out_dir).absolute()
+    if out.exists() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp / "params", params)
+        ckptr.wait_until_finished()
+        meta = {"format": FORMAT_VERSION, "model_config": config.to_dict()}
+        (tmp / FORMAT_FILE).write_text(json.dumps(meta, indent=2))
+        if source_dir is not None:
+            src = Path(source_dir)
+            for name in ("config.json",) + TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp / name)
+        if not (tmp / "config.json").exists():
+            (tmp / "config.json").write_text(json.dumps(family_of(config).hf_config(config), indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_converted(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, Any]]:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta = json.loads((path / FORMAT_FILE).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: converted format {meta.get('format')!r}, this version reads {FORMAT_VERSION}")
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{path}/{FORMAT_FILE}: bad model_config: {e}") from e
+    params = ocp.StandardCheckpointer().restore(path / "params")
+    if dtype is not None and dtype != config.dtype:
+        config = config.replace(dtype=dtype)
+        params = _tree_map(lambda a: np.asarray(a).astype(_NP_DTYPES[dtype]), params)
+    return config, params

@@ -1,0 +1,91 @@
+"""Flax (linen) building blocks shared by LLaDA and Dream: RMSNorm, Linear, rotary embedding, SwiGLU MLP.
+
+Numerics follow the reference implementations exactly (see README "Exactness"): RMSNorm normalises in fp32 and
+casts back before the weight multiply; linear layers accumulate in fp32 and round once (bias added before the
+rounding, as a fused GEMM epilogue does); LLaDA rotates q/k in fp32, Dream in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def _precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    # fp32 mode must really be fp32 (GPUs would otherwise use TF32 for fp32 matmuls).
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        weight = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * weight
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of PyTorch's layout)."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
+        y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32,
+                       precision=_precision(self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(h)) * up(h)); gate is LLaDA's ff_proj / Dream's gate_proj."""
+
+    hidden: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, h: Array) -> Array:
+        gate = Linear(self.hidden, False, self.dtype, name="gate_proj")(h)
+        up = Linear(self.hidden, False, self.dtype, name="up_proj")(h)
+        return Linear(h.shape[-1], False, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+# ----------------------------------------------------------------------------------------------- rotary
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """theta^(-2i/d) as fp32 (computed in float64 and rounded once)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    return (1.0 / (theta**exponent)).astype(np.float32)
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """positions [..., T] int -> cos, sin [..., T, head_dim] fp32 (half-rotation layout: freqs repeated twice)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(head_dim, theta))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate_half(x: Array) -> Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array, fp32: bool) -> Array:
+    """x [B, T, H, D]; cos/sin [B, T, D] fp32. fp32=True: LLaDA (rotate in fp32, round once)."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    if fp32:
+        xf = x.astype(jnp.float32)
+        return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    return x * cos + _rotate_half(x) * sin

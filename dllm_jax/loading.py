@@ -1,0 +1,73 @@
+"""`load(path)`: a converted directory or an HF release directory -> Model (config, params, tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax import checkpoint as ckpt
+from dllm_jax.config import ModelConfig
+from dllm_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: dict[str, Any]  # device arrays in config.dtype
+    tokenizer: Tokenizer | None = None
+    path: Path | None = None
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model at {self.path} has no tokenizer files; pass token ids instead")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+
+
+def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> None:
+    from dllm_jax.modeling import param_shapes
+
+    want = param_shapes(config)
+    bad = []
+
+    def walk(w, g, path):
+        if isinstance(w, dict):
+            if not isinstance(g, dict) or set(w) != set(g):
+                bad.append(f"{path or '/'}: keys {sorted(g) if isinstance(g, dict) else type(g).__name__}, "
+                           f"expected {sorted(w)}")
+                return
+            for k in w:
+                walk(w[k], g[k], f"{path}/{k}")
+        elif tuple(np.shape(g)) != tuple(w.shape):
+            bad.append(f"{path}: shape {list(np.shape(g))}, expected {list(w.shape)}")
+
+    walk(want, params, "")
+    if bad:
+        raise ckpt.CheckpointError(f"params at {where} do not match their config:\n  - " + "\n  - ".join(bad))
+
+
+def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False) -> Model:
+    """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
+    memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32"."""
+    path = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ckpt.CheckpointError(f"{path} is not a directory")
+    if ckpt.is_converted(path):
+        config, params = ckpt.read_converted(path, dtype=dtype)
+    else:
+        hf = ckpt.HFCheckpoint(path)
+        config = hf.model_config(dtype=dtype)
+        params = ckpt.read_params(hf, config, progress=progress)
+    _check_shapes(config, params, path)
+    params = jax.tree.map(lambda a: jnp.asarray(a, config.jnp_dtype), params)
+    tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
+    return Model(config, params, tokenizer, path)

@@ -1,0 +1,224 @@
+"""The LLaDA / Dream transformer as a pure function of (params, tokens, positions, mask, cache).
+
+Both families are pre-norm llama-style decoders run WITHOUT a causal mask. A `Block` is a linen module applied
+functionally; the layers run under `jax.lax.scan` over stacked layer weights, so compile time does not grow with
+depth. Attention is a hook (`attend_fn`) so that the cache techniques decide which keys a layer sees without any
+branch inside the block.
+
+Param tree (leaves in the config dtype; kernels are [in, out]):
+    {"embed": [V, d],
+     "layers": {"attn_norm": {"scale": [L, d]}, "q_proj": {"kernel": [L, d, Hq*D], "bias"?}, "k_proj", "v_proj",
+                "o_proj": {"kernel": [L, Hq*D, d]}, "ffn_norm": {"scale": [L, d]},
+                "mlp": {"gate_proj", "up_proj": {"kernel": [L, d, F]}, "down_proj": {"kernel": [L, F, d]}}},
+     "final_norm": {"scale": [d]},
+     "lm_head": [d, V]   (absent when the head is tied to the embedding)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.attention import Backend, attend
+from dllm_jax.config import ModelConfig
+from dllm_jax.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+Array = jax.Array
+Params = dict[str, Any]
+# attend_fn(q [B,n,Hq,D], k [B,n,Hkv,D], v [B,n,Hkv,D]) -> attention output [B,n,Hq,D]
+AttendFn = Callable[[Array, Array, Array], Array]
+
+
+class Block(nn.Module):
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c, dt = self.config, self.config.jnp_dtype
+        self.attn_norm = RMSNorm(c.rms_eps, dt)
+        self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt)
+        self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
+        self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
+        self.o_proj = Linear(c.d_model, False, dt)
+        self.ffn_norm = RMSNorm(c.rms_eps, dt)
+        self.mlp = SwiGLU(c.mlp_hidden, dt)
+
+    def qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """Rotated q [B,n,Hq,D], k [B,n,Hkv,D] and v [B,n,Hkv,D] of the block input x [B,n,d]."""
+        c = self.config
+        b, n, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).reshape(b, n, c.n_heads, c.head_dim)
+        k = self.k_proj(h).reshape(b, n, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(h).reshape(b, n, c.n_kv_heads, c.head_dim)
+        return apply_rope(q, cos, sin, c.rope_fp32), apply_rope(k, cos, sin, c.rope_fp32), v
+
+    def finish(self, x: Array, attn: Array) -> Array:
+        """Residual attention output projection, then the residual SwiGLU MLP."""
+        b, n, _ = x.shape
+        x = x + self.o_proj(attn.reshape(b, n, -1))
+        return x + self.mlp(self.ffn_norm(x))
+
+    def __call__(self, x: Array, cos: Array, sin: Array, attend_fn: AttendFn) -> Array:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.finish(x, attend_fn(q, k, v))
+
+
+# --------------------------------------------------------------------------------------------- caches
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Rotated K and V of every layer at every position of a fixed-length sequence buffer.
+
+    k, v: [L, B, S, Hkv, D]. Position j of row b holds the K/V that the token at buffer index j had the last time
+    a forward wrote it.
+    """
+
+    k: Array
+    v: Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
+        shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
+        return cls(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    logits: Array  # [B, n or m, V] in the activation dtype
+    cache: KVCache | None  # the updated cache when one was given
+    kv: tuple[Array, Array] | None  # per-layer fresh (k, v) [L, B, n, Hkv, D] when return_kv=True
+
+
+# -------------------------------------------------------------------------------------------- forward
+def embed(params: Params, tokens: Array) -> Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    prec = jax.lax.Precision.HIGHEST if config.jnp_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32, precision=prec).astype(h.dtype)
+
+
+def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits_at: Array | None) -> Array:
+    if logits_at is not None:  # decoding only needs a few positions: skip the vocab head elsewhere
+        x = jnp.take_along_axis(x, logits_at[:, :, None].astype(jnp.int32), axis=1)
+    x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
+    return lm_head(params, config, x)
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: Array,
+    positions: Array,
+    *,
+    key_mask: Array | None = None,
+    cache: KVCache | None = None,
+    cache_offset: Array | int = 0,
+    write_mask: Array | None = None,
+    logits_at: Array | None = None,
+    return_kv: bool = False,
+    attention_backend: Backend = "xla",
+) -> ForwardOutput:
+    """Run the model on a window of tokens.
+
+    tokens, positions: [B, n] int32 (positions are the RoPE positions: absolute, per row).
+    Without a cache: bidirectional attention among the n tokens, keys masked by key_mask [B, n].
+    With a cache (length S): the window's K/V are written into buffer slots [cache_offset, cache_offset + n)
+    (only where write_mask [B, n] is True, if given), then every query attends over all S buffer slots,
+    masked by key_mask [B, S]. The updated cache is returned.
+    logits_at: [B, m] indices into the window; logits only there (None: every position).
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    b, n = tokens.shape
+    block = Block(config)
+    cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
+    x = embed(params, tokens).astype(config.jnp_dtype)
+
+    def attend_fresh(q, k, v):
+        return attend(q, k, v, key_mask, attention_backend)
+
+    if cache is None:
+        def layer(x, layer_params):
+            q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
+            x = block.apply({"params": layer_params}, x, attend_fresh(q, k, v), method=Block.finish)
+            return x, ((k, v) if return_kv else None)
+
+        x, kv = jax.lax.scan(layer, x, params["layers"])
+        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), None, kv)
+
+    offset = jnp.asarray(cache_offset, jnp.int32)
+
+    def layer_cached(carry, inputs):
+        x, ck, cv = carry
+        layer_params, i = inputs
+        q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
+        if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
+            old_k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
+            old_v = jax.lax.dynamic_slice_in_dim(cv[i], offset, n, axis=1)
+            wm = write_mask[:, :, None, None]
+            k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
+        # In-place update of layer i's window in the carried buffers (no copy of the whole cache per layer).
+        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (i, 0, offset, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (i, 0, offset, 0, 0))
+        attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
+        x = block.apply({"params": layer_params}, x, attn, method=Block.finish)
+        return (x, ck, cv), ((k, v) if return_kv else None)
+
+    layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
+    (x, ck, cv), kv = jax.lax.scan(layer_cached, (x, cache.k, cache.v), (params["layers"], layer_ids))
+    return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv)
+
+
+# ------------------------------------------------------------------------------------------ parameters
+def param_shapes(config: ModelConfig) -> Params:
+    """The param tree's shapes (jax.ShapeDtypeStruct leaves) without allocating anything."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def init_params(config: ModelConfig, key: Array, std: float = 0.02) -> Params:
+    """Random params in the config dtype (used by tests, benchmarks and training from scratch)."""
+    dt = config.jnp_dtype
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    d = config.d_model
+    x = jnp.zeros((1, 1, d), dt)
+    cos = jnp.zeros((1, 1, config.head_dim), jnp.float32)
+
+    def init_layer(k):
+        variables = Block(config).init(k, x, cos, cos, lambda q, kk, v: jnp.repeat(v, config.q_per_kv, axis=2))
+        p = variables["params"]
+        # normal(std) for every kernel, ones for norms; small random biases so tests exercise them
+        leaves, tree = jax.tree_util.tree_flatten_with_path(p)
+        keys = jax.random.split(k, len(leaves))
+        out = []
+        for (path, leaf), kk in zip(leaves, keys):
+            name = jax.tree_util.keystr(path)
+            if "scale" in name:
+                out.append(jnp.ones_like(leaf))
+            else:
+                out.append((std * jax.random.normal(kk, leaf.shape, jnp.float32)).astype(dt))
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    layers = jax.vmap(init_layer)(jax.random.split(k_layers, config.n_layers))
+    params: Params = {
+        "embed": (std * jax.random.normal(k_embed, (config.vocab_size, d), jnp.float32)).astype(dt),
+        "layers": layers,
+        "final_norm": {"scale": jnp.ones((d,), dt)},
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = (std * jax.random.normal(k_head, (d, config.vocab_size), jnp.float32)).astype(dt)
+    return params
+
+
+def cast_params(params: Params, dtype: jnp.dtype) -> Params:
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)

@@ -1,0 +1,436 @@
+"""FP8 (e4m3) block-scaled matmul for Hopper (Mosaic GPU), plus references.
+
+Numerics (DeepSeek-V3 / DeepGEMM style, as used by LaCache's FP8 FFN):
+  * activations x [M, K] are quantised per 1x128 group along K:
+      xs[m, g] = amax(|x[m, 128g:128g+128]|) / 448,  xq = e4m3(x / xs)
+  * weights w [N, K] (out, in) are quantised per 128x128 block:
+      ws[nb, g] = amax(|w[128nb:.., 128g:..]|) / 448,  wq = e4m3(w / ws)
+  * y[m, n] = sum_g xs[m, g] * ws[n // 128, g] * sum_{k in g} xq[m, k] * wq[n, k]
+    with every inner sum (one 128-wide K group) accumulated in fp32 by wgmma and
+    "promoted" into an fp32 running accumulator with the two scales.
+
+Backends of :func:`fp8_matmul`:
+  * ``"xla"``: dequantise, then an fp32 dot -- runs anywhere (CPU included).
+  * ``"pallas"``: the Mosaic GPU kernel (wgmma on K-major e4m3 operands, TMA
+    warp-specialised pipeline, per-128-K promotion).  H100/H200 only, or the
+    CPU GPU-simulator with ``interpret=True`` (slow; for tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+E4M3_MAX = 448.0
+GROUP = 128  # K group of the activation scales and both dims of the weight blocks
+FP8 = jnp.float8_e4m3fn
+
+
+# --------------------------------------------------------------------------
+# Quantisation (plain jnp: XLA fuses these into the producer -- RMSNorm or
+# SwiGLU -- so the bf16 activation never makes an extra HBM round trip)
+# --------------------------------------------------------------------------
+def _check_k(k: int, what: str):
+  if k % GROUP:
+    raise ValueError(f"{what}: K={k} must be a multiple of {GROUP}")
+
+
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [M, K] (bf16/fp32/fp16) -> (xq [M, K] e4m3, xs [M, K//128] fp32)."""
+  if x.ndim != 2:
+    raise ValueError(f"quantize_activations: expected x of rank 2 [M, K], got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize_activations: x must be floating, got {x.dtype}")
+  m, k = x.shape
+  _check_k(k, "quantize_activations")
+  xg = x.astype(jnp.float32).reshape(m, k // GROUP, GROUP)
+  amax = jnp.max(jnp.abs(xg), axis=-1)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+  q = jnp.clip(xg / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8)
+  return q.reshape(m, k), scale
+
+
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """w [N, K] -> (wq [N, K] e4m3, ws [ceil(N/128), K//128] fp32)."""
+  if w.ndim != 2:
+    raise ValueError(f"quantize_weights: expected w of rank 2 [N, K], got shape {w.shape}")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"quantize_weights: w must be floating, got {w.dtype}")
+  n, k = w.shape
+  _check_k(k, "quantize_weights")
+  nb = -(-n // GROUP)
+  wf = w.astype(jnp.float32)
+  if nb * GROUP != n:
+    wf = jnp.pad(wf, ((0, nb * GROUP - n), (0, 0)))
+  wg = wf.reshape(nb, GROUP, k // GROUP, GROUP)
+  amax = jnp.max(jnp.abs(wg), axis=(1, 3))
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+  q = jnp.clip(wg / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(FP8)
+  return q.reshape(nb * GROUP, k)[:n], scale
+
+
+def dequantize_activations(xq, xs, dtype=jnp.float32):
+  m, k = xq.shape
+  x = xq.astype(jnp.float32).reshape(m, k // GROUP, GROUP) * xs[..., None]
+  return x.reshape(m, k).astype(dtype)
+
+
+def dequantize_weights(wq, ws, dtype=jnp.float32):
+  n, k = wq.shape
+  s = jnp.repeat(jnp.repeat(ws, GROUP, axis=0)[:n], GROUP, axis=1)
+  return (wq.astype(jnp.float32) * s).astype(dtype)
+
+
+def _check_operands(xq, xs, wq, ws):
+  if xq.ndim != 2 or wq.ndim != 2:
+    raise ValueError(f"fp8_matmul: xq and wq must be rank 2, got {xq.shape} and {wq.shape}")
+  if xq.dtype != FP8 or wq.dtype != FP8:
+    raise ValueError(
+        f"fp8_matmul: xq and wq must be float8_e4m3fn, got {xq.dtype} and {wq.dtype}")
+  m, k = xq.shape
+  n, k2 = wq.shape
+  if k != k2:
+    raise ValueError(f"fp8_matmul: K mismatch: xq {xq.shape} vs wq {wq.shape} (y = x @ w.T)")
+  _check_k(k, "fp8_matmul")
+  if xs.shape != (m, k // GROUP):
+    raise ValueError(f"fp8_matmul: xs must be {(m, k // GROUP)} for xq {xq.shape}, got {xs.shape}")
+  if ws.shape != (-(-n // GROUP), k // GROUP):
+    raise ValueError(
+        f"fp8_matmul: ws must be {(-(-n // GROUP), k // GROUP)} for wq {wq.shape}, got {ws.shape}")
+  if xs.dtype != jnp.float32 or ws.dtype != jnp.float32:
+    raise ValueError(f"fp8_matmul: scales must be float32, got {xs.dtype} and {ws.dtype}")
+  return m, n, k
+
+
+def fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.bfloat16):
+  """Dequantise, then an fp32 dot (HIGHEST precision). y = x @ w.T."""
+  _check_operands(xq, xs, wq, ws)
+  x = dequantize_activations(xq, xs)
+  w = dequantize_weights(wq, ws)
+  y = lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                      precision=lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU kernel
+# --------------------------------------------------------------------------
+class Dim(enum.IntEnum):
+  M = 0
+  N = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MatmulConfig:
+  """Tiling of the Mosaic GPU kernel.
+
+  A CTA runs 2 compute warpgroups (+1 TMA warpgroup); each compute warpgroup
+  owns a (wg_tile_m, wg_tile_n) fp32 output tile; the two are stacked along
+  ``wg_dimension``.  tile_k is fixed to 128 = one scale group.  ``split_k``
+  splits the K loop over independent work units (fp32 partials summed after).
+  """
+  wg_tile_m: int = 64
+  wg_tile_n: int = 128
+  wg_dimension: Dim = Dim.M
+  max_concurrent_steps: int = 4
+  split_k: int = 1
+  epi_tile_n: int = 64
+  grid_minor_dim: Dim = Dim.N
+  grid_tile_width: int = 8
+  ctas_per_sm: int = 1
+
+  def __post_init__(self):
+    if self.wg_tile_m != 64:
+      raise ValueError(f"wg_tile_m must be 64 (wgmma M; register budget), got {self.wg_tile_m}")
+    if self.wg_tile_n not in (32, 64, 128):
+      raise ValueError(f"wg_tile_n must be 32, 64 or 128, got {self.wg_tile_n}")
+    if GROUP % self.wg_tile_n and self.wg_tile_n % GROUP:
+      raise ValueError("wg_tile_n must divide 128")
+    if not 2 <= self.max_concurrent_steps <= 8:
+      raise ValueError(f"max_concurrent_steps must be in [2, 8], got {self.max_concurrent_steps}")
+    if self.split_k < 1:
+      raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+    if self.epi_tile_n not in (32, 64, 128) or self.epi_tile_n > self.wg_tile_n:
+      if self.epi_tile_n != self.wg_tile_n:
+        raise ValueError(f"epi_tile_n={self.epi_tile_n} must be <= wg_tile_n={self.wg_tile_n}")
+    if self.ctas_per_sm not in (1, 2, 3, 4):
+      raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
+
+  @property
+  def cta_tile_m(self):
+    return self.wg_tile_m * (2 if self.wg_dimension == Dim.M else 1)
+
+  @property
+  def cta_tile_n(self):
+    return self.wg_tile_n * (2 if self.wg_dimension == Dim.N else 1)
+
+
+def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
+  """Heuristic: many CTAs (fine N, split-K) when weight-bandwidth bound."""
+  kg = k // GROUP
+  if m <= 64:
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, epi_tile_n=64,
+                          max_concurrent_steps=6, ctas_per_sm=2)
+  elif m <= 256:
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=64, epi_tile_n=64,
+                          max_concurrent_steps=6, ctas_per_sm=2)
+  else:
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=128, epi_tile_n=64,
+                          max_concurrent_steps=4, ctas_per_sm=1)
+  tiles = (-(-m // cfg.cta_tile_m)) * (n // cfg.cta_tile_n) if n % cfg.cta_tile_n == 0 else 0
+  target = 132 * cfg.ctas_per_sm
+  split = 1
+  if tiles:
+    while (tiles * split * 2 <= target * 1.25 and kg % (split * 2) == 0
+           and kg // (split * 2) >= 8):
+      split *= 2
+  return dataclasses.replace(cfg, split_k=split)
+
+
+def _num_sms() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  dev = getattr(mesh, "abstract_device", None) if mesh is not None else None
+  if dev is not None:
+    return dev.num_cores
+  try:
+    return jax.devices()[0].core_count
+  except Exception:  # CPU simulator
+    return 4
+
+
+def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  mp, k = xq_p.shape
+  n = wq.shape[0]
+  tm, tn = cfg.wg_tile_m, cfg.wg_tile_n
+  ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
+  split = cfg.split_k
+  kg = k // GROUP
+  if kg % split:
+    raise ValueError(f"split_k={split} must divide K/128={kg}")
+  ksteps = kg // split
+  if mp % ctm:
+    raise ValueError(f"padded M={mp} must be a multiple of {ctm}")
+  if n % ctn:
+    raise ValueError(f"N={n} must be a multiple of the CTA N tile {ctn} for this config")
+  m_iters, n_iters = mp // ctm, n // ctn
+  acc_dtype = jnp.float32 if split > 1 else out_dtype
+  epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
+  num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
+
+  swz = plgpu.find_swizzle(GROUP * 8, "fp8 operand")  # 128 B rows
+  in_transforms = (plgpu.TilingTransform((8, swz)), plgpu.SwizzleTransform(swz))
+  ob = jnp.dtype(acc_dtype).itemsize * 8
+  out_swz = plgpu.find_swizzle(epi_n * ob, "out")
+  out_transforms = (plgpu.TilingTransform((8, out_swz * 8 // ob)),
+                    plgpu.SwizzleTransform(out_swz))
+
+  def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
+    def get_pipeline(body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          body,
+          grid=(ksteps,),
+          memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((ctm, GROUP), lambda kk: (0, kk),
+                              transforms=in_transforms, memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((ctn, GROUP), lambda kk: (0, kk),
+                              transforms=in_transforms, memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((1, ctm), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+          ],
+          wg_axis="wg",
+          num_compute_wgs=2,
+          max_concurrent_steps=cfg.max_concurrent_steps,
+          compute_context=compute_context,
+      )
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+            a_gmem.at[:, pl.ds(0, ksteps * GROUP)],
+            b_gmem.at[:, pl.ds(0, ksteps * GROUP)],
+            xs_gmem.at[pl.ds(0, ksteps), :]),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs):
+      wg_idx = lax.axis_index("wg")
+
+      @plgpu.nd_loop((split, m_iters * n_iters), collective_axes="cluster_grid")
+      def _loop(loop_info):
+        ks, lin = loop_info.index
+        m_idx, n_idx = plgpu.planar_snake(
+            lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        cta_m = pl.ds(m_idx * ctm, ctm)
+        cta_n = pl.ds(n_idx * ctn, ctn)
+        if cfg.wg_dimension == Dim.M:
+          wg_m = pl.ds(wg_idx * tm, tm)
+          wg_n = slice(None)
+          n0 = n_idx * ctn
+        else:
+          wg_m = slice(None)
+          wg_n = pl.ds(wg_idx * tn, tn)
+          n0 = n_idx * ctn + wg_idx * tn
+        nblk = n0 // GROUP
+        k0 = ks * ksteps
+
+        def compute_context(eval_pipeline):
+          acc0 = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+          acc = eval_pipeline(acc0)
+          acc = acc.astype(acc_dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for ni in range(tn // epi_n):
+            sl_n = slice(ni * epi_n, (ni + 1) * epi_n)
+            slot = ni % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[wg_idx, slot] = acc[:, sl_n]
+            plgpu.commit_smem()
+            dst = out_gmem.at[ks] if split > 1 else out_gmem
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg_idx, slot],
+                dst.at[cta_m, cta_n].at[wg_m, wg_n].at[:, sl_n])
+
+        def mma_body(idxs, a_smem, b_smem, xs_smem, acc):
+          (kk,) = idxs
+          w_scale = ws_gmem[nblk, k0 + kk]
+          x_scale = xs_smem[0, wg_m]
+
+          def do_mma(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem.at[wg_m],
+                        plgpu.transpose_ref(b_smem.at[wg_n], (1, 0)))
+            return acc_ref[...]
+
+          part = pl.run_scoped(do_mma, plgpu.ACC((tm, tn), jnp.float32))
+          s = x_scale * w_scale
+          return acc + part * lax.broadcast_in_dim(s, (tm, tn), [0])
+
+        get_pipeline(mma_body, compute_context)(
+            a_gmem.at[cta_m, pl.ds(k0 * GROUP, ksteps * GROUP)],
+            b_gmem.at[cta_n, pl.ds(k0 * GROUP, ksteps * GROUP)],
+            xs_gmem.at[pl.ds(k0, ksteps), cta_m],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  units = split * m_iters * n_iters
+  grid = max(1, min(units, _num_sms() * cfg.ctas_per_sm))
+  out_shape = (split, mp, n) if split > 1 else (mp, n)
+  kw = {}
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    kw["interpret"] = interpret if not isinstance(interpret, bool) else InterpretGPUParams()
+  f = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(out_shape, acc_dtype),
+      grid=(grid,),
+      grid_names=("cluster_grid",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(out_smem=plgpu.SMEM(
+          (2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms)),
+      **kw,
+  )
+  out = f(xq_p, wq, xs_t, ws)
+  if split > 1:
+    out = out.sum(axis=0).astype(out_dtype)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config"))
+def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas",
+               interpret: Any = False, config: Fp8MatmulConfig | None = None):
+  """y = dequant(xq, xs) @ dequant(wq, ws).T  -> [M, N] out_dtype.
+
+  xq [M, K] e4m3, xs [M, K//128] f32, wq [N, K] e4m3, ws [ceil(N/128), K//128] f32.
+  backend "xla": reference numerics anywhere; "pallas": Mosaic GPU kernel
+  (N must be a multiple of the CTA N tile -- 128 with the default configs).
+  """
+  m, n, k = _check_operands(xq, xs, wq, ws)
+  if backend == "xla":
+    return fp8_matmul_reference(xq, xs, wq, ws, out_dtype)
+  if backend != "pallas":
+    raise ValueError(f"fp8_matmul: backend must be 'pallas' or 'xla', got {backend!r}")
+  cfg = config or default_config(m, n, k)
+  if n % cfg.cta_tile_n:
+    raise ValueError(
+        f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cta_tile_n} (wq {wq.shape}); "
+        "use backend='xla' for ragged N")
+  if (k // GROUP) % cfg.split_k:
+    raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
+  mp = -(-m // cfg.cta_tile_m) * cfg.cta_tile_m
+  xq_p = xq if mp == m else jnp.pad(xq, ((0, mp - m), (0, 0)))
+  xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))  # [K/128, Mp]; pad rows get scale 0
+  y = _fp8_kernel_call(xq_p, xs_t, wq, ws, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
+  return y[:m] if mp != m else y
+
+
+# --------------------------------------------------------------------------
+# FFN integration helpers
+# --------------------------------------------------------------------------
+def quantize_ffn_weights(gate, up, down, *, layout: str = "out_in") -> dict:
+  """Quantise one SwiGLU FFN's weights (once, at conversion/load time).
+
+  layout "out_in" (torch nn.Linear): gate/up [F, D], down [D, F].
+  layout "in_out" (flax Dense kernels): gate/up [D, F], down [F, D].
+  Returns {"w_gu": [2F, D] e4m3 (gate rows then up rows), "s_gu": [2F/128, D/128],
+           "w_down": [D, F] e4m3, "s_down": [D/128, F/128]} (F % 128 == 0 required).
+  """
+  if layout == "in_out":
+    gate, up, down = gate.T, up.T, down.T
+  elif layout != "out_in":
+    raise ValueError(f"layout must be 'out_in' or 'in_out', got {layout!r}")
+  if gate.shape != up.shape or down.shape != gate.shape[::-1]:
+    raise ValueError(f"inconsistent FFN shapes gate {gate.shape} up {up.shape} down {down.shape}")
+  f, d = gate.shape
+  if f % GROUP or d % GROUP:
+    raise ValueError(f"FFN dims must be multiples of 128, got F={f} D={d}")
+  w_gu, s_gu = quantize_weights(jnp.concatenate([gate, up], axis=0))
+  w_dn, s_dn = quantize_weights(down)
+  return {"w_gu": w_gu, "s_gu": s_gu, "w_down": w_dn, "s_down": s_dn}
+
+
+def swiglu_quantize(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """gu [M, 2F] (gate | up) -> quantised silu(gate) * up (fused by XLA)."""
+  f = gu.shape[-1] // 2
+  g = gu[:, :f].astype(jnp.float32)
+  u = gu[:, f:].astype(jnp.float32)
+  return quantize_activations(jax.nn.silu(g) * u)
+
+
+def fp8_ffn(h: jax.Array, params: dict, *, backend: str = "pallas", interpret: Any = False,
+            out_dtype=None) -> jax.Array:
+  """SwiGLU FFN with FP8 GEMMs. h: normed activations [..., D] (bf16).
+
+  quantise(h) -> [gate|up] GEMM -> SwiGLU+quantise -> down GEMM -> [..., D].
+  """
+  lead = h.shape[:-1]
+  d = h.shape[-1]
+  out_dtype = out_dtype or h.dtype
+  x = h.reshape(-1, d)
+  xq, xs = quantize_activations(x)
+  gu = fp8_matmul(xq, xs, params["w_gu"], params["s_gu"], out_dtype=jnp.bfloat16,
+                  backend=backend, interpret=interpret)
+  aq, as_ = swiglu_quantize(gu)
+  y = fp8_matmul(aq, as_, params["w_down"], params["s_down"], out_dtype=out_dtype,
+                 backend=backend, interpret=interpret)
+  return y.reshape(*lead, y.shape[-1])
+
+
+def bf16_ffn(h, gate, up, down):
+  """Reference bf16 SwiGLU FFN, torch layout (gate/up [F, D], down [D, F])."""
+  g = jnp.dot(h, gate.T, preferred_element_type=jnp.float32)
+  u = jnp.dot(h, up.T, preferred_element_type=jnp.float32)
+  a = (jax.nn.silu(g) * u).astype(h.dtype)
+  return jnp.dot(a, down.T, preferred_element_type=jnp.float32).astype(h.dtype)

@@ -1,0 +1,533 @@
+"""Bidirectional flash attention over a slot-addressed KV pool (Pallas, Triton lowering).
+
+Layout and semantics
+--------------------
+* ``q``        [B, Tq, Hq, D]   (bf16; fp32 accepted)
+* ``k_pool``   [P, Hkv, D]      physical slots (one pool per layer); ``v_pool`` likewise
+* ``read_table`` [B, S] int32   logical key position j of row b lives in slot ``read_table[b, j]``.
+  Entries at j >= kv_lens[b] are never read (they may hold anything).
+  ``read_table=None`` selects the *contiguous* special case: pools are [B, S, Hkv, D] and
+  slot(b, j) = b * S + j is computed in the kernel (no table traffic).
+* ``q_lens`` [B] int32 (rows t >= q_lens[b] give zeros, or the empty state), ``kv_lens`` [B] int32 <= S.
+* GQA: Hq = G * Hkv, G in 1..8.  Query heads of one kv head are folded into the M dimension of the
+  dots (rows = block_q tokens x next_pow2(G) heads), so each K/V tile is loaded once per kv head.
+* No causal mask.  fp32 accumulation.  Natural-log online-softmax state (m, l, o):
+  out = o / l,  m = running max of scaled logits (-inf where no key was seen), l = sum exp(s - m).
+* ``init_state`` continues an earlier state: attention over KV = A u B equals
+  ``slot_attention(.., B, init_state=slot_attention(.., A, return_state=True))``.
+
+Kernel: one program per (q block, kv split, kv head, batch row).  The split over the KV length
+(decode-style split-K) gives enough programs at block-step shapes (q_len 32, batch 1); partial states
+are merged with a tiny XLA epilogue (``merge_states``).  With one split and no state requested the
+kernel writes the normalised output directly in q.dtype.
+
+The K/V gather is done inside the kernel: the table slice of a KV tile is loaded as an int32 vector
+and used as a row index (``k_ref[rows, :]``), each row being a contiguous D-vector.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+__all__ = [
+    "AttentionState", "BlockSizes", "slot_attention", "slot_attention_reference",
+    "finalize_state", "merge_states", "write_kv", "attention", "contiguous_read_table",
+    "BACKENDS",
+]
+
+BACKENDS = ("xla", "pallas")
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_INIT = -1e30  # finite start value of the running max inside the kernel (base-2 domain)
+_NUM_SMS = 132   # H200; only used by the split heuristic
+
+
+class AttentionState(NamedTuple):
+  """Unnormalised online-softmax state (natural log convention)."""
+  m: jax.Array  # [B, Hq, Tq] fp32 running max, -inf where no key seen
+  l: jax.Array  # [B, Hq, Tq] fp32 normaliser
+  o: jax.Array  # [B, Tq, Hq, D] fp32 unnormalised accumulator
+
+
+def _next_pow2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _is_pow2(x: int) -> bool:
+  return x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+  """Tile sizes of the slot attention kernel.
+
+  Attributes:
+    block_q: query TOKENS per program (power of two); the program's M dimension is
+      block_q * next_pow2(Hq // Hkv) rows.
+    block_k: keys per inner-loop tile (power of two, >= 16).
+    num_warps, num_stages: Triton launch parameters.
+    kv_splits: number of splits of the KV length (split-K); None = heuristic.
+  """
+  block_q: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  kv_splits: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or not _is_pow2(v):
+        raise ValueError(f"BlockSizes.{name} must be a positive power of two, got {v!r}")
+    if self.block_k < 16:
+      raise ValueError(f"BlockSizes.block_k must be >= 16, got {self.block_k}")
+    if not isinstance(self.num_warps, int) or not _is_pow2(self.num_warps) or self.num_warps > 16:
+      raise ValueError(f"BlockSizes.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages!r}")
+    if self.kv_splits is not None and (not isinstance(self.kv_splits, int) or self.kv_splits < 1):
+      raise ValueError(f"BlockSizes.kv_splits must be None or >= 1, got {self.kv_splits!r}")
+
+  @classmethod
+  def get_default(cls, *, batch: int, q_len: int, kv_len: int, q_heads: int, kv_heads: int,
+                  head_dim: int) -> "BlockSizes":
+    """Heuristic defaults (tuned on an H200, see bench/NOTES.md)."""
+    gp = _next_pow2(q_heads // kv_heads)
+    rows = 128
+    block_q = max(1, min(rows // gp, _next_pow2(q_len)))
+    while block_q * gp < 16:
+      block_q *= 2
+    m_rows = block_q * gp
+    block_k = 64 if head_dim >= 128 or m_rows >= 128 else 128
+    block_k = min(block_k, max(16, _next_pow2(kv_len)))
+    num_warps = 8 if m_rows >= 128 else 4
+    num_stages = 3 if m_rows >= 128 else 2
+    return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+               kv_splits=None)
+
+
+def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len) -> tuple[int, int]:
+  """Returns (kv_splits, tiles_per_split)."""
+  n_tiles = max(1, pl.cdiv(kv_len, bs.block_k))
+  if bs.kv_splits is not None:
+    splits = min(bs.kv_splits, n_tiles)
+  else:
+    base = batch * kv_heads * num_q_blocks
+    splits = 1
+    if base < _NUM_SMS:  # too few programs: split KV until ~2 waves (each split >= 1 tile)
+      splits = min(n_tiles, pl.cdiv(2 * _NUM_SMS, base))
+  tiles_per_split = pl.cdiv(n_tiles, splits)
+  splits = pl.cdiv(n_tiles, tiles_per_split)
+  return splits, tiles_per_split
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, group: int,
+                           group_pad: int, block_q: int, block_k: int, tiles_per_split: int,
+                           q_len_max: int, kv_len_max: int, q_heads: int, kv_heads: int,
+                           qk_scale: float):
+  if contiguous:
+    tbl_ref = None
+    q_ref, k_ref, v_ref, *out_refs = refs
+  else:
+    tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
+  iq = pl.program_id(0)
+  isplit = pl.program_id(1)
+  kvh = pl.program_id(2)
+  b = pl.program_id(3)
+  head_dim = q_ref.shape[-1]
+  rows = block_q * group_pad
+
+  q_len = lens_ref[0]
+  kv_len = lens_ref[1]
+
+  r = jnp.arange(rows, dtype=jnp.int32)
+  t = iq * block_q + lax.div(r, jnp.int32(group_pad))   # token of each row
+  g = lax.rem(r, jnp.int32(group_pad))                  # head within the group
+  h = kvh * group + g                                   # query head
+  in_bounds = (t < q_len_max) & (g < group)
+  row_ok = in_bounds & (t < q_len)
+  oob = q_len_max * q_heads                              # out-of-range row: never touched
+  q_rows = jnp.where(in_bounds, t * q_heads + h, oob)    # row in the [Tq*Hq, D] view
+  cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+
+  q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
+  kv_dtype = k_ref.dtype
+  q = q.astype(kv_dtype)
+
+  n_tiles = lax.div(kv_len + (block_k - 1), jnp.int32(block_k))
+  n_full = lax.div(kv_len, jnp.int32(block_k))
+  start = isplit * tiles_per_split
+  end = jnp.minimum(start + tiles_per_split, n_tiles)
+  end = jnp.where(iq * block_q < q_len, end, start)      # whole q block empty: skip the work
+  end_full = jnp.minimum(end, n_full)
+  start_part = jnp.maximum(start, end_full)
+
+  kidx = jnp.arange(block_k, dtype=jnp.int32)
+
+  def tile(j, carry, masked: bool):
+    o_prev, m_prev, l_prev = carry
+    kpos = j * block_k + kidx
+    kmask = kpos < kv_len if masked else None
+    if contiguous:
+      slots = b * kv_len_max + kpos
+    elif masked or kv_len_max % block_k:  # (a static-size slice must fit the table's block)
+      tmask = kmask if masked else kpos < kv_len_max
+      slots = plgpu.load(tbl_ref.at[pl.ds(j * block_k, block_k)], mask=tmask, other=0)
+    else:
+      slots = tbl_ref[pl.ds(j * block_k, block_k)]
+    k_rows = slots * kv_heads + kvh
+    if masked:
+      k = plgpu.load(k_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
+    else:
+      k = k_ref[k_rows[:, None], cols]
+    s = plgpu.dot(q, k, trans_b=True) * qk_scale           # [rows, block_k] fp32, base-2 logits
+    if masked:
+      s = jnp.where(kmask[None, :], s, -jnp.inf)
+    m_next = jnp.maximum(m_prev, s.max(axis=-1))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = l_prev * alpha + p.sum(axis=-1)
+    if masked:
+      v = plgpu.load(v_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
+    else:
+      v = v_ref[k_rows[:, None], cols]
+    o_next = o_prev * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return o_next, m_next, l_next
+
+  o = jnp.zeros((rows, head_dim), jnp.float32)
+  m = jnp.full((rows,), _M_INIT, jnp.float32)
+  l = jnp.zeros((rows,), jnp.float32)
+  carry = lax.fori_loop(start, end_full, functools.partial(tile, masked=False), (o, m, l))
+  o, m, l = lax.fori_loop(start_part, end, functools.partial(tile, masked=True), carry)
+
+  st_mask = in_bounds[:, None]
+  if state_out:
+    o_ref, m_ref, l_ref = out_refs
+    seen = row_ok & (l > 0.0)
+    plgpu.store(o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0), mask=st_mask)
+    ml_rows = jnp.where(in_bounds, h * q_len_max + t, oob)  # row in the [Hq*Tq] view
+    plgpu.store(m_ref.at[ml_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
+    plgpu.store(l_ref.at[ml_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
+  else:
+    (o_ref,) = out_refs
+    ok = row_ok & (l > 0.0)
+    inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+    plgpu.store(o_ref.at[q_rows[:, None], cols], (o * inv[:, None]).astype(o_ref.dtype),
+                mask=st_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# State helpers (pure jnp)
+# --------------------------------------------------------------------------------------------
+def merge_states(a: AttentionState, b: AttentionState) -> AttentionState:
+  """Merges two states over disjoint key sets: equals the state over their union."""
+  m = jnp.maximum(a.m, b.m)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  wa = jnp.where(jnp.isneginf(a.m), 0.0, jnp.exp(a.m - m_safe))
+  wb = jnp.where(jnp.isneginf(b.m), 0.0, jnp.exp(b.m - m_safe))
+  l = wa * a.l + wb * b.l
+  wa_o = jnp.swapaxes(wa, 1, 2)[..., None]  # [B, Tq, Hq, 1]
+  wb_o = jnp.swapaxes(wb, 1, 2)[..., None]
+  o = wa_o * a.o + wb_o * b.o
+  return AttentionState(m, l, o)
+
+
+def _merge_split_states(m, l, o) -> AttentionState:
+  """m, l [N, B, Hq, Tq]; o [N, B, Tq, Hq, D] -> merged state."""
+  mx = jnp.max(m, axis=0)
+  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+  w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
+  l_out = jnp.sum(w * l, axis=0)
+  o_out = jnp.sum(jnp.swapaxes(w, 2, 3)[..., None] * o, axis=0)
+  return AttentionState(mx, l_out, o_out)
+
+
+def finalize_state(state: AttentionState, dtype=jnp.float32) -> jax.Array:
+  """o / l, with rows whose l == 0 (no key seen) giving zeros."""
+  l = jnp.swapaxes(state.l, 1, 2)[..., None]  # [B, Tq, Hq, 1]
+  ok = l > 0
+  return jnp.where(ok, state.o / jnp.where(ok, l, 1.0), 0.0).astype(dtype)
+
+
+def empty_state(batch: int, q_len: int, q_heads: int, head_dim: int) -> AttentionState:
+  """The state over an empty key set (identity of merge_states)."""
+  return AttentionState(jnp.full((batch, q_heads, q_len), -jnp.inf, jnp.float32),
+                        jnp.zeros((batch, q_heads, q_len), jnp.float32),
+                        jnp.zeros((batch, q_len, q_heads, head_dim), jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+def _shape_str(x):
+  return "None" if x is None else f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+
+
+def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Tq, Hq, D], got q {_shape_str(q)}")
+  B, Tq, Hq, D = q.shape
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q must be floating point (bf16/fp32), got q {_shape_str(q)}")
+  if read_table is None:
+    if k_pool.ndim != 4 or k_pool.shape[0] != B:
+      raise ValueError("with read_table=None the pools must be contiguous per-row caches "
+                       f"[B, S, Hkv, D]; got q {_shape_str(q)}, k_pool {_shape_str(k_pool)}")
+    S = k_pool.shape[1]
+    Hkv, Dk = k_pool.shape[2:]
+  else:
+    if k_pool.ndim != 3:
+      raise ValueError(f"k_pool must be [P, Hkv, D], got k_pool {_shape_str(k_pool)}")
+    Hkv, Dk = k_pool.shape[1:]
+    if read_table.ndim != 2 or read_table.shape[0] != B:
+      raise ValueError(f"read_table must be [B, S] with B={B}, got read_table "
+                       f"{_shape_str(read_table)} (q {_shape_str(q)})")
+    if not jnp.issubdtype(read_table.dtype, jnp.integer):
+      raise ValueError(f"read_table must be int32, got read_table {_shape_str(read_table)}")
+    S = read_table.shape[1]
+  if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+    raise ValueError(f"v_pool must match k_pool: k_pool {_shape_str(k_pool)}, "
+                     f"v_pool {_shape_str(v_pool)}")
+  if Dk != D:
+    raise ValueError(f"head_dim mismatch: q {_shape_str(q)}, k_pool {_shape_str(k_pool)}")
+  if Hq % Hkv:
+    raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv}): q {_shape_str(q)}, "
+                     f"k_pool {_shape_str(k_pool)}")
+  if not jnp.issubdtype(k_pool.dtype, jnp.floating):
+    raise ValueError(f"k_pool must be floating point, got k_pool {_shape_str(k_pool)}")
+  for name, x in (("q_lens", q_lens), ("kv_lens", kv_lens)):
+    if x.shape != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be int32 [B]=[{B}], got {name} {_shape_str(x)}")
+  if init_state is not None:
+    want = ((B, Hq, Tq), (B, Hq, Tq), (B, Tq, Hq, D))
+    got = tuple(tuple(x.shape) for x in init_state)
+    if got != want:
+      raise ValueError(f"init_state shapes must be m/l {want[0]}, o {want[2]}; got "
+                       f"m {got[0]}, l {got[1]}, o {got[2]}")
+  return B, Tq, Hq, D, Hkv, S
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas wrapper
+# --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret"))
+def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
+                           return_state, block_sizes, interpret):
+  B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+  contiguous = read_table is None
+  group = Hq // Hkv
+  group_pad = _next_pow2(group)
+  bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq,
+                                             kv_heads=Hkv, head_dim=D)
+  if bs.block_q * group_pad < 16:
+    raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got "
+                     f"{bs.block_q} * {group_pad}")
+  nq = pl.cdiv(Tq, bs.block_q)
+  splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
+  state_out = return_state or init_state is not None or splits > 1
+
+  q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
+  kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
+  lens = jnp.stack([q_lens, kv_lens], axis=1)  # [B, 2]
+  q2 = q.reshape(B, Tq * Hq, D)
+  P = k_pool.shape[0] * (S if contiguous else 1)
+  k2 = k_pool.reshape(P * Hkv, D)
+  v2 = v_pool.reshape(P * Hkv, D)
+
+  kernel = functools.partial(
+      _slot_attention_kernel, contiguous=contiguous, state_out=state_out, group=group,
+      group_pad=group_pad, block_q=bs.block_q, block_k=bs.block_k, tiles_per_split=tps,
+      q_len_max=Tq, kv_len_max=S, q_heads=Hq, kv_heads=Hkv,
+      qk_scale=float(scale) * _LOG2E)
+
+  grid = (nq, splits, Hkv, B)
+  in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
+  args = [lens]
+  if not contiguous:
+    in_specs.append(pl.BlockSpec((None, S), lambda i, s, h, b: (b, 0)))
+    args.append(read_table.astype(jnp.int32))
+  in_specs += [
+      pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0)),
+      pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
+      pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
+  ]
+  args += [q2, k2, v2]
+  if state_out:
+    out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, B, Hq * Tq), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, B, Hq * Tq), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
+                 pl.BlockSpec((None, None, Hq * Tq), lambda i, s, h, b: (s, b, 0)),
+                 pl.BlockSpec((None, None, Hq * Tq), lambda i, s, h, b: (s, b, 0))]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((B, Tq * Hq, D), q.dtype)]
+    out_specs = [pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0))]
+
+  outs = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+      interpret=interpret,
+      name="slot_attention",
+  )(*args)
+
+  if not state_out:
+    return outs[0].reshape(B, Tq, Hq, D)
+  o, m, l = outs
+  o = o.reshape(splits, B, Tq, Hq, D)
+  m = m.reshape(splits, B, Hq, Tq)
+  l = l.reshape(splits, B, Hq, Tq)
+  if splits == 1:
+    state = AttentionState(m[0], l[0], o[0])
+  else:
+    state = _merge_split_states(m, l, o)
+  if init_state is not None:
+    state = merge_states(AttentionState(*init_state), state)
+  if return_state:
+    return state
+  return finalize_state(state, q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (pure jnp)
+# --------------------------------------------------------------------------------------------
+def contiguous_read_table(batch: int, seq: int) -> jax.Array:
+  """read_table of a contiguous per-row cache [B, S] viewed as a pool of B*S slots."""
+  return (jnp.arange(batch, dtype=jnp.int32)[:, None] * seq
+          + jnp.arange(seq, dtype=jnp.int32)[None, :])
+
+
+def _gather_kv(k_pool, v_pool, read_table):
+  if read_table is None:  # contiguous [B, S, Hkv, D]
+    return k_pool, v_pool
+  return jnp.take(k_pool, read_table, axis=0), jnp.take(v_pool, read_table, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_state"))
+def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
+                    return_state):
+  B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+  G = Hq // Hkv
+  k, v = _gather_kv(k_pool, v_pool, read_table)        # [B, S, Hkv, D]
+  qg = q.reshape(B, Tq, Hkv, G, D)
+  s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32,
+                 precision=lax.Precision.HIGHEST) * scale
+  kmask = jnp.arange(S)[None, :] < kv_lens[:, None]   # [B, S]
+  qmask = jnp.arange(Tq)[None, :] < q_lens[:, None]   # [B, Tq]
+  s = jnp.where(kmask[:, None, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)                             # [B, Hkv, G, Tq]
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.where(kmask[:, None, None, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
+  l = jnp.sum(p, axis=-1)
+  o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST).reshape(B, Tq, Hq, D)
+  m = m.reshape(B, Hq, Tq)
+  l = l.reshape(B, Hq, Tq)
+  qm_h = qmask[:, None, :]                            # [B, 1, Tq]
+  state = AttentionState(jnp.where(qm_h, m, -jnp.inf), jnp.where(qm_h, l, 0.0),
+                         jnp.where(qmask[:, :, None, None], o, 0.0))
+  if init_state is not None:
+    state = merge_states(AttentionState(*init_state), state)
+  if return_state:
+    return state
+  return finalize_state(state, q.dtype)
+
+
+def slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None,
+                             init_state=None, return_state=False):
+  """Pure-jnp reference with the same semantics as :func:`slot_attention` (fp32 math)."""
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  if init_state is not None:
+    init_state = AttentionState(*init_state)
+  return _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
+                         scale=float(scale), return_state=bool(return_state))
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------
+def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None, init_state=None,
+                   return_state=False, block_sizes: BlockSizes | None = None, interpret=False,
+                   backend: str = "pallas"):
+  """Bidirectional attention of q over the K/V slots listed in read_table.
+
+  Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
+  return_state=True.  See the module docstring for the layout.
+  """
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  if backend == "xla":
+    return slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, scale=scale,
+                                    init_state=init_state, return_state=return_state)
+  if backend != "pallas":
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+  if init_state is not None:
+    init_state = AttentionState(*init_state)
+  return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
+                                scale=float(scale), return_state=bool(return_state),
+                                block_sizes=block_sizes, interpret=bool(interpret))
+
+
+def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",
+              interpret=False, **kw):
+  """Backend switch used by the model: 'xla' = pure-jnp reference (any device),
+  'pallas' = the Pallas kernel (GPU; interpret=True runs it on the CPU)."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "xla":
+    kw.pop("block_sizes", None)
+    return slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, **kw)
+  return slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, interpret=interpret,
+                        backend="pallas", **kw)
+
+
+@functools.partial(jax.jit, donate_argnums=())
+def write_kv(k_pool, v_pool, write_slots, k_new, v_new, write_mask=None):
+  """Scatters k_new/v_new [B, T, Hkv, D] into the pools [P, Hkv, D] at write_slots [B, T].
+
+  Masked-out entries (write_mask False) are dropped.  Duplicate slots within one call leave an
+  unspecified one of the written values.  Donate the pools at the caller's jit for in-place updates.
+  """
+  if k_pool.ndim != 3 or v_pool.shape != k_pool.shape:
+    raise ValueError(f"pools must be [P, Hkv, D] and equal: k_pool {_shape_str(k_pool)}, "
+                     f"v_pool {_shape_str(v_pool)}")
+  if write_slots.ndim != 2:
+    raise ValueError(f"write_slots must be [B, T], got write_slots {_shape_str(write_slots)}")
+  want = (*write_slots.shape, *k_pool.shape[1:])
+  if k_new.shape != want or v_new.shape != want:
+    raise ValueError(f"k_new/v_new must be {want}, got k_new {_shape_str(k_new)}, "
+                     f"v_new {_shape_str(v_new)}")
+  if write_mask is not None and write_mask.shape != write_slots.shape:
+    raise ValueError(f"write_mask must be {tuple(write_slots.shape)}, got "
+                     f"write_mask {_shape_str(write_mask)}")
+  P = k_pool.shape[0]
+  slots = write_slots.astype(jnp.int32)
+  if write_mask is not None:
+    slots = jnp.where(write_mask, slots, P)  # out of range -> dropped
+  slots = slots.reshape(-1)
+  k_pool = k_pool.at[slots].set(k_new.reshape(-1, *k_pool.shape[1:]).astype(k_pool.dtype),
+                                mode="drop")
+  v_pool = v_pool.at[slots].set(v_new.reshape(-1, *v_pool.shape[1:]).astype(v_pool.dtype),
+                                mode="drop")
+  return k_pool, v_pool

@@ -1,0 +1,153 @@
+"""Tiny checkpoints in the exact HF release layouts of LLaDA and Dream, built deterministically from a seed.
+
+Only numpy, ml_dtypes and safetensors are used here (no jax, no torch), so that the golden-output script
+(`tests/oracle/make_goldens.py`, run in an environment with torch) and the test suite build bit-identical
+checkpoints. Sizes are deliberately odd (not powers of two) and cover GQA, Dream's q/k/v biases, and tied and
+untied heads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+# name -> family, sizes. head_dim = hidden / heads.
+SPECS: dict[str, dict] = {
+    "llada": dict(family="llada", vocab=101, d=60, heads=5, kv=5, layers=3, mlp=84, tied=False, theta=500000.0,
+                  eps=1e-5),
+    "llada_gqa_tied": dict(family="llada", vocab=97, d=48, heads=6, kv=2, layers=2, mlp=72, tied=True,
+                           theta=10000.0, eps=1e-5),
+    "dream": dict(family="dream", vocab=103, d=56, heads=7, kv=1, layers=3, mlp=90, tied=False, theta=1e6,
+                  eps=1e-6),
+    "dream_tied": dict(family="dream", vocab=89, d=48, heads=4, kv=2, layers=2, mlp=66, tied=True, theta=1e6,
+                       eps=1e-6),
+}
+MASK_OFFSET = 1  # mask id = vocab - 1, eos = vocab - 2, bos = vocab - 3
+
+
+def special_ids(spec: dict) -> dict[str, int]:
+    v = spec["vocab"]
+    return {"mask": v - 1, "eos": v - 2, "bos": v - 3}
+
+
+def hf_config(spec: dict) -> dict:
+    s, ids = spec, special_ids(spec)
+    if s["family"] == "llada":
+        return {
+            "model_type": "llada", "architectures": ["LLaDAModelLM"], "block_type": "llama",
+            "activation_type": "silu", "layer_norm_type": "rms", "rms_norm_eps": s["eps"], "rope": True,
+            "rope_full_precision": True, "rope_theta": s["theta"], "alibi": False, "attention_layer_norm": False,
+            "input_emb_norm": False, "scale_logits": False, "d_model": s["d"], "n_heads": s["heads"],
+            "n_kv_heads": s["kv"], "n_layers": s["layers"], "mlp_hidden_size": s["mlp"], "mlp_ratio": 4,
+            "vocab_size": s["vocab"], "embedding_size": s["vocab"], "max_sequence_length": 256,
+            "weight_tying": s["tied"], "include_bias": False, "include_qkv_bias": False,
+            "bias_for_layer_norm": False, "mask_token_id": ids["mask"], "eos_token_id": ids["eos"],
+            "pad_token_id": ids["eos"], "bos_token_id": ids["bos"], "precision": "amp_bf16",
+        }
+    return {
+        "model_type": "Dream", "architectures": ["DreamModel"], "hidden_act": "silu", "hidden_size": s["d"],
+        "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv"],
+        "intermediate_size": s["mlp"], "vocab_size": s["vocab"], "rms_norm_eps": s["eps"], "rope_theta": s["theta"],
+        "tie_word_embeddings": s["tied"], "max_position_embeddings": 256, "mask_token_id": ids["mask"],
+        "pad_token_id": ids["eos"], "eos_token_id": ids["eos"], "bos_token_id": ids["bos"], "rope_scaling": None,
+        "use_sliding_window": False, "torch_dtype": "bfloat16",
+    }
+
+
+def hf_tensors(spec: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, PyTorch layout [out, in], bf16, in the family's exact key names."""
+    s = spec
+    rng = np.random.default_rng(seed)
+    d, hd = s["d"], s["d"] // s["heads"]
+    kvd = s["kv"] * hd
+
+    def w(*shape, std=0.15):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm():
+        return (1.0 + 0.2 * rng.standard_normal(d)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {}
+    if s["family"] == "llada":
+        p = "model.transformer."
+        t[p + "wte.weight"] = w(s["vocab"], d, std=1.0)
+        for i in range(s["layers"]):
+            b = f"{p}blocks.{i}."
+            t[b + "attn_norm.weight"] = norm()
+            t[b + "q_proj.weight"] = w(d, d)
+            t[b + "k_proj.weight"] = w(kvd, d)
+            t[b + "v_proj.weight"] = w(kvd, d)
+            t[b + "attn_out.weight"] = w(d, d)
+            t[b + "ff_norm.weight"] = norm()
+            t[b + "ff_proj.weight"] = w(s["mlp"], d)
+            t[b + "up_proj.weight"] = w(s["mlp"], d)
+            t[b + "ff_out.weight"] = w(d, s["mlp"])
+        t[p + "ln_f.weight"] = norm()
+        if not s["tied"]:
+            t[p + "ff_out.weight"] = w(s["vocab"], d)
+    else:
+        t["model.embed_tokens.weight"] = w(s["vocab"], d, std=1.0)
+        for i in range(s["layers"]):
+            b = f"model.layers.{i}."
+            t[b + "input_layernorm.weight"] = norm()
+            t[b + "self_attn.q_proj.weight"] = w(d, d)
+            t[b + "self_attn.q_proj.bias"] = w(d, std=0.3)
+            t[b + "self_attn.k_proj.weight"] = w(kvd, d)
+            t[b + "self_attn.k_proj.bias"] = w(kvd, std=0.3)
+            t[b + "self_attn.v_proj.weight"] = w(kvd, d)
+            t[b + "self_attn.v_proj.bias"] = w(kvd, std=0.3)
+            t[b + "self_attn.o_proj.weight"] = w(d, d)
+            t[b + "post_attention_layernorm.weight"] = norm()
+            t[b + "mlp.gate_proj.weight"] = w(s["mlp"], d)
+            t[b + "mlp.up_proj.weight"] = w(s["mlp"], d)
+            t[b + "mlp.down_proj.weight"] = w(d, s["mlp"])
+        t["model.norm.weight"] = norm()
+        if not s["tied"]:
+            t["lm_head.weight"] = w(s["vocab"], d)
+    return {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}
+
+
+def oracle_inputs(spec: dict, seed: int = 1, batch: int = 2, length: int = 13) -> np.ndarray:
+    """Token ids the golden logits were computed on (no mask/eos tokens, to keep them ordinary)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, spec["vocab"] - 3, size=(batch, length)).astype(np.int64)
+
+
+def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(tensors[k]).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def write_checkpoint(name: str, out_dir: str | Path, shard_bytes: int | None = None, seed: int = 0) -> Path:
+    """Write fixture `name` as an HF release directory (config.json + safetensors, sharded if asked)."""
+    spec = SPECS[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensors(spec, seed)
+    if shard_bytes is None:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards: list[dict] = [{}]
+        size = 0
+        for k, v in tensors.items():
+            if size + v.nbytes > shard_bytes and shards[-1]:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += v.nbytes
+        weight_map = {}
+        for i, sh in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(sh, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in sh})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(hf_config(spec), indent=2))
+    return out
