@@ -151,3 +151,10 @@ def write_checkpoint(name: str, out_dir: str | Path, shard_bytes: int | None = N
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(hf_config(spec), indent=2))
     return out
+
+
+def write_tokenizer(family: str, out_dir: str | Path) -> None:
+    """Byte-level tokenizer files in the family's release layout (its own ids: bytes 0..255, specials 256..)."""
+    from dllm_jax import byte_tokenizer
+
+    byte_tokenizer.write(out_dir, family)

@@ -1,0 +1,58 @@
+"""The interface every cache technique implements, and the per-request inputs they share.
+
+The denoising loop (dllm_jax/decode_loop.py) knows nothing about caching: at the first step of a block it calls
+`strategy.block_start`, at every other step `strategy.step`; both return the logits of the current block and the
+new cache state (an immutable pytree the loop carries). A technique is one module with one frozen (static,
+hashable) strategy dataclass; its state is whatever pytree it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.attention import Backend
+from dllm_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """Device inputs fixed for a whole generate call. Buffer layout per row: [left pad][prompt][generation]."""
+
+    positions: Array  # [B, T] int32 RoPE positions (0 at each row's first real token)
+    key_mask: Array  # [B, T] bool, False on left padding
+    frozen: Array  # [B, T] bool, True where K/V are never rewritten (naive shared-affix reuse)
+    prompt_len: int = dataclasses.field(metadata=dict(static=True))  # P: the generation region starts here
+    block_length: int = dataclasses.field(metadata=dict(static=True))
+    shift: int = dataclasses.field(metadata=dict(static=True))  # 1 for Dream (position i is predicted at i-1)
+    backend: str = dataclasses.field(metadata=dict(static=True))
+
+
+def block_logit_index(inp: DecodeInputs, block_start: Array, window_start: Array | int, batch: int) -> Array:
+    """Indices into a forward window of the outputs that predict the current block's tokens, [B, block_length].
+
+    With Dream's shift, block position j is predicted by the output at j - 1; where that lies before the window
+    (a dual-cache step's first position) the window's first output is used, as Fast-dLLM does (that position is
+    committed at the block start, so it is never sampled from there).
+    """
+    idx = block_start + jnp.arange(inp.block_length, dtype=jnp.int32) - inp.shift - window_start
+    idx = jnp.maximum(idx, 0)
+    return jnp.broadcast_to(idx, (batch, inp.block_length))
+
+
+class CacheStrategy(Protocol):
+    name: str
+
+    def init(self, params: dict, config: ModelConfig, inp: DecodeInputs, x: Array) -> Any: ...
+
+    def block_start(self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array,
+                    block_start: Array) -> tuple[Array, Any]: ...
+
+    def step(self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array,
+             block_start: Array) -> tuple[Array, Any]: ...

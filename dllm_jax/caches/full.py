@@ -1,0 +1,26 @@
+"""No cache: every step is a full forward over the whole buffer (the reference behaviour)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dllm_jax.caches.base import DecodeInputs, block_logit_index
+from dllm_jax.modeling import forward
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCache:
+    name: str = "none"
+
+    def init(self, params, config, inp: DecodeInputs, x):
+        return ()
+
+    def step(self, params, config, inp: DecodeInputs, state, x, block_start):
+        at = block_logit_index(inp, block_start, 0, x.shape[0])
+        out = forward(params, config, x, inp.positions, key_mask=inp.key_mask, logits_at=at,
+                      attention_backend=inp.backend)
+        return out.logits, state
+
+    block_start = step

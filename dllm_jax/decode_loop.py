@@ -1,0 +1,170 @@
+"""The semi-autoregressive denoising loop, entirely on the device (nested `lax.while_loop`s under one jit).
+
+Blocks of the generation region are finished left to right; inside a block each step runs one forward (through
+the cache strategy), proposes tokens for the block's masked positions and commits some of them (the commit rule
+of the chosen sampler). All loop state is one registered dataclass; no host round-trip happens per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax import sampling
+from dllm_jax.caches import STRATEGIES
+from dllm_jax.caches.base import DecodeInputs
+from dllm_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    x: Array  # [B, T] int32 token buffer
+    cache: Any  # the cache strategy's state pytree
+    key: Array  # PRNG key
+    nfe: Array  # int32: forward passes so far
+    block: Array  # int32: index of the current block
+    step: Array  # int32: step inside the current block
+    total_steps: Array  # int32
+    schedule: Array  # [B, steps_per_block] int32: LLaDA's tokens-per-step for the current block
+    steps_per_block: Array  # [n_blocks] int32
+    committed_per_step: Array  # [max_total_steps] int32: tokens committed (whole batch) at each step
+    done: Array  # [B] bool: the row's answer has ended (EOS committed and the rest filled with EOS)
+
+
+def max_steps_per_block(gc) -> int:
+    n_blocks = gc.gen_length // gc.block_length
+    if gc.threshold is not None or gc.factor is not None:
+        return gc.block_length  # each step commits >= 1 token
+    return gc.steps // n_blocks
+
+
+def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key: Array,
+        init_cache: Any = None) -> LoopState:
+    """gc: a GenerationConfig (static). x: [B, T] with [MASK] in the generation region.
+    init_cache: a pre-filled cache state (e.g. shared-affix K/V) instead of the strategy's empty one."""
+    strategy = STRATEGIES[gc.cache]
+    b, t = x.shape
+    p, bl = inp.prompt_len, inp.block_length
+    n_blocks = gc.gen_length // bl
+    spb = max_steps_per_block(gc)
+    fixed_spb = gc.steps // n_blocks
+    mask_id = config.mask_token_id
+    sampler = gc.resolved_sampler(config)
+    use_cfg = gc.cfg_scale > 0
+
+    if use_cfg:  # unconditional rows: every prompt token masked (LLaDA's classifier-free guidance)
+        prompt_region = (jnp.arange(t) < p)[None, :] & inp.key_mask
+        inp_run = dataclasses.replace(inp, positions=jnp.concatenate([inp.positions] * 2),
+                                      key_mask=jnp.concatenate([inp.key_mask] * 2),
+                                      frozen=jnp.concatenate([inp.frozen] * 2))
+    else:
+        inp_run = inp
+
+    def model_logits(state: LoopState, block_start: Array, refresh: Array):
+        xs = state.x
+        if use_cfg:
+            xs = jnp.concatenate([xs, jnp.where(prompt_region, mask_id, xs)])
+        logits, cache = jax.lax.cond(
+            refresh,
+            lambda c: strategy.block_start(params, config, inp_run, c, xs, block_start),
+            lambda c: strategy.step(params, config, inp_run, c, xs, block_start),
+            state.cache,
+        )
+        logits = logits.astype(jnp.float32)
+        if use_cfg:
+            cond, uncond = jnp.split(logits, 2)
+            logits = uncond + (gc.cfg_scale + 1.0) * (cond - uncond)
+        return logits, cache
+
+    def commit_rule(logits, masked, key, step, refresh, schedule):
+        k_cand, k_commit = jax.random.split(key)
+        if sampler == "llada":
+            x0, conf = sampling.llada_candidates(logits, masked, k_cand, gc.temperature, gc.remasking)
+        else:
+            x0, conf = sampling.dream_candidates(logits, masked, k_cand, gc.temperature, gc.top_p, gc.top_k, gc.alg)
+        n_masked = masked.sum(axis=-1).astype(jnp.int32)
+        if gc.threshold is not None:
+            commit = sampling.commit_threshold(conf, masked, gc.threshold)
+        elif gc.factor is not None:
+            commit = sampling.commit_factor(conf, masked, gc.factor)
+        elif sampler == "llada":
+            k = jax.lax.dynamic_index_in_dim(schedule, step, axis=1, keepdims=False)
+            commit = sampling.commit_top_k(conf, masked, k)
+        else:
+            count, prob = sampling.dream_transfer_count(n_masked, step, fixed_spb, gc.eps)
+            if gc.alg == "origin":
+                commit = sampling.commit_random(masked, k_commit, prob)
+            elif gc.alg_temp and gc.alg_temp > 0:
+                # sample `count` positions without replacement from softmax(conf / alg_temp) (Gumbel top-k)
+                g = jax.random.gumbel(k_commit, conf.shape)
+                noisy = jnp.where(masked, conf / gc.alg_temp + g, -jnp.inf)
+                commit = sampling.commit_top_k(noisy, masked, count)
+            else:
+                commit = sampling.commit_top_k(conf, masked, count)
+        if sampler == "dream" and gc.cache != "none":
+            # Fast-dLLM Dream: the block-start forward commits the block's first token unconditionally
+            commit = jnp.where(refresh & (step == 0), sampling.commit_first_masked(masked), commit)
+        return x0, commit
+
+    def block_cond(s: LoopState):
+        return (s.block < n_blocks) & ~jnp.all(s.done)
+
+    def block_body(s: LoopState) -> LoopState:
+        block_start = p + s.block * bl
+        blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
+        n_masked0 = (blk == mask_id).sum(axis=-1).astype(jnp.int32)
+        s = dataclasses.replace(s, step=jnp.int32(0), schedule=sampling.llada_schedule(n_masked0, fixed_spb))
+
+        def step_cond(s: LoopState):
+            blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
+            return jnp.any(blk == mask_id) & (s.step < spb)
+
+        def step_body(s: LoopState) -> LoopState:
+            refresh = (s.step == 0) | jnp.bool_(gc.refresh == "step")
+            logits, cache = model_logits(s, block_start, refresh)
+            blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
+            masked = blk == mask_id
+            key, sub = jax.random.split(s.key)
+            x0, commit = commit_rule(logits, masked, sub, s.step, refresh, s.schedule)
+            new_blk = jnp.where(commit, x0, blk)
+            x = jax.lax.dynamic_update_slice_in_dim(s.x, new_blk, block_start, axis=1)
+            per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
+            return dataclasses.replace(s, x=x, cache=cache, key=key, nfe=s.nfe + 1, step=s.step + 1,
+                                       total_steps=s.total_steps + 1, committed_per_step=per_step)
+
+        s = jax.lax.while_loop(step_cond, step_body, s)
+        s = dataclasses.replace(s, steps_per_block=s.steps_per_block.at[s.block].set(s.step))
+        if gc.stop_at_eos:
+            s = _fill_after_eos(s, config, p, block_start + bl, gc)
+        return dataclasses.replace(s, block=s.block + 1)
+
+    max_total = max(gc.gen_length, n_blocks * spb)
+    init = LoopState(
+        x=x, key=key,
+        cache=init_cache if init_cache is not None else strategy.init(
+            params, config, inp_run, jnp.concatenate([x] * 2) if use_cfg else x),
+        nfe=jnp.int32(0), block=jnp.int32(0), step=jnp.int32(0), total_steps=jnp.int32(0),
+        schedule=jnp.zeros((b, fixed_spb), jnp.int32), steps_per_block=jnp.zeros((n_blocks,), jnp.int32),
+        committed_per_step=jnp.zeros((max_total,), jnp.int32), done=jnp.zeros((b,), bool),
+    )
+    return jax.lax.while_loop(block_cond, block_body, init)
+
+
+def _fill_after_eos(s: LoopState, config: ModelConfig, p: int, block_end: Array, gc) -> LoopState:
+    """A row whose generated text so far contains a stop token is finished: everything after it becomes EOS."""
+    t = s.x.shape[1]
+    idx = jnp.arange(t)[None, :]
+    in_gen = (idx >= p) & (idx < block_end)
+    stop_ids = jnp.asarray(gc.stop_token_ids(config), jnp.int32)
+    is_stop = in_gen & jnp.isin(s.x, stop_ids)
+    has_stop = jnp.any(is_stop, axis=-1)
+    first = jnp.argmax(is_stop, axis=-1)
+    fill = has_stop[:, None] & (idx > first[:, None]) & (idx >= p)
+    x = jnp.where(fill, config.eos_token_id, s.x)
+    return dataclasses.replace(s, x=x, done=s.done | has_stop)

@@ -1,0 +1,225 @@
+"""`generate(model, prompts, config)`: batched diffusion decoding with the whole loop under one jit.
+
+Host side (this file): validate settings and prompts, lay the batch out in a fixed-size buffer
+([left pad][prompt][generation]; the prompt region is rounded up to a bucket so that requests of similar length
+share one compiled program), call the jitted loop, and unpack tokens and statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax import decode_loop
+from dllm_jax.caches import STRATEGIES
+from dllm_jax.caches.base import DecodeInputs
+from dllm_jax.config import ModelConfig
+
+CacheMode = Literal["none", "prefix", "dual"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings (static: a new value compiles a new program; the same value never recompiles).
+
+    steps: total denoising steps over the generation region (fixed schedule; each block gets steps / n_blocks).
+    threshold / factor: Fast-dLLM parallel decoding (then steps only bounds nothing: a block takes as many
+    steps as it needs, at most block_length).
+    """
+
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int = 128
+    temperature: float = 0.0
+    sampler: Literal["llada", "dream"] | None = None  # None: the model family's own
+    remasking: Literal["low_confidence", "random"] = "low_confidence"  # LLaDA
+    threshold: float | None = None
+    factor: float | None = None
+    cfg_scale: float = 0.0  # LLaDA classifier-free guidance (cache "none" only)
+    alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = "maskgit_plus"  # Dream
+    alg_temp: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    eps: float = 1e-3
+    cache: CacheMode = "none"
+    refresh: Literal["block", "step"] = "block"  # "step": refresh the cache at every step (exact; for testing)
+    affix: Literal["none", "naive"] = "none"  # "naive": shared-affix K/V computed alone once, never refreshed
+    stop_at_eos: bool = True
+    extra_stop_ids: tuple[int, ...] = ()
+    prompt_bucket: int = 32
+    attention_backend: Literal["xla", "cudnn", "pallas"] = "xla"
+
+    def resolved_sampler(self, config: ModelConfig) -> str:
+        return self.sampler or config.family
+
+    def stop_token_ids(self, config: ModelConfig) -> tuple[int, ...]:
+        return (config.eos_token_id,) + tuple(self.extra_stop_ids)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    def validate(self, config: ModelConfig | None = None) -> None:
+        def bad(msg):
+            raise ValueError(f"GenerationConfig: {msg}")
+
+        if self.gen_length <= 0 or self.block_length <= 0:
+            bad(f"gen_length={self.gen_length} and block_length={self.block_length} must be positive")
+        if self.gen_length % self.block_length:
+            bad(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
+        parallel = self.threshold is not None or self.factor is not None
+        if not parallel:
+            if self.steps <= 0 or self.steps % self.n_blocks:
+                bad(f"steps={self.steps} must be a positive multiple of the number of blocks "
+                    f"({self.gen_length} / {self.block_length} = {self.n_blocks})")
+            if self.steps > self.gen_length:
+                bad(f"steps={self.steps} exceeds gen_length={self.gen_length} (at most one step per token)")
+        if self.threshold is not None and not (0.0 < self.threshold <= 1.0):
+            bad(f"threshold={self.threshold} must be in (0, 1]")
+        if self.factor is not None and self.factor <= 0:
+            bad(f"factor={self.factor} must be positive")
+        if self.threshold is not None and self.factor is not None:
+            bad("set threshold or factor, not both")
+        if self.temperature < 0:
+            bad(f"temperature={self.temperature} must be >= 0")
+        if self.cache not in STRATEGIES:
+            bad(f"cache={self.cache!r}; expected one of {sorted(STRATEGIES)}")
+        if self.cfg_scale > 0 and self.cache != "none":
+            bad(f"cfg_scale={self.cfg_scale} needs cache='none' (guidance reruns the prompt unconditionally)")
+        if self.affix == "naive" and self.cache == "none":
+            bad("affix='naive' reuses cached K/V: it needs cache='prefix' or 'dual'")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            bad(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k is not None and self.top_k <= 0:
+            bad(f"top_k={self.top_k} must be positive")
+        if self.prompt_bucket <= 0:
+            bad(f"prompt_bucket={self.prompt_bucket} must be positive")
+        if config is not None and self.sampler not in (None, "llada", "dream"):
+            bad(f"sampler={self.sampler!r}")
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    tokens: np.ndarray  # [B, gen_length] int32
+    nfe: int  # forward passes (each on the whole batch)
+    steps_per_block: np.ndarray  # [n_blocks]
+    committed_per_step: np.ndarray  # [nfe] tokens committed (whole batch) at each step
+    seconds: float  # wall time of the device loop (excluding compilation when already compiled)
+    prompt_len: int  # bucketed prompt region length P
+
+    @property
+    def stats(self) -> dict:
+        return {"nfe": self.nfe, "steps_per_block": self.steps_per_block.tolist(),
+                "committed_per_step": self.committed_per_step.tolist(), "seconds": self.seconds}
+
+
+def _validate_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: GenerationConfig) -> None:
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        arr = np.asarray(p)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be token ids (integers), got dtype {arr.dtype}")
+        if arr.min() < 0 or arr.max() >= config.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size}): "
+                             f"min {arr.min()}, max {arr.max()}")
+        if len(p) + gc.gen_length > config.max_seq_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + gen_length {gc.gen_length} = {len(p) + gc.gen_length} "
+                             f"exceeds the model's maximum sequence length {config.max_seq_len}")
+
+
+def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: GenerationConfig,
+           affix_spans: Sequence[tuple[int, int] | None] | None = None):
+    """Host-side batch layout: tokens [B, T], positions, key mask, frozen mask and P (numpy)."""
+    b = len(prompts)
+    longest = max(len(p) for p in prompts)
+    P = math.ceil(longest / gc.prompt_bucket) * gc.prompt_bucket
+    P = min(P, config.max_seq_len - gc.gen_length) if longest <= config.max_seq_len - gc.gen_length else P
+    T = P + gc.gen_length
+    x = np.full((b, T), config.mask_token_id, np.int32)
+    pad = np.zeros(b, np.int32)
+    frozen = np.zeros((b, T), bool)
+    for i, p in enumerate(prompts):
+        pad[i] = P - len(p)
+        x[i, : pad[i]] = config.pad_token_id
+        x[i, pad[i]:P] = np.asarray(p, np.int32)
+        if affix_spans is not None and affix_spans[i] is not None:
+            s, e = affix_spans[i]
+            if not (0 <= s <= e <= len(p)):
+                raise ValueError(f"affix span {affix_spans[i]} of prompt {i} is outside its {len(p)} tokens")
+            frozen[i, pad[i] + s: pad[i] + e] = True
+    idx = np.arange(T)[None, :]
+    key_mask = idx >= pad[:, None]
+    positions = np.maximum(idx - pad[:, None], 0).astype(np.int32)
+    return x, positions, key_mask, frozen, P
+
+
+@functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len"))
+def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len):
+    shift = 1 if gc.resolved_sampler(config) == "dream" else 0
+    inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
+                       block_length=gc.block_length, shift=shift, backend=gc.attention_backend)
+    if gc.affix == "naive":
+        x_cache = _naive_affix_cache(params, config, inp, x, gc)
+    else:
+        x_cache = None
+    s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache)
+    return s.x[:, prompt_len:], s.nfe, s.steps_per_block, s.committed_per_step
+
+
+def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
+    """K/V of the shared affix computed from the affix ALONE (keys restricted to it), at its absolute positions.
+
+    Queries everywhere attend only affix keys, so the K/V written at affix positions are exactly those of a
+    forward over the affix by itself; the loop never rewrites them (inp.frozen)."""
+    from dllm_jax.modeling import KVCache, forward
+
+    cache = KVCache.zeros(config, x.shape[0], x.shape[1])
+    out = forward(params, config, x, inp.positions, key_mask=inp.frozen, cache=cache, cache_offset=0,
+                  write_mask=inp.frozen, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
+                  attention_backend=inp.backend)
+    return out.cache
+
+
+def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, seed: int = 0,
+             affix_spans: Sequence[tuple[int, int] | None] | None = None) -> GenerationOutput:
+    """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics."""
+    gc = config or GenerationConfig()
+    mc: ModelConfig = model.config
+    gc.validate(mc)
+    _validate_prompts(prompts, mc, gc)
+    if gc.affix == "naive" and affix_spans is None:
+        raise ValueError("affix='naive' needs affix_spans (one (start, end) per prompt)")
+    x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans)
+    t0 = time.perf_counter()
+    toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),
+                                        jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
+                                        config=mc, gc=gc, prompt_len=P)
+    toks = np.asarray(jax.block_until_ready(toks))
+    seconds = time.perf_counter() - t0
+    nfe = int(nfe)
+    return GenerationOutput(tokens=toks, nfe=nfe, steps_per_block=np.asarray(spb),
+                            committed_per_step=np.asarray(cps)[:nfe], seconds=seconds, prompt_len=P)
+
+
+def answer_tokens(tokens: np.ndarray, config: ModelConfig, gc: GenerationConfig | None = None) -> list[list[int]]:
+    """Each row's generated ids up to (excluding) the first stop token."""
+    stops = set((gc or GenerationConfig()).stop_token_ids(config))
+    out = []
+    for row in np.asarray(tokens):
+        ids = []
+        for t in row.tolist():
+            if t in stops:
+                break
+            ids.append(t)
+        out.append(ids)
+    return out

@@ -1,0 +1,49 @@
+"""The word-level tokenizer of the synthetic tasks, written in the LLaDA release layout.
+
+tokenizer.json: a `tokenizers` WordLevel model over LLADA_SPECIALS + an unknown token + `generators.all_words()`,
+with a whitespace-split pre-tokenizer (one space-separated word = one token) and a decoder that joins words with
+single spaces. tokenizer_config.json names BOS/EOS/pad/mask like LLaDA's (pad = EOS). The engine's loader
+(`dllm_jax.tokenizer.load_tokenizer`) reads it through transformers.PreTrainedTokenizerFast and applies LLaDA's
+chat template, which this vocabulary covers ("user", "assistant" and the header tokens are in it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from dllm_jax.byte_tokenizer import LLADA_SPECIALS
+from dllm_jax.tasks.generators import all_words
+
+UNK = "<|unk|>"
+BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
+
+
+def vocab() -> dict[str, int]:
+    """Specials first (ids 0..5 in LLADA_SPECIALS order, then UNK at 6), then the task words."""
+    words = list(LLADA_SPECIALS) + [UNK] + all_words()
+    return {w: i for i, w in enumerate(words)}
+
+
+def padded_vocab_size(multiple: int = 64) -> int:
+    n = len(vocab())
+    return (n + multiple - 1) // multiple * multiple
+
+
+def build() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
+    tok.add_special_tokens(list(LLADA_SPECIALS) + [UNK])
+    return tok
+
+
+def write(out_dir: str | Path) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build().save(str(out / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+           "unk_token": UNK, "mask_token": MASK}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
