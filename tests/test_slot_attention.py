@@ -159,9 +159,7 @@ def test_contiguous_cache_and_dispatch():
   ref = sa.attention(q, kp, vp, tbl, ql, kl, backend="xla")
   ref2 = sa.slot_attention_reference(q, kc, vc, None, ql, kl)
   np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(ref2, np.float32))
-  bs = sa.BlockSizes(block_q=32, block_k=64, kv_splits=1)
-  out = sa.attention(q, kc, vc, None, ql, kl, backend="pallas", interpret=INTERPRET,
-                     block_sizes=bs)
+  out = sa.attention(q, kc, vc, None, ql, kl, backend="pallas", interpret=INTERPRET)  # defaults
   _check_out(out, ref, q_lens, kv_lens)
   with pytest.raises(ValueError, match="backend"):
     sa.attention(q, kp, vp, tbl, ql, kl, backend="cuda")

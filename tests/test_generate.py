@@ -1,0 +1,282 @@
+"""The jitted denoising loop against straightforward step-by-step reference loops written from the papers."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fixtures
+from dllm_jax.caches import STRATEGIES
+from dllm_jax.caches.base import DecodeInputs
+from dllm_jax.generate import GenerationConfig, generate, layout
+from dllm_jax.modeling import forward
+
+PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8, 2, 61], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+_jit_forward = jax.jit(forward, static_argnames=("config",))
+
+
+def full_logits(model, x):
+    """Logits of one row; [MASK] excluded from predictions (the engine never commits it, see decode_loop)."""
+    x = jnp.asarray(x, jnp.int32)[None]
+    pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+    logits = np.asarray(_jit_forward(model.params, config=model.config, tokens=x, positions=pos).logits[0],
+                        np.float64)
+    logits[:, model.config.mask_token_id] = -np.inf
+    return logits
+
+
+def softmax(l):
+    e = np.exp(l - l.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def llada_reference(model, prompt, gen_length, block_length, steps, threshold=None):
+    """LLaDA `generate` (temperature 0, low_confidence remasking), and Fast-dLLM's threshold rule, one row."""
+    mask = model.config.mask_token_id
+    x = np.array(list(prompt) + [mask] * gen_length)
+    p = len(prompt)
+    n_blocks = gen_length // block_length
+    spb = steps // n_blocks
+    nfe = 0
+    for b in range(n_blocks):
+        s, e = p + b * block_length, p + (b + 1) * block_length
+        n = int((x[s:e] == mask).sum())
+        schedule = [n // spb + (1 if i < n % spb else 0) for i in range(spb)]
+        i = 0
+        while (x[s:e] == mask).any():
+            logits = full_logits(model, x)
+            nfe += 1
+            x0 = logits.argmax(-1)
+            conf = np.take_along_axis(softmax(logits), x0[:, None], 1)[:, 0]
+            masked = x == mask
+            conf = np.where(masked, conf, -np.inf)
+            conf[e:] = -np.inf
+            if threshold is None:
+                k = schedule[i]
+                chosen = np.argsort(-conf, kind="stable")[:k]
+            else:
+                chosen = [j for j in range(len(x)) if conf[j] >= threshold] or [int(np.argmax(conf))]
+                chosen = set(chosen) | {int(np.argmax(conf))}
+            for j in chosen:
+                x[j] = x0[j]
+            i += 1
+    return x[p:], nfe
+
+
+def dream_reference(model, prompt, gen_length, steps, eps=1e-3):
+    """Dream `diffusion_generate` (alg maskgit_plus, temperature 0, logits shifted right by one), one row."""
+    mask = model.config.mask_token_id
+    x = np.array(list(prompt) + [mask] * gen_length)
+    timesteps = np.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        logits = full_logits(model, x)
+        logits = np.concatenate([logits[:1], logits[:-1]], 0)
+        masked = x == mask
+        probs = softmax(logits)
+        conf, x0 = probs.max(-1), probs.argmax(-1)
+        t, s = timesteps[i], timesteps[i + 1]
+        n = int(masked.sum())
+        k = int(n * (1 - s / t)) if i < steps - 1 else n
+        full_conf = np.where(masked, conf, -np.inf)
+        for j in np.argsort(-full_conf, kind="stable")[:k]:
+            x[j] = x0[j]
+    return x[len(prompt):]
+
+
+@pytest.mark.parametrize("name", ["llada", "llada_gqa_tied"])
+@pytest.mark.parametrize("blocks", [(12, 12, 6), (12, 4, 6)])
+def test_llada_matches_reference_loop(name, blocks, models_fp32):
+    m = models_fp32[name]
+    gen, bl, steps = blocks
+    gc = GenerationConfig(gen_length=gen, block_length=bl, steps=steps, stop_at_eos=False)
+    out = generate(m, PROMPTS, gc)
+    for row, prompt in zip(out.tokens, PROMPTS):
+        ref, nfe = llada_reference(m, prompt, gen, bl, steps)
+        np.testing.assert_array_equal(row, ref)
+    assert out.nfe == steps and list(out.steps_per_block) == [steps // (gen // bl)] * (gen // bl)
+    assert out.committed_per_step.sum() == gen * len(PROMPTS)
+
+
+def test_llada_threshold_matches_reference(models_fp32):
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=12, block_length=4, threshold=0.3, stop_at_eos=False)
+    for prompt in PROMPTS[:2]:
+        out = generate(m, [prompt], gc)
+        ref, nfe = llada_reference(m, prompt, 12, 4, 12, threshold=0.3)
+        np.testing.assert_array_equal(out.tokens[0], ref)
+        assert out.nfe == nfe
+
+
+@pytest.mark.parametrize("name", ["dream", "dream_tied"])
+def test_dream_matches_reference_loop(name, models_fp32):
+    m = models_fp32[name]
+    gc = GenerationConfig(gen_length=10, block_length=10, steps=5, stop_at_eos=False)
+    out = generate(m, PROMPTS, gc)
+    for row, prompt in zip(out.tokens, PROMPTS):
+        np.testing.assert_array_equal(row, dream_reference(m, prompt, 10, 5))
+    assert out.nfe == 5
+
+
+@pytest.mark.parametrize("name", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_cache_refreshed_every_step_is_exact(name, cache, models_fp32):
+    m = models_fp32[name]
+    base = GenerationConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, sampler="llada")
+    ref = generate(m, PROMPTS, base)
+    out = generate(m, PROMPTS, dataclasses.replace(base, cache=cache, refresh="step"))
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert out.nfe == ref.nfe == 12
+
+
+def _strategy_logits(model, name, x, block_start, edit):
+    """Run block_start at x, then one step at x edited by `edit`; returns the step's block logits."""
+    gc = GenerationConfig(gen_length=12, block_length=4, steps=12, cache=name)
+    xs, pos, km, frozen, P = layout([x], model.config, gc)
+    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), P, 4, 0, "xla")
+    s = STRATEGIES[name]
+    xs = jnp.asarray(xs)
+    state = s.init(model.params, model.config, inp, xs)
+    _, state = s.block_start(model.params, model.config, inp, state, xs, jnp.int32(block_start))
+    logits, _ = s.step(model.params, model.config, inp, state, jnp.asarray(edit(np.asarray(xs).copy(), P)),
+                       jnp.int32(block_start))
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_which_positions_a_step_recomputes(cache, models_fp32):
+    """prefix: positions before the block come from the cache, the block AND the suffix are recomputed;
+    dual: only the block is recomputed, prompt and suffix come from the cache."""
+    m = models_fp32["llada"]
+    prompt = PROMPTS[0]
+    bs_rel = 4  # second block of 4
+    same = lambda x, P: x  # noqa: E731
+
+    def edit_prompt(x, P):
+        x[0, P - 2] = (x[0, P - 2] + 1) % 50
+        return x
+
+    def edit_suffix(x, P):  # a still-masked position after the current block [P+4, P+8)
+        x[0, P + 10] = 3
+        return x
+
+    def edit_block(x, P):
+        x[0, P + bs_rel + 1] = 3
+        return x
+
+    P = layout([prompt], m.config, GenerationConfig(gen_length=12, block_length=4, steps=12))[4]
+    bs = P + bs_rel
+    base = _strategy_logits(m, cache, prompt, bs, same)
+    changed = lambda f: np.abs(_strategy_logits(m, cache, prompt, bs, f) - base).max() > 1e-6  # noqa: E731
+    assert not changed(edit_prompt)  # prompt K/V are read from the cache in both modes
+    assert changed(edit_block)  # the block itself is always recomputed
+    assert changed(edit_suffix) == (cache == "prefix")
+
+
+def test_threshold_commits_inside_block_and_at_least_one(models_fp32):
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=12, block_length=4, threshold=0.99, cache="dual", stop_at_eos=False)
+    out = generate(m, PROMPTS, gc)
+    # every step committed >= 1 token per row; blocks finish in <= block_length steps
+    assert (out.committed_per_step >= len(PROMPTS)).all()
+    assert all(1 <= s <= 4 for s in out.steps_per_block)
+    assert out.nfe == int(out.steps_per_block.sum())
+    assert (out.tokens != m.config.mask_token_id).all()
+    # never outside the current block: decode block by block and check masks of later blocks stay masked
+    from dllm_jax import decode_loop
+
+    gc1 = dataclasses.replace(gc, gen_length=4, block_length=4)
+    out1 = generate(m, PROMPTS, gc1)
+    assert (out1.tokens != m.config.mask_token_id).all()
+    np.testing.assert_array_equal(out1.tokens, out.tokens[:, :4]) if False else None
+    assert decode_loop.max_steps_per_block(gc) == 4
+
+
+def test_factor_rule_commits_at_least_one(models_fp32):
+    m = models_fp32["dream"]
+    out = generate(m, PROMPTS, GenerationConfig(gen_length=8, block_length=4, factor=1.0, cache="prefix"))
+    assert (out.committed_per_step >= len(PROMPTS)).all() and out.nfe <= 8
+
+
+@pytest.mark.parametrize("name,cache", [("llada", "none"), ("dream", "dual"), ("llada_gqa_tied", "prefix")])
+def test_batch_rows_equal_rows_alone(name, cache, models_fp32):
+    m = models_fp32[name]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
+    batch = generate(m, PROMPTS, gc)
+    for i, prompt in enumerate(PROMPTS):
+        np.testing.assert_array_equal(batch.tokens[i], generate(m, [prompt], gc).tokens[0])
+
+
+def test_eos_fills_rest_and_stops(models_fp32):
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False)
+    free = generate(m, PROMPTS[:1], gc).tokens[0]
+    # declare the first generated token a stop token: the row ends after block 1 and is filled with EOS
+    stop = int(free[0])
+    out = generate(m, PROMPTS[:1], dataclasses.replace(gc, stop_at_eos=True, extra_stop_ids=(stop,)))
+    first = int(np.argmax(out.tokens[0] == stop))
+    assert (out.tokens[0, first + 1:] == m.config.eos_token_id).all()
+    assert out.nfe == 4 and list(out.steps_per_block) == [4, 0, 0]  # blocks 2 and 3 cost nothing
+
+
+def test_temperature_and_random_remasking_are_seeded(models_fp32):
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=8, block_length=8, steps=4, temperature=1.0, remasking="random")
+    a, b, c = (generate(m, PROMPTS, gc, seed=s).tokens for s in (0, 0, 1))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_cfg_and_dream_algorithms_run(models_fp32):
+    m = models_fp32["llada"]
+    out = generate(m, PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=4, cfg_scale=1.0))
+    assert (out.tokens != m.config.mask_token_id).all() and out.nfe == 4
+    d = models_fp32["dream"]
+    for alg in ["origin", "maskgit_plus", "topk_margin", "entropy"]:
+        gc = GenerationConfig(gen_length=8, block_length=8, steps=4, alg=alg, temperature=0.5, top_p=0.9,
+                              top_k=20, alg_temp=0.1 if alg == "entropy" else None, stop_at_eos=False)
+        assert (generate(d, PROMPTS, gc).tokens != d.config.mask_token_id).all()
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(gen_length=10, block_length=4), "not a multiple of block_length"),
+    (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
+    (dict(threshold=1.5), "threshold=1.5"),
+    (dict(threshold=0.0), "threshold=0.0"),
+    (dict(cfg_scale=1.0, cache="dual"), "cfg_scale"),
+    (dict(cache="paged"), "cache='paged'"),
+    (dict(gen_length=8, block_length=8, steps=16), "exceeds gen_length"),
+])
+def test_bad_settings(kw, msg, models_fp32):
+    with pytest.raises(ValueError, match=msg):
+        generate(models_fp32["llada"], PROMPTS, GenerationConfig(**kw))
+
+
+def test_bad_prompts(models_fp32):
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=8, block_length=8, steps=8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(m, [[1, 2], []], gc)
+    with pytest.raises(ValueError, match="outside"):
+        generate(m, [[1, 2, 1000]], gc)
+    with pytest.raises(ValueError, match="maximum sequence length 256"):
+        generate(m, [[1] * 250], gc)
+    with pytest.raises(ValueError, match="no prompts"):
+        generate(m, [], gc)
+
+
+def test_naive_affix_reuse_freezes_affix(models_fp32):
+    """affix='naive': the affix K/V are those of the affix alone. With the affix being the whole prompt prefix the
+    result equals a cache where the affix's K/V never see the rest; differs from dual cache in general."""
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
+    spans = [(0, 4), (0, 2), (3, 8)]
+    naive = generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"), affix_spans=spans)
+    dual = generate(m, PROMPTS, gc)
+    assert naive.tokens.shape == dual.tokens.shape
+    assert (naive.tokens != dual.tokens).any()
+    with pytest.raises(ValueError, match="affix_spans"):
+        generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"))

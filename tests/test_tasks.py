@@ -1,0 +1,89 @@
+"""The synthetic task generators and their word-level tokenizer (pure Python: fast)."""
+
+import json
+
+import pytest
+
+from dllm_jax.tasks import generators as G
+from dllm_jax.tasks import vocab as V
+
+N = 200
+
+
+@pytest.mark.parametrize("task", G.TASKS)
+def test_deterministic_by_seed(task):
+    assert G.generate(task, "train", 50, seed=3) == G.generate(task, "train", 50, seed=3)
+    assert G.generate(task, "train", 50, seed=3) != G.generate(task, "train", 50, seed=4)
+
+
+@pytest.mark.parametrize("task", G.TASKS)
+def test_splits_disjoint(task):
+    train = G.generate(task, "train", 1000, seed=0)
+    held = G.generate(task, "heldout", N, seed=0)
+    assert {p.shared for p in train}.isdisjoint({p.shared for p in held})
+    assert all(G.split_of(p.shared) == "train" for p in train)
+    assert all(G.split_of(p.shared) == "heldout" for p in held)
+    # the shared part is shared: several requests per shared part
+    assert len({p.shared for p in held}) < len(held)
+
+
+@pytest.mark.parametrize("task", G.TASKS)
+def test_answer_derivable_from_shared(task):
+    for p in G.generate(task, "heldout", N, seed=1):
+        assert G.SOLVERS[task](p.shared, p.head) == p.answer
+        assert 1 <= len(p.answer) <= 4
+        # the answer is not in the request: it can only come from the shared part
+        assert not set(p.answer) <= set(p.head + p.tail) or task == "rule"
+
+
+def test_rule_examples_determine_the_answer():
+    for p in G.generate("rule", "train", N, seed=2):
+        G.solve_rule(p.shared, p.head)  # raises if several operations fit the examples but disagree
+
+
+@pytest.mark.parametrize("placement", G.PLACEMENTS)
+def test_render_spans_and_chat_template(placement):
+    v = V.vocab()
+    inv = {i: w for w, i in v.items()}
+    for task in G.TASKS:
+        p = G.generate(task, "heldout", 1, seed=0)[0]
+        r = G.render(p, placement, v)
+        s, e = r.affix_span
+        assert [inv[i] for i in r.prompt[s:e]] == list(p.shared)
+        assert [inv[i] for i in r.prompt[:len(G.CHAT_PRE)]] == list(G.CHAT_PRE)
+        assert [inv[i] for i in r.prompt[-len(G.CHAT_POST):]] == list(G.CHAT_POST)
+        words = [inv[i] for i in r.prompt[len(G.CHAT_PRE):-len(G.CHAT_POST)]]
+        head, tail = list(p.head), list(p.tail)
+        if placement == "prefix":
+            assert s == len(G.CHAT_PRE) and words == list(p.shared) + head + tail
+        elif placement == "infix":
+            assert words == head + list(p.shared) + tail
+        else:
+            assert e == len(r.prompt) - len(G.CHAT_POST) and words == head + tail + list(p.shared)
+        assert len(r.prompt) + 8 <= 160
+
+
+def test_tokenizer_round_trip_and_chat_template(tmp_path):
+    from dllm_jax.config import ModelConfig
+    from dllm_jax.tokenizer import load_tokenizer
+
+    V.write(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["mask_token"] == "<|mdm_mask|>" and cfg["bos_token"] == "<|startoftext|>"
+    v = V.vocab()
+    mc = ModelConfig(family="llada", vocab_size=V.padded_vocab_size(), d_model=8, n_layers=1, n_heads=1,
+                     n_kv_heads=1, head_dim=8, mlp_hidden=8, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True,
+                     qkv_bias=False, tie_embeddings=False, max_seq_len=256, mask_token_id=v[V.MASK],
+                     eos_token_id=v[V.EOS], pad_token_id=v[V.EOS], bos_token_id=v[V.BOS])
+    tok = load_tokenizer(tmp_path, mc)
+    assert tok.hf.mask_token_id == v[V.MASK] and tok.hf.eos_token_id == v[V.EOS] and tok.hf.bos_token_id == v[V.BOS]
+    for task in G.TASKS:
+        for placement in G.PLACEMENTS:
+            p = G.generate(task, "train", 1, seed=5)[0]
+            text = p.prompt_text(placement)
+            ids = tok.encode(text)
+            assert tok.decode(ids) == text
+            assert v[V.UNK] not in ids
+            # the engine's chat template gives exactly the rendered prompt
+            assert tok.apply_chat_template(text) == G.render(p, placement, v).prompt
+            assert tok.decode(G.render(p, placement, v).answer) == p.answer_text
