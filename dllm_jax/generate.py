@@ -54,7 +54,7 @@ class GenerationConfig:
     stop_at_eos: bool = True
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
-    attention_backend: Literal["xla", "cudnn", "pallas"] = "xla"
+    attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
 
     def resolved_sampler(self, config: ModelConfig) -> str:
         return self.sampler or config.family
@@ -163,11 +163,20 @@ def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: Generation
     return x, positions, key_mask, frozen, P
 
 
-@functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len"))
-def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len):
+def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> str:
+    """auto: cuDNN on GPU for unpadded bf16 batches (its masked path is not validated yet), else XLA."""
+    if gc.attention_backend != "auto":
+        return gc.attention_backend
+    gpu = jax.default_backend() == "gpu"
+    return "cudnn" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
+
+
+@functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len", "padded"))
+def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
     shift = 1 if gc.resolved_sampler(config) == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
-                       block_length=gc.block_length, shift=shift, backend=gc.attention_backend)
+                       block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
+                       padded=padded)
     if gc.affix == "naive":
         x_cache = _naive_affix_cache(params, config, inp, x, gc)
     else:
@@ -184,7 +193,7 @@ def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
     from dllm_jax.modeling import KVCache, forward
 
     cache = KVCache.zeros(config, x.shape[0], x.shape[1])
-    out = forward(params, config, x, inp.positions, key_mask=inp.frozen, cache=cache, cache_offset=0,
+    out = forward(params, config, x, inp.positions, key_mask=inp.frozen & inp.key_mask, cache=cache, cache_offset=0,
                   write_mask=inp.frozen, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
                   attention_backend=inp.backend)
     return out.cache
@@ -203,7 +212,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     t0 = time.perf_counter()
     toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
-                                        config=mc, gc=gc, prompt_len=P)
+                                        config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
     toks = np.asarray(jax.block_until_ready(toks))
     seconds = time.perf_counter() - t0
     nfe = int(nfe)

@@ -32,6 +32,12 @@ class DecodeInputs:
     block_length: int = dataclasses.field(metadata=dict(static=True))
     shift: int = dataclasses.field(metadata=dict(static=True))  # 1 for Dream (position i is predicted at i-1)
     backend: str = dataclasses.field(metadata=dict(static=True))
+    padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
+
+    @property
+    def attn_mask(self) -> Array | None:
+        """The key mask attention needs: None when no row is padded (lets cuDNN run its unmasked kernel)."""
+        return self.key_mask if self.padded else None
 
 
 def block_logit_index(inp: DecodeInputs, block_start: Array, window_start: Array | int, batch: int) -> Array:

@@ -31,6 +31,6 @@ class DualCache:
         positions = jax.lax.dynamic_slice_in_dim(inp.positions, block_start, bl, axis=1)
         frozen = jax.lax.dynamic_slice_in_dim(inp.frozen, block_start, bl, axis=1)
         at = block_logit_index(inp, block_start, block_start, x.shape[0])
-        out = forward(params, config, window, positions, key_mask=inp.key_mask, cache=state,
+        out = forward(params, config, window, positions, key_mask=inp.attn_mask, cache=state,
                       cache_offset=block_start, write_mask=~frozen, logits_at=at, attention_backend=inp.backend)
         return out.logits, out.cache

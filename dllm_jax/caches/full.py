@@ -19,7 +19,7 @@ class NoCache:
 
     def step(self, params, config, inp: DecodeInputs, state, x, block_start):
         at = block_logit_index(inp, block_start, 0, x.shape[0])
-        out = forward(params, config, x, inp.positions, key_mask=inp.key_mask, logits_at=at,
+        out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, logits_at=at,
                       attention_backend=inp.backend)
         return out.logits, state
 

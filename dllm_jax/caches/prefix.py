@@ -19,7 +19,7 @@ from dllm_jax.modeling import KVCache, forward
 def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_start):
     """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
     at = block_logit_index(inp, block_start, 0, x.shape[0])
-    out = forward(params, config, x, inp.positions, key_mask=inp.key_mask, cache=cache, cache_offset=0,
+    out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache, cache_offset=0,
                   write_mask=~inp.frozen, logits_at=at, attention_backend=inp.backend)
     return out.logits, out.cache
 
@@ -39,6 +39,6 @@ class PrefixCache:
         window = x[:, p:]
         write = (jnp.arange(p, x.shape[1]) >= block_start)[None, :] & ~inp.frozen[:, p:]
         at = block_logit_index(inp, block_start, p, x.shape[0])
-        out = forward(params, config, window, inp.positions[:, p:], key_mask=inp.key_mask, cache=state,
+        out = forward(params, config, window, inp.positions[:, p:], key_mask=inp.attn_mask, cache=state,
                       cache_offset=p, write_mask=write, logits_at=at, attention_backend=inp.backend)
         return out.logits, out.cache

@@ -1,0 +1,163 @@
+"""GPU benchmark of `generate` at LLaDA-8B / Dream-7B shapes (random bf16 weights built on the device).
+
+prompt 256, gen 256, block 32, a fixed schedule (steps 64 = 4 tokens/step, and 256), batch 1/8/32, cache modes
+none/prefix/dual. Besides end-to-end tokens/s it times the two kinds of forward separately: the block-start
+forward (full sequence, cache refresh) and the block step (the cache mode's per-step forward), each as 8 calls
+fused in one jitted fori_loop. Writes bench/results/generate_h200.json and a plot.
+
+    python bench/bench_generate.py [--models llada-8b dream-7b] [--batches 1 8 32] [--budget-s 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from dllm_jax.caches import STRATEGIES  # noqa: E402
+from dllm_jax.caches.base import DecodeInputs  # noqa: E402
+from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
+from dllm_jax.loading import Model  # noqa: E402
+
+PROMPT, GEN, BLOCK = 256, 256, 32
+FUSED = 8  # forwards per timed jitted loop
+
+
+def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float, float]:
+    """(ms per block-start forward, ms per block step) for this cache mode, measured in a fused loop."""
+    cfg = model.config
+    prompts = [[7] * PROMPT] * batch
+    x, pos, km, frozen, P = layout(prompts, cfg, gc)
+    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), P, gc.block_length,
+                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False)
+    strat = STRATEGIES[gc.cache]
+    x = jnp.asarray(x)
+    bs = jnp.int32(P + 2 * gc.block_length)  # a block in the middle of the generation region
+
+    def looped(kind):
+        def run(params, state):
+            def body(i, carry):
+                st, acc = carry
+                fn = strat.block_start if kind == "start" else strat.step
+                logits, st = fn(params, cfg, inp, st, x, bs)
+                return st, acc + logits[0, 0, 0].astype(jnp.float32)
+            return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
+        return jax.jit(run, donate_argnums=1)
+
+    out = []
+    for kind in ("start", "step"):
+        fn = looped(kind)
+        state = [strat.init(model.params, cfg, inp, x)]
+
+        def call():
+            st, acc = fn(model.params, state[0])
+            acc.block_until_ready()
+            state[0] = st
+
+        med, _ = common.time_call(call, reps=3)
+        out.append(1e3 * med / FUSED)
+    return out[0], out[1]
+
+
+def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: np.random.Generator,
+              reps: int) -> dict:
+    gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False)
+    prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
+    t0 = time.perf_counter()
+    out = generate(model, prompts, gc)
+    first = time.perf_counter() - t0
+    secs = []
+    for _ in range(reps):
+        secs.append(generate(model, prompts, gc).seconds)
+    sec = float(np.median(secs))
+    ms_start, ms_step = forward_times(model, gc, batch)
+    return {"model": name, "mode": mode, "batch": batch, "steps": steps, "gen_length": GEN, "block_length": BLOCK,
+            "prompt_length": PROMPT, "tokens_per_s": batch * GEN / sec, "seconds": sec,
+            "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
+            "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
+            "attention": resolve_backend(gc, model.config, False)}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r["steps"] == 64]
+    models = sorted({r["model"] for r in sel})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        batches = sorted({r["batch"] for r in sel if r["model"] == m})
+        for i, mode in enumerate(["none", "prefix", "dual"]):
+            ys = [next((r["tokens_per_s"] for r in sel if r["model"] == m and r["batch"] == b and r["mode"] == mode),
+                       0) for b in batches]
+            ax.bar(np.arange(len(batches)) + 0.27 * (i - 1), ys, 0.27, label=mode)
+        ax.axhline(113, color="gray", ls="--", lw=1, label="Fast-dLLM PyTorch (batch 1)")
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+        ax.set_ylabel("tokens / s")
+        ax.set_yscale("log")
+        ax.set_title(f"{m}: gen 256, block 32, 64 steps (H200)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--modes", nargs="+", default=["dual", "prefix", "none"])
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
+    ap.add_argument("--out", default=str(common.RESULTS))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    rows, skipped = [], []
+    rng = np.random.default_rng(0)
+    plan = []
+    for name in args.models:
+        for batch in args.batches:
+            for mode in args.modes:
+                plan.append((name, mode, batch, 64))
+        plan.append((name, "dual", 1, 256))
+    current = None
+    for i, (name, mode, batch, steps) in enumerate(plan):
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps))
+            continue
+        if current is None or current.config is not common.MODELS[name]:
+            current = None
+            params = common.random_params(common.MODELS[name])
+            current = Model(common.MODELS[name], params)
+        reps = 1 if (mode == "none" and batch >= 8) or steps == 256 else 3
+        try:
+            row = bench_one(current, name, mode, batch, steps, rng, reps)
+        except Exception as e:  # keep going: one failing shape must not lose the rest of the run
+            print(f"FAILED {name} {mode} b{batch} s{steps}: {type(e).__name__}: {e}", flush=True)
+            skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, error=str(e)[:300]))
+            continue
+        rows.append(row)
+        print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
+              f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
+              f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "
+              f"compile {row['compile_s']:.1f}s", flush=True)
+    meta = common.meta(prompt_length=PROMPT, gen_length=GEN, block_length=BLOCK, weights="random bf16",
+                       schedule="fixed (steps given), stop_at_eos off", skipped=skipped,
+                       baseline="Fast-dLLM official PyTorch, same GPU kind (anchors): batch 1, steps 64: "
+                                "dual 98-113 tok/s, prefix 130-138, none 125.7; batch > 1 unsupported")
+    path = common.write_results("generate_h200.json", meta, rows, args.out)
+    plot(rows, Path(args.out) / "generate_h200.png")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

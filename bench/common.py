@@ -1,0 +1,93 @@
+"""Shared benchmark helpers: model shapes of the real checkpoints, random params on device, timing, results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dllm_jax.config import ModelConfig  # noqa: E402
+from dllm_jax.modeling import param_shapes  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+LLADA_8B = ModelConfig(family="llada", vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                       head_dim=128, mlp_hidden=12288, rms_eps=1e-5, rope_theta=500000.0, rope_fp32=True,
+                       qkv_bias=False, tie_embeddings=False, max_seq_len=4096, mask_token_id=126336,
+                       eos_token_id=126081, pad_token_id=126081, bos_token_id=126080)
+DREAM_7B = ModelConfig(family="dream", vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+                       head_dim=128, mlp_hidden=18944, rms_eps=1e-6, rope_theta=1e6, rope_fp32=False,
+                       qkv_bias=True, tie_embeddings=False, max_seq_len=4096, mask_token_id=151666,
+                       eos_token_id=151643, pad_token_id=151643)
+MODELS = {"llada-8b": LLADA_8B, "dream-7b": DREAM_7B}
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Random bf16 params built directly on the device (speed does not depend on the values)."""
+    shapes = param_shapes(config)
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    @jax.jit
+    def make(keys):
+        return [(0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype) if len(s.shape) > 1
+                else jnp.ones(s.shape, s.dtype) for k, s in zip(keys, leaves)]
+
+    return jax.tree_util.tree_unflatten(tree, make(keys))
+
+
+def param_bytes(params: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def time_call(fn: Callable[[], Any], reps: int = 5, warmup: int = 1) -> tuple[float, float]:
+    """(median seconds, first-call seconds incl. compile). fn must block until its result is ready."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), first
+
+
+def meta(**extra) -> dict:
+    dev = jax.devices()[0]
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
+    return {"gpu": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git": commit, **extra}
+
+
+def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.PathLike | None = None) -> Path:
+    out = Path(out_dir or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps({"meta": meta_, "rows": rows}, indent=2))
+    return path
+
+# a CPU smoke-test size (same code paths)
+TINY = LLADA_8B.replace(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16,
+                        mlp_hidden=128, mask_token_id=511, eos_token_id=510, pad_token_id=510, bos_token_id=509)
+MODELS["tiny"] = TINY
