@@ -208,7 +208,8 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     _validate_prompts(prompts, mc, gc)
     if gc.affix == "naive" and affix_spans is None:
         raise ValueError("affix='naive' needs affix_spans (one (start, end) per prompt)")
-    x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans)
+    # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
+    x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
     t0 = time.perf_counter()
     toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 from typing import Any
 
 import jax
@@ -29,6 +30,9 @@ from jax import lax
 E4M3_MAX = 448.0
 GROUP = 128  # K group of the activation scales and both dims of the weight blocks
 FP8 = jnp.float8_e4m3fn
+# Weight scales reach the kernel through the TMA pipeline (True) or as a scalar
+# global load per K step (False; slower, kept as a fallback).
+DEFAULT_WS_PREFETCH = os.environ.get("FP8_WS_PREFETCH", "1") != "0"
 
 
 # --------------------------------------------------------------------------
@@ -144,6 +148,7 @@ class Fp8MatmulConfig:
   grid_minor_dim: Dim = Dim.N
   grid_tile_width: int = 8
   ctas_per_sm: int = 1
+  ws_prefetch: bool = dataclasses.field(default_factory=lambda: DEFAULT_WS_PREFETCH)
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -159,6 +164,8 @@ class Fp8MatmulConfig:
     if self.epi_tile_n not in (32, 64, 128) or self.epi_tile_n > self.wg_tile_n:
       if self.epi_tile_n != self.wg_tile_n:
         raise ValueError(f"epi_tile_n={self.epi_tile_n} must be <= wg_tile_n={self.wg_tile_n}")
+    if self.cta_tile_n < 64:
+      raise ValueError(f"CTA N tile must be >= 64 (16-byte scale rows), got {self.cta_tile_n}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
       raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
 
@@ -172,24 +179,22 @@ class Fp8MatmulConfig:
 
 
 def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
-  """Heuristic: many CTAs (fine N, split-K) when weight-bandwidth bound."""
+  """Heuristic from the H200 sweeps (bench/NOTES.md): fine N tiles and split-K
+  when weight-bandwidth bound (enough work units for 132 SMs), 128x128 CTA
+  tiles (2 warpgroups of 64x128) when compute bound."""
   kg = k // GROUP
   if m <= 64:
-    cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, epi_tile_n=64,
-                          max_concurrent_steps=6, ctas_per_sm=2)
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, max_concurrent_steps=6)
   elif m <= 256:
-    cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=64, epi_tile_n=64,
-                          max_concurrent_steps=6, ctas_per_sm=2)
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=128, max_concurrent_steps=5)
   else:
-    cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=128, epi_tile_n=64,
-                          max_concurrent_steps=4, ctas_per_sm=1)
-  tiles = (-(-m // cfg.cta_tile_m)) * (n // cfg.cta_tile_n) if n % cfg.cta_tile_n == 0 else 0
-  target = 132 * cfg.ctas_per_sm
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=128, max_concurrent_steps=4)
+  if n % cfg.cta_tile_n:
+    return cfg
+  tiles = (-(-m // cfg.cta_tile_m)) * (n // cfg.cta_tile_n)
   split = 1
-  if tiles:
-    while (tiles * split * 2 <= target * 1.25 and kg % (split * 2) == 0
-           and kg // (split * 2) >= 8):
-      split *= 2
+  while tiles * split * 2 <= 165 and kg % (split * 2) == 0 and kg // (split * 2) >= 8:
+    split *= 2
   return dataclasses.replace(cfg, split_k=split)
 
 
@@ -204,6 +209,18 @@ def _num_sms() -> int:
     return 4
 
 
+def ws_cols(cfg: Fp8MatmulConfig) -> int:
+  """Columns per weight-scale copy, so one CTA's scales for a K step are 32 floats
+  (a 128-byte row: TMA wants 128-byte aligned shared-memory destinations)."""
+  return cfg.cta_tile_n // 32
+
+
+def expand_weight_scales(ws, n, cols):
+  """ws [N/128, K/128] -> [K/128, N/cols]: one copy per `cols` columns, so every
+  CTA's scales for one K step are a 128-byte row that TMA prefetches with the tiles."""
+  return jnp.repeat(ws.T, GROUP // cols, axis=1)[:, : n // cols]
+
+
 def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -214,6 +231,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k
   kg = k // GROUP
+  wsc = ws_cols(cfg)
+  ws_prefetch = cfg.ws_prefetch
   if kg % split:
     raise ValueError(f"split_k={split} must divide K/128={kg}")
   ksteps = kg // split
@@ -245,7 +264,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
               plgpu.BlockSpec((ctn, GROUP), lambda kk: (0, kk),
                               transforms=in_transforms, memory_space=plgpu.SMEM),
               plgpu.BlockSpec((1, ctm), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
-          ],
+          ] + ([plgpu.BlockSpec((1, ctn // wsc), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]
+               if ws_prefetch else []),
           wg_axis="wg",
           num_compute_wgs=2,
           max_concurrent_steps=cfg.max_concurrent_steps,
@@ -259,7 +279,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[:, pl.ds(0, ksteps * GROUP)],
             b_gmem.at[:, pl.ds(0, ksteps * GROUP)],
-            xs_gmem.at[pl.ds(0, ksteps), :]),
+            xs_gmem.at[pl.ds(0, ksteps), :],
+            *([ws_gmem.at[pl.ds(0, ksteps), :]] if ws_prefetch else [])),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs):
@@ -275,12 +296,11 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         if cfg.wg_dimension == Dim.M:
           wg_m = pl.ds(wg_idx * tm, tm)
           wg_n = slice(None)
-          n0 = n_idx * ctn
         else:
           wg_m = slice(None)
           wg_n = pl.ds(wg_idx * tn, tn)
-          n0 = n_idx * ctn + wg_idx * tn
-        nblk = n0 // GROUP
+        wg_ws = 0 if cfg.wg_dimension == Dim.M else wg_idx * (tn // wsc)
+        nblk = (n_idx * ctn + (0 if cfg.wg_dimension == Dim.M else wg_idx * tn)) // GROUP
         k0 = ks * ksteps
 
         def compute_context(eval_pipeline):
@@ -299,14 +319,17 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                 out_smem.at[wg_idx, slot],
                 dst.at[cta_m, cta_n].at[wg_m, wg_n].at[:, sl_n])
 
-        def mma_body(idxs, a_smem, b_smem, xs_smem, acc):
-          (kk,) = idxs
-          w_scale = ws_gmem[nblk, k0 + kk]
+        def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
+          *ws_smem, acc = rest
+          if ws_prefetch:
+            w_scale = ws_smem[0][0, wg_ws]
+          else:
+            w_scale = ws_gmem[k0 + idxs[0], nblk]
           x_scale = xs_smem[0, wg_m]
 
           def do_mma(acc_ref):
             plgpu.wgmma(acc_ref, a_smem.at[wg_m],
-                        plgpu.transpose_ref(b_smem.at[wg_n], (1, 0)))
+                        b_smem.at[wg_n].transpose((1, 0)))
             return acc_ref[...]
 
           part = pl.run_scoped(do_mma, plgpu.ACC((tm, tn), jnp.float32))
@@ -317,6 +340,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             a_gmem.at[cta_m, pl.ds(k0 * GROUP, ksteps * GROUP)],
             b_gmem.at[cta_n, pl.ds(k0 * GROUP, ksteps * GROUP)],
             xs_gmem.at[pl.ds(k0, ksteps), cta_m],
+            *([ws_gmem.at[pl.ds(k0, ksteps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
+              if ws_prefetch else []),
             allocations=pipeline_allocs,
         )
 
@@ -372,7 +397,8 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
   mp = -(-m // cfg.cta_tile_m) * cfg.cta_tile_m
   xq_p = xq if mp == m else jnp.pad(xq, ((0, mp - m), (0, 0)))
   xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))  # [K/128, Mp]; pad rows get scale 0
-  y = _fp8_kernel_call(xq_p, xs_t, wq, ws, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
+  ws_x = expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T  # [K/128, .]
+  y = _fp8_kernel_call(xq_p, xs_t, wq, ws_x, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
   return y[:m] if mp != m else y
 
 

@@ -50,5 +50,5 @@ class AttnTestCase(NamedTuple):
 ATTENTION_TEST_SHAPES = [
     AttnTestCase("mha_d128", 3, 24, 80, 2, 2, 128, (24, 5, 24), (80, 1, 0), 32, 64, 1),
     AttnTestCase("gqa4_d64_split2", 2, 40, 100, 8, 2, 64, (40, 17), (100, 37), 16, 32, 2),
-    AttnTestCase("gqa7_d128_autosplit", 2, 16, 160, 14, 2, 128, (16, 9), (130, 64), 16, 64, None),
+    AttnTestCase("gqa7_d128_split3", 2, 16, 160, 14, 2, 128, (16, 9), (130, 64), 16, 64, 3),
 ]

@@ -278,5 +278,7 @@ def test_naive_affix_reuse_freezes_affix(models_fp32):
     dual = generate(m, PROMPTS, gc)
     assert naive.tokens.shape == dual.tokens.shape
     assert (naive.tokens != dual.tokens).any()
+    # spans are ignored unless an affix technique is selected
+    np.testing.assert_array_equal(generate(m, PROMPTS, gc, affix_spans=spans).tokens, dual.tokens)
     with pytest.raises(ValueError, match="affix_spans"):
         generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"))

@@ -1,0 +1,254 @@
+"""Train the bundled demo DLLM (LLaDA layout) on the three synthetic tasks, from one command.
+
+    PYTHONPATH=. python bench/train_demo.py --out dllm_jax/assets/demo_model            # GPU: ~3 minutes
+    PYTHONPATH=. python bench/train_demo.py --out /tmp/m --tiny --steps 30 --pool 600    # CPU smoke test
+
+Objective: LLaDA's masked-diffusion loss. Per sequence a mask ratio t ~ U(eps, 1); each token of the masked region
+is replaced by [MASK] with probability t (at least one is); loss = sum of cross-entropies on masked tokens / t,
+divided by the region's length, averaged over the batch. The region is the answer slot (answer + EOS fill, the
+SFT variant) for a fraction 1 - --full-frac of the rows, and the whole sequence after BOS (the pre-training
+variant, which makes the model read the context) for the rest.
+
+Data: a pool of training problems (all three tasks, uniformly; the shared part placed prefix/infix/suffix uniformly)
+built deterministically in chunks (in parallel processes), kept on the device; batches are drawn on the device.
+AdamW (b2 0.98, wd 0.1, clip 1.0), linear warmup + cosine decay; fp32 master weights, bf16 compute.
+`--steps auto` times the first steps and fits the run to --time-budget seconds; the number of steps it chose is
+printed and saved (train_args.json beside the model) so `--steps N` reproduces the run exactly.
+At the end the held-out exact-match accuracy per task x placement is printed (no-cache argmax decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from dllm_jax import checkpoint  # noqa: E402
+from dllm_jax.config import ModelConfig  # noqa: E402
+from dllm_jax.modeling import cast_params, forward, init_params  # noqa: E402
+from dllm_jax.tasks import generators as G  # noqa: E402
+from dllm_jax.tasks import vocab as V  # noqa: E402
+from dllm_jax.tasks.refdecode import reference_decode, strip_answer  # noqa: E402
+
+GEN_LENGTH = 8
+SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
+CHUNK = 2000  # problems per data chunk (one RNG seed each)
+
+
+def model_config(tiny: bool, dtype: str = "float32") -> ModelConfig:
+    v = V.vocab()
+    d, layers, heads, mlp = (64, 2, 4, 192) if tiny else (256, 6, 8, 768)
+    return ModelConfig(family="llada", vocab_size=V.padded_vocab_size(), d_model=d, n_layers=layers, n_heads=heads,
+                       n_kv_heads=heads, head_dim=d // heads, mlp_hidden=mlp, rms_eps=1e-5, rope_theta=10000.0,
+                       rope_fp32=True, qkv_bias=False, tie_embeddings=False, max_seq_len=1024,
+                       mask_token_id=v[V.MASK], eos_token_id=v[V.EOS], pad_token_id=v[V.EOS],
+                       bos_token_id=v[V.BOS], dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _chunk(args):
+    """Rows of one chunk: (tokens [n, SEQ_LEN] int16, valid length [n], answer start [n])."""
+    task, chunk_idx, n, seed = args
+    v = V.vocab()
+    eos = v[V.EOS]
+    rng = np.random.default_rng([seed, chunk_idx, G.TASKS.index(task)])
+    toks = np.full((n, SEQ_LEN), eos, np.int16)
+    length = np.zeros(n, np.int32)
+    start = np.zeros(n, np.int32)
+    probs = G.generate(task, "train", n, seed=seed * 100_000 + chunk_idx)
+    for i, p in enumerate(probs):
+        r = G.render(p, G.PLACEMENTS[rng.integers(3)], v)
+        row = r.prompt + r.answer + [eos] * (GEN_LENGTH - len(r.answer))
+        toks[i, :len(row)] = row
+        length[i] = len(row)
+        start[i] = len(r.prompt)
+    return toks, length, start
+
+
+def build_pool(n_per_task: int, seed: int, workers: int):
+    jobs = []
+    for task in G.TASKS:
+        for c in range(math.ceil(n_per_task / CHUNK)):
+            jobs.append((task, c, min(CHUNK, n_per_task - c * CHUNK), seed))
+    if workers > 1:
+        with mp.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_chunk, jobs)
+    else:
+        parts = [_chunk(j) for j in jobs]
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+
+
+# ------------------------------------------------------------------------------------------------ loss
+def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx, backend: str = "xla"):
+    cfg_c = config.replace(dtype="bfloat16")
+
+    def loss_fn(params, tokens, length, start, key):
+        b, t = tokens.shape
+        pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+        valid = pos < length[:, None]
+        answer = (pos >= start[:, None]) & valid
+        k_t, k_m, k_f = jax.random.split(key, 3)
+        ratio = eps + (1 - eps) * jax.random.uniform(k_t, (b, 1))
+        full = jax.random.uniform(k_f, (b, 1)) < full_frac
+        region = jnp.where(full, valid & (pos > 0), answer)
+        u = jax.random.uniform(k_m, (b, t))
+        u = jnp.where(region, u, 2.0)
+        masked = (u < ratio) | (u == jnp.min(u, axis=1, keepdims=True))  # at least one masked token per row
+        masked = masked & region
+        x = jnp.where(masked, config.mask_token_id, tokens)
+        positions = jnp.broadcast_to(pos, (b, t))
+        logits = forward(cast_params(params, jnp.bfloat16), cfg_c, x, positions, key_mask=valid,
+                         attention_backend=backend).logits
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
+        row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / ratio[:, 0] / jnp.sum(region, axis=1)
+        ans_ce = jnp.sum(jnp.where(masked & answer, ce, 0.0)) / jnp.maximum(jnp.sum(masked & answer), 1)
+        return jnp.mean(row), ans_ce
+
+    @jax.jit
+    def step(params, opt_state, pool, key, lr):
+        k_idx, k_loss = jax.random.split(key)
+        idx = jax.random.randint(k_idx, (batch,), 0, pool[0].shape[0])
+        tokens = pool[0][idx].astype(jnp.int32)
+        (loss, ans_ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, pool[1][idx],
+                                                                          pool[2][idx], k_loss)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, loss, ans_ce, optax.global_norm(grads)
+
+    return step
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0.05) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+# ------------------------------------------------------------------------------------------------ eval
+def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int = 512) -> dict:
+    """Held-out exact match per (task, placement) with the reference no-cache decoder (bf16 weights)."""
+    v = V.vocab()
+    cfg = config.replace(dtype="bfloat16")
+    p16 = cast_params(params, jnp.bfloat16)
+    out = {}
+    for task in G.TASKS:
+        probs = G.generate(task, "heldout", n, seed=seed)
+        for pl in G.PLACEMENTS:
+            rs = [G.render(p, pl, v) for p in probs]
+            correct = 0
+            for i in range(0, len(rs), batch):
+                chunk = rs[i:i + batch]
+                gen = reference_decode(p16, cfg, [r.prompt for r in chunk], GEN_LENGTH)
+                correct += sum(strip_answer(g, cfg.eos_token_id) == r.answer for g, r in zip(gen, chunk))
+            out[f"{task}/{pl}"] = correct / len(rs)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="dllm_jax/assets/demo_model")
+    ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    ap.add_argument("--steps", default="auto", help="number of steps, or 'auto' (fit --time-budget)")
+    ap.add_argument("--time-budget", type=float, default=180.0, help="seconds of training for --steps auto")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--full-frac", type=float, default=0.25, help="rows with whole-sequence masking")
+    ap.add_argument("--eps", type=float, default=0.05, help="lowest mask ratio")
+    ap.add_argument("--pool", type=int, default=200_000, help="training problems per task")
+    ap.add_argument("--workers", type=int, default=max(1, min(16, mp.cpu_count() - 1)))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
+                    help="training attention backend (auto: cudnn on GPU, else xla)")
+    ap.add_argument("--eval-n", type=int, default=300, help="held-out problems per task for the final eval")
+    ap.add_argument("--log-every", type=int, default=200)
+    args = ap.parse_args(argv)
+
+    t0 = time.time()
+    if args.attention == "auto":
+        args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    config = model_config(args.tiny)
+    pool_np = build_pool(args.pool, args.seed, args.workers)
+    print(f"pool: {len(pool_np[0])} rows x {SEQ_LEN} built in {time.time() - t0:.1f}s "
+          f"(max len {pool_np[1].max()}); backend {jax.default_backend()}", flush=True)
+    pool = tuple(jnp.asarray(a) for a in pool_np)
+
+    params = init_params(config, jax.random.key(args.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    print(f"model: {n_params / 1e6:.2f}M params, d={config.d_model} L={config.n_layers} H={config.n_heads} "
+          f"mlp={config.mlp_hidden} V={config.vocab_size}", flush=True)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8),
+                     optax.add_decayed_weights(0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)))
+    opt_state = tx.init(params)
+    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention)
+    if args.attention != "xla":  # fall back to the reference attention if the fused one does not compile here
+        try:
+            jax.block_until_ready(step_fn(params, opt_state, pool, jax.random.key(0), jnp.float32(0.0)))
+        except Exception as e:  # noqa: BLE001
+            print(f"attention backend {args.attention!r} failed ({type(e).__name__}: {str(e)[:200]}); using xla")
+            args.attention = "xla"
+            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla")
+
+    total = None if args.steps == "auto" else int(args.steps)
+    key = jax.random.key(args.seed + 1)
+    t_train, t_calib, s = time.time(), None, 0
+    hist = []
+    while total is None or s < total:
+        lr = lr_at(s, total or 10**9, args.lr, args.warmup)
+        params, opt_state, loss, ans_ce, gn = step_fn(params, opt_state, pool, jax.random.fold_in(key, s),
+                                                      jnp.float32(lr))
+        s += 1
+        if total is None:
+            if s == 10:
+                jax.block_until_ready(loss)
+                t_calib = time.time()
+            elif s == 60:
+                jax.block_until_ready(loss)
+                per = (time.time() - t_calib) / 50
+                total = max(61, int((args.time_budget - (time.time() - t_train)) / per) + 60)
+                print(f"auto: {per * 1e3:.1f} ms/step -> --steps {total}", flush=True)
+        if s % args.log_every == 0 or s == total:
+            loss, ans_ce, gn = float(loss), float(ans_ce), float(gn)
+            hist.append((s, loss, ans_ce))
+            print(f"step {s}/{total} loss {loss:.4f} answer-ce {ans_ce:.4f} gnorm {gn:.2f} lr {lr:.2e} "
+                  f"t {time.time() - t_train:.0f}s", flush=True)
+    jax.block_until_ready(params)
+    train_s = time.time() - t_train
+    print(f"trained {s} steps in {train_s:.1f}s", flush=True)
+
+    out = Path(args.out)
+    checkpoint.export_hf(params, config, out)
+    V.write(out)
+    meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
+                                       "attention")}
+    meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
+                gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
+                + (" --tiny" if args.tiny else ""))
+    if args.eval_n > 0:
+        t1 = time.time()
+        acc = evaluate(params, config, args.eval_n)
+        meta["heldout_accuracy_nocache"] = acc
+        print(f"held-out exact match (no cache, n={args.eval_n}/cell, {time.time() - t1:.0f}s):", flush=True)
+        for k, a in acc.items():
+            print(f"  {k:16s} {a:.3f}", flush=True)
+    (out / "train_args.json").write_text(json.dumps(meta, indent=2))
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
