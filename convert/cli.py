@@ -18,8 +18,8 @@ from dllm_jax.config import ConfigError
 def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True) -> str:
     hf = ckpt.HFCheckpoint(hf_dir)
     config = hf.model_config(dtype=dtype)
-    params = ckpt.read_params(hf, config, progress=progress)
-    return str(ckpt.write_converted(params, config, out_dir, source_dir=hf_dir, force=force))
+    leaves = ckpt.iter_leaves(hf, config, progress=progress)  # validated before the first leaf is read
+    return str(ckpt.write_converted(leaves, config, out_dir, source_dir=hf_dir, force=force))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,22 +46,24 @@ def attend_reference(q: Array, k: Array, v: Array, key_mask: Array | None) -> Ar
 def _attend_cudnn(q: Array, k: Array, v: Array, key_mask: Array | None) -> Array:
     if key_mask is None:
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
-    mask = key_mask[:, None, None, :]  # [B, 1, 1, S] broadcast over heads and queries
+    # cuDNN rejects a mask broadcast over queries ([B,1,1,S]): materialise [B, 1, T, S]
+    mask = jnp.broadcast_to(key_mask[:, None, None, :], (q.shape[0], 1, q.shape[1], k.shape[1]))
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
 def _attend_pallas(q: Array, k: Array, v: Array, key_mask: Array | None, interpret: bool) -> Array:
-    from pallas_kernels import slot_attention as sa  # imported lazily: the kernel module is optional on CPU
+    from pallas_kernels import slot_attention as sa  # imported lazily: only this backend needs Pallas
 
     b, s, hkv, d = k.shape
     t = q.shape[1]
-    if key_mask is None:
-        key_mask = jnp.ones((b, s), bool)
+    q_lens = jnp.full((b,), t, jnp.int32)
+    if key_mask is None:  # the contiguous fast path: slots computed in-kernel, no table
+        kv_lens = jnp.full((b,), s, jnp.int32)
+        return sa.slot_attention(q, k, v, None, q_lens, kv_lens, interpret=interpret)
     # Valid keys first: a stable argsort of ~mask lists each row's valid slots in order; kv_len = their count.
     order = jnp.argsort(~key_mask, axis=1, stable=True).astype(jnp.int32)
     table = order + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
     kv_lens = key_mask.sum(axis=1).astype(jnp.int32)
-    q_lens = jnp.full((b,), t, jnp.int32)
     return sa.slot_attention(q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, q_lens, kv_lens,
                              interpret=interpret)
 

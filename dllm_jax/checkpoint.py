@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -24,7 +24,7 @@ from dllm_jax.models import FAMILIES
 from dllm_jax.models.base import ParamMapping
 
 FORMAT_FILE = "dllm_jax.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one orbax item per param leaf (streamed writes)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "generation_config.json", "added_tokens.json")
 SOURCE_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
@@ -129,37 +129,69 @@ def validate(ckpt: HFCheckpoint, config: ModelConfig) -> dict[str, tuple[Path, t
     return index
 
 
-def read_params(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True) -> dict[str, Any]:
-    """Validate, then stream every tensor into a preallocated numpy param tree in config.dtype."""
+def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
+                ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """Validate, then yield (param path, array in config.dtype) one leaf at a time.
+
+    A stacked leaf ([n_layers, ...]) is filled layer by layer from whichever shard holds each tensor, so the
+    peak is one leaf plus one tensor; a caller that writes and drops each leaf never holds the whole model."""
     index = validate(ckpt, config)
     from dllm_jax.modeling import param_shapes
 
     target = _NP_DTYPES[config.dtype]
-    params = _tree_map(lambda s: np.empty(s.shape, target), param_shapes(config))
+    shapes = param_shapes(config)
     plan = family_of(config).expand(config)
-    by_file: dict[Path, list[str]] = {}
-    for name in plan:
-        by_file.setdefault(index[name][0], []).append(name)
+    by_leaf: dict[tuple[str, ...], list[str]] = {}
+    for name, (rule, _) in plan.items():
+        by_leaf.setdefault(rule.path, []).append(name)
     bar = tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress)
-    for f, names in by_file.items():
-        with safe_open(f, "np") as st:
+    handles: dict[Path, Any] = {}
+    try:
+        for path, names in by_leaf.items():
+            leaf = shapes
+            for key in path:
+                leaf = leaf[key]
+            out = np.empty(leaf.shape, target)
             for name in names:
                 rule, layer = plan[name]
-                t = st.get_tensor(name)
-                if rule.transpose:
-                    t = t.T
-                leaf = params
-                for key in rule.path[:-1]:
-                    leaf = leaf[key]
-                dst = leaf[rule.path[-1]]
+                f = index[name][0]
+                if f not in handles:
+                    handles[f] = safe_open(f, "np").__enter__()
+                t = handles[f].get_tensor(name)
+                t = t.T if rule.transpose else t
                 if layer is None:
-                    dst[...] = t.astype(target)
+                    out[...] = t
                 else:
-                    dst[layer] = t.astype(target)
+                    out[layer] = t
                 del t
                 bar.update(1)
-    bar.close()
+            # close the shards' memory maps after every leaf: their touched pages would otherwise stay in RSS
+            for h in handles.values():
+                h.__exit__(None, None, None)
+            handles.clear()
+            yield path, out
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+        bar.close()
+
+
+def read_params(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True) -> dict[str, Any]:
+    """Validate, then stream every tensor into a numpy param tree in config.dtype."""
+    params: dict[str, Any] = {}
+    for path, arr in iter_leaves(ckpt, config, progress):
+        _set(params, path, arr)
     return params
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _leaf_dir(path: tuple[str, ...]) -> str:
+    return ".".join(path)
 
 
 def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -205,21 +237,21 @@ def export_hf(params: dict[str, Any], config: ModelConfig, out_dir: str | os.Pat
 
 
 # ------------------------------------------------------------------------------ converted (orbax) out/in
-def _tree_map(fn, tree):
-    if isinstance(tree, dict):
-        return {k: _tree_map(fn, v) for k, v in tree.items()}
-    return fn(tree)
-
-
 def is_converted(path: str | os.PathLike) -> bool:
     return (Path(path) / FORMAT_FILE).is_file()
 
 
-def write_converted(params: dict[str, Any], config: ModelConfig, out_dir: str | os.PathLike,
-                    source_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Write atomically: everything goes to a temporary sibling directory that is renamed at the very end."""
+def write_converted(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]] | dict[str, Any], config: ModelConfig,
+                    out_dir: str | os.PathLike, source_dir: str | os.PathLike | None = None,
+                    force: bool = False) -> Path:
+    """Write a converted checkpoint: one orbax item per param leaf (params/<dotted.path>), dllm_jax.json, the HF
+    config and tokenizer files. Leaves may be an iterator (written and dropped one by one: low peak memory).
+
+    Atomic: everything goes to a temporary sibling directory that is renamed at the very end."""
     import orbax.checkpoint as ocp
 
+    if isinstance(leaves, dict):
+        leaves = _flatten(leaves)
     out = Path(out_dir).absolute()
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"output directory {out} exists and is not empty (use --force to replace it)")
@@ -227,9 +259,13 @@ def write_converted(params: dict[str, Any], config: ModelConfig, out_dir: str | 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp / "params", params)
-        ckptr.wait_until_finished()
-        meta = {"format": FORMAT_VERSION, "model_config": config.to_dict()}
+        names = []
+        for path, arr in leaves:
+            ckptr.save(tmp / "params" / _leaf_dir(path), {"value": arr})
+            ckptr.wait_until_finished()  # orbax copies the array while writing: one leaf at a time
+            names.append(list(path))
+            del arr
+        meta = {"format": FORMAT_VERSION, "model_config": config.to_dict(), "leaves": names}
         (tmp / FORMAT_FILE).write_text(json.dumps(meta, indent=2))
         if source_dir is not None:
             src = Path(source_dir)
@@ -247,6 +283,14 @@ def write_converted(params: dict[str, Any], config: ModelConfig, out_dir: str | 
     return out
 
 
+def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
 def read_converted(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
@@ -258,8 +302,15 @@ def read_converted(path: str | os.PathLike, dtype: str | None = None) -> tuple[M
         config = ModelConfig.from_dict(meta["model_config"])
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path}/{FORMAT_FILE}: bad model_config: {e}") from e
-    params = ocp.StandardCheckpointer().restore(path / "params")
-    if dtype is not None and dtype != config.dtype:
+    ckptr = ocp.StandardCheckpointer()
+    params: dict[str, Any] = {}
+    cast = dtype is not None and dtype != config.dtype
+    for leaf in meta.get("leaves", []):
+        item = path / "params" / _leaf_dir(tuple(leaf))
+        if not item.exists():
+            raise CheckpointError(f"{path}: missing param leaf {'/'.join(leaf)} ({item})")
+        arr = ckptr.restore(item)["value"]
+        _set(params, tuple(leaf), np.asarray(arr).astype(_NP_DTYPES[dtype]) if cast else arr)
+    if cast:
         config = config.replace(dtype=dtype)
-        params = _tree_map(lambda a: np.asarray(a).astype(_NP_DTYPES[dtype]), params)
     return config, params

@@ -141,8 +141,8 @@ def test_kernel_matches_reference(m, n, k, cfg):
                    interpret=INTERPRET, config=cfg)
   assert y.shape == (m, n)
   # simulator: fp32 re-association only; H100/H200 fp8 wgmma keeps fewer accumulator
-  # bits inside one 128-wide group (measured 8e-5), which is why we promote per group
-  assert _rel(y, ref) < (3e-4 if ON_GPU else 1e-5)
+  # bits inside one 128-wide group (measured 0.8-1.9e-4), which is why we promote per group
+  assert _rel(y, ref) < (5e-4 if ON_GPU else 1e-5)
   yb = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.bfloat16, backend="pallas",
                     interpret=INTERPRET, config=cfg)
   assert yb.dtype == jnp.bfloat16 and _rel(yb, ref) < 1e-2
@@ -157,7 +157,7 @@ def test_kernel_gpu_real_shapes(m, n, k):
   wq, ws = F.quantize_weights(w)
   ref = F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
   y = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32)
-  assert _rel(y, ref) < 3e-4
+  assert _rel(y, ref) < 5e-4
 
 
 def _gpu_mesh():
