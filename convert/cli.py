@@ -15,10 +15,17 @@ from dllm_jax import checkpoint as ckpt
 from dllm_jax.config import ConfigError
 
 
-def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True) -> str:
+def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True,
+            fp8_ffn: bool = False) -> str:
     hf = ckpt.HFCheckpoint(hf_dir)
     config = hf.model_config(dtype=dtype)
     leaves = ckpt.iter_leaves(hf, config, progress=progress)  # validated before the first leaf is read
+    if fp8_ffn:  # LaCache: e4m3 FFN weights (128x128 block scales) for layers >= 2, stored in the checkpoint
+        from dllm_jax import fp8
+
+        fp8.check_fp8_shapes(config)
+        leaves = ckpt.quantize_ffn_leaves(leaves, config)
+        config = config.replace(fp8_ffn=True)
     return str(ckpt.write_converted(leaves, config, out_dir, source_dir=hf_dir, force=force))
 
 
@@ -29,11 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dtype of the stored params (default: bfloat16, the release dtype)")
     ap.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    ap.add_argument("--fp8-ffn", action="store_true",
+                    help="store the FFNs of layers >= 2 as e4m3 with 128x128 block scales (LaCache's FP8 FFN)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        out = convert(args.hf_dir, args.out_dir, args.dtype, args.force, progress=not args.quiet)
+        out = convert(args.hf_dir, args.out_dir, args.dtype, args.force, progress=not args.quiet,
+                      fp8_ffn=args.fp8_ffn)
     except (ckpt.CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"dllm-convert: error: {e}", file=sys.stderr)
         return 2

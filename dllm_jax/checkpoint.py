@@ -176,6 +176,30 @@ def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
         bar.close()
 
 
+def quantize_ffn_leaves(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], config: ModelConfig
+                        ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """Stream transform for `--fp8-ffn`: hold the three stacked FFN leaves until all have arrived, then emit the
+    e4m3 layers.mlp_fp8 leaves and the bf16 mlp_first leaves instead (see dllm_jax/fp8.py)."""
+    from dllm_jax import fp8
+
+    fp8.check_fp8_shapes(config)
+    held: dict[str, np.ndarray] = {}
+    for path, arr in leaves:
+        if path[:2] != ("layers", "mlp"):
+            yield path, arr
+            continue
+        held[path[2]] = arr
+        if len(held) == 3:
+            mlp = {k: {"kernel": v} for k, v in held.items()}
+            held.clear()
+            stacked, first = fp8.quantize_stacked_mlp(mlp)
+            del mlp
+            for k, v in stacked.items():
+                yield ("layers", "mlp_fp8", k), v
+            for k, v in first.items():
+                yield ("mlp_first", k, "kernel"), v["kernel"]
+
+
 def read_params(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True) -> dict[str, Any]:
     """Validate, then stream every tensor into a numpy param tree in config.dtype."""
     params: dict[str, Any] = {}

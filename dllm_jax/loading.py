@@ -53,9 +53,20 @@ def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> N
         raise ckpt.CheckpointError(f"params at {where} do not match their config:\n  - " + "\n  - ".join(bad))
 
 
-def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False) -> Model:
+def to_device(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """Device arrays in the run dtype; the FP8 FFN leaves (e4m3 weights, fp32 scales) keep their own dtypes."""
+    def put(path, a):
+        keep = any(getattr(k, "key", None) == "mlp_fp8" for k in path)
+        return jnp.asarray(a) if keep else jnp.asarray(a, config.jnp_dtype)
+
+    return jax.tree_util.tree_map_with_path(put, params)
+
+
+def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False,
+         fp8_ffn: bool = False) -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
-    memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32"."""
+    memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32".
+    fp8_ffn: quantise the FFNs of layers >= 2 to e4m3 now (a checkpoint converted with --fp8-ffn already is)."""
     path = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -68,6 +79,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progres
         config = hf.model_config(dtype=dtype)
         params = ckpt.read_params(hf, config, progress=progress)
     _check_shapes(config, params, path)
-    params = jax.tree.map(lambda a: jnp.asarray(a, config.jnp_dtype), params)
+    if fp8_ffn and not config.fp8_ffn:
+        from dllm_jax import fp8
+
+        params, config = fp8.quantize_params(params, config)
+    params = to_device(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

@@ -56,10 +56,16 @@ class Block(nn.Module):
         v = self.v_proj(h).reshape(b, n, c.n_kv_heads, c.head_dim)
         return apply_rope(q, cos, sin, c.rope_fp32), apply_rope(k, cos, sin, c.rope_fp32), v
 
+    def attn_residual(self, x: Array, attn: Array) -> Array:
+        b, n, _ = x.shape
+        return x + self.o_proj(attn.reshape(b, n, -1))
+
+    def ffn_in(self, x: Array) -> Array:
+        return self.ffn_norm(x)
+
     def finish(self, x: Array, attn: Array) -> Array:
         """Residual attention output projection, then the residual SwiGLU MLP."""
-        b, n, _ = x.shape
-        x = x + self.o_proj(attn.reshape(b, n, -1))
+        x = self.attn_residual(x, attn)
         return x + self.mlp(self.ffn_norm(x))
 
     def __call__(self, x: Array, cos: Array, sin: Array, attend_fn: AttendFn) -> Array:
@@ -148,13 +154,24 @@ def forward(
     def attend_fresh(q, k, v):
         return attend(q, k, v, key_mask, attention_backend)
 
+    def finish(layer_params, i, x, attn):
+        if not config.fp8_ffn:
+            return block.apply({"params": layer_params}, x, attn, method=Block.finish)
+        from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
+
+        x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
+        h = block.apply({"params": layer_params}, x, method=Block.ffn_in)
+        return x + fp8.layer_mlp(params, config, layer_params, i, h)
+
+    layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
     if cache is None:
-        def layer(x, layer_params):
+        def layer(x, inputs):
+            layer_params, i = inputs
             q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
-            x = block.apply({"params": layer_params}, x, attend_fresh(q, k, v), method=Block.finish)
+            x = finish(layer_params, i, x, attend_fresh(q, k, v))
             return x, ((k, v) if return_kv else None)
 
-        x, kv = jax.lax.scan(layer, x, params["layers"])
+        x, kv = jax.lax.scan(layer, x, (params["layers"], layer_ids))
         return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), None, kv)
 
     offset = jnp.asarray(cache_offset, jnp.int32)
@@ -172,10 +189,9 @@ def forward(
         ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (i, 0, offset, 0, 0))
         cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (i, 0, offset, 0, 0))
         attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
-        x = block.apply({"params": layer_params}, x, attn, method=Block.finish)
+        x = finish(layer_params, i, x, attn)
         return (x, ck, cv), ((k, v) if return_kv else None)
 
-    layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
     (x, ck, cv), kv = jax.lax.scan(layer_cached, (x, cache.k, cache.v), (params["layers"], layer_ids))
     return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv)
 
@@ -183,11 +199,21 @@ def forward(
 # ------------------------------------------------------------------------------------------ parameters
 def param_shapes(config: ModelConfig) -> Params:
     """The param tree's shapes (jax.ShapeDtypeStruct leaves) without allocating anything."""
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    shapes = jax.eval_shape(lambda: init_params(config.replace(fp8_ffn=False), jax.random.key(0)))
+    if config.fp8_ffn:
+        from dllm_jax import fp8
+
+        shapes = fp8.fp8_param_shapes(shapes, config)
+    return shapes
 
 
 def init_params(config: ModelConfig, key: Array, std: float = 0.02) -> Params:
     """Random params in the config dtype (used by tests, benchmarks and training from scratch)."""
+    if config.fp8_ffn:
+        from dllm_jax import fp8
+
+        return fp8.quantize_params(init_params(config.replace(fp8_ffn=False), key, std),
+                                   config.replace(fp8_ffn=False))[0]
     dt = config.jnp_dtype
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     d = config.d_model
