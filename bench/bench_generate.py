@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--modes", nargs="+", default=["dual", "prefix", "none"])
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
+    ap.add_argument("--fp8-ffn", action="store_true", help="FFNs of layers >= 2 in e4m3 (LaCache's FP8 FFN)")
+    ap.add_argument("--steps", nargs="+", type=int, default=[64], help="fixed schedules to time at every batch")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -127,17 +129,23 @@ def main() -> None:
     for name in args.models:
         for batch in args.batches:
             for mode in args.modes:
-                plan.append((name, mode, batch, 64))
+                for steps in args.steps:
+                    plan.append((name, mode, batch, steps))
         plan.append((name, "dual", 1, 256))
     current = None
     for i, (name, mode, batch, steps) in enumerate(plan):
         if time.perf_counter() - t_start > args.budget_s:
             skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps))
             continue
-        if current is None or current.config is not common.MODELS[name]:
+        if current is None or current.config.replace(fp8_ffn=False) != common.MODELS[name]:
             current = None
             params = common.random_params(common.MODELS[name])
-            current = Model(common.MODELS[name], params)
+            config = common.MODELS[name]
+            if args.fp8_ffn:
+                from dllm_jax import fp8
+
+                params, config = fp8.quantize_params(params, config, on_device=True)
+            current = Model(config, params)
         reps = 1 if (mode == "none" and batch >= 8) or steps == 256 else 3
         try:
             row = bench_one(current, name, mode, batch, steps, rng, reps)
@@ -145,6 +153,7 @@ def main() -> None:
             print(f"FAILED {name} {mode} b{batch} s{steps}: {type(e).__name__}: {e}", flush=True)
             skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, error=str(e)[:300]))
             continue
+        row["fp8_ffn"] = bool(args.fp8_ffn)
         rows.append(row)
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
@@ -154,8 +163,9 @@ def main() -> None:
                        schedule="fixed (steps given), stop_at_eos off", skipped=skipped,
                        baseline="Fast-dLLM official PyTorch, same GPU kind (anchors): batch 1, steps 64: "
                                 "dual 98-113 tok/s, prefix 130-138, none 125.7; batch > 1 unsupported")
-    path = common.write_results("generate_h200.json", meta, rows, args.out)
-    plot(rows, Path(args.out) / "generate_h200.png")
+    stem = "generate_fp8_h200" if args.fp8_ffn else "generate_h200"
+    path = common.write_results(f"{stem}.json", meta, rows, args.out)
+    plot(rows, Path(args.out) / f"{stem}.png")
     print(f"wrote {path}")
 
 

@@ -88,6 +88,6 @@ def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.Pa
     return path
 
 # a CPU smoke-test size (same code paths)
-TINY = LLADA_8B.replace(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16,
-                        mlp_hidden=128, mask_token_id=511, eos_token_id=510, pad_token_id=510, bos_token_id=509)
+TINY = LLADA_8B.replace(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
+                        mlp_hidden=256, mask_token_id=511, eos_token_id=510, pad_token_id=510, bos_token_id=509)
 MODELS["tiny"] = TINY

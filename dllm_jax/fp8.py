@@ -47,14 +47,21 @@ def quantize_stacked_mlp(mlp: dict) -> tuple[dict, dict]:
     return stacked, first
 
 
-def quantize_params(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig]:
-    """bf16 params -> params with FP8 FFNs in layers >= 2, and the config with fp8_ffn=True."""
+def quantize_params(params: dict, config: ModelConfig, on_device: bool = False) -> tuple[dict, ModelConfig]:
+    """bf16 params -> params with FP8 FFNs in layers >= 2, and the config with fp8_ffn=True.
+
+    on_device: quantise all layers at once on the accelerator (benchmarks: weights already live there);
+    default: layer by layer into host numpy (conversion and loading: low peak memory)."""
     if config.fp8_ffn:
         return params, config
     check_fp8_shapes(config)
     layers = dict(params["layers"])
     mlp = layers.pop("mlp")
-    stacked, first = quantize_stacked_mlp(mlp)
+    if on_device:
+        stacked = jax.jit(jax.vmap(quantize_layer_mlp))(mlp)
+        first = jax.tree.map(lambda a: a[0], mlp)
+    else:
+        stacked, first = quantize_stacked_mlp(mlp)
     layers["mlp_fp8"] = stacked
     out = dict(params)
     out["layers"] = layers

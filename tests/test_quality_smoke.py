@@ -8,7 +8,6 @@ import jax
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "dllm_jax" / "assets" / "demo_model"
 
 
 def _bench(name):
@@ -20,7 +19,6 @@ def _bench(name):
 
 @pytest.fixture(scope="module")
 def quality():
-    pytest.importorskip("dllm_jax.generate")
     return _bench("quality")
 
 
@@ -61,11 +59,5 @@ def test_wilson_interval(quality):
     assert 0.88 < lo < 0.9 and 0.97 < hi < 0.99
     assert quality.wilson(10, 10)[1] == 1.0 and quality.wilson(0, 10)[0] == 0.0
 
-
-@pytest.mark.skipif(not (DEMO / "model.safetensors").is_file(), reason="demo model not bundled yet")
-def test_demo_model_is_accurate(quality):
-    res = quality.run(DEMO, n=4, modes=["none"], progress=False)
-    for task in ("locate", "lookup", "rule"):
-        rows = [r for r in res["rows"] if r["task"] == task]
-        acc = sum(r["correct"] for r in rows) / sum(r["n"] for r in rows)
-        assert acc >= 0.8, (task, acc, rows)
+# The accuracy check of the trained demo model belongs with the model: add it when the model is bundled
+# (issue 6). A skipped placeholder here would only pretend the feature exists.
