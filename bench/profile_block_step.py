@@ -1,0 +1,145 @@
+"""Where a dual-cache block step's time goes (issue 7), by timed variants that drop one stage, plus skinny GEMMs.
+
+For LLaDA-8B / Dream-7B shapes (random bf16 weights on the device), batch 1/8/32, a 512-slot cache and a 32-token
+block, it times 8 block steps fused in one jitted fori_loop for:
+  full           the engine's block step (attention backend as given)
+  no_attention   attention replaced by a broadcast of V (same shapes, no softmax/PV)
+  no_ffn         the SwiGLU FFN skipped
+  attn_<b>       the full step with attention backend <b> (xla / cudnn / pallas)
+and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
+is (all weights read once + the K/V cache read once) / 4.3 TB/s. Writes bench/results/block_step_h200.json and
+prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from dllm_jax import modeling  # noqa: E402
+from dllm_jax.caches import STRATEGIES  # noqa: E402
+from dllm_jax.caches.base import DecodeInputs  # noqa: E402
+from dllm_jax.modeling import Block  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+CACHE_SLOTS, BLOCK, FUSED = 512, 32, 8
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Temporarily change one stage of the block (module attributes are read at trace time)."""
+    saved_attend, saved_finish = modeling.attend, Block.finish
+    if name == "no_attention":
+        def fake_attend(q, k, v, key_mask=None, backend="xla"):
+            g = q.shape[2] // v.shape[2]
+            return jnp.repeat(v[:, :1], q.shape[1], axis=1).repeat(g, axis=2).astype(q.dtype)
+        modeling.attend = fake_attend
+    elif name == "no_ffn":
+        Block.finish = lambda self, x, attn: self.attn_residual(x, attn)
+    try:
+        yield
+    finally:
+        modeling.attend, Block.finish = saved_attend, saved_finish
+
+
+def time_step(model_cfg, params, batch: int, backend: str) -> float:
+    """ms per dual-cache block step (8 fused)."""
+    t = CACHE_SLOTS
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+    inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
+                       0, backend, padded=False)
+    x = jnp.full((batch, t), 7, jnp.int32)
+    strat = STRATEGIES["dual"]
+    bs = jnp.int32(t - 2 * BLOCK)
+
+    @jax.jit
+    def run(params, state):
+        def body(i, carry):
+            st, acc = carry
+            logits, st = strat.step(params, model_cfg, inp, st, x, bs)
+            return st, acc + logits[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
+
+    state = [strat.init(params, model_cfg, inp, x)]
+
+    def call():
+        st, acc = run(params, state[0])
+        acc.block_until_ready()
+        state[0] = st
+
+    med, _ = common.time_call(call, reps=5)
+    return 1e3 * med / FUSED
+
+
+def gemm_rows(k: int, n: int, ms=(32, 64, 256)) -> list[dict]:
+    rows = []
+    key = jax.random.key(0)
+    w = (0.02 * jax.random.normal(key, (k, n), jnp.float32)).astype(jnp.bfloat16)
+    for m in ms:
+        xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(4)]
+        f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+        i = [0]
+
+        def call():
+            i[0] += 1
+            f(xs[i[0] % 4], w).block_until_ready()
+
+        med, _ = common.time_call(call, reps=20)
+        rows.append({"kind": "gemm_xla", "M": m, "K": k, "N": n, "us": 1e6 * med,
+                     "weight_TBps": k * n * 2 / med / 1e12})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--backends", nargs="+", default=["cudnn", "xla", "pallas"])
+    ap.add_argument("--out", default=str(common.RESULTS))
+    args = ap.parse_args()
+    rows = []
+    for name in args.models:
+        cfg = common.MODELS[name]
+        params = common.random_params(cfg)
+        weight_bytes = common.param_bytes(params) - params["embed"].size * 2  # the embedding is gathered, not read
+        for b in args.batches:
+            kv_bytes = 2 * cfg.n_layers * b * CACHE_SLOTS * cfg.n_kv_heads * cfg.head_dim * 2
+            row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK,
+                   "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S}
+            base = args.backends[0]
+            for backend in args.backends:
+                try:
+                    row[f"ms_attn_{backend}"] = time_step(cfg, params, b, backend)
+                except Exception as e:  # a backend that cannot run this shape must not lose the others
+                    row[f"ms_attn_{backend}"] = None
+                    row[f"error_{backend}"] = str(e)[:200]
+            for v in ("no_attention", "no_ffn"):
+                with variant(v):
+                    row[f"ms_{v}"] = time_step(cfg, params, b, base)
+            row["ms_block_step"] = min(x for k, x in row.items() if k.startswith("ms_attn_") and x)
+            row["xla_baseline_ms"] = row.get("ms_attn_cudnn") or row.get("ms_attn_xla")
+            rows.append(row)
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        d, f = cfg.d_model, cfg.mlp_hidden
+        for k, n in ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
+            for r in gemm_rows(k, n):
+                rows.append({"model": name, **r})
+                print(rows[-1], flush=True)
+        del params
+    path = common.write_results("block_step_h200.json", common.meta(what="dual-cache block step profile"),
+                                rows, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
