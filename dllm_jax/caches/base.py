@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from dllm_jax.attention import Backend
 from dllm_jax.config import ModelConfig
+from dllm_jax.modeling import KVCache, forward
 
 Array = jax.Array
 
@@ -62,3 +63,21 @@ class CacheStrategy(Protocol):
 
     def step(self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array,
              block_start: Array) -> tuple[Array, Any]: ...
+
+
+def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_start):
+    """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
+    at = block_logit_index(inp, block_start, 0, x.shape[0])
+    out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache, cache_offset=0,
+                  write_mask=~inp.frozen, logits_at=at, attention_backend=inp.backend)
+    return out.logits, out.cache
+
+
+class RefreshAtBlockStart:
+    """Fast-dLLM's shared part: a KV buffer over the whole sequence, fully rewritten by the block-start forward."""
+
+    def init(self, params, config, inp: DecodeInputs, x):
+        return KVCache.zeros(config, x.shape[0], x.shape[1])
+
+    def block_start(self, params, config, inp, state, x, block_start):
+        return full_refresh(params, config, inp, state, x, block_start)

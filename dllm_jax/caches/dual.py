@@ -10,20 +10,13 @@ import dataclasses
 
 import jax
 
-from dllm_jax.caches.base import DecodeInputs, block_logit_index
-from dllm_jax.caches.prefix import full_refresh
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.caches.base import DecodeInputs, RefreshAtBlockStart, block_logit_index
+from dllm_jax.modeling import forward
 
 
 @dataclasses.dataclass(frozen=True)
-class DualCache:
+class DualCache(RefreshAtBlockStart):
     name: str = "dual"
-
-    def init(self, params, config, inp: DecodeInputs, x):
-        return KVCache.zeros(config, x.shape[0], x.shape[1])
-
-    def block_start(self, params, config, inp, state, x, block_start):
-        return full_refresh(params, config, inp, state, x, block_start)
 
     def step(self, params, config, inp: DecodeInputs, state, x, block_start):
         bl = inp.block_length

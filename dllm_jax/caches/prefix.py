@@ -12,27 +12,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dllm_jax.caches.base import DecodeInputs, block_logit_index
-from dllm_jax.modeling import KVCache, forward
-
-
-def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_start):
-    """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
-    at = block_logit_index(inp, block_start, 0, x.shape[0])
-    out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache, cache_offset=0,
-                  write_mask=~inp.frozen, logits_at=at, attention_backend=inp.backend)
-    return out.logits, out.cache
+from dllm_jax.caches.base import DecodeInputs, RefreshAtBlockStart, block_logit_index
+from dllm_jax.modeling import forward
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefixCache:
+class PrefixCache(RefreshAtBlockStart):
     name: str = "prefix"
-
-    def init(self, params, config, inp: DecodeInputs, x):
-        return KVCache.zeros(config, x.shape[0], x.shape[1])
-
-    def block_start(self, params, config, inp, state, x, block_start):
-        return full_refresh(params, config, inp, state, x, block_start)
 
     def step(self, params, config, inp: DecodeInputs, state, x, block_start):
         p = inp.prompt_len
