@@ -19,6 +19,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"dllm-jax: error: {model.path} has no tokenizer files (tokenizer.json or vocab.json+merges.txt)",
               file=sys.stderr)
         return 2
+    notice = model.path / "NOTICE.txt" if model.path else None
+    if notice is not None and notice.is_file():
+        print(f"note: {notice.read_text().strip()}", file=sys.stderr)
     texts = args.prompt or ["Where is Mary?"]
     if args.raw:
         prompts = [model.tokenizer.encode(t) for t in texts]
@@ -38,7 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
     for text, ids in zip(texts, answer_tokens(out.tokens, model.config, gc)):
         if len(texts) > 1:
             print(f"> {text}")
-        print(model.tokenizer.decode(ids))
+        text = model.tokenizer.decode(ids)
+        print(text if text.strip() else f"(no printable text; token ids {ids})")
     n_tokens = sum(len(a) for a in answer_tokens(out.tokens, model.config, gc))
     print(f"[{model.config.family} from {model.path}; cache={gc.cache}; NFE {out.nfe}; "
           f"{out.seconds:.2f} s incl. compile; {n_tokens} answer tokens]", file=sys.stderr)
