@@ -66,16 +66,15 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
     else:
         inp_run = inp
 
-    def model_logits(state: LoopState, block_start: Array, refresh: Array):
+    def model_logits(state: LoopState, block_start: Array, refresh: bool):
+        # refresh is static: the block-start forward and the in-block forward are traced in separate loop bodies.
+        # (A lax.cond between them would pass the whole cache through the conditional, which costs copies of it
+        # at every step on large batches.)
         xs = state.x
         if use_cfg:
             xs = jnp.concatenate([xs, jnp.where(prompt_region, mask_id, xs)])
-        logits, cache = jax.lax.cond(
-            refresh,
-            lambda c: strategy.block_start(params, config, inp_run, c, xs, block_start),
-            lambda c: strategy.step(params, config, inp_run, c, xs, block_start),
-            state.cache,
-        )
+        forward_fn = strategy.block_start if refresh else strategy.step
+        logits, cache = forward_fn(params, config, inp_run, state.cache, xs, block_start)
         logits = logits.astype(jnp.float32)
         if use_cfg:
             cond, uncond = jnp.split(logits, 2)
@@ -85,7 +84,7 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
         logits = logits.at[..., mask_id].set(-jnp.inf)
         return logits, cache
 
-    def commit_rule(logits, masked, key, step, refresh, schedule):
+    def commit_rule(logits, masked, key, step, first_of_block: bool, schedule):
         k_cand, k_commit = jax.random.split(key)
         if sampler == "llada":
             x0, conf = sampling.llada_candidates(logits, masked, k_cand, gc.temperature, gc.remasking)
@@ -110,9 +109,9 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
                 commit = sampling.commit_top_k(noisy, masked, count)
             else:
                 commit = sampling.commit_top_k(conf, masked, count)
-        if sampler == "dream" and gc.cache != "none":
+        if sampler == "dream" and gc.cache != "none" and first_of_block:
             # Fast-dLLM Dream: the block-start forward commits the block's first token unconditionally
-            commit = jnp.where(refresh & (step == 0), sampling.commit_first_masked(masked), commit)
+            commit = sampling.commit_first_masked(masked)
         return x0, commit
 
     def block_cond(s: LoopState):
@@ -128,20 +127,22 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
             return jnp.any(blk == mask_id) & (s.step < spb)
 
-        def step_body(s: LoopState) -> LoopState:
-            refresh = (s.step == 0) | jnp.bool_(gc.refresh == "step")
-            logits, cache = model_logits(s, block_start, refresh)
+        def step_body(s: LoopState, first_of_block: bool) -> LoopState:
+            logits, cache = model_logits(s, block_start, refresh=first_of_block or gc.refresh == "step")
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
             masked = blk == mask_id
             key, sub = jax.random.split(s.key)
-            x0, commit = commit_rule(logits, masked, sub, s.step, refresh, s.schedule)
+            x0, commit = commit_rule(logits, masked, sub, s.step, first_of_block, s.schedule)
             new_blk = jnp.where(commit, x0, blk)
             x = jax.lax.dynamic_update_slice_in_dim(s.x, new_blk, block_start, axis=1)
             per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
             return dataclasses.replace(s, x=x, cache=cache, key=key, nfe=s.nfe + 1, step=s.step + 1,
                                        total_steps=s.total_steps + 1, committed_per_step=per_step)
 
-        s = jax.lax.while_loop(step_cond, step_body, s)
+        # The block-start step runs unconditionally: block_cond guarantees a row that is still decoding, and
+        # such a row's block starts fully masked.
+        s = step_body(s, first_of_block=True)
+        s = jax.lax.while_loop(step_cond, lambda s: step_body(s, first_of_block=False), s)
         s = dataclasses.replace(s, steps_per_block=s.steps_per_block.at[s.block].set(s.step))
         if gc.stop_at_eos:
             s = _fill_after_eos(s, config, p, block_start + bl, gc)
