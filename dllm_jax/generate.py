@@ -56,6 +56,10 @@ class GenerationConfig:
     prompt_bucket: int = 32
     attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
 
+    def __post_init__(self) -> None:
+        # a list would make the (static, hashed) config unhashable
+        object.__setattr__(self, "extra_stop_ids", tuple(int(i) for i in self.extra_stop_ids))
+
     def resolved_sampler(self, config: ModelConfig) -> str:
         return self.sampler or config.family
 
@@ -99,6 +103,18 @@ class GenerationConfig:
             bad(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is not None and self.top_k <= 0:
             bad(f"top_k={self.top_k} must be positive")
+        if self.alg not in ("origin", "maskgit_plus", "topk_margin", "entropy"):
+            bad(f"alg={self.alg!r}; expected origin, maskgit_plus, topk_margin or entropy")
+        if self.remasking not in ("low_confidence", "random"):
+            bad(f"remasking={self.remasking!r}; expected low_confidence or random")
+        if not (0.0 < self.eps < 1.0):
+            bad(f"eps={self.eps} must be in (0, 1)")
+        if self.attention_backend not in ("auto", "xla", "cudnn", "pallas"):
+            bad(f"attention_backend={self.attention_backend!r}")
+        if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
+                and self.refresh == "block" and self.steps // self.n_blocks < 2):
+            bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
+                f"per block, got steps={self.steps} for {self.n_blocks} blocks")
         if self.prompt_bucket <= 0:
             bad(f"prompt_bucket={self.prompt_bucket} must be positive")
         if config is not None and self.sampler not in (None, "llada", "dream"):
@@ -173,7 +189,8 @@ def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> 
 
 @functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len", "padded"))
 def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
-    shift = 1 if gc.resolved_sampler(config) == "dream" else 0
+    # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
+    shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
                        padded=padded)

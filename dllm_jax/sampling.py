@@ -40,14 +40,14 @@ def llada_candidates(logits: Array, masked: Array, key: Array, temperature: floa
 def _top_p_filter(logits: Array, top_p: float) -> Array:
     sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
     cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-    remove_sorted = (cum - jax.nn.softmax(sorted_logits, axis=-1)) >= top_p
+    # HF/Dream: remove token i (sorted) when the mass before it exceeds top_p; the first is always kept
+    remove_sorted = (cum - jax.nn.softmax(sorted_logits, axis=-1)) > top_p
     cutoff = jnp.min(jnp.where(remove_sorted, jnp.inf, sorted_logits), axis=-1, keepdims=True)
     return jnp.where(logits < cutoff, NEG_INF, logits)
 
 
 def _top_k_filter(logits: Array, top_k: int) -> Array:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
     return jnp.where(logits < kth, NEG_INF, logits)
 
 
@@ -102,6 +102,10 @@ def commit_factor(conf: Array, masked: Array, factor: float) -> Array:
     sorted_conf = -jnp.sort(-conf, axis=-1)
     passes = (sorted_conf >= 1.0 - factor / (n + 1.0)) | (n == 1)
     n_commit = jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=-1), axis=-1)
+    # the reference loop's quirk (Fast-dLLM get_transfer_index_dynamic): when only the LAST masked position
+    # fails, it commits all of them
+    n_masked = masked.sum(axis=-1)
+    n_commit = jnp.where(n_commit == n_masked - 1, n_masked, n_commit)
     return masked & (rank < n_commit[:, None])
 
 

@@ -34,8 +34,9 @@ def softmax(l):
     return e / e.sum(-1, keepdims=True)
 
 
-def llada_reference(model, prompt, gen_length, block_length, steps, threshold=None):
-    """LLaDA `generate` (temperature 0, low_confidence remasking), and Fast-dLLM's threshold rule, one row."""
+def llada_reference(model, prompt, gen_length, block_length, steps, threshold=None, shift=False):
+    """LLaDA `generate` (temperature 0, low_confidence remasking), and Fast-dLLM's threshold rule, one row.
+    shift: the logits are those of an AR-adapted model (Dream): position i is predicted at i - 1."""
     mask = model.config.mask_token_id
     x = np.array(list(prompt) + [mask] * gen_length)
     p = len(prompt)
@@ -49,6 +50,8 @@ def llada_reference(model, prompt, gen_length, block_length, steps, threshold=No
         i = 0
         while (x[s:e] == mask).any():
             logits = full_logits(model, x)
+            if shift:
+                logits = np.concatenate([logits[:1], logits[:-1]], 0)
             nfe += 1
             x0 = logits.argmax(-1)
             conf = np.take_along_axis(softmax(logits), x0[:, None], 1)[:, 0]
@@ -282,3 +285,39 @@ def test_naive_affix_reuse_freezes_affix(models_fp32):
     np.testing.assert_array_equal(generate(m, PROMPTS, gc, affix_spans=spans).tokens, dual.tokens)
     with pytest.raises(ValueError, match="affix_spans"):
         generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"))
+
+
+def test_llada_sampler_on_dream_model_keeps_the_shift(models_fp32):
+    """The logit shift is a property of the model family (Dream is AR-adapted), not of the sampler."""
+    m = models_fp32["dream"]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, sampler="llada", stop_at_eos=False)
+    out = generate(m, PROMPTS[:2], gc)
+    for row, prompt in zip(out.tokens, PROMPTS[:2]):
+        ref, _ = llada_reference(m, prompt, 8, 4, 8, shift=True)
+        np.testing.assert_array_equal(row, ref)
+
+
+def test_factor_rule_reference_quirk():
+    from dllm_jax import sampling
+
+    masked = jnp.ones((3, 3), bool).at[0, 2].set(False)
+    # row 0: two masked, the second fails (0.1 < 1 - 1/3): the reference commits both
+    # row 1: three masked, the second fails: commit 1; row 2: all pass: commit 3
+    conf = jnp.array([[0.99, 0.1, -jnp.inf], [0.99, 0.1, 0.05], [0.99, 0.9, 0.8]])
+    commit = np.asarray(sampling.commit_factor(conf, masked, factor=1.0))
+    assert commit.sum(-1).tolist() == [2, 1, 3]
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(alg="confidence_threshold"), "alg="), (dict(remasking="top"), "remasking="),
+                                    (dict(eps=1.0), "eps=1.0")])
+def test_bad_sampler_settings(kw, msg, models_fp32):
+    with pytest.raises(ValueError, match=msg):
+        generate(models_fp32["dream"], PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=8, **kw))
+
+
+def test_dream_cache_needs_two_steps_per_block(models_fp32):
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=2, cache="dual")
+    with pytest.raises(ValueError, match=">= 2 steps per block"):
+        generate(models_fp32["dream"], PROMPTS, gc)
+    generate(models_fp32["llada"], PROMPTS, gc)  # LLaDA has no first-token rule: fine
+    assert GenerationConfig(extra_stop_ids=[3, 4]).extra_stop_ids == (3, 4)
