@@ -158,8 +158,10 @@ def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: Generation
     """Host-side batch layout: tokens [B, T], positions, key mask, frozen mask and P (numpy)."""
     b = len(prompts)
     longest = max(len(p) for p in prompts)
-    P = math.ceil(longest / gc.prompt_bucket) * gc.prompt_bucket
-    P = min(P, config.max_seq_len - gc.gen_length) if longest <= config.max_seq_len - gc.gen_length else P
+    # round the prompt region up to a bucket (fewer compiled shapes), never past what the longest prompt needs
+    # within the model's maximum (RoPE positions count from each row's first real token, so pads cost no range)
+    P = max(longest, min(math.ceil(longest / gc.prompt_bucket) * gc.prompt_bucket,
+                         config.max_seq_len - gc.gen_length))
     T = P + gc.gen_length
     x = np.full((b, T), config.mask_token_id, np.int32)
     pad = np.zeros(b, np.int32)
