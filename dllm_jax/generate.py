@@ -195,7 +195,7 @@ def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, pr
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
-                       padded=padded)
+                       padded=padded, has_frozen=gc.affix != "none")
     if gc.affix == "naive":
         x_cache = _naive_affix_cache(params, config, inp, x, gc)
     else:

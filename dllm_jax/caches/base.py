@@ -34,6 +34,12 @@ class DecodeInputs:
     shift: int = dataclasses.field(metadata=dict(static=True))  # 1 for Dream (position i is predicted at i-1)
     backend: str = dataclasses.field(metadata=dict(static=True))
     padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
+    has_frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))  # any frozen position?
+
+    def keep_mask(self, frozen: Array) -> Array | None:
+        """write_mask for a window whose frozen slice is `frozen`: None (write everything) when nothing is
+        frozen, which spares the hot path a read of the old K/V."""
+        return ~frozen if self.has_frozen else None
 
     @property
     def attn_mask(self) -> Array | None:
@@ -69,7 +75,7 @@ def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_sta
     """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
     at = block_logit_index(inp, block_start, 0, x.shape[0])
     out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache, cache_offset=0,
-                  write_mask=~inp.frozen, logits_at=at, attention_backend=inp.backend)
+                  write_mask=inp.keep_mask(inp.frozen), logits_at=at, attention_backend=inp.backend)
     return out.logits, out.cache
 
 

@@ -25,5 +25,6 @@ class DualCache(RefreshAtBlockStart):
         frozen = jax.lax.dynamic_slice_in_dim(inp.frozen, block_start, bl, axis=1)
         at = block_logit_index(inp, block_start, block_start, x.shape[0])
         out = forward(params, config, window, positions, key_mask=inp.attn_mask, cache=state,
-                      cache_offset=block_start, write_mask=~frozen, logits_at=at, attention_backend=inp.backend)
+                      cache_offset=block_start, write_mask=inp.keep_mask(frozen), logits_at=at,
+                      attention_backend=inp.backend)
         return out.logits, out.cache
