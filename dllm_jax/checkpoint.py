@@ -113,7 +113,8 @@ def validate(ckpt: HFCheckpoint, config: ModelConfig) -> dict[str, tuple[Path, t
     missing = sorted(set(expected) - set(index))
     unexpected = sorted(set(index) - set(expected))
     if missing:
-        problems.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+        problems.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20])
+                        + (" ..." if len(missing) > 20 else ""))
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(unexpected[:20])
                         + (" ..." if len(unexpected) > 20 else ""))

@@ -76,8 +76,9 @@ def fp8_param_shapes(shapes: dict, config: ModelConfig) -> dict:
     sd = jax.ShapeDtypeStruct
     layers = dict(shapes["layers"])
     mlp = layers.pop("mlp")
-    layers["mlp_fp8"] = {"w_gu": sd((L, 2 * f, d), jnp.float8_e4m3fn), "s_gu": sd((L, 2 * f // GROUP, d // GROUP), jnp.float32),
-                         "w_down": sd((L, d, f), jnp.float8_e4m3fn), "s_down": sd((L, d // GROUP, f // GROUP), jnp.float32)}
+    e4m3, f32 = jnp.float8_e4m3fn, jnp.float32
+    layers["mlp_fp8"] = {"w_gu": sd((L, 2 * f, d), e4m3), "s_gu": sd((L, 2 * f // GROUP, d // GROUP), f32),
+                         "w_down": sd((L, d, f), e4m3), "s_down": sd((L, d // GROUP, f // GROUP), f32)}
     out = dict(shapes)
     out["layers"] = layers
     out["mlp_first"] = jax.tree.map(lambda s: sd(s.shape[1:], s.dtype), mlp)
