@@ -68,15 +68,10 @@ def load_tokenizer(path: str | os.PathLike, config: ModelConfig) -> Tokenizer:
             value = value.get("content")
         if isinstance(value, str):
             kwargs[key] = value
-    if config.family == "dream":
-        files = {}
-        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-            files = {"vocab_file": str(p / "vocab.json"), "merges_file": str(p / "merges.txt")}
-        if (p / "tokenizer.json").is_file():
-            files["tokenizer_file"] = str(p / "tokenizer.json")
-        hf = transformers.Qwen2TokenizerFast(**files, **kwargs)
-    else:
-        hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"), **kwargs)
+    # from_pretrained on a concrete class reads the standard file names (tokenizer.json, or vocab.json +
+    # merges.txt, plus tokenizer_config.json's added tokens) and never runs a checkpoint's remote code.
+    cls = transformers.Qwen2TokenizerFast if config.family == "dream" else transformers.PreTrainedTokenizerFast
+    hf = cls.from_pretrained(str(p), local_files_only=True, **kwargs)
     template = tok_cfg.get("chat_template")
     if isinstance(template, str):
         hf.chat_template = template

@@ -161,3 +161,22 @@ def test_chat_templates(family, hf_dirs):
                         "<|start_header_id|>assistant<|end_header_id|>\n\n")
     else:
         assert text.endswith("<|im_start|>user\n 2+2? <|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_dream_tokenizer_from_vocab_merges_without_remote_code(tmp_path):
+    """A Dream release whose tokenizer_config points at remote code, with only vocab.json + merges.txt: the
+    Qwen2 tokenizer of transformers loads it, its added special tokens stay single ids."""
+    d = fixtures.write_checkpoint("dream", tmp_path / "hf")
+    fixtures.write_tokenizer("dream", d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    added = json.loads((d / "tokenizer.json").read_text())["added_tokens"]
+    cfg["added_tokens_decoder"] = {str(t["id"]): {"content": t["content"], "special": True} for t in added}
+    cfg["tokenizer_class"] = "DreamTokenizer"
+    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "tokenizer.json").unlink()
+    tok = dllm_jax.load(d).tokenizer
+    ids = tok.apply_chat_template("hi")
+    im_start = next(t["id"] for t in added if t["content"] == "<|im_start|>")
+    assert ids.count(im_start) == 3  # system, user, assistant headers
+    assert tok.decode(tok.encode("héllo wörld")) == "héllo wörld"
