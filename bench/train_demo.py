@@ -40,7 +40,8 @@ from dllm_jax.config import ModelConfig  # noqa: E402
 from dllm_jax.modeling import cast_params, forward, init_params  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 from dllm_jax.tasks import vocab as V  # noqa: E402
-from dllm_jax.tasks.refdecode import reference_decode, strip_answer  # noqa: E402
+from dllm_jax.generate import GenerationConfig, answer_tokens, generate  # noqa: E402
+from dllm_jax.loading import Model  # noqa: E402
 
 GEN_LENGTH = 8
 SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
@@ -139,10 +140,12 @@ def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0
 
 # ------------------------------------------------------------------------------------------------ eval
 def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int = 512) -> dict:
-    """Held-out exact match per (task, placement) with the reference no-cache decoder (bf16 weights)."""
+    """Held-out exact match per (task, placement), the engine's no-cache decoding (bf16 weights, one token
+    per step)."""
     v = V.vocab()
     cfg = config.replace(dtype="bfloat16")
-    p16 = cast_params(params, jnp.bfloat16)
+    model = Model(cfg, cast_params(params, jnp.bfloat16))
+    gc = GenerationConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, steps=GEN_LENGTH, cache="none")
     out = {}
     for task in G.TASKS:
         probs = G.generate(task, "heldout", n, seed=seed)
@@ -151,8 +154,8 @@ def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int =
             correct = 0
             for i in range(0, len(rs), batch):
                 chunk = rs[i:i + batch]
-                gen = reference_decode(p16, cfg, [r.prompt for r in chunk], GEN_LENGTH)
-                correct += sum(strip_answer(g, cfg.eos_token_id) == r.answer for g, r in zip(gen, chunk))
+                gen = generate(model, [r.prompt for r in chunk], gc).tokens
+                correct += sum(a == r.answer for a, r in zip(answer_tokens(gen, cfg, gc), chunk))
             out[f"{task}/{pl}"] = correct / len(rs)
     return out
 
