@@ -48,9 +48,9 @@ SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
 CHUNK = 2000  # problems per data chunk (one RNG seed each)
 
 
-def model_config(tiny: bool, dtype: str = "float32") -> ModelConfig:
+def model_config(tiny: bool, dtype: str = "float32", d_model: int = 256, n_layers: int = 6) -> ModelConfig:
     v = V.vocab()
-    d, layers, heads, mlp = (64, 2, 4, 192) if tiny else (256, 6, 8, 768)
+    d, layers, heads, mlp = (64, 2, 4, 192) if tiny else (d_model, n_layers, d_model // 32, 3 * d_model)
     return ModelConfig(family="llada", vocab_size=V.padded_vocab_size(), d_model=d, n_layers=layers, n_heads=heads,
                        n_kv_heads=heads, head_dim=d // heads, mlp_hidden=mlp, rms_eps=1e-5, rope_theta=10000.0,
                        rope_fp32=True, qkv_bias=False, tie_embeddings=False, max_seq_len=1024,
@@ -61,14 +61,14 @@ def model_config(tiny: bool, dtype: str = "float32") -> ModelConfig:
 # ------------------------------------------------------------------------------------------------ data
 def _chunk(args):
     """Rows of one chunk: (tokens [n, SEQ_LEN] int16, valid length [n], answer start [n])."""
-    task, chunk_idx, n, seed = args
+    task, chunk_idx, n, seed, level, difficulty = args
     v = V.vocab()
     eos = v[V.EOS]
-    rng = np.random.default_rng([seed, chunk_idx, G.TASKS.index(task)])
+    rng = np.random.default_rng([seed, chunk_idx, G.TASKS.index(task), level])
     toks = np.full((n, SEQ_LEN), eos, np.int16)
     length = np.zeros(n, np.int32)
     start = np.zeros(n, np.int32)
-    probs = G.generate(task, "train", n, seed=seed * 100_000 + chunk_idx)
+    probs = G.generate(task, "train", n, seed=seed * 100_000 + chunk_idx + 10_000 * level, difficulty=difficulty)
     for i, p in enumerate(probs):
         r = G.render(p, G.PLACEMENTS[rng.integers(3)], v)
         row = r.prompt + r.answer + [eos] * (GEN_LENGTH - len(r.answer))
@@ -78,11 +78,15 @@ def _chunk(args):
     return toks, length, start
 
 
-def build_pool(n_per_task: int, seed: int, workers: int):
+def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1):
+    """Training rows of every task at `levels` difficulties (linspace(0, 1) if levels > 1, else 1.0), level by
+    level: returns (tokens, length, start) with rows [level][task][problem], each level n_per_task x 3 rows."""
+    diffs = [1.0] if levels == 1 else list(np.linspace(0.0, 1.0, levels))
     jobs = []
-    for task in G.TASKS:
-        for c in range(math.ceil(n_per_task / CHUNK)):
-            jobs.append((task, c, min(CHUNK, n_per_task - c * CHUNK), seed))
+    for lv, dfc in enumerate(diffs):
+        for task in G.TASKS:
+            for c in range(math.ceil(n_per_task / CHUNK)):
+                jobs.append((task, c, min(CHUNK, n_per_task - c * CHUNK), seed, lv, float(dfc)))
     if workers > 1:
         with mp.get_context("fork").Pool(workers) as pool:
             parts = pool.map(_chunk, jobs)
@@ -92,7 +96,8 @@ def build_pool(n_per_task: int, seed: int, workers: int):
 
 
 # ------------------------------------------------------------------------------------------------ loss
-def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx, backend: str = "xla"):
+def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx, backend: str = "xla",
+              levels: int = 1):
     cfg_c = config.replace(dtype="bfloat16")
 
     def loss_fn(params, tokens, length, start, key):
@@ -118,9 +123,12 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         return jnp.mean(row), ans_ce
 
     @jax.jit
-    def step(params, opt_state, pool, key, lr):
-        k_idx, k_loss = jax.random.split(key)
-        idx = jax.random.randint(k_idx, (batch,), 0, pool[0].shape[0])
+    def step(params, opt_state, pool, key, lr, max_level):
+        # curriculum: each row's difficulty level is uniform in [0, max_level]; the pool is level-major
+        k_idx, k_lv, k_loss = jax.random.split(key, 3)
+        per_level = pool[0].shape[0] // levels
+        level = jax.random.randint(k_lv, (batch,), 0, max_level + 1)
+        idx = level * per_level + jax.random.randint(k_idx, (batch,), 0, per_level)
         tokens = pool[0][idx].astype(jnp.int32)
         (loss, ans_ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, pool[1][idx],
                                                                           pool[2][idx], k_loss)
@@ -139,6 +147,38 @@ def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0
 
 
 # ------------------------------------------------------------------------------------------------ eval
+def quick_eval_set(n: int = 256, seed: int = 99):
+    """Held-out rows (full difficulty, placements cycling) per task for the in-training probe."""
+    v = V.vocab()
+    out = {}
+    for task in G.TASKS:
+        rows = [G.render(p, G.PLACEMENTS[i % 3], v) for i, p in enumerate(G.generate(task, "heldout", n, seed=seed))]
+        toks = np.full((n, SEQ_LEN), v[V.EOS], np.int32)
+        length, start = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        for i, r in enumerate(rows):
+            row = r.prompt + r.answer + [v[V.EOS]] * (GEN_LENGTH - len(r.answer))
+            toks[i, :len(row)], length[i], start[i] = row, len(row), len(r.prompt)
+        out[task] = (jnp.asarray(toks), jnp.asarray(length), jnp.asarray(start))
+    return out
+
+
+def make_quick_eval(config: ModelConfig):
+    """Exact match with the whole answer region masked and decoded in ONE forward (argmax): a cheap lower-bound
+    proxy of the iterative decoder's accuracy, for the training log."""
+    cfg = config.replace(dtype="bfloat16")
+
+    @jax.jit
+    def acc(params, toks, length, start):
+        pos = jnp.arange(toks.shape[1])[None]
+        region = (pos >= start[:, None]) & (pos < length[:, None])
+        x = jnp.where(region, cfg.mask_token_id, toks)
+        lg = forward(cast_params(params, jnp.bfloat16), cfg, x, jnp.broadcast_to(pos, x.shape),
+                     key_mask=pos < length[:, None]).logits
+        return jnp.mean(jnp.all((jnp.argmax(lg, -1) == toks) | ~region, axis=1))
+
+    return acc
+
+
 def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int = 512) -> dict:
     """Held-out exact match per (task, placement), the engine's no-cache decoding (bf16 weights, one token
     per step)."""
@@ -179,13 +219,18 @@ def main(argv=None) -> int:
                     help="training attention backend (auto: cudnn on GPU, else xla)")
     ap.add_argument("--eval-n", type=int, default=300, help="held-out problems per task for the final eval")
     ap.add_argument("--log-every", type=int, default=200)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--levels", type=int, default=4, help="curriculum difficulty levels (1 = no curriculum)")
+    ap.add_argument("--curriculum-frac", type=float, default=0.4,
+                    help="fraction of the run over which the hardest allowed level rises to the full task")
     args = ap.parse_args(argv)
 
     t0 = time.time()
     if args.attention == "auto":
         args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    config = model_config(args.tiny)
-    pool_np = build_pool(args.pool, args.seed, args.workers)
+    config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers)
+    pool_np = build_pool(args.pool, args.seed, args.workers, args.levels)
     print(f"pool: {len(pool_np[0])} rows x {SEQ_LEN} built in {time.time() - t0:.1f}s "
           f"(max len {pool_np[1].max()}); backend {jax.default_backend()}", flush=True)
     pool = tuple(jnp.asarray(a) for a in pool_np)
@@ -197,14 +242,16 @@ def main(argv=None) -> int:
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8),
                      optax.add_decayed_weights(0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)))
     opt_state = tx.init(params)
-    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention)
+    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention, args.levels)
     if args.attention != "xla":  # fall back to the reference attention if the fused one does not compile here
         try:
-            jax.block_until_ready(step_fn(params, opt_state, pool, jax.random.key(0), jnp.float32(0.0)))
+            jax.block_until_ready(step_fn(params, opt_state, pool, jax.random.key(0), jnp.float32(0.0),
+                                          jnp.int32(0)))
         except Exception as e:  # noqa: BLE001
             print(f"attention backend {args.attention!r} failed ({type(e).__name__}: {str(e)[:200]}); using xla")
             args.attention = "xla"
-            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla")
+            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels)
+    quick_set, quick_acc = quick_eval_set(), make_quick_eval(config)
 
     total = None if args.steps == "auto" else int(args.steps)
     key = jax.random.key(args.seed + 1)
@@ -212,8 +259,10 @@ def main(argv=None) -> int:
     hist = []
     while total is None or s < total:
         lr = lr_at(s, total or 10**9, args.lr, args.warmup)
+        ramp = args.curriculum_frac * (total or 10**9)
+        max_level = args.levels - 1 if ramp <= 0 else min(args.levels - 1, int(args.levels * s / ramp))
         params, opt_state, loss, ans_ce, gn = step_fn(params, opt_state, pool, jax.random.fold_in(key, s),
-                                                      jnp.float32(lr))
+                                                      jnp.float32(lr), jnp.int32(max_level))
         s += 1
         if total is None:
             if s == 10:
@@ -226,9 +275,10 @@ def main(argv=None) -> int:
                 print(f"auto: {per * 1e3:.1f} ms/step -> --steps {total}", flush=True)
         if s % args.log_every == 0 or s == total:
             loss, ans_ce, gn = float(loss), float(ans_ce), float(gn)
-            hist.append((s, loss, ans_ce))
+            probe = {t: round(float(quick_acc(params, *quick_set[t])), 3) for t in G.TASKS}
+            hist.append((s, loss, ans_ce, probe))
             print(f"step {s}/{total} loss {loss:.4f} answer-ce {ans_ce:.4f} gnorm {gn:.2f} lr {lr:.2e} "
-                  f"t {time.time() - t_train:.0f}s", flush=True)
+                  f"level<={max_level} one-shot heldout {probe} t {time.time() - t_train:.0f}s", flush=True)
     jax.block_until_ready(params)
     train_s = time.time() - t_train
     print(f"trained {s} steps in {train_s:.1f}s", flush=True)
@@ -237,9 +287,12 @@ def main(argv=None) -> int:
     checkpoint.export_hf(params, config, out)
     V.write(out)
     meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
-                                       "attention")}
+                                       "attention", "d_model", "layers", "levels", "curriculum_frac")}
     meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
                 gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
+                + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in
+                          ("batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model", "layers",
+                           "levels", "curriculum_frac"))
                 + (" --tiny" if args.tiny else ""))
     if args.eval_n > 0:
         t1 = time.time()

@@ -146,10 +146,12 @@ def _shared_id(shared: Sequence[str]) -> str:
 
 
 # --- locate
-def _gen_locate(rng: random.Random) -> tuple[tuple[str, ...], list[tuple[tuple, tuple, tuple]]]:
-    n_people = rng.randint(5, 7)
+def _gen_locate(rng: random.Random, difficulty: float = 1.0):
+    # difficulty 1: 5-7 people, n+3..16 moves (the task as specified); 0: 3 people, each moving once
+    n_people = rng.randint(3 + round(2 * difficulty), 3 + round(4 * difficulty))
     people = rng.sample(PEOPLE, n_people)
-    n_sent = rng.randint(n_people + 3, 16)
+    n_sent = rng.randint(n_people + round(3 * difficulty), max(n_people + round(3 * difficulty),
+                                                              round(n_people + (16 - n_people) * difficulty)))
     where: dict[str, str] = {}
     order = people + [rng.choice(people) for _ in range(n_sent - n_people)]
     rng.shuffle(order)
@@ -184,8 +186,9 @@ def _digits(rng: random.Random, n: int = 3) -> tuple[str, ...]:
     return tuple(str(rng.randrange(10)) for _ in range(n))
 
 
-def _gen_lookup(rng: random.Random):
-    n_facts = rng.randint(8, 14)
+def _gen_lookup(rng: random.Random, difficulty: float = 1.0):
+    # difficulty 1: 8-14 facts (as specified); 0: 2 facts
+    n_facts = rng.randint(max(2, round(8 * difficulty)), max(2, round(14 * difficulty)))
     keys = rng.sample(KEYS, n_facts)
     vals = {k: _digits(rng) for k in keys}
     words = ["document", ":"]
@@ -211,7 +214,8 @@ def _consistent_ops(examples: Sequence[tuple[tuple[int, ...], tuple[int, ...]]])
     return [name for name, f in OPS.items() if all(f(x) == y for x, y in examples)]
 
 
-def _gen_rule(rng: random.Random):
+def _gen_rule(rng: random.Random, difficulty: float = 1.0):
+    del difficulty  # the examples must pin the operation down, so there is no easier version
     name = rng.choice(sorted(OPS))
     f = OPS[name]
     n_ex = rng.randint(4, 6)
@@ -254,15 +258,22 @@ _TASK_SALT = {"locate": 11, "lookup": 23, "rule": 37}
 _SPLIT_SALT = {"train": 1, "heldout": 2}
 
 
-def iter_problems(task: str, split: str, seed: int = 0, per_shared: int = 4) -> Iterator[Problem]:
-    """Endless deterministic stream of problems of one task and split; `per_shared` requests per shared part."""
+def iter_problems(task: str, split: str, seed: int = 0, per_shared: int = 4,
+                  difficulty: float = 1.0) -> Iterator[Problem]:
+    """Endless deterministic stream of problems of one task and split; `per_shared` requests per shared part.
+
+    difficulty in [0, 1] shrinks the shared part (fewer facts / people / moves) for a training curriculum;
+    1.0 is the task as specified and the only level the quality benchmark uses.
+    """
+    if not 0.0 <= difficulty <= 1.0:
+        raise ValueError(f"difficulty must be in [0, 1], got {difficulty}")
     if task not in _GEN:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     rng = random.Random(seed * 1_000_003 + _TASK_SALT[task] * 101 + _SPLIT_SALT[split])
     while True:
-        shared, reqs = _GEN[task](rng)
+        shared, reqs = _GEN[task](rng, difficulty)
         if split_of(shared) != split:
             continue
         sid = _shared_id(shared)
@@ -270,10 +281,11 @@ def iter_problems(task: str, split: str, seed: int = 0, per_shared: int = 4) -> 
             yield Problem(task, shared, head, tail, answer, sid)
 
 
-def generate(task: str, split: str, n: int, seed: int = 0, per_shared: int = 4) -> list[Problem]:
-    """The first n problems of `iter_problems(task, split, seed, per_shared)`."""
+def generate(task: str, split: str, n: int, seed: int = 0, per_shared: int = 4,
+             difficulty: float = 1.0) -> list[Problem]:
+    """The first n problems of `iter_problems(task, split, seed, per_shared, difficulty)`."""
     out = []
-    for p in iter_problems(task, split, seed, per_shared):
+    for p in iter_problems(task, split, seed, per_shared, difficulty):
         out.append(p)
         if len(out) == n:
             break
