@@ -317,9 +317,10 @@ def e2e(reps=10, c=None):
 
 
 def meta():
+  commit = os.environ.get("GIT_COMMIT")  # the device copy's .git (if any) may be stale: the caller's wins
   try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL).strip()
+    commit = commit or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                               stderr=subprocess.DEVNULL).strip()
   except Exception:  # noqa: BLE001
     commit = None
   d = jax.devices()[0]

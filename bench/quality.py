@@ -39,7 +39,7 @@ import dllm_jax  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "dllm_jax" / "assets" / "demo_model"
+DEFAULT_MODEL = REPO / "dllm_jax" / "assets" / "default_model"  # the trained demo model
 MODES: dict[str, dict] = {
     "none": dict(cache="none"),
     "prefix": dict(cache="prefix"),

@@ -286,6 +286,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     checkpoint.export_hf(params, config, out)
     V.write(out)
+    # the CLI's defaults for this model: it was trained to answer in GEN_LENGTH tokens
+    (out / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2))
     meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
                                        "attention", "d_model", "layers", "levels", "curriculum_frac")}
     meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,

@@ -195,7 +195,12 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   split = 1
   while tiles * split * 2 <= 165 and kg % (split * 2) == 0 and kg // (split * 2) >= 8:
     split *= 2
-  return dataclasses.replace(cfg, split_k=split)
+  steps = cfg.max_concurrent_steps
+  if split > 1 and cfg.cta_tile_m * cfg.cta_tile_n >= 128 * 128:
+    # split-K writes fp32 partials: the doubled epilogue buffer plus 5 stages of 128x128 tiles is 233552 B,
+    # just over the H200's 232448 B of shared memory (found by the LLaDA batch-8 block step, M=256, K=12288)
+    steps = min(steps, 4)
+  return dataclasses.replace(cfg, split_k=split, max_concurrent_steps=steps)
 
 
 def _num_sms() -> int:

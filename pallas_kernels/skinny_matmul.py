@@ -72,17 +72,22 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> "BlockSizes":
-    """Enough programs for ~2 waves of the GPU, each streaming >= 8 weight tiles (see bench/NOTES.md)."""
+    """Split K until ~2 waves of the GPU, each split streaming >= 8 weight tiles (>= 4 for narrow N, which would
+    otherwise leave most SMs idle: Dream's 512-wide K/V projections). H200 measurements: bench/NOTES.md."""
     mp = max(16, _next_pow2(m))
     block_m = None if mp <= 64 else 64
-    block_n = 64 if n % 64 == 0 else 16 if n % 16 == 0 else 16
+    block_n = 64 if n % 64 == 0 else 32 if n % 32 == 0 else 16
+    narrow = n // block_n < 32
+    if narrow and n % 32 == 0:
+      block_n = 32
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
     programs = n // block_n
+    k_tiles = k // block_k
     split = 1
-    for s in (2, 3, 4, 6, 8, 12, 16):
+    for s in range(2, k_tiles + 1):
       if programs * split >= 2 * _NUM_SMS:
         break
-      if k % (block_k * s) == 0 and k // (block_k * s) >= 8:
+      if k_tiles % s == 0 and k_tiles // s >= (4 if narrow else 8):
         split = s
     return cls(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m)
 

@@ -165,7 +165,8 @@ def _gpu_mesh():
   return jax.sharding.AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
 
 
-@pytest.mark.parametrize("m,n,k", [(32, 12288, 4096), (4096, 4096, 12288), (1000, 18944, 3584)])
+@pytest.mark.parametrize("m,n,k", [(32, 12288, 4096), (256, 4096, 12288), (256, 3584, 18944), (4096, 4096, 12288),
+                                   (1000, 18944, 3584)])
 def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
   args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
           jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))

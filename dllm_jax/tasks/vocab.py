@@ -1,8 +1,9 @@
 """The word-level tokenizer of the synthetic tasks, written in the LLaDA release layout.
 
 tokenizer.json: a `tokenizers` WordLevel model over LLADA_SPECIALS + an unknown token + `generators.all_words()`,
-with a whitespace-split pre-tokenizer (one space-separated word = one token) and a decoder that joins words with
-single spaces. tokenizer_config.json names BOS/EOS/pad/mask like LLaDA's (pad = EOS). The engine's loader
+with a lower-casing normaliser and a pre-tokenizer that splits on whitespace and isolates the punctuation words
+(". , ; : ? ->"), so "Where is Mary?" gives the task words "where is mary ?"; the decoder joins words with single
+spaces. tokenizer_config.json names BOS/EOS/pad/mask like LLaDA's (pad = EOS). The engine's loader
 (`dllm_jax.tokenizer.load_tokenizer`) reads it through transformers.PreTrainedTokenizerFast and applies LLaDA's
 chat template, which this vocabulary covers ("user", "assistant" and the header tokens are in it).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from dllm_jax.byte_tokenizer import LLADA_SPECIALS
 from dllm_jax.tasks.generators import all_words
@@ -34,7 +35,9 @@ def padded_vocab_size(multiple: int = 64) -> int:
 
 def build() -> Tokenizer:
     tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Split(Regex(r"->|[.,;:?]"), behavior="isolated")])
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
     tok.add_special_tokens(list(LLADA_SPECIALS) + [UNK])
     return tok
