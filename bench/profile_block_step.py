@@ -6,9 +6,13 @@ block, it times 8 block steps fused in one jitted fori_loop for:
   no_attention   attention replaced by a broadcast of V (same shapes, no softmax/PV)
   no_ffn         the SwiGLU FFN skipped
   attn_<b>       the full step with attention backend <b> (xla / cudnn / pallas)
+  pallas_ffn     the FFN on the weight-streaming Pallas GEMM (stacked weights indexed in the kernel)
+  unrolled       per-layer weight arrays and an unrolled layer loop (no slicing of stacked weights)
+  unrolled_pallas_ffn  both
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
 is (all weights read once + the K/V cache read once) / 4.3 TB/s. Writes bench/results/block_step_h200.json and
-prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`.
+prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`; set
+XLA_FLAGS to compare XLA settings (recorded in the JSON meta). CPU smoke: `--models tiny --batches 1 --backends xla`.
 """
 
 from __future__ import annotations
@@ -52,12 +56,12 @@ def variant(name: str):
         modeling.attend, Block.finish = saved_attend, saved_finish
 
 
-def time_step(model_cfg, params, batch: int, backend: str) -> float:
+def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla") -> float:
     """ms per dual-cache block step (8 fused)."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
-                       0, backend, padded=False)
+                       0, backend, padded=False, ffn_backend=ffn_backend)
     x = jnp.full((batch, t), 7, jnp.int32)
     strat = STRATEGIES["dual"]
     bs = jnp.int32(t - 2 * BLOCK)
@@ -79,6 +83,14 @@ def time_step(model_cfg, params, batch: int, backend: str) -> float:
 
     med, _ = common.time_call(call, reps=5)
     return 1e3 * med / FUSED
+
+
+def _try(fn, row: dict, name: str):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
+        row[f"error_{name}"] = str(e)[:200]
+        return None
 
 
 def gemm_rows(k: int, n: int, ms=(32, 64, 256)) -> list[dict]:
@@ -105,6 +117,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--backends", nargs="+", default=["cudnn", "xla", "pallas"])
+    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "unrolled", "unrolled_pallas_ffn"],
+                    help="fast-path candidates to time besides the stage-dropping variants")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     rows = []
@@ -126,7 +140,21 @@ def main() -> None:
             for v in ("no_attention", "no_ffn"):
                 with variant(v):
                     row[f"ms_{v}"] = time_step(cfg, params, b, base)
+            # fast-path candidates (issue 7): Pallas weight-streaming FFN (stacked weights, indexed in-kernel)
+            if "pallas_ffn" in args.variants:
+                row["ms_pallas_ffn"] = _try(lambda: time_step(cfg, params, b, base, "pallas"), row, "pallas_ffn")
+            if "unrolled" in args.variants or "unrolled_pallas_ffn" in args.variants:
+                flat = modeling.unstack_layers(params)  # per-layer weight arrays: no slices in the layer loop
+                if "unrolled" in args.variants:
+                    row["ms_unrolled"] = _try(lambda: time_step(cfg, flat, b, base), row, "unrolled")
+                if "unrolled_pallas_ffn" in args.variants:
+                    row["ms_unrolled_pallas_ffn"] = _try(lambda: time_step(cfg, flat, b, base, "pallas"), row,
+                                                         "unrolled_pallas_ffn")
+                del flat
             row["ms_block_step"] = min(x for k, x in row.items() if k.startswith("ms_attn_") and x)
+            row["ms_best_variant"] = min(x for k, x in row.items()
+                                         if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_unrolled",
+                                                                              "ms_unrolled_pallas_ffn")) and x)
             row["xla_baseline_ms"] = row.get("ms_attn_cudnn") or row.get("ms_attn_xla")
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -136,7 +164,9 @@ def main() -> None:
                 rows.append({"model": name, **r})
                 print(rows[-1], flush=True)
         del params
-    path = common.write_results("block_step_h200.json", common.meta(what="dual-cache block step profile"),
+    import os
+    path = common.write_results("block_step_h200.json", common.meta(what="dual-cache block step profile",
+                                                                    xla_flags=os.environ.get("XLA_FLAGS", "")),
                                 rows, args.out)
     print(f"wrote {path}")
 

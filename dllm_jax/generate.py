@@ -55,6 +55,9 @@ class GenerationConfig:
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
     attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
+    # "pallas": FFN GEMMs of short windows (batch x window <= 256 tokens: block steps at small batch) with the
+    # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).
+    ffn_backend: Literal["xla", "pallas"] = "xla"
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
@@ -111,6 +114,8 @@ class GenerationConfig:
             bad(f"eps={self.eps} must be in (0, 1)")
         if self.attention_backend not in ("auto", "xla", "cudnn", "pallas"):
             bad(f"attention_backend={self.attention_backend!r}")
+        if self.ffn_backend not in ("xla", "pallas"):
+            bad(f"ffn_backend={self.ffn_backend!r}; expected xla or pallas")
         if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
@@ -195,7 +200,7 @@ def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, pr
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
-                       padded=padded, has_frozen=gc.affix != "none")
+                       padded=padded, has_frozen=gc.affix != "none", ffn_backend=gc.ffn_backend)
     if gc.affix == "naive":
         x_cache = _naive_affix_cache(params, config, inp, x, gc)
     else:
@@ -213,8 +218,7 @@ def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
 
     cache = KVCache.zeros(config, x.shape[0], x.shape[1])
     out = forward(params, config, x, inp.positions, key_mask=inp.frozen & inp.key_mask, cache=cache, cache_offset=0,
-                  write_mask=inp.frozen, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
-                  attention_backend=inp.backend)
+                  write_mask=inp.frozen, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32), **inp.kernels)
     return out.cache
 
 

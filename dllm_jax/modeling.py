@@ -135,6 +135,7 @@ def forward(
     logits_at: Array | None = None,
     return_kv: bool = False,
     attention_backend: Backend = "xla",
+    ffn_backend: FfnBackend = "xla",
 ) -> ForwardOutput:
     """Run the model on a window of tokens.
 
@@ -144,6 +145,11 @@ def forward(
     (only where write_mask [B, n] is True, if given), then every query attends over all S buffer slots,
     masked by key_mask [B, S]. The updated cache is returned.
     logits_at: [B, m] indices into the window; logits only there (None: every position).
+    ffn_backend: "pallas" runs the FFN's three GEMMs with the weight-streaming kernel
+    (`pallas_kernels/skinny_matmul.py`, which indexes the stacked weights itself) when the window has few tokens
+    (B * n <= 256) and the FFN is not FP8; otherwise XLA. Interpreted off the GPU.
+    params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
+    (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     b, n = tokens.shape
@@ -155,6 +161,10 @@ def forward(
         return attend(q, k, v, key_mask, attention_backend)
 
     def finish(layer_params, i, x, attn):
+        if not config.fp8_ffn and use_pallas_ffn(config, ffn_backend, b * n):
+            x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
+            h = block.apply({"params": layer_params}, x, method=Block.ffn_in)
+            return x + pallas_mlp(params, layer_params, i, h)
         if not config.fp8_ffn:
             return block.apply({"params": layer_params}, x, attn, method=Block.finish)
         from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
@@ -171,7 +181,7 @@ def forward(
             x = finish(layer_params, i, x, attend_fresh(q, k, v))
             return x, ((k, v) if return_kv else None)
 
-        x, kv = jax.lax.scan(layer, x, (params["layers"], layer_ids))
+        x, kv = layer_loop(layer, x, params["layers"], layer_ids)
         return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), None, kv)
 
     offset = jnp.asarray(cache_offset, jnp.int32)
@@ -192,8 +202,65 @@ def forward(
         x = finish(layer_params, i, x, attn)
         return (x, ck, cv), ((k, v) if return_kv else None)
 
-    (x, ck, cv), kv = jax.lax.scan(layer_cached, (x, cache.k, cache.v), (params["layers"], layer_ids))
+    (x, ck, cv), kv = layer_loop(layer_cached, (x, cache.k, cache.v), params["layers"], layer_ids)
     return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv)
+
+
+def layer_loop(fn, carry, layers, layer_ids):
+    """lax.scan over stacked layer params, or an unrolled python loop over a tuple of per-layer params (static
+    layer index), with the same (carry, stacked per-layer outputs) result."""
+    if not isinstance(layers, (tuple, list)):
+        return jax.lax.scan(fn, carry, (layers, layer_ids))
+    outs = []
+    for i, layer_params in enumerate(layers):
+        carry, out = fn(carry, (layer_params, i))
+        outs.append(out)
+    stacked = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    return carry, stacked
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same params with "layers" as a tuple of per-layer trees (run by an unrolled loop in `forward`).
+
+    Why: inside lax.scan every layer's weights are a dynamic slice of the stacked arrays, and XLA may copy a slice
+    before a GEMM or custom call reads it (bench/NOTES.md, issue 7). Per-layer arrays need no slice. Costs a
+    longer compile (one copy of the layer per layer)."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+
+
+FfnBackend = str  # "xla" | "pallas"
+
+
+def use_pallas_ffn(config: ModelConfig, ffn_backend: FfnBackend, tokens: int) -> bool:
+    if ffn_backend not in ("xla", "pallas"):
+        raise ValueError(f"unknown ffn_backend {ffn_backend!r}; expected 'xla' or 'pallas'")
+    from pallas_kernels import skinny_matmul as sm
+
+    return (ffn_backend == "pallas" and sm.supported(tokens, config.d_model, config.mlp_hidden)
+            and sm.supported(tokens, config.mlp_hidden, config.d_model))
+
+
+def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array) -> Array:
+    """SwiGLU FFN with the weight-streaming GEMM: down(silu(gate(h)) * up(h)), each GEMM rounded once to h.dtype
+    like `layers.Linear`. Stacked params: the kernel reads layer `layer_index` of the stack itself."""
+    from pallas_kernels.skinny_matmul import skinny_matmul
+
+    b, n, d = h.shape
+    interpret = jax.default_backend() != "gpu"
+    stacked = not isinstance(params["layers"], (tuple, list))
+    mlp = params["layers"]["mlp"] if stacked else layer_params["mlp"]
+    idx = layer_index if stacked else None
+
+    def mm(x, name):
+        return skinny_matmul(x, mlp[name]["kernel"], None, idx, interpret=interpret)
+
+    h2 = h.reshape(b * n, d)
+    act = jax.nn.silu(mm(h2, "gate_proj")) * mm(h2, "up_proj")
+    return mm(act, "down_proj").reshape(b, n, d)
 
 
 # ------------------------------------------------------------------------------------------ parameters

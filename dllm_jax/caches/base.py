@@ -35,6 +35,12 @@ class DecodeInputs:
     backend: str = dataclasses.field(metadata=dict(static=True))
     padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
     has_frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))  # any frozen position?
+    ffn_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas"
+
+    @property
+    def kernels(self) -> dict:
+        """The forward's kernel choices (keyword arguments of `modeling.forward`)."""
+        return dict(attention_backend=self.backend, ffn_backend=self.ffn_backend)
 
     def keep_mask(self, frozen: Array) -> Array | None:
         """write_mask for a window whose frozen slice is `frozen`: None (write everything) when nothing is
@@ -75,7 +81,7 @@ def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_sta
     """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
     at = block_logit_index(inp, block_start, 0, x.shape[0])
     out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache, cache_offset=0,
-                  write_mask=inp.keep_mask(inp.frozen), logits_at=at, attention_backend=inp.backend)
+                  write_mask=inp.keep_mask(inp.frozen), logits_at=at, **inp.kernels)
     return out.logits, out.cache
 
 

@@ -26,5 +26,5 @@ class DualCache(RefreshAtBlockStart):
         at = block_logit_index(inp, block_start, block_start, x.shape[0])
         out = forward(params, config, window, positions, key_mask=inp.attn_mask, cache=state,
                       cache_offset=block_start, write_mask=inp.keep_mask(frozen), logits_at=at,
-                      attention_backend=inp.backend)
+                      **inp.kernels)
         return out.logits, out.cache

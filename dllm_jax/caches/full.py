@@ -20,7 +20,7 @@ class NoCache:
     def step(self, params, config, inp: DecodeInputs, state, x, block_start):
         at = block_logit_index(inp, block_start, 0, x.shape[0])
         out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, logits_at=at,
-                      attention_backend=inp.backend)
+                      **inp.kernels)
         return out.logits, state
 
     block_start = step

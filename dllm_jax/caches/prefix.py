@@ -26,5 +26,5 @@ class PrefixCache(RefreshAtBlockStart):
         write = (jnp.arange(p, x.shape[1]) >= block_start)[None, :] & ~inp.frozen[:, p:]
         at = block_logit_index(inp, block_start, p, x.shape[0])
         out = forward(params, config, window, inp.positions[:, p:], key_mask=inp.attn_mask, cache=state,
-                      cache_offset=p, write_mask=write, logits_at=at, attention_backend=inp.backend)
+                      cache_offset=p, write_mask=write, logits_at=at, **inp.kernels)
         return out.logits, out.cache

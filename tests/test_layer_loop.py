@@ -1,0 +1,102 @@
+"""Fast-path variants of the forward (issue 7) against the plain path: the unrolled layer loop over per-layer
+weights, and the FFN on the weight-streaming Pallas GEMM (interpreted on the CPU)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.generate import GenerationConfig, generate
+from dllm_jax.loading import Model
+from dllm_jax.modeling import KVCache, forward, init_params, unstack_layers, use_pallas_ffn
+
+# Kernel-friendly tiny shapes (d_model and mlp_hidden multiples of 16), both families: LLaDA MHA, Dream GQA+bias.
+CONFIGS = {
+    "llada": ModelConfig(family="llada", vocab_size=80, d_model=64, n_layers=3, n_heads=4, n_kv_heads=4,
+                         head_dim=16, mlp_hidden=96, rms_eps=1e-5, rope_theta=10000.0, rope_fp32=True,
+                         qkv_bias=False, tie_embeddings=False, max_seq_len=256, mask_token_id=79,
+                         eos_token_id=78, pad_token_id=78, bos_token_id=77, dtype="float32"),
+    "dream": ModelConfig(family="dream", vocab_size=72, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                         head_dim=8, mlp_hidden=80, rms_eps=1e-6, rope_theta=1e6, rope_fp32=False,
+                         qkv_bias=True, tie_embeddings=True, max_seq_len=256, mask_token_id=71,
+                         eos_token_id=70, pad_token_id=70, dtype="float32"),
+}
+PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8, 2, 61]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    # std 0.2: logits far from ties, so argmax comparisons test the paths, not rounding luck
+    return {k: Model(c, init_params(c, jax.random.key(i), std=0.2)) for i, (k, c) in enumerate(CONFIGS.items())}
+
+
+def _close(got, ref, tol=1e-5):
+    """max |got - ref| <= tol * max |ref|: fp32 reordering (XLA fuses a scan body and an unrolled loop
+    differently), not bit equality."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.max(np.abs(got - ref)) <= tol * np.max(np.abs(ref))
+
+
+def _window(config, b=2, n=8, seed=0):
+    tokens = jax.random.randint(jax.random.key(seed), (b, n), 0, config.vocab_size - 3)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    return tokens, positions
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_unrolled_layers_equal_scan(name, models):
+    m = models[name]
+    tokens, positions = _window(m.config)
+    a = forward(m.params, m.config, tokens, positions, return_kv=True)
+    b = forward(unstack_layers(m.params), m.config, tokens, positions, return_kv=True)
+    _close(b.logits, a.logits)
+    _close(b.kv[0], a.kv[0])
+    _close(b.kv[1], a.kv[1])
+    cache = KVCache.zeros(m.config, 2, 16)
+    ca = forward(m.params, m.config, tokens, positions + 4, cache=cache, cache_offset=4)
+    cb = forward(unstack_layers(m.params), m.config, tokens, positions + 4, cache=cache, cache_offset=4)
+    _close(cb.logits, ca.logits)
+    _close(cb.cache.k, ca.cache.k)
+    _close(cb.cache.v, ca.cache.v)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("unstacked", [False, True])
+def test_pallas_ffn_matches_xla(name, unstacked, models):
+    m = models[name]
+    assert use_pallas_ffn(m.config, "pallas", 16)
+    params = unstack_layers(m.params) if unstacked else m.params
+    tokens, positions = _window(m.config)
+    cache = KVCache.zeros(m.config, 2, 16)
+    ref = forward(params, m.config, tokens, positions, cache=cache, cache_offset=8)
+    got = forward(params, m.config, tokens, positions, cache=cache, cache_offset=8, ffn_backend="pallas")
+    _close(got.logits, ref.logits)
+    _close(got.cache.k, ref.cache.k)
+
+
+def test_pallas_ffn_falls_back_for_long_windows_and_odd_shapes():
+    c = CONFIGS["llada"]
+    assert use_pallas_ffn(c, "pallas", 256) and not use_pallas_ffn(c, "pallas", 257)
+    assert not use_pallas_ffn(c.replace(mlp_hidden=90), "pallas", 32)
+    assert not use_pallas_ffn(c, "xla", 32)
+    with pytest.raises(ValueError, match="ffn_backend"):
+        use_pallas_ffn(c, "triton", 32)
+
+
+@pytest.mark.parametrize("name,cache", [("llada", "dual"), ("dream", "none")])
+def test_generate_fast_paths_give_identical_tokens(name, cache, models):
+    """The decoding loop on the fast paths (fp32) commits exactly the reference path's tokens."""
+    m = models[name]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
+    ref = generate(m, PROMPTS, gc)
+    fast = generate(Model(m.config, unstack_layers(m.params)), PROMPTS, dataclasses.replace(gc, ffn_backend="pallas"))
+    np.testing.assert_array_equal(fast.tokens, ref.tokens)
+    assert fast.nfe == ref.nfe
+
+
+def test_bad_ffn_backend(models):
+    with pytest.raises(ValueError, match="ffn_backend"):
+        GenerationConfig(gen_length=8, block_length=4, steps=8, ffn_backend="cuda").validate(models["llada"].config)
