@@ -55,7 +55,7 @@ class GenerationConfig:
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
     attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
-    # "pallas": FFN GEMMs of short windows (batch x window <= 256 tokens: block steps at small batch) with the
+    # "pallas": FFN GEMMs of short windows (batch x window <= 64 tokens: block steps at batch 1-2) with the
     # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).
     ffn_backend: Literal["xla", "pallas"] = "xla"
 

@@ -147,7 +147,7 @@ def forward(
     logits_at: [B, m] indices into the window; logits only there (None: every position).
     ffn_backend: "pallas" runs the FFN's three GEMMs with the weight-streaming kernel
     (`pallas_kernels/skinny_matmul.py`, which indexes the stacked weights itself) when the window has few tokens
-    (B * n <= 256) and the FFN is not FP8; otherwise XLA. Interpreted off the GPU.
+    (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. Interpreted off the GPU.
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """

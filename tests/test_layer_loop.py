@@ -79,7 +79,7 @@ def test_pallas_ffn_matches_xla(name, unstacked, models):
 
 def test_pallas_ffn_falls_back_for_long_windows_and_odd_shapes():
     c = CONFIGS["llada"]
-    assert use_pallas_ffn(c, "pallas", 256) and not use_pallas_ffn(c, "pallas", 257)
+    assert use_pallas_ffn(c, "pallas", 64) and not use_pallas_ffn(c, "pallas", 65)
     assert not use_pallas_ffn(c.replace(mlp_hidden=90), "pallas", 32)
     assert not use_pallas_ffn(c, "xla", 32)
     with pytest.raises(ValueError, match="ffn_backend"):
