@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--levels", type=int, default=4, help="curriculum difficulty levels (1 = no curriculum)")
+    ap.add_argument("--init", default=None, help="start from this model directory (e.g. the bundled model)")
     ap.add_argument("--curriculum-frac", type=float, default=0.4,
                     help="fraction of the run over which the hardest allowed level rises to the full task")
     args = ap.parse_args(argv)
@@ -235,7 +236,18 @@ def main(argv=None) -> int:
           f"(max len {pool_np[1].max()}); backend {jax.default_backend()}", flush=True)
     pool = tuple(jnp.asarray(a) for a in pool_np)
 
-    params = init_params(config, jax.random.key(args.seed))
+    if args.init:
+        # continue from an earlier run (its bf16 safetensors become the fp32 master weights; Adam restarts)
+        import dllm_jax
+
+        start = dllm_jax.load(args.init, dtype="float32")
+        if start.config.replace(dtype=config.dtype) != config:
+            raise SystemExit(f"--init {args.init}: its config differs from this run's (--d-model/--layers?):\n"
+                             f"  {start.config}\n  {config}")
+        params = start.params
+        print(f"init from {args.init}", flush=True)
+    else:
+        params = init_params(config, jax.random.key(args.seed))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"model: {n_params / 1e6:.2f}M params, d={config.d_model} L={config.n_layers} H={config.n_heads} "
           f"mlp={config.mlp_hidden} V={config.vocab_size}", flush=True)
@@ -290,12 +302,13 @@ def main(argv=None) -> int:
     (out / "generation_config.json").write_text(json.dumps(
         {"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2))
     meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
-                                       "attention", "d_model", "layers", "levels", "curriculum_frac")}
+                                       "attention", "d_model", "layers", "levels", "curriculum_frac", "init")}
     meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
                 gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
                 + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in
                           ("batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model", "layers",
                            "levels", "curriculum_frac"))
+                + (f" --init {args.init}" if args.init else "")
                 + (" --tiny" if args.tiny else ""))
     if args.eval_n > 0:
         t1 = time.time()
