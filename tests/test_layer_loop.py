@@ -100,3 +100,13 @@ def test_generate_fast_paths_give_identical_tokens(name, cache, models):
 def test_bad_ffn_backend(models):
     with pytest.raises(ValueError, match="ffn_backend"):
         GenerationConfig(gen_length=8, block_length=4, steps=8, ffn_backend="cuda").validate(models["llada"].config)
+
+
+def test_unrolled_layers_with_fp8_ffn():
+    """The FP8 FFN (layer 0 bf16, the rest e4m3) keeps its per-layer choice in the unrolled loop."""
+    c = CONFIGS["llada"].replace(d_model=128, head_dim=32, mlp_hidden=256, n_layers=2, fp8_ffn=True)
+    params = init_params(c, jax.random.key(5), std=0.2)
+    tokens, positions = _window(c)
+    a = forward(params, c, tokens, positions)
+    b = forward(unstack_layers(params), c, tokens, positions)
+    _close(b.logits, a.logits)
