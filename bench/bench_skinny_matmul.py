@@ -75,6 +75,30 @@ def variants(bs=None):
     }
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Effective weight bandwidth per GEMM and M, XLA vs the Pallas variants, against the HBM line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = sorted({r["M"] for r in rows})
+    fig, axes = plt.subplots(1, len(ms), figsize=(5.5 * len(ms), 4), squeeze=False)
+    for ax, m in zip(axes[0], ms):
+        sel = [r for r in rows if r["M"] == m]
+        x = np.arange(len(sel))
+        for i, (v, label) in enumerate((("xla", "XLA (scan slices)"), ("pallas_slice", "Pallas (scan slices)"),
+                                        ("pallas_stacked", "Pallas (stacked, in-kernel index)"))):
+            ax.bar(x + 0.27 * (i - 1), [r[f"{v}_TBps"] for r in sel], 0.27, label=label)
+        ax.axhline(HBM / 1e12, color="gray", ls="--", lw=1, label="HBM ~4.3 TB/s")
+        ax.set_xticks(x, [f"{r['model'].split('-')[0]}\n{r['gemm']}" for r in sel], fontsize=7)
+        ax.set_ylabel("weight TB/s")
+        ax.set_title(f"M = {m} rows, one GEMM per layer in a scan (H200)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="no block-size sweep")
@@ -123,7 +147,8 @@ def main() -> None:
     path = common.write_results("skinny_matmul_h200.json",
                                 common.meta(what="weight-streaming GEMMs, one per layer of a stack, us per GEMM"),
                                 rows, args.out)
-    print(f"wrote {path}")
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} and its plot")
 
 
 if __name__ == "__main__":

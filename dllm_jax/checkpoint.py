@@ -145,7 +145,8 @@ def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
     by_leaf: dict[tuple[str, ...], list[str]] = {}
     for name, (rule, _) in plan.items():
         by_leaf.setdefault(rule.path, []).append(name)
-    bar = tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress)
+    # delay: no bar for conversions that finish within a second (the bundled 10 MB model on every CLI call)
+    bar = tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress, delay=1.0)
     handles: dict[Path, Any] = {}
     try:
         for path, names in by_leaf.items():
