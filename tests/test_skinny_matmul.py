@@ -114,3 +114,26 @@ def test_shape_errors():
         sm.skinny_matmul(x, w[None], interpret=INTERPRET)
     with pytest.raises(ValueError, match="layer"):
         sm.skinny_matmul(x, w, None, jnp.int32(0), interpret=INTERPRET)
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """bench/bench_skinny_matmul.py end to end at a tiny shape (interpreted): JSON rows and the plot."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_skinny_matmul.py"
+    spec = importlib.util.spec_from_file_location("bench_skinny_matmul", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = sys.argv
+    sys.argv = ["bench_skinny_matmul.py", "--smoke", "--quick", "--out", str(tmp_path)]
+    try:
+        mod.main()
+    finally:
+        sys.argv = argv
+    rows = json.loads((tmp_path / "skinny_matmul_h200.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["rel_err"] < 1e-2
+    assert all(rows[0][f"{v}_us"] > 0 for v in ("xla", "pallas_slice", "pallas_stacked"))
+    assert (tmp_path / "skinny_matmul_h200.png").stat().st_size > 0
