@@ -38,7 +38,8 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
     prompts = [[7] * PROMPT] * batch
     x, pos, km, frozen, P = layout(prompts, cfg, gc)
     inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), P, gc.block_length,
-                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False)
+                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
+                       ffn_backend=gc.ffn_backend)
     strat = STRATEGIES[gc.cache]
     x = jnp.asarray(x)
     bs = jnp.int32(P + 2 * gc.block_length)  # a block in the middle of the generation region
@@ -69,8 +70,9 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
 
 
 def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: np.random.Generator,
-              reps: int) -> dict:
-    gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False)
+              reps: int, ffn_backend: str = "xla") -> dict:
+    gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
+                          ffn_backend=ffn_backend)
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
     t0 = time.perf_counter()
     out = generate(model, prompts, gc)
@@ -84,7 +86,8 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
             "prompt_length": PROMPT, "tokens_per_s": batch * GEN / sec, "seconds": sec,
             "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
             "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
-            "attention": resolve_backend(gc, model.config, False)}
+            "attention": resolve_backend(gc, model.config, False), "ffn_backend": ffn_backend,
+            "unrolled_layers": isinstance(model.params["layers"], (tuple, list))}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -120,6 +123,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
     ap.add_argument("--fp8-ffn", action="store_true", help="FFNs of layers >= 2 in e4m3 (LaCache's FP8 FFN)")
     ap.add_argument("--steps", nargs="+", type=int, default=[64], help="fixed schedules to time at every batch")
+    ap.add_argument("--ffn-backend", choices=["xla", "pallas"], default="xla",
+                    help="pallas: FFN GEMMs of block steps on the weight-streaming kernel (issue 7)")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="per-layer weight arrays, unrolled layer loop (modeling.unstack_layers; issue 7)")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -145,10 +152,14 @@ def main() -> None:
                 from dllm_jax import fp8
 
                 params, config = fp8.quantize_params(params, config, on_device=True)
+            if args.unrolled:
+                from dllm_jax.modeling import unstack_layers
+
+                params = unstack_layers(params)
             current = Model(config, params)
         reps = 1 if (mode == "none" and batch >= 8) or steps == 256 else 3
         try:
-            row = bench_one(current, name, mode, batch, steps, rng, reps)
+            row = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend)
         except Exception as e:  # keep going: one failing shape must not lose the rest of the run
             print(f"FAILED {name} {mode} b{batch} s{steps}: {type(e).__name__}: {e}", flush=True)
             skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, error=str(e)[:300]))
@@ -163,7 +174,8 @@ def main() -> None:
                        schedule="fixed (steps given), stop_at_eos off", skipped=skipped,
                        baseline="Fast-dLLM official PyTorch, same GPU kind (anchors): batch 1, steps 64: "
                                 "dual 98-113 tok/s, prefix 130-138, none 125.7; batch > 1 unsupported")
-    stem = "generate_fp8_h200" if args.fp8_ffn else "generate_h200"
+    stem = "generate" + ("_fp8" if args.fp8_ffn else "") + ("_pallas_ffn" if args.ffn_backend == "pallas" else "") \
+        + ("_unrolled" if args.unrolled else "") + "_h200"
     path = common.write_results(f"{stem}.json", meta, rows, args.out)
     plot(rows, Path(args.out) / f"{stem}.png")
     print(f"wrote {path}")
