@@ -228,10 +228,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     t0 = time.time()
+    config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers)
+    # build the data in forked workers BEFORE anything starts JAX's backend threads (fork + threads can deadlock)
+    pool_np = build_pool(args.pool, args.seed, args.workers, args.levels)
     if args.attention == "auto":
         args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers)
-    pool_np = build_pool(args.pool, args.seed, args.workers, args.levels)
     print(f"pool: {len(pool_np[0])} rows x {SEQ_LEN} built in {time.time() - t0:.1f}s "
           f"(max len {pool_np[1].max()}); backend {jax.default_backend()}", flush=True)
     pool = tuple(jnp.asarray(a) for a in pool_np)
