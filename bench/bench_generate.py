@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
     ap.add_argument("--fp8-ffn", action="store_true", help="FFNs of layers >= 2 in e4m3 (LaCache's FP8 FFN)")
     ap.add_argument("--steps", nargs="+", type=int, default=[64], help="fixed schedules to time at every batch")
-    ap.add_argument("--ffn-backend", choices=["xla", "pallas"], default="xla",
-                    help="pallas: FFN GEMMs of block steps on the weight-streaming kernel (issue 7)")
+    ap.add_argument("--ffn-backend", choices=["xla", "pallas", "mgpu"], default="xla",
+                    help="pallas / mgpu: FFN GEMMs of block steps on a weight-streaming kernel (issue 7)")
     ap.add_argument("--unrolled", action="store_true",
                     help="per-layer weight arrays, unrolled layer loop (modeling.unstack_layers; issue 7)")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -174,7 +174,7 @@ def main() -> None:
                        schedule="fixed (steps given), stop_at_eos off", skipped=skipped,
                        baseline="Fast-dLLM official PyTorch, same GPU kind (anchors): batch 1, steps 64: "
                                 "dual 98-113 tok/s, prefix 130-138, none 125.7; batch > 1 unsupported")
-    stem = "generate" + ("_fp8" if args.fp8_ffn else "") + ("_pallas_ffn" if args.ffn_backend == "pallas" else "") \
+    stem = "generate" + ("_fp8" if args.fp8_ffn else "") + (f"_{args.ffn_backend}_ffn" if args.ffn_backend != "xla" else "") \
         + ("_unrolled" if args.unrolled else "") + "_h200"
     path = common.write_results(f"{stem}.json", meta, rows, args.out)
     plot(rows, Path(args.out) / f"{stem}.png")

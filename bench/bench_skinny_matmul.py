@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from pallas_kernels import skinny_matmul as sm  # noqa: E402
+from pallas_kernels.stream_matmul_mgpu import stream_matmul  # noqa: E402
 
 HBM = 4.3e12
 INTERPRET = jax.default_backend() != "gpu"  # CPU smoke runs only
+SMOKE = {"on": False}  # --smoke: 2 weight copies, one timed call (the GPU simulator is slow)
 # (model, name, K, N): every projection of a block step (gate and up separately and fused)
 SHAPES = [
     ("llada-8b", "qkvo", 4096, 4096),
@@ -45,7 +47,7 @@ SWEEP_SHAPES = {("llada-8b", "gate_up"), ("llada-8b", "down"), ("dream-7b", "kv"
 
 
 def stacked_weights(k: int, n: int) -> jax.Array:
-    c = int(min(32, max(2, np.ceil(400e6 / (k * n * 2)))))
+    c = 2 if SMOKE["on"] else int(min(32, max(2, np.ceil(400e6 / (k * n * 2)))))
     return jax.jit(lambda key: (0.02 * jax.random.normal(key, (c, k, n), jnp.float32)).astype(jnp.bfloat16))(
         jax.random.key(k + n))
 
@@ -63,7 +65,8 @@ def timed(fn, x, w) -> float:
         acc, _ = jax.lax.scan(body, jnp.float32(0), (w, jnp.arange(c, dtype=jnp.int32)))
         return acc
 
-    med, _ = common.time_call(lambda: run(x, w).block_until_ready(), reps=10, warmup=2)
+    reps, warmup = (1, 1) if SMOKE["on"] else (10, 2)
+    med, _ = common.time_call(lambda: run(x, w).block_until_ready(), reps=reps, warmup=warmup)
     return 1e6 * med / c
 
 
@@ -72,6 +75,8 @@ def variants(bs=None):
         "xla": lambda x, w, wi, i: jnp.dot(x, wi, preferred_element_type=jnp.float32).astype(x.dtype),
         "pallas_slice": lambda x, w, wi, i: sm.skinny_matmul(x, wi, block_sizes=bs, interpret=INTERPRET),
         "pallas_stacked": lambda x, w, wi, i: sm.skinny_matmul(x, w, None, i, block_sizes=bs, interpret=INTERPRET),
+        # the Mosaic GPU streaming kernel (M <= 64 only)
+        "mgpu_stacked": lambda x, w, wi, i: stream_matmul(x, w, i, interpret=INTERPRET),
     }
 
 
@@ -87,9 +92,12 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, m in zip(axes[0], ms):
         sel = [r for r in rows if r["M"] == m]
         x = np.arange(len(sel))
-        for i, (v, label) in enumerate((("xla", "XLA (scan slices)"), ("pallas_slice", "Pallas (scan slices)"),
-                                        ("pallas_stacked", "Pallas (stacked, in-kernel index)"))):
-            ax.bar(x + 0.27 * (i - 1), [r[f"{v}_TBps"] for r in sel], 0.27, label=label)
+        series = [("xla", "XLA (scan slices)"), ("pallas_slice", "Pallas (scan slices)"),
+                  ("pallas_stacked", "Pallas (stacked, in-kernel index)"), ("mgpu_stacked", "Mosaic GPU (stacked)")]
+        series = [(v, lab) for v, lab in series if any(f"{v}_TBps" in r for r in sel)]
+        wdt = 0.8 / len(series)
+        for i, (v, label) in enumerate(series):
+            ax.bar(x + wdt * (i - (len(series) - 1) / 2), [r.get(f"{v}_TBps", 0) for r in sel], wdt, label=label)
         ax.axhline(HBM / 1e12, color="gray", ls="--", lw=1, label="HBM ~4.3 TB/s")
         ax.set_xticks(x, [f"{r['model'].split('-')[0]}\n{r['gemm']}" for r in sel], fontsize=7)
         ax.set_ylabel("weight TB/s")
@@ -108,6 +116,7 @@ def main() -> None:
     global SHAPES, MS
     if args.smoke:
         SHAPES, MS = [("llada-8b", "gate_up", 256, 512)], (32,)
+        SMOKE["on"] = True
     rows = []
     for model, name, k, n in SHAPES:
         w = stacked_weights(k, n)
@@ -119,8 +128,17 @@ def main() -> None:
             rel = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
             row = {"model": model, "gemm": name, "M": m, "K": k, "N": n, "floor_us": floor_us, "rel_err": rel,
                    "default_blocks": str(sm.BlockSizes.get_default(m, k, n))}
+            if m <= 64:
+                got = stream_matmul(x, w, jnp.int32(1), interpret=INTERPRET).astype(jnp.float32)
+                row["mgpu_rel_err"] = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
             for vname, fn in variants().items():
-                us = timed(fn, x, w)
+                if vname == "mgpu_stacked" and m > 64:
+                    continue
+                try:
+                    us = timed(fn, x, w)
+                except Exception as e:  # noqa: BLE001  (a variant that cannot run here must not lose the row)
+                    row[f"error_{vname}"] = str(e)[:200]
+                    continue
                 row[f"{vname}_us"] = us
                 row[f"{vname}_TBps"] = k * n * 2 / us / 1e6
             if not args.quick and (model, name) in SWEEP_SHAPES and m == 32:

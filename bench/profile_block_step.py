@@ -7,6 +7,7 @@ block, it times 8 block steps fused in one jitted fori_loop for:
   no_ffn         the SwiGLU FFN skipped
   attn_<b>       the full step with attention backend <b> (xla / cudnn / pallas)
   pallas_ffn     the FFN on the weight-streaming Pallas GEMM (stacked weights indexed in the kernel)
+  mgpu_ffn       the same with the Mosaic GPU streaming GEMM (pallas_kernels/stream_matmul_mgpu.py)
   unrolled       per-layer weight arrays and an unrolled layer loop (no slicing of stacked weights)
   unrolled_pallas_ffn  both
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--backends", nargs="+", default=["cudnn", "xla", "pallas"])
-    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "unrolled", "unrolled_pallas_ffn"],
+    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "mgpu_ffn", "unrolled", "unrolled_pallas_ffn"],
                     help="fast-path candidates to time besides the stage-dropping variants")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
@@ -143,6 +144,8 @@ def main() -> None:
             # fast-path candidates (issue 7): Pallas weight-streaming FFN (stacked weights, indexed in-kernel)
             if "pallas_ffn" in args.variants:
                 row["ms_pallas_ffn"] = _try(lambda: time_step(cfg, params, b, base, "pallas"), row, "pallas_ffn")
+            if "mgpu_ffn" in args.variants:  # the Mosaic GPU streaming GEMM
+                row["ms_mgpu_ffn"] = _try(lambda: time_step(cfg, params, b, base, "mgpu"), row, "mgpu_ffn")
             if "unrolled" in args.variants or "unrolled_pallas_ffn" in args.variants:
                 flat = modeling.unstack_layers(params)  # per-layer weight arrays: no slices in the layer loop
                 if "unrolled" in args.variants:
@@ -153,7 +156,7 @@ def main() -> None:
                 del flat
             row["ms_block_step"] = min(x for k, x in row.items() if k.startswith("ms_attn_") and x)
             row["ms_best_variant"] = min(x for k, x in row.items()
-                                         if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_unrolled",
+                                         if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_mgpu_ffn", "ms_unrolled",
                                                                               "ms_unrolled_pallas_ffn")) and x)
             row["xla_baseline_ms"] = row.get("ms_attn_cudnn") or row.get("ms_attn_xla")
             rows.append(row)

@@ -57,7 +57,7 @@ class GenerationConfig:
     attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
     # "pallas": FFN GEMMs of short windows (batch x window <= 64 tokens: block steps at batch 1-2) with the
     # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).
-    ffn_backend: Literal["xla", "pallas"] = "xla"
+    ffn_backend: Literal["xla", "pallas", "mgpu"] = "xla"  # "mgpu": the Mosaic GPU kernel (bf16, untimed)
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
@@ -114,8 +114,8 @@ class GenerationConfig:
             bad(f"eps={self.eps} must be in (0, 1)")
         if self.attention_backend not in ("auto", "xla", "cudnn", "pallas"):
             bad(f"attention_backend={self.attention_backend!r}")
-        if self.ffn_backend not in ("xla", "pallas"):
-            bad(f"ffn_backend={self.ffn_backend!r}; expected xla or pallas")
+        if self.ffn_backend not in ("xla", "pallas", "mgpu"):
+            bad(f"ffn_backend={self.ffn_backend!r}; expected xla, pallas or mgpu")
         if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "

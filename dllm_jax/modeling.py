@@ -147,7 +147,8 @@ def forward(
     logits_at: [B, m] indices into the window; logits only there (None: every position).
     ffn_backend: "pallas" runs the FFN's three GEMMs with the weight-streaming kernel
     (`pallas_kernels/skinny_matmul.py`, which indexes the stacked weights itself) when the window has few tokens
-    (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. Interpreted off the GPU.
+    (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. "mgpu": the same with the
+    Mosaic GPU kernel (`pallas_kernels/stream_matmul_mgpu.py`; bf16 only; not yet timed). Interpreted off the GPU.
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """
@@ -164,7 +165,7 @@ def forward(
         if not config.fp8_ffn and use_pallas_ffn(config, ffn_backend, b * n):
             x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
             h = block.apply({"params": layer_params}, x, method=Block.ffn_in)
-            return x + pallas_mlp(params, layer_params, i, h)
+            return x + pallas_mlp(params, layer_params, i, h, ffn_backend)
         if not config.fp8_ffn:
             return block.apply({"params": layer_params}, x, attn, method=Block.finish)
         from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
@@ -232,22 +233,30 @@ def unstack_layers(params: Params) -> Params:
     return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
 
 
-FfnBackend = str  # "xla" | "pallas"
+FfnBackend = str  # "xla" | "pallas" (Triton-lowered skinny GEMM) | "mgpu" (Mosaic GPU streaming GEMM)
+FFN_BACKENDS = ("xla", "pallas", "mgpu")
 
 
 def use_pallas_ffn(config: ModelConfig, ffn_backend: FfnBackend, tokens: int) -> bool:
-    if ffn_backend not in ("xla", "pallas"):
-        raise ValueError(f"unknown ffn_backend {ffn_backend!r}; expected 'xla' or 'pallas'")
+    if ffn_backend not in FFN_BACKENDS:
+        raise ValueError(f"unknown ffn_backend {ffn_backend!r}; expected one of {FFN_BACKENDS}")
+    if ffn_backend == "mgpu":  # bf16/fp16 weights, <= 64 rows, N a multiple of 128 and K of 64
+        d, f = config.d_model, config.mlp_hidden
+        return (config.dtype in ("bfloat16", "float16") and tokens <= 64 and d % 128 == 0 and f % 128 == 0)
     from pallas_kernels import skinny_matmul as sm
 
     return (ffn_backend == "pallas" and sm.supported(tokens, config.d_model, config.mlp_hidden)
             and sm.supported(tokens, config.mlp_hidden, config.d_model))
 
 
-def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array) -> Array:
-    """SwiGLU FFN with the weight-streaming GEMM: down(silu(gate(h)) * up(h)), each GEMM rounded once to h.dtype
+def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array, ffn_backend: FfnBackend = "pallas"
+               ) -> Array:
+    """SwiGLU FFN with a weight-streaming GEMM: down(silu(gate(h)) * up(h)), each GEMM rounded once to h.dtype
     like `layers.Linear`. Stacked params: the kernel reads layer `layer_index` of the stack itself."""
-    from pallas_kernels.skinny_matmul import skinny_matmul
+    if ffn_backend == "mgpu":
+        from pallas_kernels.stream_matmul_mgpu import stream_matmul as skinny_matmul
+    else:
+        from pallas_kernels.skinny_matmul import skinny_matmul
 
     b, n, d = h.shape
     interpret = jax.default_backend() != "gpu"
@@ -256,6 +265,8 @@ def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array) -> A
     idx = layer_index if stacked else None
 
     def mm(x, name):
+        if ffn_backend == "mgpu":
+            return skinny_matmul(x, mlp[name]["kernel"], idx, interpret=interpret)
         return skinny_matmul(x, mlp[name]["kernel"], None, idx, interpret=interpret)
 
     h2 = h.reshape(b * n, d)

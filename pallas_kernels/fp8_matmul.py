@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.gpu_info import num_sms
+
 E4M3_MAX = 448.0
 GROUP = 128  # K group of the activation scales and both dims of the weight blocks
 FP8 = jnp.float8_e4m3fn
@@ -203,17 +205,6 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   return dataclasses.replace(cfg, split_k=split, max_concurrent_steps=steps)
 
 
-def _num_sms() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  dev = getattr(mesh, "abstract_device", None) if mesh is not None else None
-  if dev is not None:
-    return dev.num_cores
-  try:
-    return jax.devices()[0].core_count
-  except Exception:  # CPU simulator
-    return 4
-
-
 def ws_cols(cfg: Fp8MatmulConfig) -> int:
   """Columns per weight-scale copy, so one CTA's scales for a K step are 32 floats
   (a 128-byte row: TMA wants 128-byte aligned shared-memory destinations)."""
@@ -353,7 +344,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   units = split * m_iters * n_iters
-  grid = max(1, min(units, _num_sms() * cfg.ctas_per_sm))
+  grid = max(1, min(units, num_sms() * cfg.ctas_per_sm))
   out_shape = (split, mp, n) if split > 1 else (mp, n)
   kw = {}
   if interpret:

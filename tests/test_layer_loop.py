@@ -110,3 +110,15 @@ def test_unrolled_layers_with_fp8_ffn():
     a = forward(params, c, tokens, positions)
     b = forward(unstack_layers(params), c, tokens, positions)
     _close(b.logits, a.logits)
+
+
+def test_mgpu_ffn_matches_xla_in_bf16():
+    """ffn_backend="mgpu" (the Mosaic GPU streaming GEMM; GPU simulator on the CPU) in a bf16 block step."""
+    c = CONFIGS["llada"].replace(d_model=128, head_dim=32, mlp_hidden=256, n_layers=2, dtype="bfloat16")
+    assert use_pallas_ffn(c, "mgpu", 16) and not use_pallas_ffn(c.replace(dtype="float32"), "mgpu", 16)
+    params = init_params(c, jax.random.key(9), std=0.1)
+    tokens, positions = _window(c)
+    cache = KVCache.zeros(c, 2, 16)
+    ref = forward(params, c, tokens, positions, cache=cache, cache_offset=8)
+    got = forward(params, c, tokens, positions, cache=cache, cache_offset=8, ffn_backend="mgpu")
+    _close(got.logits, ref.logits, tol=3e-2)  # bf16: each GEMM rounds once, in a different summation order

@@ -135,5 +135,6 @@ def test_benchmark_script_smoke(tmp_path):
         sys.argv = argv
     rows = json.loads((tmp_path / "skinny_matmul_h200.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["rel_err"] < 1e-2
-    assert all(rows[0][f"{v}_us"] > 0 for v in ("xla", "pallas_slice", "pallas_stacked"))
+    assert all(rows[0][f"{v}_us"] > 0 for v in ("xla", "pallas_slice", "pallas_stacked", "mgpu_stacked"))
+    assert rows[0]["mgpu_rel_err"] < 1e-2
     assert (tmp_path / "skinny_matmul_h200.png").stat().st_size > 0
