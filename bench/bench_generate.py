@@ -101,16 +101,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
         batches = sorted({r["batch"] for r in sel if r["model"] == m})
-        for i, mode in enumerate(["none", "prefix", "dual"]):
-            ys = [next((r["tokens_per_s"] for r in sel if r["model"] == m and r["batch"] == b and r["mode"] == mode),
-                       0) for b in batches]
-            ax.bar(np.arange(len(batches)) + 0.27 * (i - 1), ys, 0.27, label=mode)
-        ax.axhline(113, color="gray", ls="--", lw=1, label="Fast-dLLM PyTorch (batch 1)")
-        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-        ax.set_ylabel("tokens / s")
-        ax.set_yscale("log")
-        ax.set_title(f"{m}: gen 256, block 32, 64 steps (H200)")
-        ax.legend(fontsize=8)
+        series = [(mode, [next((r["tokens_per_s"] for r in sel if r["model"] == m and r["batch"] == b
+                                and r["mode"] == mode), 0) for b in batches]) for mode in ("none", "prefix", "dual")]
+        common.grouped_bars(ax, [f"batch {b}" for b in batches], series, (113, "Fast-dLLM PyTorch (batch 1)"),
+                            "tokens / s", f"{m}: gen 256, block 32, 64 steps (H200)", log=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

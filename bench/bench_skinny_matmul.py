@@ -91,18 +91,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(ms), figsize=(5.5 * len(ms), 4), squeeze=False)
     for ax, m in zip(axes[0], ms):
         sel = [r for r in rows if r["M"] == m]
-        x = np.arange(len(sel))
         series = [("xla", "XLA (scan slices)"), ("pallas_slice", "Pallas (scan slices)"),
                   ("pallas_stacked", "Pallas (stacked, in-kernel index)"), ("mgpu_stacked", "Mosaic GPU (stacked)")]
-        series = [(v, lab) for v, lab in series if any(f"{v}_TBps" in r for r in sel)]
-        wdt = 0.8 / len(series)
-        for i, (v, label) in enumerate(series):
-            ax.bar(x + wdt * (i - (len(series) - 1) / 2), [r.get(f"{v}_TBps", 0) for r in sel], wdt, label=label)
-        ax.axhline(HBM / 1e12, color="gray", ls="--", lw=1, label="HBM ~4.3 TB/s")
-        ax.set_xticks(x, [f"{r['model'].split('-')[0]}\n{r['gemm']}" for r in sel], fontsize=7)
-        ax.set_ylabel("weight TB/s")
-        ax.set_title(f"M = {m} rows, one GEMM per layer in a scan (H200)")
-        ax.legend(fontsize=7)
+        series = [(lab, [r.get(f"{v}_TBps", 0) for r in sel]) for v, lab in series
+                  if any(f"{v}_TBps" in r for r in sel)]
+        common.grouped_bars(ax, [f"{r['model'].split('-')[0]}\n{r['gemm']}" for r in sel], series,
+                            (HBM / 1e12, "HBM ~4.3 TB/s"), "weight TB/s",
+                            f"M = {m} rows, one GEMM per layer in a scan (H200)", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -80,6 +80,24 @@ def meta(**extra) -> dict:
             "git": commit, **extra}
 
 
+def grouped_bars(ax, xlabels: list[str], series: list[tuple[str, list[float]]], ref: tuple[float, str],
+                 ylabel: str, title: str, log: bool = False, fontsize: int = 8) -> None:
+    """One group of bars per x label, one bar per series, and a dashed reference line (the benchmark plots)."""
+    import numpy as np
+
+    x = np.arange(len(xlabels))
+    width = 0.8 / len(series)
+    for i, (label, ys) in enumerate(series):
+        ax.bar(x + width * (i - (len(series) - 1) / 2), ys, width, label=label)
+    ax.axhline(ref[0], color="gray", ls="--", lw=1, label=ref[1])
+    ax.set_xticks(x, xlabels, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=fontsize)
+
+
 def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.PathLike | None = None) -> Path:
     out = Path(out_dir or RESULTS)
     out.mkdir(parents=True, exist_ok=True)

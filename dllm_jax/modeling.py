@@ -253,10 +253,8 @@ def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array, ffn_
                ) -> Array:
     """SwiGLU FFN with a weight-streaming GEMM: down(silu(gate(h)) * up(h)), each GEMM rounded once to h.dtype
     like `layers.Linear`. Stacked params: the kernel reads layer `layer_index` of the stack itself."""
-    if ffn_backend == "mgpu":
-        from pallas_kernels.stream_matmul_mgpu import stream_matmul as skinny_matmul
-    else:
-        from pallas_kernels.skinny_matmul import skinny_matmul
+    from pallas_kernels.skinny_matmul import skinny_matmul
+    from pallas_kernels.stream_matmul_mgpu import stream_matmul
 
     b, n, d = h.shape
     interpret = jax.default_backend() != "gpu"
@@ -265,9 +263,10 @@ def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array, ffn_
     idx = layer_index if stacked else None
 
     def mm(x, name):
+        w = mlp[name]["kernel"]
         if ffn_backend == "mgpu":
-            return skinny_matmul(x, mlp[name]["kernel"], idx, interpret=interpret)
-        return skinny_matmul(x, mlp[name]["kernel"], None, idx, interpret=interpret)
+            return stream_matmul(x, w, idx, interpret=interpret)
+        return skinny_matmul(x, w, None, idx, interpret=interpret)
 
     h2 = h.reshape(b * n, d)
     act = jax.nn.silu(mm(h2, "gate_proj")) * mm(h2, "up_proj")

@@ -35,7 +35,7 @@ class DecodeInputs:
     backend: str = dataclasses.field(metadata=dict(static=True))
     padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
     has_frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))  # any frozen position?
-    ffn_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas"
+    ffn_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas" | "mgpu"
 
     @property
     def kernels(self) -> dict:
