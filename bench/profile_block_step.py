@@ -9,7 +9,7 @@ block, it times 8 block steps fused in one jitted fori_loop for:
   pallas_ffn     the FFN on the weight-streaming Pallas GEMM (stacked weights indexed in the kernel)
   mgpu_ffn       the same with the Mosaic GPU streaming GEMM (pallas_kernels/stream_matmul_mgpu.py)
   unrolled       per-layer weight arrays and an unrolled layer loop (no slicing of stacked weights)
-  unrolled_pallas_ffn  both
+  unrolled_pallas_ffn  both (unrolled_mgpu_ffn: with the Mosaic GPU GEMM)
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
 is (all weights read once + the K/V cache read once) / 4.3 TB/s. Writes bench/results/block_step_h200.json and
 prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`; set
@@ -118,8 +118,11 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--backends", nargs="+", default=["cudnn", "xla", "pallas"])
-    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "mgpu_ffn", "unrolled", "unrolled_pallas_ffn"],
+    ap.add_argument("--variants", nargs="*",
+                    default=["pallas_ffn", "mgpu_ffn", "unrolled", "unrolled_pallas_ffn", "unrolled_mgpu_ffn"],
                     help="fast-path candidates to time besides the stage-dropping variants")
+    ap.add_argument("--no-stages", action="store_true",
+                    help="skip the stage-dropping variants (no_attention / no_ffn) and the standalone GEMMs")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     rows = []
@@ -138,7 +141,7 @@ def main() -> None:
                 except Exception as e:  # a backend that cannot run this shape must not lose the others
                     row[f"ms_attn_{backend}"] = None
                     row[f"error_{backend}"] = str(e)[:200]
-            for v in ("no_attention", "no_ffn"):
+            for v in () if args.no_stages else ("no_attention", "no_ffn"):
                 with variant(v):
                     row[f"ms_{v}"] = time_step(cfg, params, b, base)
             # fast-path candidates (issue 7): Pallas weight-streaming FFN (stacked weights, indexed in-kernel)
@@ -146,23 +149,27 @@ def main() -> None:
                 row["ms_pallas_ffn"] = _try(lambda: time_step(cfg, params, b, base, "pallas"), row, "pallas_ffn")
             if "mgpu_ffn" in args.variants:  # the Mosaic GPU streaming GEMM
                 row["ms_mgpu_ffn"] = _try(lambda: time_step(cfg, params, b, base, "mgpu"), row, "mgpu_ffn")
-            if "unrolled" in args.variants or "unrolled_pallas_ffn" in args.variants:
+            if any(v.startswith("unrolled") for v in args.variants):
                 flat = modeling.unstack_layers(params)  # per-layer weight arrays: no slices in the layer loop
                 if "unrolled" in args.variants:
                     row["ms_unrolled"] = _try(lambda: time_step(cfg, flat, b, base), row, "unrolled")
                 if "unrolled_pallas_ffn" in args.variants:
                     row["ms_unrolled_pallas_ffn"] = _try(lambda: time_step(cfg, flat, b, base, "pallas"), row,
                                                          "unrolled_pallas_ffn")
+                if "unrolled_mgpu_ffn" in args.variants:
+                    row["ms_unrolled_mgpu_ffn"] = _try(lambda: time_step(cfg, flat, b, base, "mgpu"), row,
+                                                       "unrolled_mgpu_ffn")
                 del flat
             row["ms_block_step"] = min(x for k, x in row.items() if k.startswith("ms_attn_") and x)
             row["ms_best_variant"] = min(x for k, x in row.items()
                                          if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_mgpu_ffn", "ms_unrolled",
-                                                                              "ms_unrolled_pallas_ffn")) and x)
+                                                                              "ms_unrolled_pallas_ffn",
+                                                                              "ms_unrolled_mgpu_ffn")) and x)
             row["xla_baseline_ms"] = row.get("ms_attn_cudnn") or row.get("ms_attn_xla")
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         d, f = cfg.d_model, cfg.mlp_hidden
-        for k, n in ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
+        for k, n in () if args.no_stages else ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
             for r in gemm_rows(k, n):
                 rows.append({"model": name, **r})
                 print(rows[-1], flush=True)
