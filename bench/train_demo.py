@@ -97,7 +97,7 @@ def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1):
 
 # ------------------------------------------------------------------------------------------------ loss
 def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx, backend: str = "xla",
-              levels: int = 1):
+              levels: int = 1, task_weights: tuple[float, ...] | None = None):
     cfg_c = config.replace(dtype="bfloat16")
 
     def loss_fn(params, tokens, length, start, key):
@@ -125,10 +125,8 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
     @jax.jit
     def step(params, opt_state, pool, key, lr, max_level):
         # curriculum: each row's difficulty level is uniform in [0, max_level]; the pool is level-major
-        k_idx, k_lv, k_loss = jax.random.split(key, 3)
-        per_level = pool[0].shape[0] // levels
-        level = jax.random.randint(k_lv, (batch,), 0, max_level + 1)
-        idx = level * per_level + jax.random.randint(k_idx, (batch,), 0, per_level)
+        k_idx, k_loss = jax.random.split(key)
+        idx = sample_rows(k_idx, pool[0].shape[0], batch, levels, max_level, task_weights)
         tokens = pool[0][idx].astype(jnp.int32)
         (loss, ans_ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, pool[1][idx],
                                                                           pool[2][idx], k_loss)
@@ -137,6 +135,34 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         return params, opt_state, loss, ans_ce, optax.global_norm(grads)
 
     return step
+
+
+def sample_rows(key, n_rows: int, batch: int, levels: int, max_level, task_weights=None):
+    """Pool row indices for one batch. The pool is [level][task][problem]; each row's level is uniform in
+    [0, max_level] (the curriculum), its task uniform or drawn with `task_weights` (in G.TASKS order)."""
+    k_lv, k_task, k_idx = jax.random.split(key, 3)
+    per_level = n_rows // levels
+    level = jax.random.randint(k_lv, (batch,), 0, max_level + 1)
+    if task_weights is None:
+        return level * per_level + jax.random.randint(k_idx, (batch,), 0, per_level)
+    per_task = per_level // len(task_weights)
+    task = jax.random.categorical(k_task, jnp.log(jnp.asarray(task_weights, jnp.float32)), shape=(batch,))
+    return level * per_level + task * per_task + jax.random.randint(k_idx, (batch,), 0, per_task)
+
+
+def parse_task_weights(spec: str | None) -> tuple[float, ...] | None:
+    """'locate=1,lookup=2' -> weights in G.TASKS order (unnamed tasks weigh 1); None -> uniform."""
+    if not spec:
+        return None
+    w = dict.fromkeys(G.TASKS, 1.0)
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in w or not value:
+            raise SystemExit(f"--task-weights: bad item {item!r}; expected TASK=WEIGHT with TASK in {G.TASKS}")
+        w[name.strip()] = float(value)
+    if min(w.values()) < 0 or sum(w.values()) <= 0:
+        raise SystemExit("--task-weights: weights must be >= 0 and not all 0")
+    return tuple(w[t] for t in G.TASKS)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0.05) -> float:
@@ -222,11 +248,14 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--levels", type=int, default=4, help="curriculum difficulty levels (1 = no curriculum)")
+    ap.add_argument("--task-weights", default=None,
+                    help="sampling weight per task, e.g. 'locate=1,lookup=2,rule=0.5' (default: uniform)")
     ap.add_argument("--init", default=None, help="start from this model directory (e.g. the bundled model)")
     ap.add_argument("--curriculum-frac", type=float, default=0.4,
                     help="fraction of the run over which the hardest allowed level rises to the full task")
     args = ap.parse_args(argv)
 
+    task_weights = parse_task_weights(args.task_weights)
     t0 = time.time()
     config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers)
     # build the data in forked workers BEFORE anything starts JAX's backend threads (fork + threads can deadlock)
@@ -255,7 +284,8 @@ def main(argv=None) -> int:
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8),
                      optax.add_decayed_weights(0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)))
     opt_state = tx.init(params)
-    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention, args.levels)
+    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention, args.levels,
+                        task_weights)
     if args.attention != "xla":  # fall back to the reference attention if the fused one does not compile here
         try:
             jax.block_until_ready(step_fn(params, opt_state, pool, jax.random.key(0), jnp.float32(0.0),
@@ -263,7 +293,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"attention backend {args.attention!r} failed ({type(e).__name__}: {str(e)[:200]}); using xla")
             args.attention = "xla"
-            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels)
+            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels,
+                                task_weights)
     quick_set, quick_acc = quick_eval_set(), make_quick_eval(config)
 
     total = None if args.steps == "auto" else int(args.steps)
@@ -303,12 +334,14 @@ def main(argv=None) -> int:
     (out / "generation_config.json").write_text(json.dumps(
         {"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2))
     meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
-                                       "attention", "d_model", "layers", "levels", "curriculum_frac", "init")}
+                                       "attention", "d_model", "layers", "levels", "curriculum_frac", "init",
+                                       "task_weights")}
     meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
                 gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
                 + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in
                           ("batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model", "layers",
                            "levels", "curriculum_frac"))
+                + (f" --task-weights {args.task_weights}" if args.task_weights else "")
                 + (f" --init {args.init}" if args.init else "")
                 + (" --tiny" if args.tiny else ""))
     if args.eval_n > 0:
