@@ -26,7 +26,8 @@ import common  # noqa: E402
 from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
-from dllm_jax.loading import Model  # noqa: E402
+from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
+from dllm_jax.modeling import stack_layers, unstack_layers  # noqa: E402
 
 PROMPT, GEN, BLOCK = 256, 256, 32
 FUSED = 8  # forwards per timed jitted loop
@@ -87,7 +88,7 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
             "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
             "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
             "attention": resolve_backend(gc, model.config, False), "ffn_backend": ffn_backend,
-            "unrolled_layers": isinstance(model.params["layers"], (tuple, list))}
+            "layer_layout": "unrolled" if isinstance(model.params["layers"], (tuple, list)) else "stacked"}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -96,7 +97,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sel = [r for r in rows if r["steps"] == 64]
+    sel = [r for r in rows if r["steps"] == 64 and "comparison" not in r]
     models = sorted({r["model"] for r in sel})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
@@ -119,10 +120,15 @@ def main() -> None:
     ap.add_argument("--steps", nargs="+", type=int, default=[64], help="fixed schedules to time at every batch")
     ap.add_argument("--ffn-backend", choices=["xla", "pallas", "mgpu"], default="xla",
                     help="pallas / mgpu: FFN GEMMs of block steps on a weight-streaming kernel (issue 7)")
-    ap.add_argument("--unrolled", action="store_true",
-                    help="per-layer weight arrays, unrolled layer loop (modeling.unstack_layers; issue 7)")
+    ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
+                    help="stacked: scanned [L, ...] weights; unrolled: per-layer arrays (the GPU default, issue 7); "
+                         "auto: what dllm_jax.load picks on this backend")
+    ap.add_argument("--compare-stacked", action="store_true",
+                    help="also time each model's dual batch-1 row with stacked weights, in the same run")
+    ap.add_argument("--no-steps256", action="store_true", help="skip the fixed steps-256 batch-1 row per model")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
+    layer_layout = resolve_layer_layout(args.layer_layout)
     t_start = time.perf_counter()
     rows, skipped = [], []
     rng = np.random.default_rng(0)
@@ -132,7 +138,8 @@ def main() -> None:
             for mode in args.modes:
                 for steps in args.steps:
                     plan.append((name, mode, batch, steps))
-        plan.append((name, "dual", 1, 256))
+        if not args.no_steps256:
+            plan.append((name, "dual", 1, 256))
     current = None
     for i, (name, mode, batch, steps) in enumerate(plan):
         if time.perf_counter() - t_start > args.budget_s:
@@ -146,11 +153,18 @@ def main() -> None:
                 from dllm_jax import fp8
 
                 params, config = fp8.quantize_params(params, config, on_device=True)
-            if args.unrolled:
-                from dllm_jax.modeling import unstack_layers
-
+            if layer_layout == "unrolled":
                 params = unstack_layers(params)
             current = Model(config, params)
+            if args.compare_stacked and layer_layout == "unrolled":
+                stacked = Model(config, stack_layers(params))
+                row = bench_one(stacked, name, "dual", 1, 64, rng, 3, args.ffn_backend)
+                row.update(fp8_ffn=bool(args.fp8_ffn), comparison="same-run stacked baseline")
+                rows.append(row)
+                save(args, layer_layout, rows, skipped)
+                print(f"[stacked] {name} dual b1 s64 {row['tokens_per_s']:8.1f} tok/s  step "
+                      f"{row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms", flush=True)
+                del stacked
         reps = 1 if (mode == "none" and batch >= 8) or steps == 256 else 3
         try:
             row = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend)
@@ -164,15 +178,21 @@ def main() -> None:
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "
               f"compile {row['compile_s']:.1f}s", flush=True)
+        save(args, layer_layout, rows, skipped)
+    path = save(args, layer_layout, rows, skipped)
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path}")
+
+
+def save(args, layer_layout: str, rows: list[dict], skipped: list[dict]) -> Path:
+    """Write the JSON (after every row too, so a run cut short by a time limit keeps what it measured)."""
     meta = common.meta(prompt_length=PROMPT, gen_length=GEN, block_length=BLOCK, weights="random bf16",
-                       schedule="fixed (steps given), stop_at_eos off", skipped=skipped,
+                       schedule="fixed (steps given), stop_at_eos off", skipped=skipped, layer_layout=layer_layout,
                        baseline="Fast-dLLM official PyTorch, same GPU kind (anchors): batch 1, steps 64: "
                                 "dual 98-113 tok/s, prefix 130-138, none 125.7; batch > 1 unsupported")
     stem = "generate" + ("_fp8" if args.fp8_ffn else "") + (f"_{args.ffn_backend}_ffn" if args.ffn_backend != "xla" else "") \
-        + ("_unrolled" if args.unrolled else "") + "_h200"
-    path = common.write_results(f"{stem}.json", meta, rows, args.out)
-    plot(rows, Path(args.out) / f"{stem}.png")
-    print(f"wrote {path}")
+        + ("_stacked" if layer_layout == "stacked" and args.layer_layout != "auto" else "") + "_h200"
+    return common.write_results(f"{stem}.json", meta, rows, args.out)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ def main() -> None:
                                                                               "ms_unrolled_mgpu_ffn")) and x)
             row["xla_baseline_ms"] = row.get("ms_attn_cudnn") or row.get("ms_attn_xla")
             rows.append(row)
+            save(rows, args.out)  # after every row: a run cut short by a time limit keeps what it measured
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         d, f = cfg.d_model, cfg.mlp_hidden
         for k, n in () if args.no_stages else ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
@@ -174,11 +175,15 @@ def main() -> None:
                 rows.append({"model": name, **r})
                 print(rows[-1], flush=True)
         del params
+    print(f"wrote {save(rows, args.out)}")
+
+
+def save(rows: list[dict], out: str) -> Path:
     import os
-    path = common.write_results("block_step_h200.json", common.meta(what="dual-cache block step profile",
+
+    return common.write_results("block_step_h200.json", common.meta(what="dual-cache block step profile",
                                                                     xla_flags=os.environ.get("XLA_FLAGS", "")),
-                                rows, args.out)
-    print(f"wrote {path}")
+                                rows, out)
 
 
 if __name__ == "__main__":

@@ -270,7 +270,7 @@ def main(argv=None) -> int:
         # continue from an earlier run (its bf16 safetensors become the fp32 master weights; Adam restarts)
         import dllm_jax
 
-        start = dllm_jax.load(args.init, dtype="float32")
+        start = dllm_jax.load(args.init, dtype="float32", layer_layout="stacked")
         if start.config.replace(dtype=config.dtype) != config:
             raise SystemExit(f"--init {args.init}: its config differs from this run's (--d-model/--layers?):\n"
                              f"  {start.config}\n  {config}")

@@ -226,6 +226,8 @@ def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tup
         leaf = params
         for key in rule.path:
             leaf = leaf[key]
+            if isinstance(leaf, (tuple, list)) and layer is not None:  # unrolled layout: one tree per layer
+                leaf, layer = leaf[layer], None
         t = np.asarray(leaf if layer is None else leaf[layer])
         yield name, np.ascontiguousarray(t.T if rule.transpose else t)
 

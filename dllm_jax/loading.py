@@ -62,11 +62,31 @@ def to_device(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
     return jax.tree_util.tree_map_with_path(put, params)
 
 
+LAYER_LAYOUTS = ("auto", "stacked", "unrolled")
+
+
+def resolve_layer_layout(layer_layout: str) -> str:
+    """"auto" -> "unrolled" on a GPU, "stacked" elsewhere.
+
+    Why unrolled on the GPU: inside lax.scan each layer's weights are a dynamic slice of the stacked arrays and
+    XLA copies every slice before its GEMM, so a batch-1 LLaDA-8B block step read the weights ~3 times: 12.65 ms
+    scanned vs 5.66 ms unrolled on an H200 (bench/results/block_step_h200.json, issue 7). On the CPU the scan
+    compiles faster and the tiny models gain nothing from unrolling."""
+    if layer_layout not in LAYER_LAYOUTS:
+        raise ValueError(f"layer_layout={layer_layout!r}; expected one of {LAYER_LAYOUTS}")
+    if layer_layout == "auto":
+        return "unrolled" if jax.default_backend() == "gpu" else "stacked"
+    return layer_layout
+
+
 def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False,
-         fp8_ffn: bool = False) -> Model:
+         fp8_ffn: bool = False, layer_layout: str = "auto") -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
     memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32".
-    fp8_ffn: quantise the FFNs of layers >= 2 to e4m3 now (a checkpoint converted with --fp8-ffn already is)."""
+    fp8_ffn: quantise the FFNs of layers >= 2 to e4m3 now (a checkpoint converted with --fp8-ffn already is).
+    layer_layout: "stacked" ([L, ...] weights, a lax.scan over layers), "unrolled" (one array per layer, an
+    unrolled layer loop: faster on the GPU), or "auto" (unrolled on a GPU; see `resolve_layer_layout`)."""
+    layout = resolve_layer_layout(layer_layout)
     path = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -83,6 +103,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progres
         from dllm_jax import fp8
 
         params, config = fp8.quantize_params(params, config)
+    if layout == "unrolled":  # split on the host (numpy views), so the device never holds both layouts
+        from dllm_jax.modeling import unstack_layers
+
+        params = unstack_layers(params)
     params = to_device(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

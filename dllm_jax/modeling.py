@@ -22,6 +22,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dllm_jax.attention import Backend, attend
 from dllm_jax.config import ModelConfig
@@ -231,6 +232,15 @@ def unstack_layers(params: Params) -> Params:
         return params
     n = jax.tree.leaves(layers)[0].shape[0]
     return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of `unstack_layers`: "layers" as stacked [L, ...] leaves (a no-op if already stacked)."""
+    layers = params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        return params
+    stack = np.stack if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp.stack
+    return {**params, "layers": jax.tree.map(lambda *a: stack(a), *layers)}
 
 
 FfnBackend = str  # "xla" | "pallas" (Triton-lowered skinny GEMM) | "mgpu" (Mosaic GPU streaming GEMM)

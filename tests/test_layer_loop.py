@@ -122,3 +122,41 @@ def test_mgpu_ffn_matches_xla_in_bf16():
     ref = forward(params, c, tokens, positions, cache=cache, cache_offset=8)
     got = forward(params, c, tokens, positions, cache=cache, cache_offset=8, ffn_backend="mgpu")
     _close(got.logits, ref.logits, tol=3e-2)  # bf16: each GEMM rounds once, in a different summation order
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_load_layer_layouts(name, models, tmp_path):
+    """`load(..., layer_layout=)`: "unrolled" gives per-layer arrays with the stacked layout's tokens; "auto"
+    is stacked off the GPU; export_hf writes the same tensors from either layout; bad values fail early."""
+    import dllm_jax
+    from dllm_jax import checkpoint
+    from dllm_jax.loading import resolve_layer_layout
+    from dllm_jax.modeling import stack_layers
+
+    m = models[name]
+    checkpoint.export_hf(m.params, m.config, tmp_path / "stacked")
+    stacked = dllm_jax.load(tmp_path / "stacked", dtype="float32", layer_layout="stacked")
+    unrolled = dllm_jax.load(tmp_path / "stacked", dtype="float32", layer_layout="unrolled")
+    assert isinstance(unrolled.params["layers"], tuple) and len(unrolled.params["layers"]) == m.config.n_layers
+    assert not isinstance(stacked.params["layers"], tuple)
+    assert resolve_layer_layout("auto") == ("unrolled" if jax.default_backend() == "gpu" else "stacked")
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
+    np.testing.assert_array_equal(generate(unrolled, PROMPTS, gc).tokens, generate(stacked, PROMPTS, gc).tokens)
+    checkpoint.export_hf(unrolled.params, m.config, tmp_path / "from_unrolled")
+    assert ((tmp_path / "from_unrolled" / "model.safetensors").read_bytes()
+            == (tmp_path / "stacked" / "model.safetensors").read_bytes())
+    jax.tree.map(np.testing.assert_array_equal, stack_layers(unrolled.params), stacked.params)
+    with pytest.raises(ValueError, match="layer_layout"):
+        dllm_jax.load(tmp_path / "stacked", layer_layout="scan")
+
+
+def test_fp8_quantize_keeps_the_unrolled_layout():
+    from dllm_jax import fp8
+
+    c = CONFIGS["llada"].replace(d_model=128, head_dim=32, mlp_hidden=256, n_layers=2)
+    params = init_params(c, jax.random.key(5), std=0.2)
+    q_stacked, c8 = fp8.quantize_params(params, c)
+    q_unrolled, c8u = fp8.quantize_params(unstack_layers(params), c)
+    assert c8u == c8 and isinstance(q_unrolled["layers"], tuple)
+    tokens, positions = _window(c)
+    _close(forward(q_unrolled, c8, tokens, positions).logits, forward(q_stacked, c8, tokens, positions).logits)
