@@ -102,6 +102,12 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def save(rows: list[dict], out: str):
+    return common.write_results("skinny_matmul_h200.json",
+                                common.meta(what="weight-streaming GEMMs, one per layer of a stack, us per GEMM"),
+                                rows, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="no block-size sweep")
@@ -155,11 +161,10 @@ def main() -> None:
                 row["sweep_best_us"], row["sweep_best_blocks"] = best
                 row["sweep_best_TBps"] = k * n * 2 / best[0] / 1e6
             rows.append(row)
+            path = save(rows, args.out)  # after every row: a run cut short by a time limit keeps its rows
             print({kk: (round(v, 3) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
         del w
-    path = common.write_results("skinny_matmul_h200.json",
-                                common.meta(what="weight-streaming GEMMs, one per layer of a stack, us per GEMM"),
-                                rows, args.out)
+    path = save(rows, args.out)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and its plot")
 
