@@ -1,15 +1,15 @@
 """Where a dual-cache block step's time goes (issue 7), by timed variants that drop one stage, plus skinny GEMMs.
 
 For LLaDA-8B / Dream-7B shapes (random bf16 weights on the device), batch 1/8/32, a 512-slot cache and a 32-token
-block, it times 8 block steps fused in one jitted fori_loop for:
-  full           the engine's block step (attention backend as given)
-  no_attention   attention replaced by a broadcast of V (same shapes, no softmax/PV)
-  no_ffn         the SwiGLU FFN skipped
-  attn_<b>       the full step with attention backend <b> (xla / cudnn / pallas)
-  pallas_ffn     the FFN on the weight-streaming Pallas GEMM (stacked weights indexed in the kernel)
-  mgpu_ffn       the same with the Mosaic GPU streaming GEMM (pallas_kernels/stream_matmul_mgpu.py)
-  unrolled       per-layer weight arrays and an unrolled layer loop (no slicing of stacked weights)
-  unrolled_pallas_ffn  both (unrolled_mgpu_ffn: with the Mosaic GPU GEMM)
+block, it times 8 block steps fused in one jitted fori_loop, on the engine's default layer layout (`--layer-layout
+auto`: per-layer weights and an unrolled layer loop on a GPU, see `dllm_jax.loading.resolve_layer_layout`):
+  ms_block_step    the engine's block step (first attention backend of --backends)
+  xla_baseline_ms  the plain-XLA step: stacked weights under lax.scan, cuDNN attention (the engine before issue 7)
+  ms_attn_<b>      the step with attention backend <b> (xla / cudnn / pallas)
+  ms_no_attention  attention replaced by a broadcast of V (same shapes, no softmax/PV)
+  ms_no_ffn        the SwiGLU FFN skipped
+  ms_pallas_ffn    the FFN on the Triton weight-streaming GEMM (pallas_kernels/skinny_matmul.py)
+  ms_mgpu_ffn      the FFN on the Mosaic GPU streaming GEMM (pallas_kernels/stream_matmul_mgpu.py)
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
 is (all weights read once + the K/V cache read once) / 4.3 TB/s. Writes bench/results/block_step_h200.json and
 prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`; set
@@ -34,6 +34,7 @@ import common  # noqa: E402
 from dllm_jax import modeling  # noqa: E402
 from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
+from dllm_jax.loading import resolve_layer_layout  # noqa: E402
 from dllm_jax.modeling import Block  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -117,64 +118,55 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--backends", nargs="+", default=["cudnn", "xla", "pallas"])
-    ap.add_argument("--variants", nargs="*",
-                    default=["pallas_ffn", "mgpu_ffn", "unrolled", "unrolled_pallas_ffn", "unrolled_mgpu_ffn"],
-                    help="fast-path candidates to time besides the stage-dropping variants")
+    ap.add_argument("--backends", nargs="+", default=["cudnn", "pallas"],
+                    help="attention backends for the default-layout step (the first is the base of the variants)")
+    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "mgpu_ffn"],
+                    help="fast-path candidates (FFN on a weight-streaming kernel) timed on the default layout")
+    ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
+                    help="the layout timed as ms_block_step (auto: the engine's default on this backend)")
     ap.add_argument("--no-stages", action="store_true",
                     help="skip the stage-dropping variants (no_attention / no_ffn) and the standalone GEMMs")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
+    layout = resolve_layer_layout(args.layer_layout)
     rows = []
     for name in args.models:
         cfg = common.MODELS[name]
-        params = common.random_params(cfg)
-        weight_bytes = common.param_bytes(params) - params["embed"].size * 2  # the embedding is gathered, not read
+        stacked = common.random_params(cfg)
+        weight_bytes = common.param_bytes(stacked) - stacked["embed"].size * 2  # the embedding is gathered
+        params = modeling.unstack_layers(stacked) if layout == "unrolled" else stacked
         for b in args.batches:
             kv_bytes = 2 * cfg.n_layers * b * CACHE_SLOTS * cfg.n_kv_heads * cfg.head_dim * 2
-            row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK,
+            row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": layout,
                    "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S}
             base = args.backends[0]
             for backend in args.backends:
-                try:
-                    row[f"ms_attn_{backend}"] = time_step(cfg, params, b, backend)
-                except Exception as e:  # a backend that cannot run this shape must not lose the others
-                    row[f"ms_attn_{backend}"] = None
-                    row[f"error_{backend}"] = str(e)[:200]
+                row[f"ms_attn_{backend}"] = _try(lambda: time_step(cfg, params, b, backend), row, backend)
+            row["ms_block_step"] = row[f"ms_attn_{base}"]
+            # the plain-XLA baseline: stacked weights under lax.scan, cuDNN attention on a GPU (the v2 engine)
+            ref_attn = "cudnn" if jax.default_backend() == "gpu" else "xla"
+            row["xla_baseline_ms"] = (row["ms_block_step"] if layout == "stacked" and base == ref_attn else
+                                      _try(lambda: time_step(cfg, stacked, b, ref_attn), row, "xla_baseline"))
             for v in () if args.no_stages else ("no_attention", "no_ffn"):
                 with variant(v):
-                    row[f"ms_{v}"] = time_step(cfg, params, b, base)
-            # fast-path candidates (issue 7): Pallas weight-streaming FFN (stacked weights, indexed in-kernel)
-            if "pallas_ffn" in args.variants:
-                row["ms_pallas_ffn"] = _try(lambda: time_step(cfg, params, b, base, "pallas"), row, "pallas_ffn")
-            if "mgpu_ffn" in args.variants:  # the Mosaic GPU streaming GEMM
-                row["ms_mgpu_ffn"] = _try(lambda: time_step(cfg, params, b, base, "mgpu"), row, "mgpu_ffn")
-            if any(v.startswith("unrolled") for v in args.variants):
-                flat = modeling.unstack_layers(params)  # per-layer weight arrays: no slices in the layer loop
-                if "unrolled" in args.variants:
-                    row["ms_unrolled"] = _try(lambda: time_step(cfg, flat, b, base), row, "unrolled")
-                if "unrolled_pallas_ffn" in args.variants:
-                    row["ms_unrolled_pallas_ffn"] = _try(lambda: time_step(cfg, flat, b, base, "pallas"), row,
-                                                         "unrolled_pallas_ffn")
-                if "unrolled_mgpu_ffn" in args.variants:
-                    row["ms_unrolled_mgpu_ffn"] = _try(lambda: time_step(cfg, flat, b, base, "mgpu"), row,
-                                                       "unrolled_mgpu_ffn")
-                del flat
-            row["ms_block_step"] = min(x for k, x in row.items() if k.startswith("ms_attn_") and x)
-            row["ms_best_variant"] = min(x for k, x in row.items()
-                                         if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_mgpu_ffn", "ms_unrolled",
-                                                                              "ms_unrolled_pallas_ffn",
-                                                                              "ms_unrolled_mgpu_ffn")) and x)
-            row["xla_baseline_ms"] = row.get("ms_attn_cudnn") or row.get("ms_attn_xla")
+                    row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base), row, v)
+            for v in args.variants:  # weight-streaming FFN kernels (issue 7): Triton ("pallas") / Mosaic GPU ("mgpu")
+                if v not in ("pallas_ffn", "mgpu_ffn"):
+                    raise SystemExit(f"unknown variant {v!r}; expected pallas_ffn or mgpu_ffn")
+                row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
+            timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_mgpu_ffn"))
+                     and x]
+            row["ms_best_variant"] = min(timed) if timed else None
             rows.append(row)
             save(rows, args.out)  # after every row: a run cut short by a time limit keeps what it measured
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del params
         d, f = cfg.d_model, cfg.mlp_hidden
         for k, n in () if args.no_stages else ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
             for r in gemm_rows(k, n):
                 rows.append({"model": name, **r})
                 print(rows[-1], flush=True)
-        del params
+        del stacked
     print(f"wrote {save(rows, args.out)}")
 
 
