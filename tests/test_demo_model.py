@@ -22,7 +22,7 @@ def _quality():
 def test_bundled_model_reads_its_context(tmp_path):
     """Held-out exact match (no cache, 30 problems per task x placement, fixed seed) well above what a model that
     ignores the shared part can do (a random-weight model scores 0 on all three). Floors sit below the measured
-    H200 figures (bench/results/quality.json, n=1000: rule 0.73, locate 0.31, lookup 0.09)."""
+    H200 figures (bench/results/quality.json, n=1000: rule 0.74, locate 0.32, lookup 0.10)."""
     res = _quality().run(DEFAULT_MODEL_DIR, n=30, modes=["none"], out=tmp_path / "q.json",
                          plot_path=tmp_path / "q.png", progress=False)
     acc = {}
