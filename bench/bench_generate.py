@@ -125,9 +125,13 @@ def main() -> None:
                          "auto: what dllm_jax.load picks on this backend")
     ap.add_argument("--compare-stacked", action="store_true",
                     help="also time each model's dual batch-1 row with stacked weights, in the same run")
+    ap.add_argument("--compare-bf16", action="store_true",
+                    help="with --fp8-ffn: also time every row with the same weights in bf16, in the same run")
     ap.add_argument("--no-steps256", action="store_true", help="skip the fixed steps-256 batch-1 row per model")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
+    if args.compare_bf16 and not args.fp8_ffn:
+        raise SystemExit("--compare-bf16 needs --fp8-ffn")
     layer_layout = resolve_layer_layout(args.layer_layout)
     t_start = time.perf_counter()
     rows, skipped = [], []
@@ -149,9 +153,12 @@ def main() -> None:
             current = None
             params = common.random_params(common.MODELS[name])
             config = common.MODELS[name]
+            bf16 = None
             if args.fp8_ffn:
                 from dllm_jax import fp8
 
+                if args.compare_bf16:  # the same weights in bf16, timed in this process for same-run ratios
+                    bf16 = Model(config, unstack_layers(params) if layer_layout == "unrolled" else params)
                 params, config = fp8.quantize_params(params, config, on_device=True)
             if layer_layout == "unrolled":
                 params = unstack_layers(params)
@@ -174,6 +181,15 @@ def main() -> None:
             continue
         row["fp8_ffn"] = bool(args.fp8_ffn)
         rows.append(row)
+        if bf16 is not None:
+            ref = bench_one(bf16, name, mode, batch, steps, rng, reps, args.ffn_backend)
+            ref.update(fp8_ffn=False, comparison="same-run bf16 baseline")
+            rows.append(ref)
+            row["speedup_vs_bf16"] = ref["seconds"] / row["seconds"]
+            row["block_step_speedup_vs_bf16"] = ref["ms_block_step"] / row["ms_block_step"]
+            print(f"    bf16 same run: {ref['tokens_per_s']:8.1f} tok/s  step {ref['ms_block_step']:6.2f} ms  "
+                  f"-> FP8 {row['speedup_vs_bf16']:.2f}x end to end, {row['block_step_speedup_vs_bf16']:.2f}x "
+                  f"block step", flush=True)
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "

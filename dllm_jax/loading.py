@@ -103,7 +103,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progres
         from dllm_jax import fp8
 
         params, config = fp8.quantize_params(params, config)
-    if layout == "unrolled":  # split on the host (numpy views), so the device never holds both layouts
+    if layout == "unrolled":  # numpy leaves (HF dirs) split as host views; restored device arrays split on the
+        # device, holding both layouts for a moment (LLaDA-8B: 2 x 16 GB)
         from dllm_jax.modeling import unstack_layers
 
         params = unstack_layers(params)

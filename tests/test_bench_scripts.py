@@ -19,15 +19,18 @@ def _run(script: str, *args: str) -> None:
         sys.argv = argv
 
 
-def test_bench_generate_smoke_both_layer_layouts(tmp_path):
+def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
     _run("bench_generate", "--models", "tiny", "--batches", "1", "--modes", "dual", "--layer-layout", "unrolled",
-         "--compare-stacked", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "generate_h200.json").read_text())["rows"]
-    # the stacked comparison row, the dual steps-64 row and the fixed steps-256 row
-    assert [(r["layer_layout"], r["steps"]) for r in rows] == [("stacked", 64), ("unrolled", 64), ("unrolled", 256)]
+         "--compare-stacked", "--fp8-ffn", "--compare-bf16", "--no-steps256", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "generate_fp8_h200.json").read_text())["rows"]
+    # the same-run stacked comparison, the FP8 row on the layout asked for, and its same-run bf16 twin
+    assert [(r["layer_layout"], r["fp8_ffn"], r.get("comparison")) for r in rows] == [
+        ("stacked", True, "same-run stacked baseline"), ("unrolled", True, None),
+        ("unrolled", False, "same-run bf16 baseline")]
     for r in rows:
-        assert r["nfe"] == r["steps"] and r["tokens_per_s"] > 0 and r["ms_block_step"] > 0
-    assert (tmp_path / "generate_h200.png").stat().st_size > 0
+        assert r["nfe"] == r["steps"] == 64 and r["tokens_per_s"] > 0 and r["ms_block_step"] > 0
+    assert rows[1]["speedup_vs_bf16"] == rows[2]["seconds"] / rows[1]["seconds"]
+    assert (tmp_path / "generate_fp8_h200.png").stat().st_size > 0
 
 
 def test_profile_block_step_smoke(tmp_path):
