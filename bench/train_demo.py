@@ -132,7 +132,8 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
                                                                           pool[2][idx], k_loss)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-        return params, opt_state, loss, ans_ce, optax.global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # same on old/new optax
+        return params, opt_state, loss, ans_ce, grad_norm
 
     return step
 
