@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from typing import Literal, Sequence
 
 import jax
@@ -222,6 +223,17 @@ def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
     return out.cache
 
 
+def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
+    """Warn (once per call site) when stacked layer weights are decoded on a GPU: XLA copies each layer's weight
+    slice inside the scan, ~2x slower block steps there (bench/NOTES.md, issue 7). Returns whether it warned."""
+    if (backend or jax.default_backend()) != "gpu" or isinstance(params["layers"], (tuple, list)):
+        return False
+    warnings.warn("stacked layer weights on a GPU run a lax.scan whose weight slices XLA copies (~2x slower "
+                  "block steps); load with dllm_jax.load(..., layer_layout='auto'|'unrolled') or convert with "
+                  "dllm_jax.modeling.unstack_layers(params)", stacklevel=3)
+    return True
+
+
 def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, seed: int = 0,
              affix_spans: Sequence[tuple[int, int] | None] | None = None) -> GenerationOutput:
     """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics."""
@@ -233,6 +245,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
         raise ValueError("affix='naive' needs affix_spans (one (start, end) per prompt)")
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
+    warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
     toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),

@@ -160,3 +160,14 @@ def test_fp8_quantize_keeps_the_unrolled_layout():
     assert c8u == c8 and isinstance(q_unrolled["layers"], tuple)
     tokens, positions = _window(c)
     _close(forward(q_unrolled, c8, tokens, positions).logits, forward(q_stacked, c8, tokens, positions).logits)
+
+
+def test_stacked_layout_on_gpu_warns(models):
+    """generate() tells a GPU user that stacked weights take the slow scan path; unrolled or CPU: silent."""
+    from dllm_jax.generate import warn_if_slow_layer_layout
+
+    params = models["llada"].params
+    with pytest.warns(UserWarning, match="layer_layout"):
+        assert warn_if_slow_layer_layout(params, backend="gpu")
+    assert not warn_if_slow_layer_layout(unstack_layers(params), backend="gpu")
+    assert not warn_if_slow_layer_layout(params, backend="cpu")
