@@ -124,7 +124,7 @@ def main() -> None:
                     help="stacked: scanned [L, ...] weights; unrolled: per-layer arrays (the GPU default, issue 7); "
                          "auto: what dllm_jax.load picks on this backend")
     ap.add_argument("--compare-stacked", action="store_true",
-                    help="also time each model's dual batch-1 row with stacked weights, in the same run")
+                    help="also time one row per model (dual, batch 1, 64 steps) with stacked weights, same run")
     ap.add_argument("--compare-bf16", action="store_true",
                     help="with --fp8-ffn: also time every row with the same weights in bf16, in the same run")
     ap.add_argument("--no-steps256", action="store_true", help="skip the fixed steps-256 batch-1 row per model")
@@ -133,6 +133,9 @@ def main() -> None:
     if args.compare_bf16 and not args.fp8_ffn:
         raise SystemExit("--compare-bf16 needs --fp8-ffn")
     layer_layout = resolve_layer_layout(args.layer_layout)
+    if args.compare_stacked and layer_layout != "unrolled":
+        raise SystemExit(f"--compare-stacked compares against the unrolled layout; this run's layout is "
+                         f"{layer_layout} (pass --layer-layout unrolled)")
     t_start = time.perf_counter()
     rows, skipped = [], []
     rng = np.random.default_rng(0)
@@ -163,15 +166,19 @@ def main() -> None:
             if layer_layout == "unrolled":
                 params = unstack_layers(params)
             current = Model(config, params)
-            if args.compare_stacked and layer_layout == "unrolled":
-                stacked = Model(config, stack_layers(params))
-                row = bench_one(stacked, name, "dual", 1, 64, rng, 3, args.ffn_backend)
-                row.update(fp8_ffn=bool(args.fp8_ffn), comparison="same-run stacked baseline")
-                rows.append(row)
-                save(args, layer_layout, rows, skipped)
-                print(f"[stacked] {name} dual b1 s64 {row['tokens_per_s']:8.1f} tok/s  step "
-                      f"{row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms", flush=True)
-                del stacked
+            if args.compare_stacked:  # one reference row per model: dual, batch 1, 64 steps, stacked weights
+                try:
+                    stacked = Model(config, stack_layers(params))
+                    row = bench_one(stacked, name, "dual", 1, 64, rng, 3, args.ffn_backend)
+                    row.update(fp8_ffn=bool(args.fp8_ffn), comparison="same-run stacked baseline")
+                    rows.append(row)
+                    save(args, layer_layout, rows, skipped)
+                    print(f"[stacked] {name} dual b1 s64 {row['tokens_per_s']:8.1f} tok/s  step "
+                          f"{row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms", flush=True)
+                except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
+                    print(f"FAILED stacked comparison {name}: {type(e).__name__}: {e}", flush=True)
+                    skipped.append(dict(model=name, comparison="stacked", error=str(e)[:300]))
+                stacked = None
         reps = 1 if (mode == "none" and batch >= 8) or steps == 256 else 3
         try:
             row = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend)
@@ -182,14 +189,21 @@ def main() -> None:
         row["fp8_ffn"] = bool(args.fp8_ffn)
         rows.append(row)
         if bf16 is not None:
-            ref = bench_one(bf16, name, mode, batch, steps, rng, reps, args.ffn_backend)
-            ref.update(fp8_ffn=False, comparison="same-run bf16 baseline")
-            rows.append(ref)
-            row["speedup_vs_bf16"] = ref["seconds"] / row["seconds"]
-            row["block_step_speedup_vs_bf16"] = ref["ms_block_step"] / row["ms_block_step"]
-            print(f"    bf16 same run: {ref['tokens_per_s']:8.1f} tok/s  step {ref['ms_block_step']:6.2f} ms  "
-                  f"-> FP8 {row['speedup_vs_bf16']:.2f}x end to end, {row['block_step_speedup_vs_bf16']:.2f}x "
-                  f"block step", flush=True)
+            try:
+                ref = bench_one(bf16, name, mode, batch, steps, rng, reps, args.ffn_backend)
+            except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
+                print(f"FAILED bf16 twin {name} {mode} b{batch} s{steps}: {type(e).__name__}: {e}", flush=True)
+                skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, comparison="bf16",
+                                    error=str(e)[:300]))
+                ref = None
+            if ref is not None:
+                ref.update(fp8_ffn=False, comparison="same-run bf16 baseline")
+                rows.append(ref)
+                row["speedup_vs_bf16"] = ref["seconds"] / row["seconds"]
+                row["block_step_speedup_vs_bf16"] = ref["ms_block_step"] / row["ms_block_step"]
+                print(f"    bf16 same run: {ref['tokens_per_s']:8.1f} tok/s  step {ref['ms_block_step']:6.2f} ms  "
+                      f"-> FP8 {row['speedup_vs_bf16']:.2f}x end to end, {row['block_step_speedup_vs_bf16']:.2f}x "
+                      f"block step", flush=True)
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "

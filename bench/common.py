@@ -102,7 +102,9 @@ def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.Pa
     out = Path(out_dir or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
-    path.write_text(json.dumps({"meta": meta_, "rows": rows}, indent=2))
+    tmp = path.with_name(f".{name}.tmp")  # written after every row: a kill mid-write must not truncate the file
+    tmp.write_text(json.dumps({"meta": meta_, "rows": rows}, indent=2))
+    os.replace(tmp, path)
     return path
 
 # a CPU smoke-test size (same code paths)

@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--backends", nargs="+", default=["cudnn", "pallas"],
                     help="attention backends for the default-layout step (the first is the base of the variants)")
-    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "mgpu_ffn"],
+    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "mgpu_ffn"], choices=["pallas_ffn", "mgpu_ffn"],
                     help="fast-path candidates (FFN on a weight-streaming kernel) timed on the default layout")
     ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
                     help="the layout timed as ms_block_step (auto: the engine's default on this backend)")
@@ -137,7 +137,8 @@ def main() -> None:
         params = modeling.unstack_layers(stacked) if layout == "unrolled" else stacked
         for b in args.batches:
             kv_bytes = 2 * cfg.n_layers * b * CACHE_SLOTS * cfg.n_kv_heads * cfg.head_dim * 2
-            row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": layout,
+            timed_layout = "unrolled" if isinstance(params["layers"], (tuple, list)) else "stacked"
+            row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": timed_layout,
                    "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S}
             base = args.backends[0]
             for backend in args.backends:
@@ -151,8 +152,6 @@ def main() -> None:
                 with variant(v):
                     row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base), row, v)
             for v in args.variants:  # weight-streaming FFN kernels (issue 7): Triton ("pallas") / Mosaic GPU ("mgpu")
-                if v not in ("pallas_ffn", "mgpu_ffn"):
-                    raise SystemExit(f"unknown variant {v!r}; expected pallas_ffn or mgpu_ffn")
                 row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
             timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_mgpu_ffn"))
                      and x]

@@ -158,11 +158,16 @@ def parse_task_weights(spec: str | None) -> tuple[float, ...] | None:
     w = dict.fromkeys(G.TASKS, 1.0)
     for item in spec.split(","):
         name, _, value = item.partition("=")
-        if name.strip() not in w or not value:
-            raise SystemExit(f"--task-weights: bad item {item!r}; expected TASK=WEIGHT with TASK in {G.TASKS}")
-        w[name.strip()] = float(value)
-    if min(w.values()) < 0 or sum(w.values()) <= 0:
-        raise SystemExit("--task-weights: weights must be >= 0 and not all 0")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = None
+        if name.strip() not in w or weight is None or not math.isfinite(weight) or weight < 0:
+            raise SystemExit(f"--task-weights: bad item {item!r}; expected TASK=WEIGHT (a finite weight >= 0) with "
+                             f"TASK in {G.TASKS}")
+        w[name.strip()] = weight
+    if sum(w.values()) <= 0:
+        raise SystemExit("--task-weights: the weights must not all be 0")
     return tuple(w[t] for t in G.TASKS)
 
 

@@ -279,7 +279,9 @@ def write_converted(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]] | dict[
     import orbax.checkpoint as ocp
 
     if isinstance(leaves, dict):
-        leaves = _flatten(leaves)
+        from dllm_jax.modeling import stack_layers
+
+        leaves = _flatten(stack_layers(leaves))  # the converted format stores stacked [L, ...] leaves
     out = Path(out_dir).absolute()
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"output directory {out} exists and is not empty (use --force to replace it)")

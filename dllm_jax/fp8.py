@@ -51,7 +51,9 @@ def quantize_params(params: dict, config: ModelConfig, on_device: bool = False) 
     """bf16 params -> params with FP8 FFNs in layers >= 2, and the config with fp8_ffn=True.
 
     on_device: quantise all layers at once on the accelerator (benchmarks: weights already live there);
-    default: layer by layer into host numpy (conversion and loading: low peak memory)."""
+    default: layer by layer into host numpy (conversion and loading: low peak memory).
+    Unrolled (per-layer) params are stacked first, which briefly holds both layouts where they live: `load`
+    quantises before it unstacks."""
     if config.fp8_ffn:
         return params, config
     check_fp8_shapes(config)

@@ -70,13 +70,30 @@ def resolve_layer_layout(layer_layout: str) -> str:
 
     Why unrolled on the GPU: inside lax.scan each layer's weights are a dynamic slice of the stacked arrays and
     XLA copies every slice before its GEMM, so a batch-1 LLaDA-8B block step read the weights ~3 times: 12.65 ms
-    scanned vs 5.66 ms unrolled on an H200 (bench/results/block_step_h200.json, issue 7). On the CPU the scan
+    scanned vs 5.54 ms unrolled on an H200 (bench/results/block_step_h200.json, after-table; issue 7). On the CPU the scan
     compiles faster and the tiny models gain nothing from unrolling."""
     if layer_layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layer_layout!r}; expected one of {LAYER_LAYOUTS}")
     if layer_layout == "auto":
         return "unrolled" if jax.default_backend() == "gpu" else "stacked"
     return layer_layout
+
+
+def _unstack_releasing(params: dict[str, Any]) -> dict[str, Any]:
+    """`modeling.unstack_layers`, dropping each stacked leaf as soon as it is split. Numpy leaves (HF directories)
+    split into free views; a converted checkpoint's restored device arrays are copied slice by slice, so the
+    peak is one stacked leaf over the model (LLaDA-8B: 3.2 GB), not a second copy of it."""
+    params = dict(params)
+    flat, treedef = jax.tree.flatten(params.pop("layers"))
+    n = flat[0].shape[0]
+    per_layer: list[list[Any]] = [[] for _ in range(n)]
+    for j in range(len(flat)):
+        leaf, flat[j] = flat[j], None
+        for i in range(n):
+            per_layer[i].append(leaf[i])
+        del leaf
+    params["layers"] = tuple(jax.tree.unflatten(treedef, leaves) for leaves in per_layer)
+    return params
 
 
 def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False,
@@ -103,11 +120,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progres
         from dllm_jax import fp8
 
         params, config = fp8.quantize_params(params, config)
-    if layout == "unrolled":  # numpy leaves (HF dirs) split as host views; restored device arrays split on the
-        # device, holding both layouts for a moment (LLaDA-8B: 2 x 16 GB)
-        from dllm_jax.modeling import unstack_layers
-
-        params = unstack_layers(params)
+    if layout == "unrolled":
+        params = _unstack_releasing(params)
     params = to_device(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

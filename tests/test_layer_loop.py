@@ -150,6 +150,25 @@ def test_load_layer_layouts(name, models, tmp_path):
         dllm_jax.load(tmp_path / "stacked", layer_layout="scan")
 
 
+def test_auto_layout_is_unrolled_on_a_gpu(models, tmp_path, monkeypatch):
+    """On a GPU backend "auto" unrolls, from an HF directory (numpy leaves) and from a converted checkpoint
+    (restored arrays); the converted format itself stays stacked whatever layout it is written from."""
+    import dllm_jax
+    from dllm_jax import checkpoint
+    from dllm_jax.modeling import stack_layers
+
+    m = models["dream"]
+    checkpoint.export_hf(m.params, m.config, tmp_path / "hf", dtype=np.float32)
+    checkpoint.write_converted(unstack_layers(m.params), m.config, tmp_path / "conv")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for src in ("hf", "conv"):
+        got = dllm_jax.load(tmp_path / src, dtype="float32")
+        assert isinstance(got.params["layers"], tuple) and len(got.params["layers"]) == m.config.n_layers, src
+        jax.tree.map(np.testing.assert_array_equal, stack_layers(got.params), m.params)
+    host = stack_layers(jax.tree.map(np.asarray, unstack_layers(m.params)))  # the numpy branch
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host["layers"]))
+
+
 def test_fp8_quantize_keeps_the_unrolled_layout():
     from dllm_jax import fp8
 
@@ -162,12 +181,18 @@ def test_fp8_quantize_keeps_the_unrolled_layout():
     _close(forward(q_unrolled, c8, tokens, positions).logits, forward(q_stacked, c8, tokens, positions).logits)
 
 
-def test_stacked_layout_on_gpu_warns(models):
+def test_stacked_layout_on_gpu_warns(models, monkeypatch):
     """generate() tells a GPU user that stacked weights take the slow scan path; unrolled or CPU: silent."""
-    from dllm_jax.generate import warn_if_slow_layer_layout
+    import importlib
+
+    gen = importlib.import_module("dllm_jax.generate")  # the module (the package exports a function of that name)
 
     params = models["llada"].params
     with pytest.warns(UserWarning, match="layer_layout"):
-        assert warn_if_slow_layer_layout(params, backend="gpu")
-    assert not warn_if_slow_layer_layout(unstack_layers(params), backend="gpu")
-    assert not warn_if_slow_layer_layout(params, backend="cpu")
+        assert gen.warn_if_slow_layer_layout(params, backend="gpu")
+    assert not gen.warn_if_slow_layer_layout(unstack_layers(params), backend="gpu")
+    assert not gen.warn_if_slow_layer_layout(params, backend="cpu")
+    seen = []  # generate() itself runs the check on the params it decodes with
+    monkeypatch.setattr(gen, "warn_if_slow_layer_layout", lambda p, backend=None: seen.append(p) or False)
+    gen.generate(models["llada"], PROMPTS, GenerationConfig(gen_length=4, block_length=4, steps=4))
+    assert len(seen) == 1 and seen[0] is params

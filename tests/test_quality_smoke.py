@@ -100,4 +100,5 @@ def test_training_smoke_reduces_loss():
         params, opt_state, loss, ans_ce, gn = step(params, opt_state, pool, jax.random.key(s % 2),
                                                    jnp.float32(3e-3), jnp.int32(1))
         losses.append(float(loss))
+        assert np.isfinite(float(gn)) and float(gn) > 0
     assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
