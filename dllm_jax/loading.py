@@ -79,23 +79,6 @@ def resolve_layer_layout(layer_layout: str) -> str:
     return layer_layout
 
 
-def _unstack_releasing(params: dict[str, Any]) -> dict[str, Any]:
-    """`modeling.unstack_layers`, dropping each stacked leaf as soon as it is split. Numpy leaves (HF directories)
-    split into free views; a converted checkpoint's restored device arrays are copied slice by slice, so the
-    peak is one stacked leaf over the model (LLaDA-8B: 3.2 GB), not a second copy of it."""
-    params = dict(params)
-    flat, treedef = jax.tree.flatten(params.pop("layers"))
-    n = flat[0].shape[0]
-    per_layer: list[list[Any]] = [[] for _ in range(n)]
-    for j in range(len(flat)):
-        leaf, flat[j] = flat[j], None
-        for i in range(n):
-            per_layer[i].append(leaf[i])
-        del leaf
-    params["layers"] = tuple(jax.tree.unflatten(treedef, leaves) for leaves in per_layer)
-    return params
-
-
 def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False,
          fp8_ffn: bool = False, layer_layout: str = "auto") -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
@@ -120,8 +103,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progres
         from dllm_jax import fp8
 
         params, config = fp8.quantize_params(params, config)
-    if layout == "unrolled":
-        params = _unstack_releasing(params)
+    if layout == "unrolled":  # this dict is ours: split in place (numpy views; device arrays one leaf at a time)
+        from dllm_jax.modeling import unstack_layers_in_place
+
+        params = unstack_layers_in_place(params)
     params = to_device(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

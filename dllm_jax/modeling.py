@@ -227,11 +227,25 @@ def unstack_layers(params: Params) -> Params:
     Why: inside lax.scan every layer's weights are a dynamic slice of the stacked arrays, and XLA may copy a slice
     before a GEMM or custom call reads it (bench/NOTES.md, issue 7). Per-layer arrays need no slice. Costs a
     longer compile (one copy of the layer per layer)."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
+    if isinstance(params["layers"], (tuple, list)):
         return params
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+    return unstack_layers_in_place(dict(params))
+
+
+def unstack_layers_in_place(params: Params) -> Params:
+    """`unstack_layers` on a params dict the caller owns: "layers" is popped from it and each stacked leaf is
+    dropped as soon as it is split, so when nothing else holds the stacked arrays the peak is one stacked leaf
+    over the model, not a second copy of it (`dllm_jax.load`: LLaDA-8B 3.2 GB instead of 16 GB)."""
+    flat, treedef = jax.tree.flatten(params.pop("layers"))
+    n = flat[0].shape[0]
+    per_layer: list[list[Any]] = [[] for _ in range(n)]
+    for j in range(len(flat)):
+        leaf, flat[j] = flat[j], None
+        for i in range(n):
+            per_layer[i].append(leaf[i])
+        del leaf
+    params["layers"] = tuple(jax.tree.unflatten(treedef, leaves) for leaves in per_layer)
+    return params
 
 
 def stack_layers(params: Params) -> Params:
