@@ -58,8 +58,9 @@ def variant(name: str):
         modeling.attend, Block.finish = saved_attend, saved_finish
 
 
-def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla") -> float:
-    """ms per dual-cache block step (8 fused)."""
+def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None
+              ) -> float:
+    """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
@@ -84,6 +85,13 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         state[0] = st
 
     med, _ = common.time_call(call, reps=5)
+    if trace is not None:
+        from kernel_trace import kernel_breakdown
+
+        bd = kernel_breakdown(call)
+        trace.update({k: (v / FUSED if k in ("kernels_per_call", "busy_ms", "span_ms") else v) for k, v in bd.items()})
+        trace["by_kind_ms"] = {k: v / FUSED for k, v in bd.get("by_kind_ms", {}).items()}
+        trace["top"] = [{**t, "ms": t["ms"] / FUSED, "count": t["count"] / FUSED} for t in bd.get("top", [])]
     return 1e3 * med / FUSED
 
 
@@ -114,6 +122,36 @@ def gemm_rows(k: int, n: int, ms=(32, 64, 256)) -> list[dict]:
     return rows
 
 
+def proj_rows(cfg, ms=(32, 256)) -> list[dict]:
+    """Separate vs fused projections over every layer's own weights (no L2 reuse), as in a block step:
+    q/k/v as three GEMMs vs one [d, (Hq + 2 Hkv) D] GEMM, gate/up as two vs one [d, 2F] GEMM."""
+    d, f, hd = cfg.d_model, cfg.mlp_hidden, cfg.head_dim
+    groups = {"qkv": [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], "gate_up": [f, f]}
+    rows = []
+    for group, widths in groups.items():
+        keys = jax.random.split(jax.random.key(1), cfg.n_layers)
+        make = jax.jit(lambda k: [(0.02 * jax.random.normal(kk, (d, w), jnp.float32)).astype(jnp.bfloat16)
+                                  for kk, w in zip(jax.random.split(k, len(widths)), widths)])
+        sep = [make(k) for k in keys]
+        fused = [jnp.concatenate(ws, axis=1) for ws in sep]
+
+        def mm(x, w):
+            return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+        run_sep = jax.jit(lambda x, ws: [[mm(x, w) for w in layer] for layer in ws])
+        run_fused = jax.jit(lambda x, ws: [mm(x, w) for w in ws])
+        for m in ms:
+            x = jax.random.normal(jax.random.key(m), (m, d), jnp.bfloat16)
+            t_sep, _ = common.time_call(lambda: jax.block_until_ready(run_sep(x, sep)), reps=10)
+            t_fused, _ = common.time_call(lambda: jax.block_until_ready(run_fused(x, fused)), reps=10)
+            nbytes = cfg.n_layers * d * sum(widths) * 2
+            rows.append({"kind": "proj_fusion", "group": group, "M": m, "layers": cfg.n_layers,
+                         "us_separate": 1e6 * t_sep, "us_fused": 1e6 * t_fused,
+                         "TBps_separate": nbytes / t_sep / 1e12, "TBps_fused": nbytes / t_fused / 1e12})
+        del sep, fused
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
@@ -126,6 +164,11 @@ def main() -> None:
                     help="the layout timed as ms_block_step (auto: the engine's default on this backend)")
     ap.add_argument("--no-stages", action="store_true",
                     help="skip the stage-dropping variants (no_attention / no_ffn) and the standalone GEMMs")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the scanned plain-XLA baseline (diagnostics)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also trace the default step once (jax.profiler): device ms by kernel kind, launch gaps")
+    ap.add_argument("--proj-fusion", action="store_true",
+                    help="also time separate vs fused q/k/v and gate/up GEMMs over all layers (standalone)")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     layout = resolve_layer_layout(args.layer_layout)
@@ -142,11 +185,15 @@ def main() -> None:
                    "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S}
             base = args.backends[0]
             for backend in args.backends:
-                row[f"ms_attn_{backend}"] = _try(lambda: time_step(cfg, params, b, backend), row, backend)
+                tr = {} if args.trace and backend == args.backends[0] else None
+                row[f"ms_attn_{backend}"] = _try(lambda: time_step(cfg, params, b, backend, trace=tr), row, backend)
+                if tr:
+                    row["trace_per_step"] = tr
             row["ms_block_step"] = row[f"ms_attn_{base}"]
             # the plain-XLA baseline: stacked weights under lax.scan, cuDNN attention on a GPU (the v2 engine)
             ref_attn = "cudnn" if jax.default_backend() == "gpu" else "xla"
-            row["xla_baseline_ms"] = (row["ms_block_step"] if layout == "stacked" and base == ref_attn else
+            row["xla_baseline_ms"] = (None if args.no_baseline else
+                                      row["ms_block_step"] if layout == "stacked" and base == ref_attn else
                                       _try(lambda: time_step(cfg, stacked, b, ref_attn), row, "xla_baseline"))
             for v in () if args.no_stages else ("no_attention", "no_ffn"):
                 with variant(v):
@@ -160,6 +207,11 @@ def main() -> None:
             save(rows, args.out)  # after every row: a run cut short by a time limit keeps what it measured
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del params
+        if args.proj_fusion:
+            for r in _try(lambda: proj_rows(cfg), {}, "proj") or []:
+                rows.append({"model": name, **r})
+                save(rows, args.out)
+                print(rows[-1], flush=True)
         d, f = cfg.d_model, cfg.mlp_hidden
         for k, n in () if args.no_stages else ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
             for r in gemm_rows(k, n):
