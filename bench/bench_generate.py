@@ -168,7 +168,7 @@ def main() -> None:
             current = Model(config, params)
             if args.compare_stacked:  # one reference row per model: dual, batch 1, 64 steps, stacked weights
                 try:
-                    stacked = Model(config, stack_layers(params))
+                    stacked = Model(config, stack_layers(params, config))
                     row = bench_one(stacked, name, "dual", 1, 64, rng, 3, args.ffn_backend)
                     row.update(fp8_ffn=bool(args.fp8_ffn), comparison="same-run stacked baseline")
                     rows.append(row)

@@ -20,7 +20,7 @@ import jax
 # first match wins; names are XLA's HLO fusion / custom-call names or the CUDA kernel names
 KINDS = (
     ("attention", re.compile(r"fmha|flash|attention|cudnn|slot_attention|softmax", re.I)),
-    ("gemm", re.compile(r"gemm|dot|matmul|cublas|cutlass|xmma|wgmma|triton_gemm|skinny|stream", re.I)),
+    ("gemm", re.compile(r"gemm|dot|matmul|cublas|nvjet|cutlass|xmma|wgmma|skinny|stream", re.I)),
     ("cache_update", re.compile(r"dynamic.update.slice|dynamic_update|scatter", re.I)),
     ("copy", re.compile(r"copy|transpose|memcpy|memset", re.I)),
 )

@@ -8,8 +8,9 @@ auto`: per-layer weights and an unrolled layer loop on a GPU, see `dllm_jax.load
   ms_attn_<b>      the step with attention backend <b> (xla / cudnn / pallas)
   ms_no_attention  attention replaced by a broadcast of V (same shapes, no softmax/PV)
   ms_no_ffn        the SwiGLU FFN skipped
-  ms_pallas_ffn    the FFN on the Triton weight-streaming GEMM (pallas_kernels/skinny_matmul.py)
-  ms_mgpu_ffn      the FFN on the Mosaic GPU streaming GEMM (pallas_kernels/stream_matmul_mgpu.py)
+  ms_<variant>     the step with one choice of the default reverted (--variants: unfused projections, a stacked
+                   cache) or a candidate kernel (pallas_ffn / mgpu_ffn: the weight-streaming FFN GEMMs)
+  trace_per_step   (--trace) device ms per kernel kind and the top kernels, from a jax.profiler trace
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
 is (all weights read once + the K/V cache read once) / 4.3 TB/s. Writes bench/results/block_step_h200.json and
 prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`; set
@@ -38,6 +39,12 @@ from dllm_jax.loading import resolve_layer_layout  # noqa: E402
 from dllm_jax.modeling import Block  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
+VARIANTS = {
+    "unfused": "per-layer weights with separate q/k/v and gate/up GEMMs (unstack_layers(fuse=False))",
+    "stacked_cache": "one stacked [L, ...] K/V buffer instead of per-layer buffers",
+    "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
+    "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
+}
 CACHE_SLOTS, BLOCK, FUSED = 512, 32, 8
 
 
@@ -58,9 +65,10 @@ def variant(name: str):
         modeling.attend, Block.finish = saved_attend, saved_finish
 
 
-def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None
-              ) -> float:
-    """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown."""
+def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,
+              stacked_cache: bool = False) -> float:
+    """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
+    stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4)."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
@@ -78,6 +86,8 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
 
     state = [strat.init(params, model_cfg, inp, x)]
+    if stacked_cache:
+        state[0] = state[0].stacked()
 
     def call():
         st, acc = run(params, state[0])
@@ -158,8 +168,9 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--backends", nargs="+", default=["cudnn", "pallas"],
                     help="attention backends for the default-layout step (the first is the base of the variants)")
-    ap.add_argument("--variants", nargs="*", default=["pallas_ffn", "mgpu_ffn"], choices=["pallas_ffn", "mgpu_ffn"],
-                    help="fast-path candidates (FFN on a weight-streaming kernel) timed on the default layout")
+    ap.add_argument("--variants", nargs="*", default=["unfused", "stacked_cache"], choices=list(VARIANTS),
+                    help="alternatives to the default step, each timed in the same process: " +
+                    "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
                     help="the layout timed as ms_block_step (auto: the engine's default on this backend)")
     ap.add_argument("--no-stages", action="store_true",
@@ -198,9 +209,15 @@ def main() -> None:
             for v in () if args.no_stages else ("no_attention", "no_ffn"):
                 with variant(v):
                     row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base), row, v)
-            for v in args.variants:  # weight-streaming FFN kernels (issue 7): Triton ("pallas") / Mosaic GPU ("mgpu")
-                row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
-            timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k in ("ms_pallas_ffn", "ms_mgpu_ffn"))
+            for v in args.variants:
+                if v == "unfused" and layout == "unrolled":
+                    row["ms_unfused"] = _try(lambda: time_step(cfg, modeling.unstack_layers(stacked, fuse=False), b,
+                                                               base), row, v)
+                elif v == "stacked_cache":
+                    row["ms_stacked_cache"] = _try(lambda: time_step(cfg, params, b, base, stacked_cache=True), row, v)
+                elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
+                    row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
+            timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k.removeprefix("ms_") in VARIANTS)
                      and x]
             row["ms_best_variant"] = min(timed) if timed else None
             rows.append(row)

@@ -222,12 +222,16 @@ def _leaf_dir(path: tuple[str, ...]) -> str:
 
 def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """The inverse mapping: (HF name, PyTorch-layout array) for every tensor of the param tree."""
+    from dllm_jax.modeling import split_projections
+
     for name, (rule, layer) in family_of(config).expand(config).items():
         leaf = params
         for key in rule.path:
             leaf = leaf[key]
             if isinstance(leaf, (tuple, list)) and layer is not None:  # unrolled layout: one tree per layer
                 leaf, layer = leaf[layer], None
+            if key == "layers":  # fused q/k/v, gate/up (the GPU layout): slices of the fused kernels
+                leaf = split_projections(leaf, config)
         t = np.asarray(leaf if layer is None else leaf[layer])
         yield name, np.ascontiguousarray(t.T if rule.transpose else t)
 
@@ -281,7 +285,7 @@ def write_converted(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]] | dict[
     if isinstance(leaves, dict):
         from dllm_jax.modeling import stack_layers
 
-        leaves = _flatten(stack_layers(leaves))  # the converted format stores stacked [L, ...] leaves
+        leaves = _flatten(stack_layers(leaves, config))  # the converted format stores stacked [L, ...] leaves
     out = Path(out_dir).absolute()
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"output directory {out} exists and is not empty (use --force to replace it)")

@@ -60,7 +60,7 @@ def quantize_params(params: dict, config: ModelConfig, on_device: bool = False) 
     from dllm_jax.modeling import stack_layers, unstack_layers
 
     if isinstance(params["layers"], (tuple, list)):  # unrolled layout: quantise stacked, hand back unrolled
-        out, config = quantize_params(stack_layers(params), config, on_device)
+        out, config = quantize_params(stack_layers(params, config), config, on_device)
         return unstack_layers(out), config
     layers = dict(params["layers"])
     mlp = layers.pop("mlp")

@@ -217,7 +217,7 @@ def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
     forward over the affix by itself; the loop never rewrites them (inp.frozen)."""
     from dllm_jax.modeling import KVCache, forward
 
-    cache = KVCache.zeros(config, x.shape[0], x.shape[1])
+    cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
     out = forward(params, config, x, inp.positions, key_mask=inp.frozen & inp.key_mask, cache=cache, cache_offset=0,
                   write_mask=inp.frozen, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32), **inp.kernels)
     return out.cache

@@ -2,7 +2,7 @@
 
 Numerics follow the reference implementations exactly (see README "Exactness"): RMSNorm normalises in fp32 and
 casts back before the weight multiply; linear layers accumulate in fp32 and round once (bias added before the
-rounding, as a fused GEMM epilogue does); LLaDA rotates q/k in fp32, Dream in the activation dtype.
+rounding, as a fused GEMM epilogue does; without a bias the GEMM itself rounds its fp32 sum); LLaDA rotates q/k in fp32, Dream in the activation dtype.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
-        y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32,
+        # Without a bias the GEMM emits the activation dtype itself: it still accumulates in fp32 and rounds once
+        # (cuBLAS, XLA's Triton GEMMs and the CPU alike), but no fp32 [M, N] output is written and re-read by a
+        # separate convert (1.6 ms of a Dream-7B batch-32 block step on an H200: bench/NOTES.md v4).
+        y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32 if self.use_bias else self.dtype,
                        precision=_precision(self.dtype))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(jnp.float32)
@@ -50,15 +53,21 @@ class Linear(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(h)) * up(h)); gate is LLaDA's ff_proj / Dream's gate_proj."""
+    """down(silu(gate(h)) * up(h)); gate is LLaDA's ff_proj / Dream's gate_proj.
+
+    fused: gate and up as one [d, 2F] kernel "gate_up_proj" (one wider GEMM; see `modeling.fuse_projections`)."""
 
     hidden: int
     dtype: jnp.dtype
+    fused: bool = False
 
     @nn.compact
     def __call__(self, h: Array) -> Array:
-        gate = Linear(self.hidden, False, self.dtype, name="gate_proj")(h)
-        up = Linear(self.hidden, False, self.dtype, name="up_proj")(h)
+        if self.fused:
+            gate, up = jnp.split(Linear(2 * self.hidden, False, self.dtype, name="gate_up_proj")(h), 2, axis=-1)
+        else:
+            gate = Linear(self.hidden, False, self.dtype, name="gate_proj")(h)
+            up = Linear(self.hidden, False, self.dtype, name="up_proj")(h)
         return Linear(h.shape[-1], False, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
 
 

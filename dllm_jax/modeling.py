@@ -35,26 +35,38 @@ AttendFn = Callable[[Array, Array, Array], Array]
 
 
 class Block(nn.Module):
+    """One pre-norm layer. fused: the layer's params hold q/k/v as one "qkv_proj" and gate/up as one
+    "mlp.gate_up_proj" (`fuse_projections`); the arithmetic per output column is the same."""
+
     config: ModelConfig
+    fused: bool = False
 
     def setup(self) -> None:
         c, dt = self.config, self.config.jnp_dtype
         self.attn_norm = RMSNorm(c.rms_eps, dt)
-        self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt)
-        self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
-        self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
+        if self.fused:
+            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt)
+        else:
+            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt)
+            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
+            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
         self.o_proj = Linear(c.d_model, False, dt)
         self.ffn_norm = RMSNorm(c.rms_eps, dt)
-        self.mlp = SwiGLU(c.mlp_hidden, dt)
+        self.mlp = SwiGLU(c.mlp_hidden, dt, fused=self.fused)
 
     def qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """Rotated q [B,n,Hq,D], k [B,n,Hkv,D] and v [B,n,Hkv,D] of the block input x [B,n,d]."""
         c = self.config
         b, n, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q_proj(h).reshape(b, n, c.n_heads, c.head_dim)
-        k = self.k_proj(h).reshape(b, n, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(h).reshape(b, n, c.n_kv_heads, c.head_dim)
+        if self.fused:
+            wq, wk, _ = projection_widths(c)
+            q, k, v = jnp.split(self.qkv_proj(h), [wq, wq + wk], axis=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.reshape(b, n, c.n_heads, c.head_dim)
+        k = k.reshape(b, n, c.n_kv_heads, c.head_dim)
+        v = v.reshape(b, n, c.n_kv_heads, c.head_dim)
         return apply_rope(q, cos, sin, c.rope_fp32), apply_rope(k, cos, sin, c.rope_fp32), v
 
     def attn_residual(self, x: Array, attn: Array) -> Array:
@@ -80,21 +92,53 @@ class Block(nn.Module):
 class KVCache:
     """Rotated K and V of every layer at every position of a fixed-length sequence buffer.
 
-    k, v: [L, B, S, Hkv, D]. Position j of row b holds the K/V that the token at buffer index j had the last time
-    a forward wrote it.
+    k, v: [L, B, S, Hkv, D] (stacked), or tuples of L arrays [B, S, Hkv, D] (per layer: the unrolled layer loop's
+    layout; each layer's attention then reads its own buffer in place instead of a copy of a slice of the stack,
+    which cost 0.2 / 1.0 / 4.1 ms per LLaDA-8B block step at batch 1 / 8 / 32 on an H200, bench/NOTES.md v4).
+    Position j of row b holds the K/V that the token at buffer index j had the last time a forward wrote it.
     """
 
-    k: Array
-    v: Array
+    k: Array | tuple[Array, ...]
+    v: Array | tuple[Array, ...]
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
-        shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
+    def zeros(cls, config: ModelConfig, batch: int, length: int, per_layer: bool = False) -> "KVCache":
+        shape = (batch, length, config.n_kv_heads, config.head_dim)
+        if per_layer:
+            def make():
+                return tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers))
+            return cls(make(), make())
+        shape = (config.n_layers, *shape)
         return cls(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
+
+    @classmethod
+    def for_params(cls, params: "Params", config: ModelConfig, batch: int, length: int) -> "KVCache":
+        """Zeros in the layout that suits the params: per layer for unrolled layers, stacked for a scan."""
+        return cls.zeros(config, batch, length, per_layer=isinstance(params["layers"], (tuple, list)))
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, (tuple, list))
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1] if self.per_layer else self.k.shape[2]
+
+    def stacked(self) -> "KVCache":
+        """The same cache as [L, B, S, Hkv, D] arrays."""
+        return KVCache(jnp.stack(self.k), jnp.stack(self.v)) if self.per_layer else self
+
+
+def _cache_layer(buf: Array | tuple[Array, ...], i) -> Array:
+    return buf[i]
+
+
+def _cache_write(buf: Array | tuple[Array, ...], i, offset: Array, window: Array) -> Array | tuple[Array, ...]:
+    """Layer i's buffer with `window` [B, n, Hkv, D] written at sequence offset `offset` (in place under jit)."""
+    if isinstance(buf, tuple):
+        new = jax.lax.dynamic_update_slice(buf[i], window.astype(buf[i].dtype), (0, offset, 0, 0))
+        return buf[:i] + (new,) + buf[i + 1:]
+    return jax.lax.dynamic_update_slice(buf, window[None].astype(buf.dtype), (i, 0, offset, 0, 0))
 
 
 @jax.tree_util.register_dataclass
@@ -155,7 +199,7 @@ def forward(
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     b, n = tokens.shape
-    block = Block(config)
+    block = Block(config, fused=is_fused(params["layers"]))
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
     x = embed(params, tokens).astype(config.jnp_dtype)
 
@@ -187,24 +231,28 @@ def forward(
         return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), None, kv)
 
     offset = jnp.asarray(cache_offset, jnp.int32)
+    if cache.per_layer and not isinstance(params["layers"], (tuple, list)):
+        raise ValueError("a per-layer KVCache needs per-layer (unrolled) params: the scanned loop indexes the "
+                         "cache with a traced layer index; use KVCache.for_params(params, ...)")
 
     def layer_cached(carry, inputs):
         x, ck, cv = carry
         layer_params, i = inputs
         q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
         if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
-            old_k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
-            old_v = jax.lax.dynamic_slice_in_dim(cv[i], offset, n, axis=1)
+            old_k = jax.lax.dynamic_slice_in_dim(_cache_layer(ck, i), offset, n, axis=1)
+            old_v = jax.lax.dynamic_slice_in_dim(_cache_layer(cv, i), offset, n, axis=1)
             wm = write_mask[:, :, None, None]
             k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
         # In-place update of layer i's window in the carried buffers (no copy of the whole cache per layer).
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (i, 0, offset, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (i, 0, offset, 0, 0))
-        attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
+        ck, cv = _cache_write(ck, i, offset, k), _cache_write(cv, i, offset, v)
+        attn = attend(q, _cache_layer(ck, i), _cache_layer(cv, i), key_mask, attention_backend)
         x = finish(layer_params, i, x, attn)
         return (x, ck, cv), ((k, v) if return_kv else None)
 
-    (x, ck, cv), kv = layer_loop(layer_cached, (x, cache.k, cache.v), params["layers"], layer_ids)
+    (x, ck, cv), kv = layer_loop(layer_cached, (x, tuple(cache.k) if cache.per_layer else cache.k,
+                                                 tuple(cache.v) if cache.per_layer else cache.v),
+                                 params["layers"], layer_ids)
     return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv)
 
 
@@ -221,22 +269,27 @@ def layer_loop(fn, carry, layers, layer_ids):
     return carry, stacked
 
 
-def unstack_layers(params: Params) -> Params:
-    """The same params with "layers" as a tuple of per-layer trees (run by an unrolled loop in `forward`).
+def unstack_layers(params: Params, fuse: bool = True) -> Params:
+    """The same params with "layers" as a tuple of per-layer trees (run by an unrolled loop in `forward`), with
+    the projections fused (`fuse_projections`) unless fuse=False. The caller's tree is not modified.
 
     Why: inside lax.scan every layer's weights are a dynamic slice of the stacked arrays, and XLA may copy a slice
     before a GEMM or custom call reads it (bench/NOTES.md, issue 7). Per-layer arrays need no slice. Costs a
     longer compile (one copy of the layer per layer)."""
     if isinstance(params["layers"], (tuple, list)):
         return params
-    return unstack_layers_in_place(dict(params))
+    return unstack_layers_in_place({**params, "layers": jax.tree.map(lambda a: a, params["layers"])}, fuse)
 
 
-def unstack_layers_in_place(params: Params) -> Params:
+def unstack_layers_in_place(params: Params, fuse: bool = True) -> Params:
     """`unstack_layers` on a params dict the caller owns: "layers" is popped from it and each stacked leaf is
-    dropped as soon as it is split, so when nothing else holds the stacked arrays the peak is one stacked leaf
-    over the model, not a second copy of it (`dllm_jax.load`: LLaDA-8B 3.2 GB instead of 16 GB)."""
-    flat, treedef = jax.tree.flatten(params.pop("layers"))
+    dropped as soon as it is fused and split, so when nothing else holds the stacked arrays the peak is one
+    stacked leaf over the model, not a second copy of it (`dllm_jax.load`: LLaDA-8B 3.2 GB instead of 16 GB)."""
+    layers = params.pop("layers")
+    if fuse:
+        layers = fuse_projections(layers, consume=True)
+    flat, treedef = jax.tree.flatten(layers)
+    del layers
     n = flat[0].shape[0]
     per_layer: list[list[Any]] = [[] for _ in range(n)]
     for j in range(len(flat)):
@@ -248,13 +301,91 @@ def unstack_layers_in_place(params: Params) -> Params:
     return params
 
 
-def stack_layers(params: Params) -> Params:
-    """The inverse of `unstack_layers`: "layers" as stacked [L, ...] leaves (a no-op if already stacked)."""
+def stack_layers(params: Params, config: ModelConfig | None = None) -> Params:
+    """The inverse of `unstack_layers`: "layers" as stacked [L, ...] leaves with separate projections (a no-op
+    if already stacked). Fused layers need the config (the q/k/v widths)."""
     layers = params["layers"]
     if not isinstance(layers, (tuple, list)):
         return params
     stack = np.stack if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp.stack
-    return {**params, "layers": jax.tree.map(lambda *a: stack(a), *layers)}
+    stacked = jax.tree.map(lambda *a: stack(a), *layers)
+    if is_fused(stacked):
+        if config is None:
+            raise ValueError("stack_layers needs the model config to split fused projections")
+        stacked = split_projections(stacked, config)
+    return {**params, "layers": stacked}
+
+
+# ------------------------------------------------------------------------------------- fused projections
+# q/k/v share their input, and so do gate/up: one wider GEMM reads the same weight bytes with fewer launches and
+# more output tiles in flight (issue 7). Fused kernels are the parts concatenated along the output axis.
+FUSED_ATTENTION = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+FUSED_MLP = ("gate_up_proj", ("gate_proj", "up_proj"))
+
+
+def projection_widths(config: ModelConfig) -> tuple[int, int, int]:
+    """Output widths of q, k and v (their order in the fused qkv_proj)."""
+    kv = config.n_kv_heads * config.head_dim
+    return config.n_heads * config.head_dim, kv, kv
+
+
+def is_fused(layers: Params | tuple) -> bool:
+    first = layers[0] if isinstance(layers, (tuple, list)) else layers
+    return FUSED_ATTENTION[0] in first
+
+
+def _concat_last(parts: list[Any]) -> Any:
+    """Concatenate along the last axis, emptying `parts` as it goes: a numpy part is dropped once copied, so the
+    peak is the result plus one part when nothing else holds them (host loading of an 8B model)."""
+    if not all(isinstance(p, np.ndarray) for p in parts):
+        out = jnp.concatenate(parts, axis=-1)
+        parts.clear()
+        return out
+    out = np.empty(parts[0].shape[:-1] + (sum(p.shape[-1] for p in parts),), parts[0].dtype)
+    col = 0
+    while parts:
+        part = parts.pop(0)
+        out[..., col:col + part.shape[-1]] = part
+        col += part.shape[-1]
+        del part
+    return out
+
+
+def _fuse_group(tree: Params, fused_name: str, names: tuple[str, ...], consume: bool) -> Params:
+    out = {k: v for k, v in tree.items() if k not in names}
+    modules = [tree.pop(n) if consume else tree[n] for n in names]
+    out[fused_name] = {leaf: _concat_last([m.pop(leaf) if consume else m[leaf] for m in modules])
+                       for leaf in list(modules[0])}
+    return out
+
+
+def fuse_projections(layers: Params, consume: bool = False) -> Params:
+    """A layers tree (stacked [L, ...] or one layer's) with q/k/v as "qkv_proj" and, where the layer has its bf16
+    FFN, gate/up as "mlp.gate_up_proj". consume=True empties the given dicts while fusing (lower peak memory)."""
+    if is_fused(layers):
+        return layers
+    out = _fuse_group(layers, *FUSED_ATTENTION, consume)
+    if "mlp" in out:  # FP8 layers keep their own e4m3 FFN tree
+        out["mlp"] = _fuse_group(out["mlp"], *FUSED_MLP, consume)
+    return out
+
+
+def split_projections(layers: Params, config: ModelConfig) -> Params:
+    """The inverse of `fuse_projections` (slices of the fused leaves along the last axis)."""
+    if not is_fused(layers):
+        return layers
+
+    def split(tree, fused_name, names, widths):
+        out = {k: v for k, v in tree.items() if k != fused_name}
+        bounds = np.cumsum((0,) + tuple(widths))
+        for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
+            out[name] = {leaf: a[..., lo:hi] for leaf, a in tree[fused_name].items()}
+        return out
+
+    out = split(layers, *FUSED_ATTENTION, projection_widths(config))
+    if "mlp" in out and FUSED_MLP[0] in out["mlp"]:
+        out["mlp"] = split(out["mlp"], *FUSED_MLP, (config.mlp_hidden, config.mlp_hidden))
+    return out
 
 
 FfnBackend = str  # "xla" | "pallas" (Triton-lowered skinny GEMM) | "mgpu" (Mosaic GPU streaming GEMM)
@@ -293,7 +424,11 @@ def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array, ffn_
         return skinny_matmul(x, w, None, idx, interpret=interpret)
 
     h2 = h.reshape(b * n, d)
-    act = jax.nn.silu(mm(h2, "gate_proj")) * mm(h2, "up_proj")
+    if FUSED_MLP[0] in mlp:
+        gate, up = jnp.split(mm(h2, FUSED_MLP[0]), 2, axis=-1)
+    else:
+        gate, up = mm(h2, "gate_proj"), mm(h2, "up_proj")
+    act = jax.nn.silu(gate) * up
     return mm(act, "down_proj").reshape(b, n, d)
 
 

@@ -11,7 +11,8 @@ import pytest
 from dllm_jax.config import ModelConfig
 from dllm_jax.generate import GenerationConfig, generate
 from dllm_jax.loading import Model
-from dllm_jax.modeling import KVCache, forward, init_params, unstack_layers, use_pallas_ffn
+from dllm_jax.modeling import (KVCache, forward, fuse_projections, init_params, is_fused, split_projections,
+                               unstack_layers, use_pallas_ffn)
 
 # Kernel-friendly tiny shapes (d_model and mlp_hidden multiples of 16), both families: LLaDA MHA, Dream GQA+bias.
 CONFIGS = {
@@ -47,20 +48,53 @@ def _window(config, b=2, n=8, seed=0):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_unrolled_layers_equal_scan(name, models):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_unrolled_layers_equal_scan(name, fuse, models):
+    """Per-layer weights (fused q/k/v and gate/up or not) and per-layer cache buffers give the scan's results."""
     m = models[name]
+    unrolled = unstack_layers(m.params, fuse=fuse)
+    assert is_fused(unrolled["layers"]) == fuse and "qkv_proj" not in m.params["layers"]  # caller's tree intact
     tokens, positions = _window(m.config)
     a = forward(m.params, m.config, tokens, positions, return_kv=True)
-    b = forward(unstack_layers(m.params), m.config, tokens, positions, return_kv=True)
+    b = forward(unrolled, m.config, tokens, positions, return_kv=True)
     _close(b.logits, a.logits)
     _close(b.kv[0], a.kv[0])
     _close(b.kv[1], a.kv[1])
     cache = KVCache.zeros(m.config, 2, 16)
+    per_layer = KVCache.for_params(unrolled, m.config, 2, 16)
+    assert per_layer.per_layer and len(per_layer.k) == m.config.n_layers and per_layer.length == 16
     ca = forward(m.params, m.config, tokens, positions + 4, cache=cache, cache_offset=4)
-    cb = forward(unstack_layers(m.params), m.config, tokens, positions + 4, cache=cache, cache_offset=4)
-    _close(cb.logits, ca.logits)
-    _close(cb.cache.k, ca.cache.k)
-    _close(cb.cache.v, ca.cache.v)
+    for c in (cache, per_layer):  # the unrolled loop takes either cache layout
+        cb = forward(unrolled, m.config, tokens, positions + 4, cache=c, cache_offset=4)
+        assert cb.cache.per_layer == c.per_layer
+        _close(cb.logits, ca.logits)
+        _close(cb.cache.stacked().k, ca.cache.k)
+        _close(cb.cache.stacked().v, ca.cache.v)
+    with pytest.raises(ValueError, match="per-layer KVCache"):
+        forward(m.params, m.config, tokens, positions, cache=per_layer, cache_offset=4)
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_fuse_split_projections_round_trip(host, models):
+    """fuse_projections concatenates along the output axis (q|k|v, gate|up) and split_projections undoes it
+    exactly, on stacked and per-layer trees; consume=True empties the given dicts (the loader's low-memory path)."""
+    m = models["dream"]  # GQA (k/v narrower than q) and q/k/v biases
+    layers = jax.tree.map(np.asarray, m.params["layers"]) if host else m.params["layers"]
+    fused = fuse_projections(jax.tree.map(lambda a: a, layers))
+    c = m.config
+    hd = c.head_dim
+    assert fused["qkv_proj"]["kernel"].shape == (c.n_layers, c.d_model, (c.n_heads + 2 * c.n_kv_heads) * hd)
+    assert fused["qkv_proj"]["bias"].shape == (c.n_layers, (c.n_heads + 2 * c.n_kv_heads) * hd)
+    assert fused["mlp"]["gate_up_proj"]["kernel"].shape == (c.n_layers, c.d_model, 2 * c.mlp_hidden)
+    assert isinstance(fused["qkv_proj"]["kernel"], np.ndarray) == host
+    np.testing.assert_array_equal(fused["qkv_proj"]["kernel"][..., c.n_heads * hd:(c.n_heads + c.n_kv_heads) * hd],
+                                  layers["k_proj"]["kernel"])
+    jax.tree.map(np.testing.assert_array_equal, split_projections(fused, c), layers)
+    one = fuse_projections(jax.tree.map(lambda a: a[1], layers))  # a single layer's tree
+    jax.tree.map(np.testing.assert_array_equal, split_projections(one, c), jax.tree.map(lambda a: a[1], layers))
+    owned = jax.tree.map(lambda a: a, layers)
+    fuse_projections(owned, consume=True)
+    assert not any(k in owned for k in ("q_proj", "k_proj", "v_proj")) and set(owned["mlp"]) == {"down_proj"}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -145,7 +179,7 @@ def test_load_layer_layouts(name, models, tmp_path):
     checkpoint.export_hf(unrolled.params, m.config, tmp_path / "from_unrolled")
     assert ((tmp_path / "from_unrolled" / "model.safetensors").read_bytes()
             == (tmp_path / "stacked" / "model.safetensors").read_bytes())
-    jax.tree.map(np.testing.assert_array_equal, stack_layers(unrolled.params), stacked.params)
+    jax.tree.map(np.testing.assert_array_equal, stack_layers(unrolled.params, unrolled.config), stacked.params)
     with pytest.raises(ValueError, match="layer_layout"):
         dllm_jax.load(tmp_path / "stacked", layer_layout="scan")
 
@@ -164,8 +198,8 @@ def test_auto_layout_is_unrolled_on_a_gpu(models, tmp_path, monkeypatch):
     for src in ("hf", "conv"):
         got = dllm_jax.load(tmp_path / src, dtype="float32")
         assert isinstance(got.params["layers"], tuple) and len(got.params["layers"]) == m.config.n_layers, src
-        jax.tree.map(np.testing.assert_array_equal, stack_layers(got.params), m.params)
-    host = stack_layers(jax.tree.map(np.asarray, unstack_layers(m.params)))  # the numpy branch
+        jax.tree.map(np.testing.assert_array_equal, stack_layers(got.params, got.config), m.params)
+    host = stack_layers(jax.tree.map(np.asarray, unstack_layers(m.params)), m.config)  # the numpy branch
     assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host["layers"]))
 
 

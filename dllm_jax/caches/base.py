@@ -89,7 +89,7 @@ class RefreshAtBlockStart:
     """Fast-dLLM's shared part: a KV buffer over the whole sequence, fully rewritten by the block-start forward."""
 
     def init(self, params, config, inp: DecodeInputs, x):
-        return KVCache.zeros(config, x.shape[0], x.shape[1])
+        return KVCache.for_params(params, config, x.shape[0], x.shape[1])
 
     def block_start(self, params, config, inp, state, x, block_start):
         return full_refresh(params, config, inp, state, x, block_start)
