@@ -12,7 +12,8 @@ auto`: per-layer weights and an unrolled layer loop on a GPU, see `dllm_jax.load
                    cache) or a candidate kernel (pallas_ffn / mgpu_ffn: the weight-streaming FFN GEMMs)
   trace_per_step   (--trace) device ms per kernel kind and the top kernels, from a jax.profiler trace
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
-is (all weights read once + the K/V cache read once) / 4.3 TB/s. Writes bench/results/block_step_h200.json and
+is (all weights read once + the K/V cache read once) / 4.3 TB/s; the compute floor (ms_floor_compute) 2 FLOPs per
+weight per token at 790 TFLOP/s (it dominates from batch ~16). Writes bench/results/block_step_h200.json and
 prints a table. Run on the GPU: `python bench/profile_block_step.py [--models llada-8b] [--batches 1 8 32]`; set
 XLA_FLAGS to compare XLA settings (recorded in the JSON meta). CPU smoke: `--models tiny --batches 1 --backends xla`.
 """
@@ -39,6 +40,7 @@ from dllm_jax.loading import resolve_layer_layout  # noqa: E402
 from dllm_jax.modeling import Block  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12  # achievable dense bf16 on an H200 (HOPPER.md / anchors)
 VARIANTS = {
     "unfused": "per-layer weights with separate q/k/v and gate/up GEMMs (unstack_layers(fuse=False))",
     "stacked_cache": "one stacked [L, ...] K/V buffer instead of per-layer buffers",
@@ -193,7 +195,8 @@ def main() -> None:
             kv_bytes = 2 * cfg.n_layers * b * CACHE_SLOTS * cfg.n_kv_heads * cfg.head_dim * 2
             timed_layout = "unrolled" if isinstance(params["layers"], (tuple, list)) else "stacked"
             row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": timed_layout,
-                   "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S}
+                   "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S,
+                   "ms_floor_compute": floor_compute_ms(weight_bytes, b)}
             base = args.backends[0]
             for backend in args.backends:
                 tr = {} if args.trace and backend == args.backends[0] else None
@@ -235,7 +238,51 @@ def main() -> None:
                 rows.append({"model": name, **r})
                 print(rows[-1], flush=True)
         del stacked
-    print(f"wrote {save(rows, args.out)}")
+    path = save(rows, args.out)
+    if plot(rows, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")
+    print(f"wrote {path}")
+
+
+def floor_compute_ms(weight_bytes: int, batch: int) -> float:
+    """GEMM FLOPs of a block step (2 per weight per token, bf16 weights) at the achievable dense rate; attention's
+    FLOPs (32 queries x 512 keys) are < 2% of it and left out."""
+    return 1e3 * 2 * (weight_bytes / 2) * batch * BLOCK / BF16_FLOPS_PER_S
+
+
+KIND_ORDER = ("gemm", "attention", "cache_update", "copy", "other")
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Stacked bars of device ms per kernel kind for every traced row (grouped by model and batch; rows of
+    several tables, e.g. before/after, side by side), with each row's HBM floor as a tick. False if no traces."""
+    traced = [r for r in rows if r.get("trace_per_step", {}).get("by_kind_ms")]
+    if not traced:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len({r["batch"] for r in traced}), figsize=(14, 4.5), squeeze=False)
+    for ax, batch in zip(axes[0], sorted({r["batch"] for r in traced})):
+        sel = [r for r in traced if r["batch"] == batch]
+        labels = [f"{r['model']}\n{r.get('table', '')}" for r in sel]
+        bottom = [0.0] * len(sel)
+        for kind in KIND_ORDER:
+            vals = [r["trace_per_step"]["by_kind_ms"].get(kind, 0.0) for r in sel]
+            ax.bar(range(len(sel)), vals, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(range(len(sel)), [max(r["ms_floor_hbm"], r.get("ms_floor_compute", 0.0)) for r in sel],
+                   marker="_", s=400, color="k", zorder=3, label="floor (HBM or FLOPs)")
+        ax.set_xticks(range(len(sel)), labels, fontsize=7)
+        ax.set_ylabel("device ms per block step")
+        ax.set_title(f"batch {batch}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Dual-cache block step on H200: device time by kernel kind (jax.profiler trace)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 def save(rows: list[dict], out: str) -> Path:

@@ -34,8 +34,28 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
 
 
 def test_profile_block_step_smoke(tmp_path):
-    _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants",
-         "--layer-layout", "unrolled", "--no-stages", "--out", str(tmp_path))
+    _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants", "unfused",
+         "stacked_cache", "--layer-layout", "unrolled", "--no-stages", "--trace", "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layer_layout"] == "unrolled" and row["ms_block_step"] > 0 and row["xla_baseline_ms"] > 0
-    assert row["ms_floor_hbm"] > 0 and not any(k.startswith("error") for k in row)
+    assert row["ms_unfused"] > 0 and row["ms_stacked_cache"] > 0  # both v4 choices reverted, same process
+    assert row["ms_floor_hbm"] > 0 and row["ms_floor_compute"] > 0 and not any(k.startswith("error") for k in row)
+    assert "by_kind_ms" in row["trace_per_step"]  # empty on the CPU (no device plane), filled on a GPU
+
+
+def test_kernel_kinds_and_trace_plot(tmp_path):
+    """Kernel names seen in H200 traces map to their kinds; the plot draws traced rows (and says when none)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import kernel_trace
+    import profile_block_step
+
+    names = {"gemm_fusion_dot_131": "gemm", "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT": "gemm",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention",
+             "loop_dynamic_update_slice_fusion_32": "cache_update", "memcpy128": "copy",
+             "loop_add_fusion_61": "other", "input_concatenate_fusion_31": "other"}
+    assert {n: kernel_trace.kind_of(n) for n in names} == names
+    row = {"model": "m", "batch": 1, "table": "v4", "ms_floor_hbm": 3.5, "ms_floor_compute": 0.6,
+           "trace_per_step": {"by_kind_ms": {"gemm": 4.0, "attention": 0.3, "other": 0.4}}}
+    assert not profile_block_step.plot([{**row, "trace_per_step": {}}], tmp_path / "none.png")
+    assert profile_block_step.plot([row, {**row, "batch": 8}], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
