@@ -44,6 +44,7 @@ BF16_FLOPS_PER_S = 790e12  # achievable dense bf16 on an H200 (HOPPER.md / ancho
 VARIANTS = {
     "unfused": "per-layer weights with separate q/k/v and gate/up GEMMs (unstack_layers(fuse=False))",
     "stacked_cache": "one stacked [L, ...] K/V buffer instead of per-layer buffers",
+    "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything else)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -105,6 +106,14 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         trace["by_kind_ms"] = {k: v / FUSED for k, v in bd.get("by_kind_ms", {}).items()}
         trace["top"] = [{**t, "ms": t["ms"] / FUSED, "count": t["count"] / FUSED} for t in bd.get("top", [])]
     return 1e3 * med / FUSED
+
+
+def fp8_model(cfg, stacked, layout: str):
+    """(config, params) with the FP8 FFN, quantised on the device from the same bf16 weights, in `layout`."""
+    from dllm_jax import fp8
+
+    params, cfg8 = fp8.quantize_params(stacked, cfg, on_device=True)
+    return cfg8, (modeling.unstack_layers(params) if layout == "unrolled" else params)
 
 
 def _try(fn, row: dict, name: str):
@@ -218,6 +227,10 @@ def main() -> None:
                                                                base), row, v)
                 elif v == "stacked_cache":
                     row["ms_stacked_cache"] = _try(lambda: time_step(cfg, params, b, base, stacked_cache=True), row, v)
+                elif v == "fp8_ffn":
+                    row["ms_fp8_ffn"] = _try(lambda: time_step(*fp8_model(cfg, stacked, layout), b, base), row, v)
+                    if row["ms_fp8_ffn"]:
+                        row["fp8_ffn_speedup"] = row["ms_block_step"] / row["ms_fp8_ffn"]
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
                     row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
             timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k.removeprefix("ms_") in VARIANTS)

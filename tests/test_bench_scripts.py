@@ -35,10 +35,11 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
 
 def test_profile_block_step_smoke(tmp_path):
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants", "unfused",
-         "stacked_cache", "--layer-layout", "unrolled", "--no-stages", "--trace", "--out", str(tmp_path))
+         "stacked_cache", "fp8_ffn", "--layer-layout", "unrolled", "--no-stages", "--trace", "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layer_layout"] == "unrolled" and row["ms_block_step"] > 0 and row["xla_baseline_ms"] > 0
     assert row["ms_unfused"] > 0 and row["ms_stacked_cache"] > 0  # both v4 choices reverted, same process
+    assert row["fp8_ffn_speedup"] == row["ms_block_step"] / row["ms_fp8_ffn"]
     assert row["ms_floor_hbm"] > 0 and row["ms_floor_compute"] > 0 and not any(k.startswith("error") for k in row)
     assert "by_kind_ms" in row["trace_per_step"]  # empty on the CPU (no device plane), filled on a GPU
 
