@@ -2,7 +2,8 @@
 
 Numerics follow the reference implementations exactly (see README "Exactness"): RMSNorm normalises in fp32 and
 casts back before the weight multiply; linear layers accumulate in fp32 and round once (bias added before the
-rounding, as a fused GEMM epilogue does; without a bias the GEMM itself rounds its fp32 sum); LLaDA rotates q/k in fp32, Dream in the activation dtype.
+rounding, as a fused GEMM epilogue does; without a bias the GEMM itself rounds its fp32 sum); LLaDA rotates q/k
+in fp32, Dream in the activation dtype.
 """
 
 from __future__ import annotations

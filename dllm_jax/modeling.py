@@ -1,11 +1,13 @@
 """The LLaDA / Dream transformer as a pure function of (params, tokens, positions, mask, cache).
 
 Both families are pre-norm llama-style decoders run WITHOUT a causal mask. A `Block` is a linen module applied
-functionally; the layers run under `jax.lax.scan` over stacked layer weights, so compile time does not grow with
-depth. Attention is a hook (`attend_fn`) so that the cache techniques decide which keys a layer sees without any
+functionally; the layers run under `jax.lax.scan` over stacked layer weights (compile time does not grow with
+depth), or as an unrolled loop over per-layer weights (the GPU default: no per-layer weight slices). Attention is a hook (`attend_fn`) so that the cache techniques decide which keys a layer sees without any
 branch inside the block.
 
-Param tree (leaves in the config dtype; kernels are [in, out]):
+Param tree (leaves in the config dtype; kernels are [in, out]; this is the stacked layout of the converted format
+and the CPU; on a GPU `dllm_jax.load` makes "layers" a tuple of per-layer trees with q/k/v fused into
+"qkv_proj" and gate/up into "mlp.gate_up_proj", see `unstack_layers` and `fuse_projections`):
     {"embed": [V, d],
      "layers": {"attn_norm": {"scale": [L, d]}, "q_proj": {"kernel": [L, d, Hq*D], "bias"?}, "k_proj", "v_proj",
                 "o_proj": {"kernel": [L, Hq*D, d]}, "ffn_norm": {"scale": [L, d]},
@@ -93,8 +95,9 @@ class KVCache:
     """Rotated K and V of every layer at every position of a fixed-length sequence buffer.
 
     k, v: [L, B, S, Hkv, D] (stacked), or tuples of L arrays [B, S, Hkv, D] (per layer: the unrolled layer loop's
-    layout; each layer's attention then reads its own buffer in place instead of a copy of a slice of the stack,
-    which cost 0.2 / 1.0 / 4.1 ms per LLaDA-8B block step at batch 1 / 8 / 32 on an H200, bench/NOTES.md v4).
+    layout; each layer's attention then reads its own buffer in place, where XLA copied a stacked cache's layer
+    slice for the attention call: 0.08 / 0.86 / 3.46 ms more per LLaDA-8B block step at batch 1 / 8 / 32 on an
+    H200, bench/NOTES.md v4).
     Position j of row b holds the K/V that the token at buffer index j had the last time a forward wrote it.
     """
 
@@ -127,10 +130,6 @@ class KVCache:
     def stacked(self) -> "KVCache":
         """The same cache as [L, B, S, Hkv, D] arrays."""
         return KVCache(jnp.stack(self.k), jnp.stack(self.v)) if self.per_layer else self
-
-
-def _cache_layer(buf: Array | tuple[Array, ...], i) -> Array:
-    return buf[i]
 
 
 def _cache_write(buf: Array | tuple[Array, ...], i, offset: Array, window: Array) -> Array | tuple[Array, ...]:
@@ -240,13 +239,13 @@ def forward(
         layer_params, i = inputs
         q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
         if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
-            old_k = jax.lax.dynamic_slice_in_dim(_cache_layer(ck, i), offset, n, axis=1)
-            old_v = jax.lax.dynamic_slice_in_dim(_cache_layer(cv, i), offset, n, axis=1)
+            old_k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
+            old_v = jax.lax.dynamic_slice_in_dim(cv[i], offset, n, axis=1)
             wm = write_mask[:, :, None, None]
             k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
         # In-place update of layer i's window in the carried buffers (no copy of the whole cache per layer).
         ck, cv = _cache_write(ck, i, offset, k), _cache_write(cv, i, offset, v)
-        attn = attend(q, _cache_layer(ck, i), _cache_layer(cv, i), key_mask, attention_backend)
+        attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
         x = finish(layer_params, i, x, attn)
         return (x, ck, cv), ((k, v) if return_kv else None)
 
@@ -283,8 +282,8 @@ def unstack_layers(params: Params, fuse: bool = True) -> Params:
 
 def unstack_layers_in_place(params: Params, fuse: bool = True) -> Params:
     """`unstack_layers` on a params dict the caller owns: "layers" is popped from it and each stacked leaf is
-    dropped as soon as it is fused and split, so when nothing else holds the stacked arrays the peak is one
-    stacked leaf over the model, not a second copy of it (`dllm_jax.load`: LLaDA-8B 3.2 GB instead of 16 GB)."""
+    dropped as soon as it is fused and split, so when nothing else holds the stacked arrays the peak is one fused
+    leaf over the model, not a second copy of it (`dllm_jax.load`: LLaDA-8B's gate/up, 6.4 GB, not 16 GB)."""
     layers = params.pop("layers")
     if fuse:
         layers = fuse_projections(layers, consume=True)
