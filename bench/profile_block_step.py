@@ -125,22 +125,31 @@ def _try(fn, row: dict, name: str):
         return None
 
 
-def gemm_rows(k: int, n: int, ms=(32, 64, 256)) -> list[dict]:
+def gemm_rows(k: int, n: int, ms=(32, 64, 256), name: str = "") -> list[dict]:
+    """The engine's bf16 GEMM ([M, K] x [K, N] -> bf16, fp32 accumulation) alone, four weight copies in turn (no L2
+    reuse). us: wall time per call (includes the dispatch, ~10-20 us); us_device: the GEMM kernels' device time per
+    call from a trace (None off the GPU), the number to compare with the in-step kernels and the byte floor."""
+    from kernel_trace import kernel_breakdown
+
     rows = []
-    key = jax.random.key(0)
-    w = (0.02 * jax.random.normal(key, (k, n), jnp.float32)).astype(jnp.bfloat16)
+    ws = [(0.02 * jax.random.normal(jax.random.key(10 + j), (k, n), jnp.float32)).astype(jnp.bfloat16)
+          for j in range(4)]
     for m in ms:
         xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(4)]
-        f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+        f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
         i = [0]
 
         def call():
             i[0] += 1
-            f(xs[i[0] % 4], w).block_until_ready()
+            f(xs[i[0] % 4], ws[i[0] % 4]).block_until_ready()
 
         med, _ = common.time_call(call, reps=20)
-        rows.append({"kind": "gemm_xla", "M": m, "K": k, "N": n, "us": 1e6 * med,
-                     "weight_TBps": k * n * 2 / med / 1e12})
+        bd = kernel_breakdown(call, calls=8)
+        dev_ms = bd.get("by_kind_ms", {}).get("gemm")
+        rows.append({"kind": "gemm_xla", "proj": name, "M": m, "K": k, "N": n, "us": 1e6 * med,
+                     "weight_TBps": k * n * 2 / med / 1e12,
+                     "us_device": 1e3 * dev_ms if dev_ms else None,
+                     "weight_TBps_device": k * n * 2 / (dev_ms / 1e3) / 1e12 if dev_ms else None})
     return rows
 
 
@@ -247,8 +256,10 @@ def main() -> None:
                 save(rows, args.out)
                 print(rows[-1], flush=True)
         d, f = cfg.d_model, cfg.mlp_hidden
-        for k, n in () if args.no_stages else ((d, 2 * f), (f, d), (d, cfg.n_heads * cfg.head_dim)):
-            for r in gemm_rows(k, n):
+        gemms = {"qkv": (d, sum(modeling.projection_widths(cfg))), "o": (cfg.n_heads * cfg.head_dim, d),
+                 "gate_up": (d, 2 * f), "down": (f, d)}
+        for proj, (k, n) in () if args.no_stages else gemms.items():
+            for r in gemm_rows(k, n, name=proj):
                 rows.append({"model": name, **r})
                 print(rows[-1], flush=True)
         del stacked

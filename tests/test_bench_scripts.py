@@ -60,3 +60,5 @@ def test_kernel_kinds_and_trace_plot(tmp_path):
     assert not profile_block_step.plot([{**row, "trace_per_step": {}}], tmp_path / "none.png")
     assert profile_block_step.plot([row, {**row, "batch": 8}], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+    (g,) = profile_block_step.gemm_rows(64, 128, ms=(8,), name="o")  # standalone GEMM row (no device time on CPU)
+    assert g["proj"] == "o" and g["us"] > 0 and g["weight_TBps"] > 0 and g["us_device"] is None
