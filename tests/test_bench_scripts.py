@@ -62,3 +62,19 @@ def test_kernel_kinds_and_trace_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
     (g,) = profile_block_step.gemm_rows(64, 128, ms=(8,), name="o")  # standalone GEMM row (no device time on CPU)
     assert g["proj"] == "o" and g["us"] > 0 and g["weight_TBps"] > 0 and g["us_device"] is None
+
+
+def test_bench_attention_smoke(tmp_path, monkeypatch):
+    """The attention benchmark end to end at tiny interpreted shapes: every column, the kernel's error vs the
+    reference, and no FA3 yardstick off the GPU."""
+    monkeypatch.setenv("BENCH_SMOKE", "1")  # read at import: tiny shapes, interpreted kernel
+    out = tmp_path / "attention_h200.json"
+    _run("bench_attention", "--out", str(out), "--shapes", "llada_block", "--inner", "1", "--outer", "1",
+         "--repeats", "1")
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["case"].startswith("llada_block") for r in rows)
+    for r in rows:
+        assert r["pallas_us"] > 0 and r["cudnn_contiguous_us"] > 0 and r["xla_gather_cudnn_us"] > 0
+        assert r["rel_err"] < 1e-2 and r["rel_err_contiguous"] < 1e-2
+        assert r["mgpu_fa3_contiguous_us"] is None and r["mgpu_fa3_config"] is None
+    assert out.with_suffix(".png").stat().st_size > 0
