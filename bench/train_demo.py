@@ -97,8 +97,10 @@ def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1):
 
 # ------------------------------------------------------------------------------------------------ loss
 def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx, backend: str = "xla",
-              levels: int = 1, task_weights: tuple[float, ...] | None = None):
-    cfg_c = config.replace(dtype="bfloat16")
+              levels: int = 1, task_weights: tuple[float, ...] | None = None, compute_dtype: str = "bfloat16"):
+    """One jitted training step. compute_dtype: the forward's dtype over fp32 master weights ("float32" for CPU
+    probes: XLA's CPU bf16 matmuls are ~2.5x slower than fp32 ones)."""
+    cfg_c = config.replace(dtype=compute_dtype)
 
     def loss_fn(params, tokens, length, start, key):
         b, t = tokens.shape
@@ -115,7 +117,7 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         masked = masked & region
         x = jnp.where(masked, config.mask_token_id, tokens)
         positions = jnp.broadcast_to(pos, (b, t))
-        logits = forward(cast_params(params, jnp.bfloat16), cfg_c, x, positions, key_mask=valid,
+        logits = forward(cast_params(params, cfg_c.jnp_dtype), cfg_c, x, positions, key_mask=valid,
                          attention_backend=backend).logits
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / ratio[:, 0] / jnp.sum(region, axis=1)
@@ -194,17 +196,17 @@ def quick_eval_set(n: int = 256, seed: int = 99):
     return out
 
 
-def make_quick_eval(config: ModelConfig):
+def make_quick_eval(config: ModelConfig, compute_dtype: str = "bfloat16"):
     """Exact match with the whole answer region masked and decoded in ONE forward (argmax): a cheap lower-bound
     proxy of the iterative decoder's accuracy, for the training log."""
-    cfg = config.replace(dtype="bfloat16")
+    cfg = config.replace(dtype=compute_dtype)
 
     @jax.jit
     def acc(params, toks, length, start):
         pos = jnp.arange(toks.shape[1])[None]
         region = (pos >= start[:, None]) & (pos < length[:, None])
         x = jnp.where(region, cfg.mask_token_id, toks)
-        lg = forward(cast_params(params, jnp.bfloat16), cfg, x, jnp.broadcast_to(pos, x.shape),
+        lg = forward(cast_params(params, cfg.jnp_dtype), cfg, x, jnp.broadcast_to(pos, x.shape),
                      key_mask=pos < length[:, None]).logits
         return jnp.mean(jnp.all((jnp.argmax(lg, -1) == toks) | ~region, axis=1))
 
