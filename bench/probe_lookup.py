@@ -5,8 +5,9 @@ never learned to match the asked key with the document's key. This trains the LL
 `make_step`, fp32 compute) on lookup problems of one curriculum level only and logs the held-out one-shot exact
 match (the whole answer masked, one forward, argmax) along the way, to find out whether and when the match forms.
 
-    PYTHONPATH=. python bench/probe_lookup.py --steps 6000 --eps 1 --full-frac 0          # 2 facts, ~20 min, 2 cores
-    PYTHONPATH=. python bench/probe_lookup.py --levels 4 --level 1 --cut 96 ...           # 3-5 facts
+    PYTHONPATH=. python bench/probe_lookup.py --steps 4000                        # 2 facts, ~15 min on 2 cores
+    PYTHONPATH=. python bench/probe_lookup.py --eps 1 --full-frac 0 --steps 6000  # the whole answer always masked
+    PYTHONPATH=. python bench/probe_lookup.py --levels 4 --level 1 --cut 96       # 3-5 facts
 
 Writes the curve as JSON (--out) after every log line: {"meta": {settings}, "rows": [{"step", "seconds", "loss",
 "answer_ce", "one_shot"}]}. Picking one of the two facts at random gives one-shot 0.5 at 2 facts.
@@ -67,8 +68,10 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--full-frac", type=float, default=0.0, help="rows masked over the whole sequence")
-    ap.add_argument("--eps", type=float, default=1.0, help="lowest mask ratio (1: the whole answer always masked)")
+    ap.add_argument("--full-frac", type=float, default=0.25, help="rows masked over the whole sequence "
+                    "(train_demo's default)")
+    ap.add_argument("--eps", type=float, default=0.05, help="lowest mask ratio (train_demo's default; 1: the whole "
+                    "answer always masked)")
     ap.add_argument("--levels", type=int, default=2, help="curriculum levels of the pool (train_demo's --levels)")
     ap.add_argument("--level", type=int, default=0, help="the level trained on (0: 2 facts)")
     ap.add_argument("--cut", type=int, default=64, help="row length (tokens) kept")
