@@ -19,16 +19,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", nargs="+", type=int, default=[32, 256, 1024, 4096])
+    ap.add_argument("--tiny", action="store_true", help="shapes divided by 32 (CPU smoke test)")
     ap.add_argument("--out", default=str(common.RESULTS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     shapes = {"llada-8b": ((4096, 2 * 12288), (12288, 4096), (4096, 3 * 4096)),
               "dream-7b": ((3584, 2 * 18944), (18944, 3584))}
     for model, kns in shapes.items():
         for k, n in kns:
+            if args.tiny:
+                k, n = k // 32, n // 32
             w = (0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32)).astype(jnp.bfloat16)
             via_f32 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
             direct = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))

@@ -78,3 +78,14 @@ def test_bench_attention_smoke(tmp_path, monkeypatch):
         assert r["rel_err"] < 1e-2 and r["rel_err_contiguous"] < 1e-2
         assert r["mgpu_fa3_contiguous_us"] is None and r["mgpu_fa3_config"] is None
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_check_gemm_out_dtype_smoke(tmp_path):
+    """The bf16-out GEMM check: on the CPU a GEMM that emits bf16 equals fp32-out-then-round bit for bit (what
+    layers.Linear relies on for the CPU exactness tests); every row is written."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import check_gemm_out_dtype
+
+    check_gemm_out_dtype.main(["--ms", "8", "33", "--tiny", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "gemm_out_dtype_h200.json").read_text())["rows"]
+    assert len(rows) == 2 * 5 and all(r["bitwise_equal"] and r["max_abs_diff"] == 0.0 for r in rows)
