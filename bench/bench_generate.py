@@ -27,7 +27,7 @@ from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
 from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
-from dllm_jax.modeling import stack_layers, unstack_layers  # noqa: E402
+from dllm_jax.modeling import is_unrolled, stack_layers, unstack_layers  # noqa: E402
 
 PROMPT, GEN, BLOCK = 256, 256, 32
 FUSED = 8  # forwards per timed jitted loop
@@ -88,7 +88,7 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
             "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
             "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
             "attention": resolve_backend(gc, model.config, False), "ffn_backend": ffn_backend,
-            "layer_layout": "unrolled" if isinstance(model.params["layers"], (tuple, list)) else "stacked"}
+            "layer_layout": "unrolled" if is_unrolled(model.params["layers"]) else "stacked"}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -220,7 +220,8 @@ def save(args, layer_layout: str, rows: list[dict], skipped: list[dict]) -> Path
                        schedule="fixed (steps given), stop_at_eos off", skipped=skipped, layer_layout=layer_layout,
                        baseline="Fast-dLLM official PyTorch, same GPU kind (anchors): batch 1, steps 64: "
                                 "dual 98-113 tok/s, prefix 130-138, none 125.7; batch > 1 unsupported")
-    stem = "generate" + ("_fp8" if args.fp8_ffn else "") + (f"_{args.ffn_backend}_ffn" if args.ffn_backend != "xla" else "") \
+    stem = "generate" + ("_fp8" if args.fp8_ffn else "") \
+        + (f"_{args.ffn_backend}_ffn" if args.ffn_backend != "xla" else "") \
         + ("_stacked" if layer_layout == "stacked" and args.layer_layout != "auto" else "") + "_h200"
     return common.write_results(f"{stem}.json", meta, rows, args.out)
 

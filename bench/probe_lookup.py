@@ -37,11 +37,9 @@ from dllm_jax.tasks import vocab as V  # noqa: E402
 
 def lookup_rows(levels: int, level: int, cut: int, n: int, seed: int, workers: int):
     """Training rows (tokens [n, cut], length, answer start) of lookup problems at one curriculum level."""
-    toks, length, start = T.build_pool(n, seed, workers, levels=levels)
-    per_level = toks.shape[0] // levels
-    per_task = per_level // len(G.TASKS)
-    lo = level * per_level + G.TASKS.index("lookup") * per_task
-    toks, length, start = toks[lo:lo + per_task], length[lo:lo + per_task], start[lo:lo + per_task]
+    toks, length, start = T.build_pool(n, seed, workers, levels=levels, tasks=("lookup",))
+    lo = level * n  # rows are [level][problem]
+    toks, length, start = toks[lo:lo + n], length[lo:lo + n], start[lo:lo + n]
     if length.max() > cut:
         raise SystemExit(f"--cut {cut} is shorter than the longest row ({length.max()} tokens) at this level")
     return toks[:, :cut], length, start
@@ -92,7 +90,8 @@ def main(argv=None) -> None:
     opt_state = tx.init(params)
     step = T.make_step(config, args.batch, args.full_frac, args.eps, tx, compute_dtype="float32")
     one_shot = T.make_quick_eval(config, compute_dtype="float32")
-    meta = {**vars(args), "n_params": int(sum(x.size for x in jax.tree.leaves(params))), "backend": jax.default_backend()}
+    meta = {**vars(args), "n_params": int(sum(x.size for x in jax.tree.leaves(params))),
+            "backend": jax.default_backend()}
     curve = []
     key = jax.random.key(args.seed + 1)
     t0 = time.time()

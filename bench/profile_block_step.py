@@ -210,9 +210,17 @@ def main() -> None:
         stacked = common.random_params(cfg)
         weight_bytes = common.param_bytes(stacked) - stacked["embed"].size * 2  # the embedding is gathered
         params = modeling.unstack_layers(stacked) if layout == "unrolled" else stacked
+        alternatives: dict[str, tuple] = {}  # (config, params) of the unfused / FP8 variants, built once per model
+
+        def alternative(v: str) -> tuple:
+            if v not in alternatives:
+                alternatives[v] = ((cfg, modeling.unstack_layers(stacked, fuse=False)) if v == "unfused"
+                                   else fp8_model(cfg, stacked, layout))
+            return alternatives[v]
+
         for b in args.batches:
             kv_bytes = 2 * cfg.n_layers * b * CACHE_SLOTS * cfg.n_kv_heads * cfg.head_dim * 2
-            timed_layout = "unrolled" if isinstance(params["layers"], (tuple, list)) else "stacked"
+            timed_layout = "unrolled" if modeling.is_unrolled(params["layers"]) else "stacked"
             row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": timed_layout,
                    "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S,
                    "ms_floor_compute": floor_compute_ms(weight_bytes, b)}
@@ -233,12 +241,11 @@ def main() -> None:
                     row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base), row, v)
             for v in args.variants:
                 if v == "unfused" and layout == "unrolled":
-                    row["ms_unfused"] = _try(lambda: time_step(cfg, modeling.unstack_layers(stacked, fuse=False), b,
-                                                               base), row, v)
+                    row["ms_unfused"] = _try(lambda: time_step(*alternative(v), b, base), row, v)
                 elif v == "stacked_cache":
                     row["ms_stacked_cache"] = _try(lambda: time_step(cfg, params, b, base, stacked_cache=True), row, v)
                 elif v == "fp8_ffn":
-                    row["ms_fp8_ffn"] = _try(lambda: time_step(*fp8_model(cfg, stacked, layout), b, base), row, v)
+                    row["ms_fp8_ffn"] = _try(lambda: time_step(*alternative(v), b, base), row, v)
                     if row["ms_fp8_ffn"]:
                         row["fp8_ffn_speedup"] = row["ms_block_step"] / row["ms_fp8_ffn"]
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
@@ -249,7 +256,7 @@ def main() -> None:
             rows.append(row)
             save(rows, args.out)  # after every row: a run cut short by a time limit keeps what it measured
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        del params
+        del params, alternatives
         if args.proj_fusion:
             for r in _try(lambda: proj_rows(cfg), {}, "proj") or []:
                 rows.append({"model": name, **r})

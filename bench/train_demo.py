@@ -78,13 +78,14 @@ def _chunk(args):
     return toks, length, start
 
 
-def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1):
-    """Training rows of every task at `levels` difficulties (linspace(0, 1) if levels > 1, else 1.0), level by
-    level: returns (tokens, length, start) with rows [level][task][problem], each level n_per_task x 3 rows."""
+def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1, tasks: tuple[str, ...] = G.TASKS):
+    """Training rows of `tasks` (default all) at `levels` difficulties (linspace(0, 1) if levels > 1, else 1.0),
+    level by level: returns (tokens, length, start) with rows [level][task][problem], each level
+    n_per_task x len(tasks) rows. A task's rows do not depend on which other tasks are built."""
     diffs = [1.0] if levels == 1 else list(np.linspace(0.0, 1.0, levels))
     jobs = []
     for lv, dfc in enumerate(diffs):
-        for task in G.TASKS:
+        for task in tasks:
             for c in range(math.ceil(n_per_task / CHUNK)):
                 jobs.append((task, c, min(CHUNK, n_per_task - c * CHUNK), seed, lv, float(dfc)))
     if workers > 1:

@@ -222,16 +222,16 @@ def _leaf_dir(path: tuple[str, ...]) -> str:
 
 def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """The inverse mapping: (HF name, PyTorch-layout array) for every tensor of the param tree."""
-    from dllm_jax.modeling import split_projections
+    from dllm_jax.modeling import is_unrolled, split_projections
 
     for name, (rule, layer) in family_of(config).expand(config).items():
         leaf = params
         for key in rule.path:
             leaf = leaf[key]
-            if isinstance(leaf, (tuple, list)) and layer is not None:  # unrolled layout: one tree per layer
+            if is_unrolled(leaf) and layer is not None:  # unrolled layout: one tree per layer
                 leaf, layer = leaf[layer], None
-            if key == "layers":  # fused q/k/v, gate/up (the GPU layout): slices of the fused kernels
-                leaf = split_projections(leaf, config)
+            if key == "layers":  # fused q/k/v, gate/up (the GPU layout): slices of the fused kernels (numpy
+                leaf = split_projections(leaf, config)  # views; device arrays: one layer's slices at a time)
         t = np.asarray(leaf if layer is None else leaf[layer])
         yield name, np.ascontiguousarray(t.T if rule.transpose else t)
 

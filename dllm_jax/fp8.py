@@ -57,9 +57,9 @@ def quantize_params(params: dict, config: ModelConfig, on_device: bool = False) 
     if config.fp8_ffn:
         return params, config
     check_fp8_shapes(config)
-    from dllm_jax.modeling import stack_layers, unstack_layers
+    from dllm_jax.modeling import is_unrolled, stack_layers, unstack_layers
 
-    if isinstance(params["layers"], (tuple, list)):  # unrolled layout: quantise stacked, hand back unrolled
+    if is_unrolled(params["layers"]):  # unrolled layout: quantise stacked, hand back unrolled
         out, config = quantize_params(stack_layers(params, config), config, on_device)
         return unstack_layers(out), config
     layers = dict(params["layers"])

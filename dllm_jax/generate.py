@@ -22,6 +22,7 @@ from dllm_jax import decode_loop
 from dllm_jax.caches import STRATEGIES
 from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
+from dllm_jax.modeling import is_unrolled
 
 CacheMode = Literal["none", "prefix", "dual"]
 
@@ -226,7 +227,7 @@ def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
 def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
     """Warn (once per call site) when stacked layer weights are decoded on a GPU: XLA copies each layer's weight
     slice inside the scan, ~2x slower block steps there (bench/NOTES.md, issue 7). Returns whether it warned."""
-    if (backend or jax.default_backend()) != "gpu" or isinstance(params["layers"], (tuple, list)):
+    if (backend or jax.default_backend()) != "gpu" or is_unrolled(params["layers"]):
         return False
     warnings.warn("stacked layer weights on a GPU run a lax.scan whose weight slices XLA copies (~2x slower "
                   "block steps); load with dllm_jax.load(..., layer_layout='auto'|'unrolled') or convert with "

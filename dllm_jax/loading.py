@@ -69,9 +69,9 @@ def resolve_layer_layout(layer_layout: str) -> str:
     """"auto" -> "unrolled" on a GPU, "stacked" elsewhere.
 
     Why unrolled on the GPU: inside lax.scan each layer's weights are a dynamic slice of the stacked arrays and
-    XLA copies every slice before its GEMM, so a batch-1 LLaDA-8B block step read the weights ~3 times: 12.65 ms
-    scanned vs 5.54 ms unrolled on an H200 (bench/results/block_step_h200.json, after-table; issue 7). On the CPU the scan
-    compiles faster and the tiny models gain nothing from unrolling."""
+    XLA copies every slice before its GEMM, so a batch-1 LLaDA-8B block step read the weights ~3 times: 12.63 ms
+    scanned vs 5.17 ms with per-layer (fused) weights on an H200 (bench/results/block_step_h200.json, table
+    "after"; issue 7). On the CPU the scan compiles faster and the tiny models gain nothing from unrolling."""
     if layer_layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layer_layout!r}; expected one of {LAYER_LAYOUTS}")
     if layer_layout == "auto":

@@ -2,8 +2,9 @@
 
 Both families are pre-norm llama-style decoders run WITHOUT a causal mask. A `Block` is a linen module applied
 functionally; the layers run under `jax.lax.scan` over stacked layer weights (compile time does not grow with
-depth), or as an unrolled loop over per-layer weights (the GPU default: no per-layer weight slices). Attention is a hook (`attend_fn`) so that the cache techniques decide which keys a layer sees without any
-branch inside the block.
+depth), or as an unrolled loop over per-layer weights (the GPU default: no per-layer weight slices). Attention
+is a hook (`attend_fn`) so that the cache techniques decide which keys a layer sees without any branch inside the
+block.
 
 Param tree (leaves in the config dtype; kernels are [in, out]; this is the stacked layout of the converted format
 and the CPU; on a GPU `dllm_jax.load` makes "layers" a tuple of per-layer trees with q/k/v fused into
@@ -117,7 +118,7 @@ class KVCache:
     @classmethod
     def for_params(cls, params: "Params", config: ModelConfig, batch: int, length: int) -> "KVCache":
         """Zeros in the layout that suits the params: per layer for unrolled layers, stacked for a scan."""
-        return cls.zeros(config, batch, length, per_layer=isinstance(params["layers"], (tuple, list)))
+        return cls.zeros(config, batch, length, per_layer=is_unrolled(params["layers"]))
 
     @property
     def per_layer(self) -> bool:
@@ -230,7 +231,7 @@ def forward(
         return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), None, kv)
 
     offset = jnp.asarray(cache_offset, jnp.int32)
-    if cache.per_layer and not isinstance(params["layers"], (tuple, list)):
+    if cache.per_layer and not is_unrolled(params["layers"]):
         raise ValueError("a per-layer KVCache needs per-layer (unrolled) params: the scanned loop indexes the "
                          "cache with a traced layer index; use KVCache.for_params(params, ...)")
 
@@ -255,10 +256,15 @@ def forward(
     return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv)
 
 
+def is_unrolled(layers: Params | tuple) -> bool:
+    """Whether a "layers" entry is the per-layer layout (a tuple of trees) rather than stacked [L, ...] leaves."""
+    return isinstance(layers, (tuple, list))
+
+
 def layer_loop(fn, carry, layers, layer_ids):
     """lax.scan over stacked layer params, or an unrolled python loop over a tuple of per-layer params (static
     layer index), with the same (carry, stacked per-layer outputs) result."""
-    if not isinstance(layers, (tuple, list)):
+    if not is_unrolled(layers):
         return jax.lax.scan(fn, carry, (layers, layer_ids))
     outs = []
     for i, layer_params in enumerate(layers):
@@ -275,7 +281,7 @@ def unstack_layers(params: Params, fuse: bool = True) -> Params:
     Why: inside lax.scan every layer's weights are a dynamic slice of the stacked arrays, and XLA may copy a slice
     before a GEMM or custom call reads it (bench/NOTES.md, issue 7). Per-layer arrays need no slice. Costs a
     longer compile (one copy of the layer per layer)."""
-    if isinstance(params["layers"], (tuple, list)):
+    if is_unrolled(params["layers"]):
         return params
     return unstack_layers_in_place({**params, "layers": jax.tree.map(lambda a: a, params["layers"])}, fuse)
 
@@ -304,7 +310,7 @@ def stack_layers(params: Params, config: ModelConfig | None = None) -> Params:
     """The inverse of `unstack_layers`: "layers" as stacked [L, ...] leaves with separate projections (a no-op
     if already stacked). Fused layers need the config (the q/k/v widths)."""
     layers = params["layers"]
-    if not isinstance(layers, (tuple, list)):
+    if not is_unrolled(layers):
         return params
     stack = np.stack if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp.stack
     stacked = jax.tree.map(lambda *a: stack(a), *layers)
@@ -329,7 +335,7 @@ def projection_widths(config: ModelConfig) -> tuple[int, int, int]:
 
 
 def is_fused(layers: Params | tuple) -> bool:
-    first = layers[0] if isinstance(layers, (tuple, list)) else layers
+    first = layers[0] if is_unrolled(layers) else layers
     return FUSED_ATTENTION[0] in first
 
 
@@ -412,7 +418,7 @@ def pallas_mlp(params: Params, layer_params: Params, layer_index, h: Array, ffn_
 
     b, n, d = h.shape
     interpret = jax.default_backend() != "gpu"
-    stacked = not isinstance(params["layers"], (tuple, list))
+    stacked = not is_unrolled(params["layers"])
     mlp = params["layers"]["mlp"] if stacked else layer_params["mlp"]
     idx = layer_index if stacked else None
 
