@@ -174,20 +174,39 @@ def parse_task_weights(spec: str | None) -> tuple[float, ...] | None:
     return tuple(w[t] for t in G.TASKS)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0.05) -> float:
+def lr_at(step: int, total: int | None, peak: float, warmup: int, final_frac: float = 0.05,
+          decay_start: int | None = 0) -> float:
+    """Linear warmup, the peak until decay_start (None: not yet known, so the peak), cosine down to
+    final_frac * peak at `total`."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    if total is None or decay_start is None or step < decay_start:
+        return peak
+    begin = max(warmup, decay_start)
+    frac = min(1.0, (step - begin) / max(1, total - begin))
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def time_step(step_fn, params, opt_state, pool, n: int = 20) -> float:
+    """Seconds per call of a training step at max level 0 (after a compile and a warm-up call); the results
+    are thrown away."""
+    args = (params, opt_state, pool, jax.random.key(0), jnp.float32(0.0), jnp.int32(0))
+    jax.block_until_ready(step_fn(*args))
+    t = time.time()
+    for _ in range(n):
+        out = step_fn(*args)
+    jax.block_until_ready(out)
+    return (time.time() - t) / n
+
+
 # ------------------------------------------------------------------------------------------------ eval
-def quick_eval_set(n: int = 256, seed: int = 99):
-    """Held-out rows (full difficulty, placements cycling) per task for the in-training probe."""
+def quick_eval_set(n: int = 256, seed: int = 99, difficulty: float = 1.0, tasks: tuple[str, ...] = G.TASKS):
+    """Held-out rows (placements cycling) per task for the in-training probe; full difficulty unless asked."""
     v = V.vocab()
     out = {}
-    for task in G.TASKS:
-        rows = [G.render(p, G.PLACEMENTS[i % 3], v) for i, p in enumerate(G.generate(task, "heldout", n, seed=seed))]
+    for task in tasks:
+        probs = G.generate(task, "heldout", n, seed=seed, difficulty=difficulty)
+        rows = [G.render(p, G.PLACEMENTS[i % 3], v) for i, p in enumerate(probs)]
         toks = np.full((n, SEQ_LEN), v[V.EOS], np.int32)
         length, start = np.zeros(n, np.int32), np.zeros(n, np.int32)
         for i, r in enumerate(rows):
@@ -261,8 +280,23 @@ def main(argv=None) -> int:
                     help="sampling weight per task, e.g. 'locate=1,lookup=2,rule=0.5' (default: uniform)")
     ap.add_argument("--init", default=None, help="start from this model directory (e.g. the bundled model)")
     ap.add_argument("--curriculum-frac", type=float, default=0.4,
-                    help="fraction of the run over which the hardest allowed level rises to the full task")
+                    help="fraction of the run (after the level-0 hold) over which the hardest allowed level rises "
+                    "to the full task")
+    ap.add_argument("--hold-frac", type=float, default=0.0,
+                    help="hold every row at level 0 (2 facts, 4 people moving once) for up to this fraction of the "
+                    "steps, on rows cut to the level's length (about half the tokens): the key match forms there")
+    ap.add_argument("--hold-until", type=float, default=None,
+                    help="end the hold early once the one-shot probe on level-0 held-out lookups and stories "
+                    "reaches this accuracy (checked every --log-every steps)")
+    ap.add_argument("--hold-steps", type=int, default=None,
+                    help="hold exactly this many steps (replays a run whose hold ended early)")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.hold_frac < 1.0:
+        raise SystemExit("--hold-frac must be in [0, 1)")
+    if (args.hold_frac > 0 or args.hold_steps) and args.levels < 2:
+        raise SystemExit("a level-0 hold needs a curriculum (--levels >= 2)")
+    if args.hold_until is not None and args.hold_steps is not None:
+        raise SystemExit("--hold-until ends an adaptive hold; --hold-steps replays a fixed one: give one")
 
     task_weights = parse_task_weights(args.task_weights)
     t0 = time.time()
@@ -305,19 +339,50 @@ def main(argv=None) -> int:
             step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels,
                                 task_weights)
     quick_set, quick_acc = quick_eval_set(), make_quick_eval(config)
+    hold_fn = None
+    if args.hold_frac > 0 or args.hold_steps:
+        # level-0 rows are at most ~80 tokens: a step over them cut to that length costs about half a full one
+        per_level = len(pool_np[0]) // args.levels
+        cut = int(-(-int(pool_np[1][:per_level].max()) // 16) * 16)
+        pool0 = (pool[0][:per_level, :cut], pool[1][:per_level], pool[2][:per_level])
+        hold_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention, 1, task_weights)
+        easy_set = quick_eval_set(difficulty=0.0, tasks=("locate", "lookup"))
+        print(f"level-0 hold: rows cut to {cut} tokens", flush=True)
 
     total = None if args.steps == "auto" else int(args.steps)
+    if hold_fn is not None and total is None:
+        per_full = time_step(step_fn, params, opt_state, pool)  # the hold's end sets the step count from this
+        print(f"auto: full steps take {per_full * 1e3:.1f} ms", flush=True)
     key = jax.random.key(args.seed + 1)
     t_train, t_calib, s = time.time(), None, 0
     hist = []
+    # The learning rate: warmup, then the peak while holding at level 0, then cosine from the hold's end (when the
+    # hold is adaptive, that end also fixes the step count: replay with --steps N --hold-steps H).
+    holding = hold_fn is not None and args.hold_steps != 0
+    hold_end = 0 if not holding else args.hold_steps  # None: the adaptive hold has not ended yet
     while total is None or s < total:
-        lr = lr_at(s, total or 10**9, args.lr, args.warmup)
-        ramp = args.curriculum_frac * (total or 10**9)
-        max_level = args.levels - 1 if ramp <= 0 else min(args.levels - 1, int(args.levels * s / ramp))
-        params, opt_state, loss, ans_ce, gn = step_fn(params, opt_state, pool, jax.random.fold_in(key, s),
-                                                      jnp.float32(lr), jnp.int32(max_level))
+        if holding and hold_end is None:
+            budget_used = (time.time() - t_train) / args.time_budget if total is None else s / total
+            if budget_used >= args.hold_frac:
+                hold_end = s  # the adaptive hold used up its share of the run
+        if holding and hold_end is not None and s >= hold_end:
+            holding = False
+            if total is None:
+                total = s + max(1, int((args.time_budget - (time.time() - t_train)) / per_full))
+            print(f"level-0 hold ends at step {s}; {total} steps in all", flush=True)
+        lr = lr_at(s, total, args.lr, args.warmup, decay_start=None if holding else hold_end)
+        if holding:
+            max_level = 0
+            params, opt_state, loss, ans_ce, gn = hold_fn(params, opt_state, pool0, jax.random.fold_in(key, s),
+                                                          jnp.float32(lr), jnp.int32(0))
+        else:
+            ramp = args.curriculum_frac * ((total or 10**9) - hold_end)
+            max_level = args.levels - 1 if ramp <= 0 else min(args.levels - 1,
+                                                              int(args.levels * (s - hold_end) / ramp))
+            params, opt_state, loss, ans_ce, gn = step_fn(params, opt_state, pool, jax.random.fold_in(key, s),
+                                                          jnp.float32(lr), jnp.int32(max_level))
         s += 1
-        if total is None:
+        if total is None and hold_fn is None:
             if s == 10:
                 jax.block_until_ready(loss)
                 t_calib = time.time()
@@ -330,8 +395,14 @@ def main(argv=None) -> int:
             loss, ans_ce, gn = float(loss), float(ans_ce), float(gn)
             probe = {t: round(float(quick_acc(params, *quick_set[t])), 3) for t in G.TASKS}
             hist.append((s, loss, ans_ce, probe))
+            easy = ""
+            if holding:
+                easy_probe = {t: round(float(quick_acc(params, *easy_set[t])), 3) for t in easy_set}
+                easy = f" level-0 {easy_probe}"
+                if args.hold_until is not None and hold_end is None and min(easy_probe.values()) >= args.hold_until:
+                    hold_end = s  # the match has formed: move on to the curriculum
             print(f"step {s}/{total} loss {loss:.4f} answer-ce {ans_ce:.4f} gnorm {gn:.2f} lr {lr:.2e} "
-                  f"level<={max_level} one-shot heldout {probe} t {time.time() - t_train:.0f}s", flush=True)
+                  f"level<={max_level} one-shot heldout {probe}{easy} t {time.time() - t_train:.0f}s", flush=True)
     jax.block_until_ready(params)
     train_s = time.time() - t_train
     print(f"trained {s} steps in {train_s:.1f}s", flush=True)
@@ -345,12 +416,14 @@ def main(argv=None) -> int:
     meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
                                        "attention", "d_model", "layers", "levels", "curriculum_frac", "init",
                                        "task_weights")}
+    meta.update(hold_frac=args.hold_frac, hold_until=args.hold_until, hold_steps=hold_end)
     meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
                 gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
                 + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in
                           ("batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model", "layers",
                            "levels", "curriculum_frac"))
                 + (f" --task-weights {args.task_weights}" if args.task_weights else "")
+                + (f" --hold-steps {hold_end}" if hold_end else "")
                 + (f" --init {args.init}" if args.init else "")
                 + (" --tiny" if args.tiny else ""))
     if args.eval_n > 0:

@@ -147,8 +147,11 @@ def _shared_id(shared: Sequence[str]) -> str:
 
 # --- locate
 def _gen_locate(rng: random.Random, difficulty: float = 1.0):
-    # difficulty 1: 5-7 people, n+3..16 moves (the task as specified); 0: 3 people, each moving once
-    n_people = rng.randint(3 + round(2 * difficulty), 3 + round(4 * difficulty))
+    # difficulty 1: 5-7 people, n+3..16 moves (the task as specified); 0: 4 people, each moving once. Two of them
+    # are worked examples, so even the easiest story leaves two people to ask about: the question must be read
+    # (with 3 people the one person left could be answered without reading it). Difficulty 1 draws exactly
+    # what it always drew (same bounds, same RNG calls), so held-out sets are unchanged.
+    n_people = rng.randint(4 + round(1 * difficulty), 4 + round(3 * difficulty))
     people = rng.sample(PEOPLE, n_people)
     n_sent = rng.randint(n_people + round(3 * difficulty), max(n_people + round(3 * difficulty),
                                                               round(n_people + (16 - n_people) * difficulty)))
