@@ -153,6 +153,40 @@ def gemm_rows(k: int, n: int, ms=(32, 64, 256), name: str = "") -> list[dict]:
     return rows
 
 
+def fp8_gemm_rows(k: int, n: int, ms=(32, 64, 256), name: str = "") -> list[dict]:
+    """The FP8 GEMM of the FFN path alone (`fp8_matmul` on pre-quantised operands, the engine's wrapper included:
+    M padding, the scale layouts, split-K sums), four weight copies in turn. us_device: all its kernels' device
+    time per call; us_kernel: the Mosaic GPU kernel alone (the longest kernel of the call); weight_TBps_*: the
+    e4m3 weight bytes over those times (the floor's view: half the bf16 bytes)."""
+    from kernel_trace import kernel_breakdown
+    from dllm_jax.fp8 import fp8_backend
+    from pallas_kernels.fp8_matmul import fp8_matmul, quantize_activations, quantize_weights
+
+    rows = []
+    wts = [quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
+                            .astype(jnp.bfloat16)) for j in range(4)]
+    for m in ms:
+        xs = [quantize_activations(jax.random.normal(jax.random.key(30 + i), (m, k), jnp.bfloat16)) for i in range(4)]
+        f = jax.jit(lambda xq, xsc, wq, wsc: fp8_matmul(xq, xsc, wq, wsc, backend=fp8_backend()))
+        i = [0]
+
+        def call():
+            i[0] += 1
+            f(*xs[i[0] % 4], *wts[i[0] % 4]).block_until_ready()
+
+        med, _ = common.time_call(call, reps=20)
+        bd = kernel_breakdown(call, calls=8)
+        busy = bd.get("busy_ms")
+        top = bd.get("top") or [{}]
+        kern = top[0].get("ms")
+        rows.append({"kind": "gemm_fp8", "proj": name, "M": m, "K": k, "N": n, "us": 1e6 * med,
+                     "us_device": 1e3 * busy if busy else None, "us_kernel": 1e3 * kern if kern else None,
+                     "kernel_name": top[0].get("name"), "kernels_per_call": bd.get("kernels_per_call"),
+                     "weight_TBps_device": k * n / (busy / 1e3) / 1e12 if busy else None,
+                     "weight_TBps_kernel": k * n / (kern / 1e3) / 1e12 if kern else None})
+    return rows
+
+
 def proj_rows(cfg, ms=(32, 256)) -> list[dict]:
     """Separate vs fused projections over every layer's own weights (no L2 reuse), as in a block step:
     q/k/v as three GEMMs vs one [d, (Hq + 2 Hkv) D] GEMM, gate/up as two vs one [d, 2F] GEMM."""
@@ -194,8 +228,10 @@ def main() -> None:
                     "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
                     help="the layout timed as ms_block_step (auto: the engine's default on this backend)")
-    ap.add_argument("--no-stages", action="store_true",
-                    help="skip the stage-dropping variants (no_attention / no_ffn) and the standalone GEMMs")
+    ap.add_argument("--no-stages", action="store_true", help="skip the stage-dropping variants (no_attention / no_ffn)")
+    ap.add_argument("--no-gemms", action="store_true",
+                    help="skip the standalone GEMM rows (bf16 at every projection shape; FP8 at the FFN shapes when "
+                    "fp8_ffn is among --variants)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the scanned plain-XLA baseline (diagnostics)")
     ap.add_argument("--trace", action="store_true",
                     help="also trace the default step once (jax.profiler): device ms by kernel kind, launch gaps")
@@ -245,7 +281,10 @@ def main() -> None:
                 elif v == "stacked_cache":
                     row["ms_stacked_cache"] = _try(lambda: time_step(cfg, params, b, base, stacked_cache=True), row, v)
                 elif v == "fp8_ffn":
-                    row["ms_fp8_ffn"] = _try(lambda: time_step(*alternative(v), b, base), row, v)
+                    tr8 = {} if args.trace else None
+                    row["ms_fp8_ffn"] = _try(lambda: time_step(*alternative(v), b, base, trace=tr8), row, v)
+                    if tr8:
+                        row["trace_fp8_ffn"] = tr8
                     if row["ms_fp8_ffn"]:
                         row["fp8_ffn_speedup"] = row["ms_block_step"] / row["ms_fp8_ffn"]
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
@@ -265,9 +304,12 @@ def main() -> None:
         d, f = cfg.d_model, cfg.mlp_hidden
         gemms = {"qkv": (d, sum(modeling.projection_widths(cfg))), "o": (cfg.n_heads * cfg.head_dim, d),
                  "gate_up": (d, 2 * f), "down": (f, d)}
-        for proj, (k, n) in () if args.no_stages else gemms.items():
-            for r in gemm_rows(k, n, name=proj):
+        for proj, (k, n) in () if args.no_gemms else gemms.items():
+            fp8_rows = fp8_gemm_rows if "fp8_ffn" in args.variants and proj in ("gate_up", "down") else None
+            for r in gemm_rows(k, n, name=proj) + (_try(lambda: fp8_rows(k, n, name=proj), {}, "fp8") or []
+                                                   if fp8_rows else []):
                 rows.append({"model": name, **r})
+                save(rows, args.out)
                 print(rows[-1], flush=True)
         del stacked
     path = save(rows, args.out)

@@ -97,7 +97,7 @@ def fp8_backend() -> str:
 
 
 def layer_mlp(params: dict, config: ModelConfig, layer_params: dict, layer_index: Any, h: jax.Array) -> jax.Array:
-    """The FFN of one layer inside the scan: bf16 SwiGLU for layer 0, FP8 for the rest."""
+    """The FFN of one layer: bf16 SwiGLU for layer 0, FP8 for the rest (a lax.cond on the scan's traced index)."""
     from dllm_jax.layers import SwiGLU
     from pallas_kernels.fp8_matmul import fp8_ffn
 
@@ -107,4 +107,6 @@ def layer_mlp(params: dict, config: ModelConfig, layer_params: dict, layer_index
     def rest(h):
         return fp8_ffn(h, layer_params["mlp_fp8"], backend=fp8_backend(), out_dtype=h.dtype)
 
+    if isinstance(layer_index, int):  # the unrolled layer loop: a static choice, no conditional in the program
+        return first(h) if layer_index == 0 else rest(h)
     return jax.lax.cond(layer_index == 0, first, rest, h)

@@ -35,13 +35,27 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
 
 def test_profile_block_step_smoke(tmp_path):
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants", "unfused",
-         "stacked_cache", "fp8_ffn", "--layer-layout", "unrolled", "--no-stages", "--trace", "--out", str(tmp_path))
+         "stacked_cache", "fp8_ffn", "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--trace", "--out",
+         str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layer_layout"] == "unrolled" and row["ms_block_step"] > 0 and row["xla_baseline_ms"] > 0
     assert row["ms_unfused"] > 0 and row["ms_stacked_cache"] > 0  # both v4 choices reverted, same process
     assert row["fp8_ffn_speedup"] == row["ms_block_step"] / row["ms_fp8_ffn"]
     assert row["ms_floor_hbm"] > 0 and row["ms_floor_compute"] > 0 and not any(k.startswith("error") for k in row)
     assert "by_kind_ms" in row["trace_per_step"]  # empty on the CPU (no device plane), filled on a GPU
+    assert "by_kind_ms" in row["trace_fp8_ffn"]  # the FP8 variant is traced too
+
+
+def test_fp8_gemm_rows_smoke():
+    """The standalone FP8 GEMM rows (the FFN path's fp8_matmul with its wrapper): one row per M with the weight
+    bandwidth; on the CPU the XLA reference runs and there is no device time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import profile_block_step
+
+    rows = profile_block_step.fp8_gemm_rows(256, 384, ms=(32, 40), name="gate_up")
+    assert [(r["kind"], r["proj"], r["M"], r["K"], r["N"]) for r in rows] == [
+        ("gemm_fp8", "gate_up", 32, 256, 384), ("gemm_fp8", "gate_up", 40, 256, 384)]
+    assert all(r["us"] > 0 and r["us_device"] is None and r["us_kernel"] is None for r in rows)
 
 
 def test_kernel_kinds_and_trace_plot(tmp_path):

@@ -142,8 +142,14 @@ def test_unrolled_layers_with_fp8_ffn():
     params = init_params(c, jax.random.key(5), std=0.2)
     tokens, positions = _window(c)
     a = forward(params, c, tokens, positions)
-    b = forward(unstack_layers(params), c, tokens, positions)
+    unrolled = unstack_layers(params)
+    b = forward(unrolled, c, tokens, positions)
     _close(b.logits, a.logits)
+    # the unrolled loop picks layer 0's bf16 FFN statically: no conditional in its program
+    def program(p):
+        return str(jax.make_jaxpr(lambda q: forward(q, c, tokens, positions).logits)(p))
+
+    assert "cond[" not in program(unrolled) and "cond[" in program(params)
 
 
 def test_mgpu_ffn_matches_xla_in_bf16():
