@@ -325,12 +325,22 @@ def floor_compute_ms(weight_bytes: int, batch: int) -> float:
 
 
 KIND_ORDER = ("gemm", "attention", "cache_update", "copy", "other")
+TABLE_LABELS = {"profile_v3": "v3", "after": "v4", "v5_fp8": "v4 (v5 run)"}  # rows' table -> bar label
 
 
 def plot(rows: list[dict], path: Path) -> bool:
     """Stacked bars of device ms per kernel kind for every traced row (grouped by model and batch; rows of
-    several tables, e.g. before/after, side by side), with each row's HBM floor as a tick. False if no traces."""
-    traced = [r for r in rows if r.get("trace_per_step", {}).get("by_kind_ms")]
+    several tables, e.g. before/after, side by side; a row's traced FP8 variant as a bar of its own; experiment rows
+    left out), with each row's HBM floor as a tick. False if no traces."""
+    traced = []
+    for r in rows:
+        if r.get("table") == "experiment":
+            continue
+        label = TABLE_LABELS.get(r.get("table"), r.get("table", ""))
+        if r.get("trace_per_step", {}).get("by_kind_ms"):
+            traced.append({**r, "label": label})
+        if r.get("trace_fp8_ffn", {}).get("by_kind_ms"):  # the FP8 variant of the same process: its own bar
+            traced.append({**r, "label": "FP8 FFN", "trace_per_step": r["trace_fp8_ffn"]})
     if not traced:
         return False
     import matplotlib
@@ -340,8 +350,10 @@ def plot(rows: list[dict], path: Path) -> bool:
 
     fig, axes = plt.subplots(1, len({r["batch"] for r in traced}), figsize=(14, 4.5), squeeze=False)
     for ax, batch in zip(axes[0], sorted({r["batch"] for r in traced})):
-        sel = [r for r in traced if r["batch"] == batch]
-        labels = [f"{r['model']}\n{r.get('table', '')}" for r in sel]
+        order = [*TABLE_LABELS.values(), "FP8 FFN"]
+        sel = sorted((r for r in traced if r["batch"] == batch),
+                     key=lambda r: (r["model"], order.index(r["label"]) if r["label"] in order else len(order)))
+        labels = [f"{r['model']}\n{r['label']}" for r in sel]
         bottom = [0.0] * len(sel)
         for kind in KIND_ORDER:
             vals = [r["trace_per_step"]["by_kind_ms"].get(kind, 0.0) for r in sel]

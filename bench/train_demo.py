@@ -1,7 +1,14 @@
-"""Train the bundled demo DLLM (LLaDA layout) on the three synthetic tasks, from one command.
+"""Train the bundled demo DLLM (LLaDA layout) on the three synthetic tasks.
 
-    PYTHONPATH=. python bench/train_demo.py --out dllm_jax/assets/demo_model            # GPU: ~3 minutes
+    PYTHONPATH=. python bench/train_demo.py --out /tmp/stage1 --steps auto --time-budget 375 --batch 512 \
+        --lr 2e-3 --warmup 300 --full-frac 0.1 --curriculum-frac 0.5 --hold-frac 0.5 --hold-until 0.9 \
+        --task-weights lookup=1.5                                                      # GPU: ~7 minutes
+    PYTHONPATH=. python bench/train_demo.py --init /tmp/stage1 --out /tmp/stage2 --steps auto --time-budget 420 \
+        --batch 512 --lr 1e-3 --warmup 200 --full-frac 0.1 --levels 1 --pool 300000 \
+        --task-weights locate=2,rule=1.5,lookup=0.5                                    # GPU: ~8 minutes
     PYTHONPATH=. python bench/train_demo.py --out /tmp/m --tiny --steps 30 --pool 600    # CPU smoke test
+
+(The bundled model is those two runs: 100% held-out exact match; bench/QUALITY.md has the exact replay commands.)
 
 Objective: LLaDA's masked-diffusion loss. Per sequence a mask ratio t ~ U(eps, 1); each token of the masked region
 is replaced by [MASK] with probability t (at least one is); loss = sum of cross-entropies on masked tokens / t,
@@ -9,11 +16,14 @@ divided by the region's length, averaged over the batch. The region is the answe
 SFT variant) for a fraction 1 - --full-frac of the rows, and the whole sequence after BOS (the pre-training
 variant, which makes the model read the context) for the rest.
 
-Data: a pool of training problems (all three tasks, uniformly; the shared part placed prefix/infix/suffix uniformly)
-built deterministically in chunks (in parallel processes), kept on the device; batches are drawn on the device.
-AdamW (b2 0.98, wd 0.1, clip 1.0), linear warmup + cosine decay; fp32 master weights, bf16 compute.
-`--steps auto` times the first steps and fits the run to --time-budget seconds; the number of steps it chose is
-printed and saved (train_args.json beside the model) so `--steps N` reproduces the run exactly.
+Data: a pool of training problems (all three tasks; the shared part placed prefix/infix/suffix uniformly) at
+--levels curriculum difficulties, built deterministically in chunks (in parallel processes), kept on the device;
+batches are drawn on the device. With a level-0 hold (--hold-frac/--hold-until or --hold-steps) every row starts
+at the easiest level, cut to its length, at the peak learning rate, until the key match of the lookups has formed
+(bench/QUALITY.md); then the curriculum ramps up.
+AdamW (b2 0.98, wd 0.1, clip 1.0), linear warmup, cosine decay from the hold's end; fp32 master weights, bf16
+compute. `--steps auto` fits the run to --time-budget seconds; the step count (and the hold's length) it chose
+are printed and saved (train_args.json beside the model) so `--steps N [--hold-steps H]` reproduces the run.
 At the end the held-out exact-match accuracy per task x placement is printed (no-cache argmax decoding).
 """
 

@@ -248,7 +248,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   out_transforms = (plgpu.TilingTransform((8, out_swz * 8 // ob)),
                     plgpu.SwizzleTransform(out_swz))
 
-  def kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
+  def fp8_matmul_kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
     def get_pipeline(body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
           body,
@@ -351,7 +351,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     kw["interpret"] = interpret if not isinstance(interpret, bool) else InterpretGPUParams()
   f = plgpu.kernel(
-      kernel,
+      fp8_matmul_kernel,  # its name reaches the profiler trace (kernel_trace counts it as a GEMM)
       out_type=jax.ShapeDtypeStruct(out_shape, acc_dtype),
       grid=(grid,),
       grid_names=("cluster_grid",),

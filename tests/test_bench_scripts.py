@@ -67,7 +67,8 @@ def test_kernel_kinds_and_trace_plot(tmp_path):
     names = {"gemm_fusion_dot_131": "gemm", "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT": "gemm",
              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention",
              "loop_dynamic_update_slice_fusion_32": "cache_update", "memcpy128": "copy",
-             "loop_add_fusion_61": "other", "input_concatenate_fusion_31": "other"}
+             "loop_add_fusion_61": "other", "input_concatenate_fusion_31": "other",
+             "fp8_matmul_kernel_mosaic_gpu_kernel": "gemm"}  # Pallas Mosaic GPU kernels carry their function's name
     assert {n: kernel_trace.kind_of(n) for n in names} == names
     row = {"model": "m", "batch": 1, "table": "v4", "ms_floor_hbm": 3.5, "ms_floor_compute": 0.6,
            "trace_per_step": {"by_kind_ms": {"gemm": 4.0, "attention": 0.3, "other": 0.4}}}

@@ -121,3 +121,31 @@ def test_lookup_probe_smoke(tmp_path):
         assert np.isfinite(r["loss"]) and r["loss"] > 0 and 0.0 <= r["one_shot"] <= 1.0
     with pytest.raises(SystemExit, match="cut"):
         probe_lookup.main(["--steps", "1", "--pool", "200", "--cut", "10"])
+
+
+def test_lr_schedule_holds_the_peak_then_decays():
+    train = _bench("train_demo")
+    peak, warmup, total, hold = 1e-3, 10, 100, 40
+    assert train.lr_at(0, total, peak, warmup, decay_start=hold) == peak / warmup
+    assert train.lr_at(25, None, peak, warmup, decay_start=None) == peak  # hold's end not known yet: the peak
+    assert all(train.lr_at(s, total, peak, warmup, decay_start=hold) == peak for s in range(warmup, hold + 1))
+    after = [train.lr_at(s, total, peak, warmup, decay_start=hold) for s in range(hold, total + 1)]
+    assert all(a > b for a, b in zip(after, after[1:])) and abs(after[-1] - 0.05 * peak) < 1e-12
+    # no hold: cosine from the warmup's end, as before
+    assert train.lr_at(warmup, total, peak, warmup) == peak and train.lr_at(total, total, peak, warmup) < peak
+
+
+def test_training_cli_with_adaptive_level0_hold(tmp_path):
+    """train_demo's main: an adaptive hold (it ends at the first probe, whose threshold 0 is always met) on rows
+    cut to level 0's length, then the curriculum; the saved command replays the run with the hold's length."""
+    train = _bench("train_demo")
+    out = tmp_path / "m"
+    assert train.main(["--out", str(out), "--tiny", "--steps", "6", "--batch", "8", "--pool", "40", "--workers",
+                       "1", "--levels", "2", "--hold-frac", "0.9", "--hold-until", "0", "--log-every", "2",
+                       "--eval-n", "0"]) == 0
+    meta = json.loads((out / "train_args.json").read_text())
+    assert meta["hold_steps"] == 2 and meta["steps"] == 6 and "--hold-steps 2" in meta["command"]
+    assert [h[0] for h in meta["loss_history"]] == [2, 4, 6]
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    with pytest.raises(SystemExit, match="give one"):
+        train.main(["--out", str(out), "--tiny", "--hold-steps", "3", "--hold-until", "0.5"])
