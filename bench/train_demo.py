@@ -8,7 +8,9 @@
         --task-weights locate=2,rule=1.5,lookup=0.5                                    # GPU: ~8 minutes
     PYTHONPATH=. python bench/train_demo.py --out /tmp/m --tiny --steps 30 --pool 600    # CPU smoke test
 
-(The bundled model is those two runs: 100% held-out exact match; bench/QUALITY.md has the exact replay commands.)
+The bundled model came out of those two runs (100% held-out exact match); one command replays both exactly:
+
+    PYTHONPATH=. python bench/train_demo.py --recipe bundled --out dllm_jax/assets/default_model   # GPU: ~15 minutes
 
 Objective: LLaDA's masked-diffusion loss. Per sequence a mask ratio t ~ U(eps, 1); each token of the masked region
 is replaced by [MASK] with probability t (at least one is); loss = sum of cross-entropies on masked tokens / t,
@@ -265,9 +267,39 @@ def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int =
 
 
 # ------------------------------------------------------------------------------------------------ main
+# The bundled default model, as two runs (bench/QUALITY.md): a level-0 hold then the curriculum, then full difficulty
+# from those weights. Exact replays of the runs that made it (step counts and the hold's end as they came out).
+BUNDLED_RECIPE = (
+    ["--steps", "11727", "--hold-steps", "7578", "--batch", "512", "--lr", "2e-3", "--warmup", "300", "--full-frac",
+     "0.1", "--levels", "4", "--curriculum-frac", "0.5", "--task-weights", "lookup=1.5", "--pool", "200000"],
+    ["--steps", "10829", "--batch", "512", "--lr", "1e-3", "--warmup", "200", "--full-frac", "0.1", "--levels", "1",
+     "--task-weights", "locate=2,rule=1.5,lookup=0.5", "--pool", "300000"],
+)
+
+
+def train_bundled(out: str, extra: list[str]) -> int:
+    """`--recipe bundled`: both runs, the first into OUT_stage1, the second from it into OUT (extra args, e.g.
+    --workers or --eval-n, go to both)."""
+    stage1 = f"{out.rstrip('/')}_stage1"
+    first, second = BUNDLED_RECIPE
+    if main(["--out", stage1, *first, *extra]) != 0:
+        return 1
+    return main(["--out", out, "--init", stage1, *second, *extra])
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)  # a recipe is several runs: it takes --out and pass-through args
+    pre.add_argument("--recipe", choices=["bundled"])
+    pre.add_argument("--out", default="dllm_jax/assets/default_model")
+    known, rest = pre.parse_known_args(argv)
+    if known.recipe:
+        return train_bundled(known.out, rest)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="dllm_jax/assets/demo_model")
+    ap.add_argument("--recipe", choices=["bundled"],
+                    help="run a named multi-run recipe instead (bundled: the two runs of the bundled default model, "
+                    "~15 minutes on one H200; with --out DIR and pass-through args such as --workers)")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
     ap.add_argument("--steps", default="auto", help="number of steps, or 'auto' (fit --time-budget)")
     ap.add_argument("--time-budget", type=float, default=180.0, help="seconds of training for --steps auto")

@@ -149,3 +149,22 @@ def test_training_cli_with_adaptive_level0_hold(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     with pytest.raises(SystemExit, match="give one"):
         train.main(["--out", str(out), "--tiny", "--hold-steps", "3", "--hold-until", "0.5"])
+
+
+def test_bundled_recipe_chains_its_two_runs(monkeypatch):
+    """`--recipe bundled` (one command for the bundled model): run 1 into OUT_stage1, run 2 from it into OUT, each
+    with the recorded replay arguments and the pass-through ones."""
+    train = _bench("train_demo")
+    calls = []
+    real_main = train.main
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)
+    assert real_main(["--recipe", "bundled", "--out=/x/model", "--workers", "2"]) == 0
+    first, second = calls
+    assert first[:2] == ["--out", "/x/model_stage1"] and "--hold-steps" in first and first[-2:] == ["--workers", "2"]
+    assert second[:4] == ["--out", "/x/model", "--init", "/x/model_stage1"] and second[-2:] == ["--workers", "2"]
+    assert first[2:-2] == train.BUNDLED_RECIPE[0] and second[4:-2] == train.BUNDLED_RECIPE[1]
+    # the recorded runs are what the bundled model's logs say
+    logs = Path(__file__).resolve().parents[1] / "bench" / "results" / "demo_model"
+    for argv, name in zip(train.BUNDLED_RECIPE, ("stage1", "stage2")):
+        meta = json.loads((logs / f"{name}_train_args.json").read_text())
+        assert f"--steps {meta['steps']}" in " ".join(argv) and meta["batch"] == int(argv[argv.index("--batch") + 1])
