@@ -50,6 +50,7 @@ import optax  # noqa: E402
 from dllm_jax import checkpoint  # noqa: E402
 from dllm_jax.config import ModelConfig  # noqa: E402
 from dllm_jax.modeling import cast_params, forward, init_params  # noqa: E402
+from dllm_jax.models import FAMILIES  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 from dllm_jax.tasks import vocab as V  # noqa: E402
 from dllm_jax.generate import GenerationConfig, answer_tokens, generate  # noqa: E402
@@ -60,14 +61,28 @@ SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
 CHUNK = 2000  # problems per data chunk (one RNG seed each)
 
 
-def model_config(tiny: bool, dtype: str = "float32", d_model: int = 256, n_layers: int = 6) -> ModelConfig:
+def model_config(tiny: bool, dtype: str = "float32", d_model: int = 256, n_layers: int = 6,
+                 family: str = "llada") -> ModelConfig:
+    """The demo model's shape in either family's layout. Dream's differs as the release does: GQA (a quarter of the
+    heads for K/V), q/k/v biases, RoPE in the activation dtype; and it predicts position i at output i - 1."""
+    if family not in ("llada", "dream"):
+        raise SystemExit(f"--family: expected llada or dream, got {family!r}")
     v = V.vocab()
     d, layers, heads, mlp = (64, 2, 4, 192) if tiny else (d_model, n_layers, d_model // 32, 3 * d_model)
-    return ModelConfig(family="llada", vocab_size=V.padded_vocab_size(), d_model=d, n_layers=layers, n_heads=heads,
-                       n_kv_heads=heads, head_dim=d // heads, mlp_hidden=mlp, rms_eps=1e-5, rope_theta=10000.0,
-                       rope_fp32=True, qkv_bias=False, tie_embeddings=False, max_seq_len=1024,
-                       mask_token_id=v[V.MASK], eos_token_id=v[V.EOS], pad_token_id=v[V.EOS],
+    dream = family == "dream"
+    return ModelConfig(family=family, vocab_size=V.padded_vocab_size(), d_model=d, n_layers=layers, n_heads=heads,
+                       n_kv_heads=max(1, heads // 4) if dream else heads, head_dim=d // heads, mlp_hidden=mlp,
+                       rms_eps=1e-5, rope_theta=10000.0, rope_fp32=not dream, qkv_bias=dream, tie_embeddings=False,
+                       max_seq_len=1024, mask_token_id=v[V.MASK], eos_token_id=v[V.EOS], pad_token_id=v[V.EOS],
                        bos_token_id=v[V.BOS], dtype=dtype)
+
+
+def predictions(logits: jax.Array, config: ModelConfig) -> jax.Array:
+    """Logits aligned with the tokens they predict, [B, T, V]: Dream's output i - 1 predicts token i (the sampler
+    applies the same shift); position 0 (BOS, never masked) keeps its own output."""
+    if config.family != "dream":
+        return logits
+    return jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -130,8 +145,8 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         masked = masked & region
         x = jnp.where(masked, config.mask_token_id, tokens)
         positions = jnp.broadcast_to(pos, (b, t))
-        logits = forward(cast_params(params, cfg_c.jnp_dtype), cfg_c, x, positions, key_mask=valid,
-                         attention_backend=backend).logits
+        logits = predictions(forward(cast_params(params, cfg_c.jnp_dtype), cfg_c, x, positions, key_mask=valid,
+                                     attention_backend=backend).logits, config)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / ratio[:, 0] / jnp.sum(region, axis=1)
         ans_ce = jnp.sum(jnp.where(masked & answer, ce, 0.0)) / jnp.maximum(jnp.sum(masked & answer), 1)
@@ -238,8 +253,8 @@ def make_quick_eval(config: ModelConfig, compute_dtype: str = "bfloat16"):
         pos = jnp.arange(toks.shape[1])[None]
         region = (pos >= start[:, None]) & (pos < length[:, None])
         x = jnp.where(region, cfg.mask_token_id, toks)
-        lg = forward(cast_params(params, cfg.jnp_dtype), cfg, x, jnp.broadcast_to(pos, x.shape),
-                     key_mask=pos < length[:, None]).logits
+        lg = predictions(forward(cast_params(params, cfg.jnp_dtype), cfg, x, jnp.broadcast_to(pos, x.shape),
+                                 key_mask=pos < length[:, None]).logits, cfg)
         return jnp.mean(jnp.all((jnp.argmax(lg, -1) == toks) | ~region, axis=1))
 
     return acc
@@ -315,6 +330,8 @@ def main(argv=None) -> int:
                     help="training attention backend (auto: cudnn on GPU, else xla)")
     ap.add_argument("--eval-n", type=int, default=300, help="held-out problems per task for the final eval")
     ap.add_argument("--log-every", type=int, default=200)
+    ap.add_argument("--family", default="llada", choices=["llada", "dream"],
+                    help="checkpoint layout and prediction rule (dream: GQA, biases, shifted prediction)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--levels", type=int, default=4, help="curriculum difficulty levels (1 = no curriculum)")
@@ -342,7 +359,7 @@ def main(argv=None) -> int:
 
     task_weights = parse_task_weights(args.task_weights)
     t0 = time.time()
-    config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers)
+    config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers, family=args.family)
     # build the data in forked workers BEFORE anything starts JAX's backend threads (fork + threads can deadlock)
     pool_np = build_pool(args.pool, args.seed, args.workers, args.levels)
     if args.attention == "auto":
@@ -451,19 +468,20 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     checkpoint.export_hf(params, config, out)
-    V.write(out)
+    # the task prompts use LLaDA's chat template (its header tokens are in the vocabulary), whatever the layout
+    V.write(out, chat_template=FAMILIES["llada"].chat_template if config.family != "llada" else None)
     # the CLI's defaults for this model: it was trained to answer in GEN_LENGTH tokens
     (out / "generation_config.json").write_text(json.dumps(
         {"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2))
-    meta = {k: getattr(args, k) for k in ("tiny", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed",
-                                       "attention", "d_model", "layers", "levels", "curriculum_frac", "init",
+    meta = {k: getattr(args, k) for k in ("tiny", "family", "batch", "lr", "warmup", "full_frac", "eps", "pool",
+                                       "seed", "attention", "d_model", "layers", "levels", "curriculum_frac", "init",
                                        "task_weights")}
     meta.update(hold_frac=args.hold_frac, hold_until=args.hold_until, hold_steps=hold_end)
     meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
                 gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
                 + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in
-                          ("batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model", "layers",
-                           "levels", "curriculum_frac"))
+                          ("family", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model",
+                           "layers", "levels", "curriculum_frac"))
                 + (f" --task-weights {args.task_weights}" if args.task_weights else "")
                 + (f" --hold-steps {hold_end}" if hold_end else "")
                 + (f" --init {args.init}" if args.init else "")

@@ -70,7 +70,11 @@ def load_tokenizer(path: str | os.PathLike, config: ModelConfig) -> Tokenizer:
             kwargs[key] = value
     # from_pretrained on a concrete class reads the standard file names (tokenizer.json, or vocab.json +
     # merges.txt, plus tokenizer_config.json's added tokens) and never runs a checkpoint's remote code.
-    cls = transformers.Qwen2TokenizerFast if config.family == "dream" else transformers.PreTrainedTokenizerFast
+    # A checkpoint whose tokenizer_config names the generic fast tokenizer (a tokenizer.json of any model type, e.g.
+    # the task vocabulary of a Dream-layout demo model) is read as such: Qwen2's class would rebuild a BPE from it.
+    generic = tok_cfg.get("tokenizer_class") == "PreTrainedTokenizerFast" and (p / "tokenizer.json").is_file()
+    cls = (transformers.Qwen2TokenizerFast if config.family == "dream" and not generic
+           else transformers.PreTrainedTokenizerFast)
     hf = cls.from_pretrained(str(p), local_files_only=True, **kwargs)
     template = tok_cfg.get("chat_template")
     if isinstance(template, str):

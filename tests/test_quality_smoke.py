@@ -168,3 +168,34 @@ def test_bundled_recipe_chains_its_two_runs(monkeypatch):
     for argv, name in zip(train.BUNDLED_RECIPE, ("stage1", "stage2")):
         meta = json.loads((logs / f"{name}_train_args.json").read_text())
         assert f"--steps {meta['steps']}" in " ".join(argv) and meta["batch"] == int(argv[argv.index("--batch") + 1])
+
+
+def test_dream_layout_twin_trains_exports_and_loads(tmp_path):
+    """train_demo --family dream: Dream's layout (GQA, q/k/v biases) and its shifted prediction, exported in the
+    Dream HF layout with the task tokenizer and LLaDA's chat template (the prompts' own), loaded back by the engine
+    with the same config, tokenizer ids and chat prompts as the task renderer; its held-out eval runs the Dream
+    sampler through the real generate."""
+    import dllm_jax
+    from dllm_jax.tasks import generators as G
+    from dllm_jax.tasks import vocab as V
+
+    train = _bench("train_demo")
+    logits = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
+    dream = train.model_config(True, family="dream")
+    assert (dream.n_kv_heads, dream.qkv_bias, dream.rope_fp32) == (1, True, False)
+    shifted = train.predictions(logits, dream)
+    assert jnp.array_equal(shifted[:, 1:], logits[:, :-1]) and jnp.array_equal(shifted[:, 0], logits[:, 0])
+    assert train.predictions(logits, train.model_config(True)) is logits
+
+    out = tmp_path / "dream"
+    assert train.main(["--out", str(out), "--tiny", "--family", "dream", "--steps", "3", "--batch", "8", "--pool",
+                       "40", "--workers", "1", "--levels", "1", "--log-every", "3", "--eval-n", "2"]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "Dream"
+    meta = json.loads((out / "train_args.json").read_text())
+    assert "--family dream" in meta["command"] and set(meta["heldout_accuracy_nocache"]) == {
+        f"{t}/{p}" for t in G.TASKS for p in G.PLACEMENTS}
+    model = dllm_jax.load(out, dtype="float32")
+    assert model.config.replace(dtype="float32") == dream
+    problem = G.generate("lookup", "heldout", 1, seed=0)[0]
+    rendered = G.render(problem, "infix", V.vocab())
+    assert model.encode_chat(problem.prompt_text("infix")) == rendered.prompt

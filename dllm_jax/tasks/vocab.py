@@ -43,10 +43,14 @@ def build() -> Tokenizer:
     return tok
 
 
-def write(out_dir: str | Path) -> None:
+def write(out_dir: str | Path, chat_template: str | None = None) -> None:
+    """tokenizer.json + tokenizer_config.json; chat_template (e.g. LLaDA's, which the tasks' prompts use) is stored
+    in the config when given: a Dream-layout model needs it, its family's own template has no words here."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build().save(str(out / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
            "unk_token": UNK, "mask_token": MASK}
+    if chat_template:
+        cfg["chat_template"] = chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
