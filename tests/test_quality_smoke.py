@@ -135,22 +135,6 @@ def test_lr_schedule_holds_the_peak_then_decays():
     assert train.lr_at(warmup, total, peak, warmup) == peak and train.lr_at(total, total, peak, warmup) < peak
 
 
-def test_training_cli_with_adaptive_level0_hold(tmp_path):
-    """train_demo's main: an adaptive hold (it ends at the first probe, whose threshold 0 is always met) on rows
-    cut to level 0's length, then the curriculum; the saved command replays the run with the hold's length."""
-    train = _bench("train_demo")
-    out = tmp_path / "m"
-    assert train.main(["--out", str(out), "--tiny", "--steps", "6", "--batch", "8", "--pool", "40", "--workers",
-                       "1", "--levels", "2", "--hold-frac", "0.9", "--hold-until", "0", "--log-every", "2",
-                       "--eval-n", "0"]) == 0
-    meta = json.loads((out / "train_args.json").read_text())
-    assert meta["hold_steps"] == 2 and meta["steps"] == 6 and "--hold-steps 2" in meta["command"]
-    assert [h[0] for h in meta["loss_history"]] == [2, 4, 6]
-    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
-    with pytest.raises(SystemExit, match="give one"):
-        train.main(["--out", str(out), "--tiny", "--hold-steps", "3", "--hold-until", "0.5"])
-
-
 def test_bundled_recipe_chains_its_two_runs(monkeypatch):
     """`--recipe bundled` (one command for the bundled model): run 1 into OUT_stage1, run 2 from it into OUT, each
     with the recorded replay arguments and the pass-through ones."""
@@ -170,11 +154,14 @@ def test_bundled_recipe_chains_its_two_runs(monkeypatch):
         assert f"--steps {meta['steps']}" in " ".join(argv) and meta["batch"] == int(argv[argv.index("--batch") + 1])
 
 
-def test_dream_layout_twin_trains_exports_and_loads(tmp_path):
-    """train_demo --family dream: Dream's layout (GQA, q/k/v biases) and its shifted prediction, exported in the
-    Dream HF layout with the task tokenizer and LLaDA's chat template (the prompts' own), loaded back by the engine
-    with the same config, tokenizer ids and chat prompts as the task renderer; its held-out eval runs the Dream
-    sampler through the real generate."""
+def test_training_cli_dream_twin_with_adaptive_level0_hold(tmp_path):
+    """train_demo's main, one tiny run for two features (one compile of each step: CI time):
+    - an adaptive level-0 hold (it ends at the first probe, whose threshold 0 is always met) on rows cut to level
+      0's length, then the curriculum; the saved command replays the run with the hold's length;
+    - --family dream: Dream's layout (GQA, q/k/v biases) and its shifted prediction, exported in the Dream HF
+      layout with the task tokenizer and LLaDA's chat template (the prompts' own), loaded back by the engine with
+      the same config, tokenizer ids and chat prompts as the task renderer; the held-out eval runs the Dream
+      sampler through the real generate."""
     import dllm_jax
     from dllm_jax.tasks import generators as G
     from dllm_jax.tasks import vocab as V
@@ -188,14 +175,19 @@ def test_dream_layout_twin_trains_exports_and_loads(tmp_path):
     assert train.predictions(logits, train.model_config(True)) is logits
 
     out = tmp_path / "dream"
-    assert train.main(["--out", str(out), "--tiny", "--family", "dream", "--steps", "3", "--batch", "8", "--pool",
-                       "40", "--workers", "1", "--levels", "1", "--log-every", "3", "--eval-n", "2"]) == 0
-    assert json.loads((out / "config.json").read_text())["model_type"] == "Dream"
+    assert train.main(["--out", str(out), "--tiny", "--family", "dream", "--steps", "6", "--batch", "8", "--pool",
+                       "40", "--workers", "1", "--levels", "2", "--hold-frac", "0.9", "--hold-until", "0",
+                       "--log-every", "2", "--eval-n", "2"]) == 0
     meta = json.loads((out / "train_args.json").read_text())
+    assert meta["hold_steps"] == 2 and meta["steps"] == 6 and "--hold-steps 2" in meta["command"]
+    assert [h[0] for h in meta["loss_history"]] == [2, 4, 6]
     assert "--family dream" in meta["command"] and set(meta["heldout_accuracy_nocache"]) == {
         f"{t}/{p}" for t in G.TASKS for p in G.PLACEMENTS}
+    assert json.loads((out / "config.json").read_text())["model_type"] == "Dream"
     model = dllm_jax.load(out, dtype="float32")
     assert model.config.replace(dtype="float32") == dream
     problem = G.generate("lookup", "heldout", 1, seed=0)[0]
     rendered = G.render(problem, "infix", V.vocab())
     assert model.encode_chat(problem.prompt_text("infix")) == rendered.prompt
+    with pytest.raises(SystemExit, match="give one"):
+        train.main(["--out", str(out), "--tiny", "--hold-steps", "3", "--hold-until", "0.5"])
