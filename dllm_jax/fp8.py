@@ -96,17 +96,89 @@ def fp8_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def layer_mlp(params: dict, config: ModelConfig, layer_params: dict, layer_index: Any, h: jax.Array) -> jax.Array:
-    """The FFN of one layer: bf16 SwiGLU for layer 0, FP8 for the rest (a lax.cond on the scan's traced index)."""
-    from dllm_jax.layers import SwiGLU
+# The FP8 kernel reads its weight scales as a [K/128, N/4] table (one 128-byte TMA row per K step and CTA, for the
+# default configs' 128-wide CTA N tile). Expanding s_gu / s_down into it inside the step costs two broadcast
+# kernels per layer (0.10 ms of a LLaDA-8B batch-1 block step): the GPU layout stores the tables as leaves.
+KERNEL_SCALE_COLS = 4
+KERNEL_SCALES = {"s_gu": ("s_gu_tma", "w_gu"), "s_down": ("s_down_tma", "w_down")}
+
+
+def with_kernel_scales(mlp_fp8: dict) -> dict:
+    """One layer's mlp_fp8 dict plus the kernel-layout scale tables (numpy stays numpy: host loading)."""
+    out = dict(mlp_fp8)
+    for src, (dst, w) in KERNEL_SCALES.items():
+        ws, n = mlp_fp8[src], np.shape(mlp_fp8[w])[-2]
+        xp = np if isinstance(ws, np.ndarray) else jnp
+        out[dst] = xp.repeat(xp.swapaxes(ws, -1, -2), GROUP // KERNEL_SCALE_COLS, axis=-1)[..., : n // KERNEL_SCALE_COLS]
+    return out
+
+
+def without_kernel_scales(mlp_fp8: dict) -> dict:
+    return {k: v for k, v in mlp_fp8.items() if not k.endswith("_tma")}
+
+
+def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
+    from pallas_kernels.fp8_matmul import kernel_weight_scales, ws_cols
+
+    dst, w = KERNEL_SCALES[src]
+    n, k = mlp_fp8[w].shape
+    table = mlp_fp8.get(dst)
+    if table is not None and cfg.ws_prefetch and table.shape == (k // GROUP, n // ws_cols(cfg)):
+        return table
+    return kernel_weight_scales(mlp_fp8[src], n, cfg)
+
+
+def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dict, interpret: bool = False
+                   ) -> jax.Array:
+    """The FFN half of a layer on the GPU kernels: x + down(swiglu(gate_up(rmsnorm(x)))), x [M, d].
+
+    Five kernels: RMSNorm + quantise (Triton), the gate/up FP8 GEMM (Mosaic GPU), split-K sum + SwiGLU + quantise
+    (Triton), the down FP8 GEMM, and XLA's split-K sum + residual add. Same numerics as the XLA path up to the
+    order of fp32 sums (the RMSNorm statistic, split-K partials)."""
+    from pallas_kernels.fp8_matmul import default_config, fp8_matmul_padded, padded_rows
+    from pallas_kernels.fp8_quantize import rmsnorm_quantize, swiglu_quantize_t
+
+    m, d = x.shape
+    f2 = mlp_fp8["w_gu"].shape[0]
+    cfg_gu, cfg_dn = default_config(m, f2, d), default_config(m, d, f2 // 2)
+    mp = padded_rows(m, cfg_gu, cfg_dn)
+    xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
+    gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], _kernel_scales(mlp_fp8, "s_gu", cfg_gu), cfg=cfg_gu,
+                           out_dtype=jnp.bfloat16, interpret=interpret)
+    aq, as_t = swiglu_quantize_t(gu, interpret=interpret)
+    y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
+                          out_dtype=x.dtype, interpret=interpret)
+    if y.ndim == 3:  # split-K partials
+        y = y.sum(axis=0)
+    return x + y[:m].astype(x.dtype)
+
+
+def ffn_residual(params: dict, config: ModelConfig, layer_params: dict, layer_index: Any, x: jax.Array,
+                 backend: str | None = None, interpret: bool = False) -> jax.Array:
+    """x + FFN(ffn_norm(x)) of one layer [B, n, d]: bf16 SwiGLU for layer 0, FP8 for the rest.
+
+    backend "xla" (the default off the GPU): RMSNorm, jnp quantisation, the dequantising reference GEMM;
+    "pallas" (the GPU default): `fp8_ffn_pallas`. The unrolled layer loop picks layer 0's path statically; the
+    scan over stacked layers uses a lax.cond on its traced index."""
+    from dllm_jax.layers import RMSNorm, SwiGLU
     from pallas_kernels.fp8_matmul import fp8_ffn
 
-    def first(h):
-        return SwiGLU(config.mlp_hidden, config.jnp_dtype).apply({"params": params["mlp_first"]}, h)
+    backend = backend or fp8_backend()
+    norm = RMSNorm(config.rms_eps, config.jnp_dtype)
 
-    def rest(h):
-        return fp8_ffn(h, layer_params["mlp_fp8"], backend=fp8_backend(), out_dtype=h.dtype)
+    def first(x):
+        h = norm.apply({"params": layer_params["ffn_norm"]}, x)
+        return x + SwiGLU(config.mlp_hidden, config.jnp_dtype).apply({"params": params["mlp_first"]}, h)
+
+    def rest(x):
+        if backend == "pallas":
+            b, n, d = x.shape
+            scale = layer_params["ffn_norm"]["scale"]
+            return fp8_ffn_pallas(x.reshape(b * n, d), scale, config.rms_eps, layer_params["mlp_fp8"],
+                                  interpret).reshape(b, n, d)
+        h = norm.apply({"params": layer_params["ffn_norm"]}, x)
+        return x + fp8_ffn(h, layer_params["mlp_fp8"], backend=backend, out_dtype=h.dtype)
 
     if isinstance(layer_index, int):  # the unrolled layer loop: a static choice, no conditional in the program
-        return first(h) if layer_index == 0 else rest(h)
-    return jax.lax.cond(layer_index == 0, first, rest, h)
+        return first(x) if layer_index == 0 else rest(x)
+    return jax.lax.cond(layer_index == 0, first, rest, x)

@@ -216,8 +216,7 @@ def forward(
         from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
 
         x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
-        h = block.apply({"params": layer_params}, x, method=Block.ffn_in)
-        return x + fp8.layer_mlp(params, config, layer_params, i, h)
+        return fp8.ffn_residual(params, config, layer_params, i, x)
 
     layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
     if cache is None:
@@ -302,7 +301,12 @@ def unstack_layers_in_place(params: Params, fuse: bool = True) -> Params:
         for i in range(n):
             per_layer[i].append(leaf[i])
         del leaf
-    params["layers"] = tuple(jax.tree.unflatten(treedef, leaves) for leaves in per_layer)
+    layers = [jax.tree.unflatten(treedef, leaves) for leaves in per_layer]
+    if "mlp_fp8" in layers[0]:  # the FP8 kernel's weight-scale tables, built once here rather than every step
+        from dllm_jax.fp8 import with_kernel_scales
+
+        layers = [{**lp, "mlp_fp8": with_kernel_scales(lp["mlp_fp8"])} for lp in layers]
+    params["layers"] = tuple(layers)
     return params
 
 
@@ -312,6 +316,10 @@ def stack_layers(params: Params, config: ModelConfig | None = None) -> Params:
     layers = params["layers"]
     if not is_unrolled(layers):
         return params
+    if "mlp_fp8" in layers[0]:  # drop the kernel-layout scale tables that unstack_layers added
+        from dllm_jax.fp8 import without_kernel_scales
+
+        layers = [{**lp, "mlp_fp8": without_kernel_scales(lp["mlp_fp8"])} for lp in layers]
     stack = np.stack if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp.stack
     stacked = jax.tree.map(lambda *a: stack(a), *layers)
     if is_fused(stacked):

@@ -363,10 +363,41 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           (2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms)),
       **kw,
   )
-  out = f(xq_p, wq, xs_t, ws)
-  if split > 1:
-    out = out.sum(axis=0).astype(out_dtype)
-  return out
+  return f(xq_p, wq, xs_t, ws)
+
+
+def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Array:
+  """ws [N/128, K/128] -> the kernel's weight-scale operand for `cfg` (an expanded [K/128, N/cols] table with
+  ws_prefetch, else ws.T). Expanding costs a broadcast kernel per call (XLA does not hoist it out of a loop):
+  the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes the table in."""
+  return expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T
+
+
+def padded_rows(m: int, *configs: Fp8MatmulConfig) -> int:
+  """M rounded up to every config's CTA M tile (64 or 128: the larger is a multiple of the smaller)."""
+  tile = max(c.cta_tile_m for c in configs)
+  return -(-m // tile) * tile
+
+
+def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax.Array, *, cfg: Fp8MatmulConfig,
+                      out_dtype=jnp.bfloat16, interpret: Any = False) -> jax.Array:
+  """The Mosaic GPU kernel on operands already in its layouts (the FFN path: `fp8_quantize` writes them).
+
+  xq_p [Mp, K] e4m3 (Mp a multiple of the CTA M tile), xs_t [K/128, Mp] fp32, wq [N, K] e4m3, ws_k from
+  `kernel_weight_scales`. Returns y [Mp, N] out_dtype, or with cfg.split_k > 1 the fp32 partials [split, Mp, N]
+  (the consumer sums them: the SwiGLU quantiser, or the residual add)."""
+  mp, k = xq_p.shape
+  n = wq.shape[0]
+  kg = k // GROUP
+  if xq_p.dtype != FP8 or wq.dtype != FP8 or wq.shape[1] != k or k % GROUP:
+    raise ValueError(f"fp8_matmul_padded: expected e4m3 xq [Mp, K] and wq [N, K] with K % 128 == 0, got "
+                     f"{xq_p.dtype}{xq_p.shape} and {wq.dtype}{wq.shape}")
+  if xs_t.shape != (kg, mp):
+    raise ValueError(f"fp8_matmul_padded: xs_t must be {(kg, mp)}, got {xs_t.shape}")
+  want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
+  if ws_k.shape != want:
+    raise ValueError(f"fp8_matmul_padded: weight scales must be {want} for this config, got {ws_k.shape}")
+  return _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config"))
@@ -390,11 +421,13 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
         "use backend='xla' for ragged N")
   if (k // GROUP) % cfg.split_k:
     raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
-  mp = -(-m // cfg.cta_tile_m) * cfg.cta_tile_m
+  mp = padded_rows(m, cfg)
   xq_p = xq if mp == m else jnp.pad(xq, ((0, mp - m), (0, 0)))
   xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))  # [K/128, Mp]; pad rows get scale 0
-  ws_x = expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T  # [K/128, .]
-  y = _fp8_kernel_call(xq_p, xs_t, wq, ws_x, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
+  y = fp8_matmul_padded(xq_p, xs_t, wq, kernel_weight_scales(ws, n, cfg), cfg=cfg, out_dtype=out_dtype,
+                        interpret=interpret)
+  if cfg.split_k > 1:
+    y = y.sum(axis=0).astype(out_dtype)
   return y[:m] if mp != m else y
 
 

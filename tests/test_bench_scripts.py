@@ -35,7 +35,7 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
 
 def test_profile_block_step_smoke(tmp_path):
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants", "unfused",
-         "stacked_cache", "fp8_ffn", "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--trace", "--out",
+         "stacked_cache", "fp8_ffn", "fp8_ffn_v5", "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--trace", "--out",
          str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layer_layout"] == "unrolled" and row["ms_block_step"] > 0 and row["xla_baseline_ms"] > 0
@@ -44,6 +44,19 @@ def test_profile_block_step_smoke(tmp_path):
     assert row["ms_floor_hbm"] > 0 and row["ms_floor_compute"] > 0 and not any(k.startswith("error") for k in row)
     assert "by_kind_ms" in row["trace_per_step"]  # empty on the CPU (no device plane), filled on a GPU
     assert "by_kind_ms" in row["trace_fp8_ffn"]  # the FP8 variant is traced too
+    assert row["ms_fp8_ffn_v5"] > 0 and "by_kind_ms" in row["trace_fp8_ffn_v5"]  # and session 5's FP8 wrapper
+
+
+def test_sweep_fp8_small_m_smoke(tmp_path):
+    """The FP8 tiling sweep on the tiny model's FFN (the kernels simulated/interpreted): a row per quantiser and
+    per GEMM tiling, each checked against the reference (no device time on the CPU)."""
+    out = tmp_path / "fp8_small_m_h200.json"
+    _run("sweep_fp8_small_m", "--models", "tiny", "--ms", "32", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows[:2]] == ["rmsnorm_quantize", "swiglu_quantize"]
+    gemm = rows[2:]
+    assert [r["gemm"] for r in gemm] == ["gate_up", "down"] and all(r["is_default"] for r in gemm)
+    assert all("error" not in r and r["rel_err"] < 1e-2 for r in gemm)
 
 
 def test_fp8_gemm_rows_smoke():

@@ -1,0 +1,157 @@
+"""FP8 FFN kernels at block-step sizes (issue 5): device time of each tiling of the Mosaic GPU GEMM, and of the
+fused quantisers (`pallas_kernels/fp8_quantize.py`), from a profiler trace (not wall time: at M = 32 a call's
+wall time is mostly dispatch, bench/NOTES.md v5).
+
+  python bench/sweep_fp8_small_m.py --out bench/results/fp8_small_m_h200.json      (H200, ~3 minutes)
+
+Why: at M = 32 the gate/up GEMM's 192 work units (128-wide N tiles) are 1.45 waves of 132 SMs, and the down
+GEMM's 128 units (split-K 4) one wave with short K loops; both stream e4m3 weights at ~3.1 TB/s where XLA's bf16
+GEMMs reach 3.8-4.1. The sweep tries finer N tiles and split-K counts that make whole waves. Each row: model, GEMM,
+M, config, us_kernel (the GEMM kernel's device time per call, median of 4 weight copies in one trace), the e4m3
+weight TB/s, and whether it is the default. Also the two quantisers alone at each M.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (puts the repository on sys.path)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kernel_trace import kernel_breakdown  # noqa: E402
+from pallas_kernels import fp8_matmul as F  # noqa: E402
+from pallas_kernels import fp8_quantize as Q  # noqa: E402
+
+C, D = F.Fp8MatmulConfig, F.Dim
+INTERPRET = jax.default_backend() != "gpu"  # the CPU smoke test: Mosaic GPU simulator, interpreted Triton
+
+
+def gemms(model: str) -> dict[str, tuple[int, int]]:
+    """{name: (N, K)} of the FFN's two FP8 GEMMs (gate/up fused)."""
+    c = common.MODELS[model]
+    return {"gate_up": (2 * c.mlp_hidden, c.d_model), "down": (c.d_model, c.mlp_hidden)}
+
+
+def candidates(m: int, n: int, k: int) -> list:
+    kg = k // F.GROUP
+    out = [F.default_config(m, n, k)]
+    if m <= 64:
+        tiles = [dict(wg_dimension=D.N, wg_tile_n=64), dict(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32)]
+        steps, splits = (6,), (1, 2, 3, 4, 6, 7, 8, 12)
+    else:
+        tiles = [dict(wg_dimension=D.M, wg_tile_n=128), dict(wg_dimension=D.N, wg_tile_n=64)]
+        steps, splits = (4,), (1, 2, 4)
+    for t in tiles:
+        for s in steps:
+            for split in splits:
+                if kg % split or kg // split < 4:
+                    continue
+                cfg = C(**t, split_k=split, max_concurrent_steps=s)
+                if n % cfg.cta_tile_n:
+                    continue
+                units = -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * split
+                if units > 900 or units < 100:
+                    continue
+                if cfg.cta_tile_m * cfg.cta_tile_n >= 128 * 128 and split > 1 and s > 4:
+                    continue  # shared memory (see default_config)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def device_us(fn, args_list, name_part: str) -> float | None:
+    """Median device time (us) of the kernels whose name contains name_part, one per args set, in one trace."""
+    f = jax.jit(fn)
+    for a in args_list:
+        jax.block_until_ready(f(*a))
+    bd = kernel_breakdown(lambda: [jax.block_until_ready(f(*a)) for a in args_list], calls=2, top=50)
+    hits = [t for t in bd.get("top", []) if name_part in t["name"]]
+    if not hits:
+        return None
+    total = sum(t["ms"] for t in hits)
+    count = sum(t["count"] for t in hits)
+    return 1e3 * total / count if count else None
+
+
+def gemm_rows(model: str, name: str, n: int, k: int, m: int) -> list[dict]:
+    rows = []
+    ws_ = [F.quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
+                              .astype(jnp.bfloat16)) for j in range(4)]
+    xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16)) for j in range(4)]
+    default = F.default_config(m, n, k)
+    ref = F.fp8_matmul_reference(*xs_[0], *ws_[0], out_dtype=jnp.float32)
+    for cfg in candidates(m, n, k):
+        mp = F.padded_rows(m, cfg)
+        args = []
+        for (xq, xs), (wq, ws) in zip(xs_, ws_):
+            xq_p = jnp.pad(xq, ((0, mp - m), (0, 0)))
+            xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))
+            args.append((xq_p, xs_t, wq, F.kernel_weight_scales(ws, n, cfg)))
+        row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
+               "config": dict(dataclasses.asdict(cfg), wg_dimension=cfg.wg_dimension.name,
+                              grid_minor_dim=cfg.grid_minor_dim.name),
+               "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k}
+        try:
+            fn = lambda a, b, c, d, cfg=cfg: F.fp8_matmul_padded(a, b, c, d, cfg=cfg, interpret=INTERPRET)
+            y = jax.jit(fn)(*args[0])
+            y = (y.sum(0) if y.ndim == 3 else y.astype(jnp.float32))[:m]
+            row["rel_err"] = float(jnp.abs(y - ref).max() / jnp.abs(ref).max())
+            us = device_us(fn, args, "fp8_matmul_kernel")
+            row["us_kernel"] = us
+            row["weight_TBps"] = n * k / (us * 1e-6) / 1e12 if us else None
+        except Exception as e:  # noqa: BLE001  (a config that does not compile must not lose the others)
+            row["error"] = str(e)[:300]
+        rows.append(row)
+        print({k_: v for k_, v in row.items() if k_ != "config"}, cfg.wg_dimension.name, cfg.wg_tile_n,
+              cfg.split_k, cfg.max_concurrent_steps, flush=True)
+    return rows
+
+
+def quantizer_rows(model: str, m: int) -> list[dict]:
+    cfg = common.MODELS[model]
+    d, f = cfg.d_model, cfg.mlp_hidden
+    mp = F.padded_rows(m, F.default_config(m, 2 * f, d), F.default_config(m, d, f))
+    xs_ = [(jax.random.normal(jax.random.key(j), (m, d), jnp.bfloat16), jnp.ones((d,), jnp.bfloat16))
+           for j in range(4)]
+    split = F.default_config(m, 2 * f, d).split_k
+    shape = (split, mp, 2 * f) if split > 1 else (mp, 2 * f)
+    gus = [(jax.random.normal(jax.random.key(10 + j), shape, jnp.float32 if split > 1 else jnp.bfloat16),)
+           for j in range(4)]
+    norm = lambda x, w: Q.rmsnorm_quantize(x, w, eps=cfg.rms_eps, m_pad=mp, interpret=INTERPRET)
+    swiglu = lambda gu: Q.swiglu_quantize_t(gu, interpret=INTERPRET)
+    return [{"model": model, "kernel": "rmsnorm_quantize", "M": m, "K": d,
+             "us_kernel": device_us(norm, xs_, "rmsnorm_quantize")},
+            {"model": model, "kernel": "swiglu_quantize", "M": m, "F": f, "splits": split,
+             "us_kernel": device_us(swiglu, gus, "swiglu_quantize")}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"], choices=list(common.MODELS))
+    ap.add_argument("--ms", nargs="+", type=int, default=[32, 256])
+    ap.add_argument("--out", default=str(common.RESULTS / "fp8_small_m_h200.json"))
+    args = ap.parse_args()
+    rows: list[dict] = []
+    out = Path(args.out)
+    meta = common.meta(what="FP8 FFN kernels at block-step M: device time per GEMM tiling and of the quantisers")
+    for model in args.models:
+        for m in args.ms:
+            for r in quantizer_rows(model, m):
+                rows.append(r)
+                print(r, flush=True)
+            for name, (n, k) in gemms(model).items():
+                rows += gemm_rows(model, name, n, k, m)
+                common.write_results(out.name, meta, rows, out.parent)
+    path = common.write_results(out.name, meta, rows, out.parent)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    main()

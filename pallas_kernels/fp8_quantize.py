@@ -1,0 +1,204 @@
+"""Activation quantisers of the FP8 FFN, fused with their producers (Pallas, Triton lowering).
+
+The FP8 GEMM (`fp8_matmul.py`) wants its activations as e4m3 rows padded to the CTA tile, xq [Mp, K], and their
+1x128 scales transposed, xs_t [K/128, Mp] (one TMA row of scales per K step). Built from plain jnp, the two FP8
+inputs of a layer cost ~7 small XLA kernels (RMSNorm, two amax reductions, four pads, a transpose: 0.33 ms of a
+4.55 ms LLaDA-8B batch-1 block step on an H200, bench/NOTES.md v5). Here each is one kernel:
+
+  * `rmsnorm_quantize(x, weight)`: the FFN's RMSNorm (fp32 statistics, rounded to x.dtype, times the weight,
+    exactly as `dllm_jax.layers.RMSNorm`) then the 1x128 quantisation of `fp8_matmul.quantize_activations`.
+  * `swiglu_quantize_t(gu)`: the sum of the gate/up GEMM's split-K partials (rounded to bf16, as the GEMM's own
+    bf16 output would be), silu(gate) * up in fp32, then the same quantisation.
+
+Rows M..Mp of the outputs are zeros with scale 1 (the GEMM's pad rows; their outputs are sliced away). Each has a
+pure-jnp `*_reference` with the same outputs; on the CPU the kernels run with interpret=True (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+E4M3_MAX = 448.0
+GROUP = 128
+FP8 = jnp.float8_e4m3fn
+
+
+def _is_pow2(x: int) -> bool:
+  return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantizeBlocks:
+  """block_m: rows per program (a power of two; the padded row count must be a multiple of it)."""
+  block_m: int = 1
+  num_warps: int = 4
+
+  def __post_init__(self):
+    if not _is_pow2(self.block_m) or self.block_m > 128:
+      raise ValueError(f"QuantizeBlocks.block_m must be a power of two <= 128, got {self.block_m!r}")
+    if not _is_pow2(self.num_warps) or self.num_warps > 16:
+      raise ValueError(f"QuantizeBlocks.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+
+  @classmethod
+  def for_norm(cls, m_pad: int) -> "QuantizeBlocks":
+    # One row per program: a block step's 32-256 rows are that many programs, and a row of K/128 groups stays
+    # in the registers of 4 warps (more rows per program would spill at K = 4096).
+    return cls(block_m=1, num_warps=4)
+
+  @classmethod
+  def for_swiglu(cls, m_pad: int) -> "QuantizeBlocks":
+    return cls(block_m=min(64, m_pad & -m_pad), num_warps=4)
+
+
+def _scale_and_quantize(v):
+  """v [rows, 128] fp32 -> (e4m3 [rows, 128], scale [rows]); the numerics of quantize_activations."""
+  amax = jnp.max(jnp.abs(v), axis=1)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  q = jnp.clip(v / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(FP8)
+  return q, scale
+
+
+def _check_pad(m: int, m_pad: int, what: str):
+  if m < 1 or m_pad < m:
+    raise ValueError(f"{what}: m_pad={m_pad} must be >= the row count {m} (>= 1)")
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+def rmsnorm_quantize_reference(x: jax.Array, weight: jax.Array, eps: float, m_pad: int
+                               ) -> tuple[jax.Array, jax.Array]:
+  """x [M, K], weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32)."""
+  m, k = x.shape
+  xf = x.astype(jnp.float32)
+  h = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype) * weight.astype(x.dtype)
+  hg = jnp.pad(h.astype(jnp.float32), ((0, m_pad - m), (0, 0))).reshape(m_pad, k // GROUP, GROUP)
+  amax = jnp.max(jnp.abs(hg), axis=-1)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  q = jnp.clip(hg / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8)
+  return q.reshape(m_pad, k), scale.T
+
+
+def _rmsnorm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, m: int, k: int, block_m: int, eps: float):
+  i = pl.program_id(0)
+  rows = i * block_m + jnp.arange(block_m, dtype=jnp.int32)
+  live = rows < m
+  lane = jnp.arange(GROUP, dtype=jnp.int32)
+  # Unrolled over the K/128 groups: independent loads the GPU overlaps (a loop would wait on each in turn), and
+  # the row stays in registers for the second pass (K/128 x block_m x 128 values: 32 per thread at K=4096).
+  xs = [plgpu.load(x_ref.at[rows[:, None], (g * GROUP + lane)[None, :]], mask=live[:, None], other=0.0)
+        .astype(jnp.float32) for g in range(k // GROUP)]
+  ss = functools.reduce(lambda acc, v: acc + jnp.sum(v * v, axis=1), xs, jnp.zeros((block_m,), jnp.float32))
+  inv = lax.rsqrt(ss / k + eps)
+  for g, v in enumerate(xs):
+    wg = w_ref[pl.ds(g * GROUP, GROUP)]
+    h = (v * inv[:, None]).astype(x_ref.dtype) * wg[None, :].astype(x_ref.dtype)
+    q, scale = _scale_and_quantize(h.astype(jnp.float32))
+    q_ref[:, pl.ds(g * GROUP, GROUP)] = q
+    s_ref[pl.ds(g, 1), :] = scale[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "m_pad", "blocks", "interpret"))
+def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
+                     blocks: QuantizeBlocks | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """RMSNorm then 1x128 e4m3 quantisation, in the FP8 GEMM's layout.
+
+  x [M, K] (bf16/fp32), weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32)."""
+  if x.ndim != 2 or weight.shape != (x.shape[-1],):
+    raise ValueError(f"rmsnorm_quantize: expected x [M, K] and weight [K], got {x.shape} and {weight.shape}")
+  m, k = x.shape
+  if k % GROUP:
+    raise ValueError(f"rmsnorm_quantize: K={k} must be a multiple of {GROUP}")
+  _check_pad(m, m_pad, "rmsnorm_quantize")
+  bs = blocks or QuantizeBlocks.for_norm(m_pad)
+  if m_pad % bs.block_m:
+    raise ValueError(f"rmsnorm_quantize: m_pad={m_pad} must be a multiple of block_m={bs.block_m}")
+  kernel = functools.partial(_rmsnorm_quantize_kernel, m=m, k=k, block_m=bs.block_m, eps=float(eps))
+  return pl.pallas_call(
+      kernel,
+      grid=(m_pad // bs.block_m,),
+      in_specs=[pl.BlockSpec((m, k), lambda i: (0, 0)), pl.BlockSpec((k,), lambda i: (0,))],
+      out_specs=[pl.BlockSpec((bs.block_m, k), lambda i: (i, 0)),
+                 pl.BlockSpec((k // GROUP, bs.block_m), lambda i: (0, i))],
+      out_shape=[jax.ShapeDtypeStruct((m_pad, k), FP8), jax.ShapeDtypeStruct((k // GROUP, m_pad), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
+      interpret=interpret,
+      name="rmsnorm_quantize",
+  )(x, weight)
+
+
+# ------------------------------------------------------------------------------------------- SwiGLU
+def _as_partials(gu: jax.Array) -> jax.Array:
+  if gu.ndim == 2:
+    return gu[None]
+  if gu.ndim != 3:
+    raise ValueError(f"swiglu_quantize_t: expected gu [Mp, 2F] or split-K partials [S, Mp, 2F], got {gu.shape}")
+  return gu
+
+
+def swiglu_quantize_t_reference(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """gu [Mp, 2F] or [S, Mp, 2F] (gate | up) -> (aq [Mp, F] e4m3, as_t [F/128, Mp] fp32)."""
+  p = _as_partials(gu)
+  s = p.astype(jnp.float32).sum(axis=0).astype(jnp.bfloat16).astype(jnp.float32)
+  mp, f2 = s.shape
+  f = f2 // 2
+  a = (jax.nn.silu(s[:, :f]) * s[:, f:]).reshape(mp, f // GROUP, GROUP)
+  amax = jnp.max(jnp.abs(a), axis=-1)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  q = jnp.clip(a / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8)
+  return q.reshape(mp, f), scale.T
+
+
+def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int):
+  g = pl.program_id(1)
+
+  def part(j, col0):
+    return p_ref[j, :, pl.ds(col0, GROUP)].astype(jnp.float32)
+
+  gate = part(0, g * GROUP)
+  up = part(0, f + g * GROUP)
+  for j in range(1, splits):  # split-K partials: summed in fp32 in order, as XLA's sum over the split axis
+    gate = gate + part(j, g * GROUP)
+    up = up + part(j, f + g * GROUP)
+  gate = gate.astype(jnp.bfloat16).astype(jnp.float32)  # the GEMM's bf16 output
+  up = up.astype(jnp.bfloat16).astype(jnp.float32)
+  a = gate * jax.nn.sigmoid(gate) * up
+  q, scale = _scale_and_quantize(a)
+  q_ref[...] = q
+  s_ref[...] = scale[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def swiglu_quantize_t(gu: jax.Array, *, blocks: QuantizeBlocks | None = None,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """silu(gate) * up of the gate/up GEMM's output, quantised 1x128 in the FP8 GEMM's layout.
+
+  gu: [Mp, 2F] (bf16) or split-K partials [S, Mp, 2F] (fp32) -> (aq [Mp, F] e4m3, as_t [F/128, Mp] fp32)."""
+  p = _as_partials(gu)
+  splits, mp, f2 = p.shape
+  if f2 % (2 * GROUP):
+    raise ValueError(f"swiglu_quantize_t: 2F={f2} must be a multiple of {2 * GROUP}")
+  f = f2 // 2
+  bs = blocks or QuantizeBlocks.for_swiglu(mp)
+  if mp % bs.block_m:
+    raise ValueError(f"swiglu_quantize_t: rows={mp} must be a multiple of block_m={bs.block_m}")
+  kernel = functools.partial(_swiglu_quantize_kernel, splits=splits, f=f)
+  return pl.pallas_call(
+      kernel,
+      grid=(mp // bs.block_m, f // GROUP),
+      in_specs=[pl.BlockSpec((splits, bs.block_m, f2), lambda i, g: (0, i, 0))],
+      out_specs=[pl.BlockSpec((bs.block_m, GROUP), lambda i, g: (i, g)),
+                 pl.BlockSpec((1, bs.block_m), lambda i, g: (g, i))],
+      out_shape=[jax.ShapeDtypeStruct((mp, f), FP8), jax.ShapeDtypeStruct((f // GROUP, mp), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
+      interpret=interpret,
+      name="swiglu_quantize",
+  )(p)

@@ -1,0 +1,137 @@
+"""The fused activation quantisers of the FP8 FFN (pallas_kernels/fp8_quantize.py) and the kernel path of the FFN.
+
+On the CPU the Triton kernels run interpreted (and the FP8 GEMM in the Mosaic GPU simulator); on a GPU compiled.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax import fp8
+from dllm_jax.config import ModelConfig
+from dllm_jax.layers import RMSNorm
+from dllm_jax.modeling import init_params, stack_layers, unstack_layers
+from pallas_kernels import fp8_matmul as F
+from pallas_kernels import fp8_quantize as Q
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+
+
+def _codes(q):
+  return np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8))
+
+
+def _dequant(q, s_t):
+  m, k = q.shape
+  return (np.asarray(q.astype(jnp.float32)).reshape(m, k // 128, 128) * np.asarray(s_t).T[..., None]).reshape(m, k)
+
+
+def _check_quantised(q, s_t, exact, m):
+  """q/s_t quantise `exact` [m, K] (fp32) within e4m3 precision; rows m.. are zeros with scale 1."""
+  mp, k = q.shape
+  assert q.dtype == jnp.float8_e4m3fn and s_t.shape == (k // 128, mp) and s_t.dtype == jnp.float32
+  back = _dequant(q, s_t)
+  s = np.repeat(np.asarray(s_t).T, 128, axis=1)
+  assert np.all(np.isfinite(back))
+  # half an e4m3 step (2^-4 relative), the subnormal spacing, and a bf16 rounding step of the input for slack
+  err = np.abs(back[:m] - exact)
+  assert np.all(err <= 2.0**-4 * np.abs(exact) + 2.0**-9 * s[:m] + 2.0**-7 * np.abs(exact) + 1e-12)
+  amax = np.abs(exact.reshape(m, k // 128, 128)).max(-1)
+  np.testing.assert_allclose(np.asarray(s_t).T[:m], np.where(amax > 0, amax / 448.0, 1.0), rtol=2e-2)
+  assert np.all(back[m:] == 0) and np.all(np.asarray(s_t)[:, m:] == 1.0)
+
+
+NORM_CASES = [(1, 1, 128), (5, 64, 384), (33, 64, 896), (3, 128, 256)]  # ragged rows, 7 groups, pad rows
+
+
+@pytest.mark.parametrize("m,m_pad,k", NORM_CASES)
+def test_rmsnorm_quantize_matches_rmsnorm_then_quantise(m, m_pad, k):
+  key = jax.random.key(m * 1000 + k)
+  x = (jax.random.normal(key, (m, k)) * jnp.exp(jnp.linspace(-3, 3, k))).astype(jnp.bfloat16)
+  x = x.at[0, :128].set(0.0)  # an all-zero group: scale 1, codes 0, never NaN
+  w = (1 + 0.3 * jax.random.normal(jax.random.key(7), (k,))).astype(jnp.bfloat16)
+  q, s_t = Q.rmsnorm_quantize(x, w, eps=1e-5, m_pad=m_pad, interpret=INTERPRET)
+  h = RMSNorm(1e-5, jnp.bfloat16).apply({"params": {"scale": w}}, x)
+  _check_quantised(q, s_t, np.asarray(h, np.float32), m)
+  assert np.all(np.asarray(q[0, :128].astype(jnp.float32)) == 0) and float(s_t[0, 0]) == 1.0
+  qr, sr = Q.rmsnorm_quantize_reference(x, w, 1e-5, m_pad)
+  # the same codes but where a different fp32 summation order of the statistic flips a bf16 rounding
+  assert np.mean(_codes(q) == _codes(qr)) > 0.97
+  np.testing.assert_allclose(np.asarray(s_t), np.asarray(sr), rtol=1e-2)
+
+
+SWIGLU_CASES = [(1, 64, 256), (3, 16, 384), (2, 128, 128)]
+
+
+@pytest.mark.parametrize("splits,m_pad,f", SWIGLU_CASES)
+def test_swiglu_quantize_sums_partials_then_quantises(splits, m_pad, f):
+  gu = jax.random.normal(jax.random.key(splits + f), (splits, m_pad, 2 * f), jnp.float32) * 3
+  arg = gu[0].astype(jnp.bfloat16) if splits == 1 else gu
+  q, s_t = Q.swiglu_quantize_t(arg, interpret=INTERPRET)
+  s = np.asarray(arg, np.float32).reshape(-1, m_pad, 2 * f).sum(0)
+  s = np.asarray(jnp.asarray(s).astype(jnp.bfloat16), np.float32)
+  g, u = s[:, :f], s[:, f:]
+  exact = g / (1 + np.exp(-g)) * u
+  assert q.shape == (m_pad, f)
+  _check_quantised(q, s_t, exact, m_pad)
+  qr, sr = Q.swiglu_quantize_t_reference(arg)
+  assert np.mean(_codes(q) == _codes(qr)) > 0.97
+  np.testing.assert_allclose(np.asarray(s_t), np.asarray(sr), rtol=1e-5)
+
+
+def test_quantizer_errors():
+  x = jnp.ones((4, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="weight"):
+    Q.rmsnorm_quantize(x, jnp.ones((128,), jnp.bfloat16), eps=1e-5, m_pad=64, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    Q.rmsnorm_quantize(jnp.ones((4, 200), jnp.bfloat16), jnp.ones((200,), jnp.bfloat16), eps=1e-5, m_pad=64,
+                       interpret=True)
+  with pytest.raises(ValueError, match="m_pad=2"):
+    Q.rmsnorm_quantize(x, jnp.ones((256,), jnp.bfloat16), eps=1e-5, m_pad=2, interpret=True)
+  with pytest.raises(ValueError, match="block_m"):
+    Q.swiglu_quantize_t(jnp.ones((48, 512), jnp.bfloat16), blocks=Q.QuantizeBlocks(block_m=32), interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    Q.QuantizeBlocks(block_m=3)
+  with pytest.raises(ValueError, match="2F=384"):
+    Q.swiglu_quantize_t(jnp.ones((16, 384), jnp.bfloat16), interpret=True)
+
+
+# ------------------------------------------------------------------------------ the FFN on the kernels
+CFG = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                  mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
+                  tie_embeddings=False, max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298)
+
+
+@pytest.fixture(scope="module")
+def unrolled_fp8():
+  q, c8 = fp8.quantize_params(init_params(CFG, jax.random.key(0), std=0.05), CFG)
+  return unstack_layers(q), c8
+
+
+def test_kernel_scale_tables_built_once_and_dropped_when_stacked(unrolled_fp8):
+  params, c8 = unrolled_fp8
+  mlp = params["layers"][1]["mlp_fp8"]
+  for src, (dst, w) in fp8.KERNEL_SCALES.items():
+    n, k = mlp[w].shape
+    cfg = F.default_config(32, n, k)
+    np.testing.assert_array_equal(np.asarray(mlp[dst]), np.asarray(F.kernel_weight_scales(mlp[src], n, cfg)))
+  assert "s_gu_tma" not in stack_layers(params, c8)["layers"]["mlp_fp8"]
+
+
+def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
+  params, c8 = unrolled_fp8
+  lp = params["layers"][1]
+  x = jax.random.normal(jax.random.key(3), (2, 21, CFG.d_model)).astype(jnp.bfloat16)  # 42 rows: padded to 64
+  ref = fp8.ffn_residual(params, c8, lp, 1, x, backend="xla")
+  out = fp8.ffn_residual(params, c8, lp, 1, x, backend="pallas", interpret=INTERPRET)
+  d_ref = np.asarray(ref, np.float32) - np.asarray(x, np.float32)
+  d_out = np.asarray(out, np.float32) - np.asarray(x, np.float32)
+  assert float(np.abs(d_ref).max()) > 1e-2  # the FFN contributes
+  # equal up to fp32 summation order (the RMSNorm statistic, split-K partials; identical in the CPU simulator)
+  assert np.linalg.norm(d_out - d_ref) / np.linalg.norm(d_ref) < 2e-2
+  # the kernel path reads the load-time scale tables: zeroing one removes the FFN's contribution
+  poisoned = {**lp, "mlp_fp8": {**lp["mlp_fp8"], "s_down_tma": jnp.zeros_like(lp["mlp_fp8"]["s_down_tma"])}}
+  np.testing.assert_array_equal(
+      np.asarray(fp8.ffn_residual(params, c8, poisoned, 1, x, backend="pallas", interpret=INTERPRET)),
+      np.asarray(x))
