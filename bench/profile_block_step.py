@@ -47,6 +47,7 @@ VARIANTS = {
     "stacked_cache": "one stacked [L, ...] K/V buffer instead of per-layer buffers",
     "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything else)",
     "fp8_ffn_v5": "the FP8 FFN on session 5's wrapper (jnp quantisation and pads, weight scales expanded per call)",
+    "fp8_ffn_narrow": "the FP8 FFN with 128-wide CTA N tiles at M <= 64 (FP8_WIDE_SMALL_M=0: the tiling before v6)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -66,7 +67,11 @@ def variant(name: str):
         Block.finish = lambda self, x, attn: self.attn_residual(x, attn)
     from dllm_jax import fp8
 
-    saved_fp8 = fp8.fp8_ffn_pallas
+    from pallas_kernels import fp8_matmul
+
+    saved_fp8, saved_wide = fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M
+    if name in ("fp8_ffn_narrow", "fp8_ffn_v5"):  # default_config reads the flag at trace time
+        fp8_matmul.WIDE_SMALL_M = False
     if name == "fp8_ffn_v5":
         from dllm_jax.layers import RMSNorm
         from pallas_kernels.fp8_matmul import fp8_ffn
@@ -79,7 +84,7 @@ def variant(name: str):
         yield
     finally:
         modeling.attend, Block.finish = saved_attend, saved_finish
-        fp8.fp8_ffn_pallas = saved_fp8
+        fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M = saved_fp8, saved_wide
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,

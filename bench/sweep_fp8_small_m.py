@@ -42,12 +42,20 @@ def candidates(m: int, n: int, k: int) -> list:
     kg = k // F.GROUP
     out = [F.default_config(m, n, k)]
     if m <= 64:
-        tiles = [dict(wg_dimension=D.N, wg_tile_n=64), dict(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32)]
-        steps, splits = (6,), (1, 2, 3, 4, 6, 7, 8, 12)
+        saved, F.WIDE_SMALL_M = F.WIDE_SMALL_M, False
+        try:
+            narrow = F.default_config(m, n, k)  # the 128-wide tiling (the default before v6)
+            if narrow not in out:
+                out.append(narrow)
+        finally:
+            F.WIDE_SMALL_M = saved
+        # 256-wide CTA tiles (the narrower ones and their split-K counts: fp8_small_m_h200.json run v6a)
+        tiles = [(dict(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32), (3, 4))]
+        splits = (1, 2, 3, 4, 6, 7, 8, 12)
     else:
-        tiles = [dict(wg_dimension=D.M, wg_tile_n=128), dict(wg_dimension=D.N, wg_tile_n=64)]
-        steps, splits = (4,), (1, 2, 4)
-    for t in tiles:
+        tiles = [(dict(wg_dimension=D.M, wg_tile_n=128), (4,)), (dict(wg_dimension=D.N, wg_tile_n=64), (4,))]
+        splits = (1, 2, 4)
+    for t, steps in tiles:
         for s in steps:
             for split in splits:
                 if kg % split or kg // split < 4:
@@ -56,7 +64,7 @@ def candidates(m: int, n: int, k: int) -> list:
                 if n % cfg.cta_tile_n:
                     continue
                 units = -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * split
-                if units > 900 or units < 100:
+                if units > 900 or units < 48:
                     continue
                 if cfg.cta_tile_m * cfg.cta_tile_n >= 128 * 128 and split > 1 and s > 4:
                     continue  # shared memory (see default_config)

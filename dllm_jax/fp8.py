@@ -96,33 +96,38 @@ def fp8_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-# The FP8 kernel reads its weight scales as a [K/128, N/4] table (one 128-byte TMA row per K step and CTA, for the
-# default configs' 128-wide CTA N tile). Expanding s_gu / s_down into it inside the step costs two broadcast
-# kernels per layer (0.10 ms of a LLaDA-8B batch-1 block step): the GPU layout stores the tables as leaves.
-KERNEL_SCALE_COLS = 4
-KERNEL_SCALES = {"s_gu": ("s_gu_tma", "w_gu"), "s_down": ("s_down_tma", "w_down")}
+# The FP8 kernel reads its weight scales as a [K/128, N/cols] table (one 128-byte TMA row per K step and CTA:
+# cols = 4 for the 128-wide CTA N tiles of M > 64, 8 for the 256-wide tiles of a block step's M <= 64). Expanding
+# s_gu / s_down into it inside the step costs two broadcast kernels per layer (0.10 ms of a LLaDA-8B batch-1 block
+# step, bench/NOTES.md v5): the GPU layout stores both tables as leaves (~1.2 MB per LLaDA layer).
+KERNEL_SCALE_COLS = (4, 8)
+KERNEL_SCALES = {"s_gu": "w_gu", "s_down": "w_down"}
+
+
+def kernel_scale_key(src: str, cols: int) -> str:
+    return f"{src}_tma{cols}"
 
 
 def with_kernel_scales(mlp_fp8: dict) -> dict:
     """One layer's mlp_fp8 dict plus the kernel-layout scale tables (numpy stays numpy: host loading)."""
     out = dict(mlp_fp8)
-    for src, (dst, w) in KERNEL_SCALES.items():
+    for src, w in KERNEL_SCALES.items():
         ws, n = mlp_fp8[src], np.shape(mlp_fp8[w])[-2]
         xp = np if isinstance(ws, np.ndarray) else jnp
-        out[dst] = xp.repeat(xp.swapaxes(ws, -1, -2), GROUP // KERNEL_SCALE_COLS, axis=-1)[..., : n // KERNEL_SCALE_COLS]
+        for cols in KERNEL_SCALE_COLS:
+            out[kernel_scale_key(src, cols)] = xp.repeat(xp.swapaxes(ws, -1, -2), GROUP // cols, axis=-1)[..., : n // cols]
     return out
 
 
 def without_kernel_scales(mlp_fp8: dict) -> dict:
-    return {k: v for k, v in mlp_fp8.items() if not k.endswith("_tma")}
+    return {k: v for k, v in mlp_fp8.items() if "_tma" not in k}
 
 
 def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
     from pallas_kernels.fp8_matmul import kernel_weight_scales, ws_cols
 
-    dst, w = KERNEL_SCALES[src]
-    n, k = mlp_fp8[w].shape
-    table = mlp_fp8.get(dst)
+    n, k = mlp_fp8[KERNEL_SCALES[src]].shape
+    table = mlp_fp8.get(kernel_scale_key(src, ws_cols(cfg)))
     if table is not None and cfg.ws_prefetch and table.shape == (k // GROUP, n // ws_cols(cfg)):
         return table
     return kernel_weight_scales(mlp_fp8[src], n, cfg)

@@ -185,6 +185,10 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   when weight-bandwidth bound (enough work units for 132 SMs), 128x128 CTA
   tiles (2 warpgroups of 64x128) when compute bound."""
   kg = k // GROUP
+  if m <= 64 and WIDE_SMALL_M:
+    wide = wide_small_m_config(m, n, k)
+    if wide is not None:
+      return wide
   if m <= 64:
     cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, max_concurrent_steps=6)
   elif m <= 256:
@@ -203,6 +207,29 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     # just over the H200's 232448 B of shared memory (found by the LLaDA batch-8 block step, M=256, K=12288)
     steps = min(steps, 4)
   return dataclasses.replace(cfg, split_k=split, max_concurrent_steps=steps)
+
+
+# Small M (a block step: <= 64 rows) on 256-wide CTA N tiles: each K step brings 32 KB of weights instead of 16.
+# Why: traced on the H200 (bench/results/fp8_small_m_h200.json), the kernel at M = 32 takes ~0.5 us per K step
+# whatever the tile, so finer tiles and more split-K units were all slower than the default (LLaDA gate/up:
+# 30.9 us at 128-wide tiles, 33.0 with split-K 2, 31.6 at 64-wide); a step that carries twice the bytes is the
+# remaining lever. FP8_WIDE_SMALL_M=0 restores the 128-wide tiles (benchmarks compare the two in one process).
+WIDE_SMALL_M = os.environ.get("FP8_WIDE_SMALL_M", "1") != "0"
+
+
+def wide_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
+  """256-wide N tiles (2 warpgroups of 64 x 128), 4 stages (shared memory: 41 KB per stage), split-K to at most
+  ~1.1 waves of 132 SMs; None where that leaves most SMs idle (< 0.7 of a wave: Dream's 3584 -> down GEMM)."""
+  cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4)
+  if n % cfg.cta_tile_n:
+    return None
+  kg = k // GROUP
+  tiles = -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
+  sms = 132  # sized for the H200 like the rest of default_config (the same tiling when lowered elsewhere)
+  split = max(s for s in range(1, kg + 1) if kg % s == 0 and (s == 1 or (tiles * s <= 1.1 * sms and kg // s >= 4)))
+  if tiles * split < 0.7 * sms:
+    return None
+  return dataclasses.replace(cfg, split_k=split)
 
 
 def ws_cols(cfg: Fp8MatmulConfig) -> int:

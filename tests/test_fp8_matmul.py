@@ -128,6 +128,8 @@ KERNEL_CASES = [
     (1, 256, 256, C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=3)),
     (130, 256, 384, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2)),
     (64, 128, 256, None),
+    # the small-M default on 256-wide CTA tiles (wide_small_m_config), split-K 2, ragged M
+    (5, 512, 512, C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, split_k=2, max_concurrent_steps=3)),
 ]
 
 

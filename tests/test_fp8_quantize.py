@@ -112,11 +112,13 @@ def unrolled_fp8():
 def test_kernel_scale_tables_built_once_and_dropped_when_stacked(unrolled_fp8):
   params, c8 = unrolled_fp8
   mlp = params["layers"][1]["mlp_fp8"]
-  for src, (dst, w) in fp8.KERNEL_SCALES.items():
+  for src, w in fp8.KERNEL_SCALES.items():
     n, k = mlp[w].shape
-    cfg = F.default_config(32, n, k)
-    np.testing.assert_array_equal(np.asarray(mlp[dst]), np.asarray(F.kernel_weight_scales(mlp[src], n, cfg)))
-  assert "s_gu_tma" not in stack_layers(params, c8)["layers"]["mlp_fp8"]
+    for cfg in (F.Fp8MatmulConfig(wg_dimension=F.Dim.N, wg_tile_n=64),  # 128-wide CTA tiles, and 256-wide
+                F.Fp8MatmulConfig(wg_dimension=F.Dim.N, wg_tile_n=128, epi_tile_n=32)):
+      table = mlp[fp8.kernel_scale_key(src, F.ws_cols(cfg))]
+      np.testing.assert_array_equal(np.asarray(table), np.asarray(F.kernel_weight_scales(mlp[src], n, cfg)))
+  assert sorted(stack_layers(params, c8)["layers"]["mlp_fp8"]) == ["s_down", "s_gu", "w_down", "w_gu"]
 
 
 def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
@@ -131,7 +133,9 @@ def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
   # equal up to fp32 summation order (the RMSNorm statistic, split-K partials; identical in the CPU simulator)
   assert np.linalg.norm(d_out - d_ref) / np.linalg.norm(d_ref) < 2e-2
   # the kernel path reads the load-time scale tables: zeroing one removes the FFN's contribution
-  poisoned = {**lp, "mlp_fp8": {**lp["mlp_fp8"], "s_down_tma": jnp.zeros_like(lp["mlp_fp8"]["s_down_tma"])}}
+  cols = F.ws_cols(F.default_config(42, CFG.d_model, CFG.mlp_hidden))
+  key = fp8.kernel_scale_key("s_down", cols)
+  poisoned = {**lp, "mlp_fp8": {**lp["mlp_fp8"], key: jnp.zeros_like(lp["mlp_fp8"][key])}}
   np.testing.assert_array_equal(
       np.asarray(fp8.ffn_residual(params, c8, poisoned, 1, x, backend="pallas", interpret=INTERPRET)),
       np.asarray(x))
