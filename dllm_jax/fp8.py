@@ -150,7 +150,7 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
     xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
     gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], _kernel_scales(mlp_fp8, "s_gu", cfg_gu), cfg=cfg_gu,
                            out_dtype=jnp.bfloat16, interpret=interpret)
-    aq, as_t = swiglu_quantize_t(gu, interpret=interpret)
+    aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
     y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
                           out_dtype=x.dtype, interpret=interpret)
     if y.ndim == 3:  # split-K partials

@@ -184,11 +184,27 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   """Heuristic from the H200 sweeps (bench/NOTES.md): fine N tiles and split-K
   when weight-bandwidth bound (enough work units for 132 SMs), 128x128 CTA
   tiles (2 warpgroups of 64x128) when compute bound."""
+  narrow = _narrow_config(m, n, k)
+  wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
+  if wide is None:
+    return narrow
+  # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
+  # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
+  # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
+  # narrow (split 4); Dream gate/up 45.6 wide (148 units) vs 43.0 narrow (296).
+  def rank(c):
+    units = _units(m, n, c)
+    return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
+
+  return max((narrow, wide), key=rank)
+
+
+def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
+  return -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k
+
+
+def _narrow_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   kg = k // GROUP
-  if m <= 64 and WIDE_SMALL_M:
-    wide = wide_small_m_config(m, n, k)
-    if wide is not None:
-      return wide
   if m <= 64:
     cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, max_concurrent_steps=6)
   elif m <= 256:
@@ -209,11 +225,12 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   return dataclasses.replace(cfg, split_k=split, max_concurrent_steps=steps)
 
 
-# Small M (a block step: <= 64 rows) on 256-wide CTA N tiles: each K step brings 32 KB of weights instead of 16.
-# Why: traced on the H200 (bench/results/fp8_small_m_h200.json), the kernel at M = 32 takes ~0.5 us per K step
-# whatever the tile, so finer tiles and more split-K units were all slower than the default (LLaDA gate/up:
-# 30.9 us at 128-wide tiles, 33.0 with split-K 2, 31.6 at 64-wide); a step that carries twice the bytes is the
-# remaining lever. FP8_WIDE_SMALL_M=0 restores the 128-wide tiles (benchmarks compare the two in one process).
+# Small M (a block step: <= 64 rows) may run on 256-wide CTA N tiles (32 KB of weights per K step instead of 16).
+# Traced on the H200 (bench/results/fp8_small_m_h200.json), the kernel streams at ~37 GB/s per busy SM whatever
+# the tiling (the bytes one SM keeps in flight over the HBM latency), so finer tiles and more split-K units were all
+# slower (LLaDA gate/up at M = 32: 30.9 us at 128-wide tiles, 33.0 with split-K 2, 31.6 at 64-wide, run v6a), and
+# the wide tiles win only where they leave fewer SMs idle in the last wave (`default_config`).
+# FP8_WIDE_SMALL_M=0 keeps the 128-wide tiles everywhere (benchmarks compare the two in one process).
 WIDE_SMALL_M = os.environ.get("FP8_WIDE_SMALL_M", "1") != "0"
 
 

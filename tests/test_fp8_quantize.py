@@ -78,6 +78,13 @@ def test_swiglu_quantize_sums_partials_then_quantises(splits, m_pad, f):
   qr, sr = Q.swiglu_quantize_t_reference(arg)
   assert np.mean(_codes(q) == _codes(qr)) > 0.97
   np.testing.assert_allclose(np.asarray(s_t), np.asarray(sr), rtol=1e-5)
+  # rows past live_rows are the GEMM's pad rows: not read (poisoned here), zeros with scale 1 out
+  live = m_pad // 2 + 1
+  poisoned = arg.at[..., live:, :].set(jnp.nan)
+  q2, s2 = Q.swiglu_quantize_t(poisoned, live_rows=live, interpret=INTERPRET)
+  np.testing.assert_array_equal(_codes(q2)[:live], _codes(q)[:live])
+  np.testing.assert_array_equal(np.asarray(s2)[:, :live], np.asarray(s_t)[:, :live])
+  _check_quantised(q2, s2, exact[:live], live)
 
 
 def test_quantizer_errors():
