@@ -38,19 +38,25 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
     return {"gate_up": (2 * c.mlp_hidden, c.d_model), "down": (c.d_model, c.mlp_hidden)}
 
 
-def candidates(m: int, n: int, k: int) -> list:
+def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
+    """The default tiling, then (M <= 64) the same tiling on the stage counts before v6c (6 narrow, 4 wide) and the
+    other width; sweep=True adds every split-K count of both widths (runs v6a/v6b)."""
     kg = k // F.GROUP
-    out = [F.default_config(m, n, k)]
+    default = F.default_config(m, n, k)
+    out = [default]
+
+    def add(cfg):
+        if cfg not in out and not n % cfg.cta_tile_n and not kg % cfg.split_k:
+            out.append(cfg)
+
     if m <= 64:
-        saved, F.WIDE_SMALL_M = F.WIDE_SMALL_M, False
-        try:
-            narrow = F.default_config(m, n, k)  # the 128-wide tiling (the default before v6)
-            if narrow not in out:
-                out.append(narrow)
-        finally:
-            F.WIDE_SMALL_M = saved
-        # 256-wide CTA tiles (the narrower ones and their split-K counts: fp8_small_m_h200.json run v6a)
-        tiles = [(dict(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32), (3, 4))]
+        narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
+        add(dataclasses.replace(default, max_concurrent_steps=6 if default.wg_tile_n == 64 else 4))
+        add(dataclasses.replace(narrow, max_concurrent_steps=6))
+        if wide is not None:
+            add(dataclasses.replace(wide, max_concurrent_steps=4))
+        tiles = [(dict(wg_dimension=D.N, wg_tile_n=64), (6,)),
+                 (dict(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32), (3, 4))] if sweep else []
         splits = (1, 2, 3, 4, 6, 7, 8, 12)
     else:
         tiles = [(dict(wg_dimension=D.M, wg_tile_n=128), (4,)), (dict(wg_dimension=D.N, wg_tile_n=64), (4,))]
@@ -68,8 +74,7 @@ def candidates(m: int, n: int, k: int) -> list:
                     continue
                 if cfg.cta_tile_m * cfg.cta_tile_n >= 128 * 128 and split > 1 and s > 4:
                     continue  # shared memory (see default_config)
-                if cfg not in out:
-                    out.append(cfg)
+                add(cfg)
     return out
 
 
@@ -87,14 +92,14 @@ def device_us(fn, args_list, name_part: str) -> float | None:
     return 1e3 * total / count if count else None
 
 
-def gemm_rows(model: str, name: str, n: int, k: int, m: int) -> list[dict]:
+def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False) -> list[dict]:
     rows = []
     ws_ = [F.quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
                               .astype(jnp.bfloat16)) for j in range(4)]
     xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16)) for j in range(4)]
     default = F.default_config(m, n, k)
     ref = F.fp8_matmul_reference(*xs_[0], *ws_[0], out_dtype=jnp.float32)
-    for cfg in candidates(m, n, k):
+    for cfg in candidates(m, n, k, sweep):
         mp = F.padded_rows(m, cfg)
         args = []
         for (xq, xs), (wq, ws) in zip(xs_, ws_):
@@ -104,7 +109,8 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int) -> list[dict]:
         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
                "config": dict(dataclasses.asdict(cfg), wg_dimension=cfg.wg_dimension.name,
                               grid_minor_dim=cfg.grid_minor_dim.name),
-               "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k}
+               "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,
+               "stages": F.fit_stages(cfg, jnp.float32 if cfg.split_k > 1 else jnp.bfloat16)}
         try:
             fn = lambda a, b, c, d, cfg=cfg: F.fp8_matmul_padded(a, b, c, d, cfg=cfg, interpret=INTERPRET)
             y = jax.jit(fn)(*args[0])
@@ -117,7 +123,7 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int) -> list[dict]:
             row["error"] = str(e)[:300]
         rows.append(row)
         print({k_: v for k_, v in row.items() if k_ != "config"}, cfg.wg_dimension.name, cfg.wg_tile_n,
-              cfg.split_k, cfg.max_concurrent_steps, flush=True)
+              cfg.split_k, flush=True)
     return rows
 
 
@@ -143,6 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"], choices=list(common.MODELS))
     ap.add_argument("--ms", nargs="+", type=int, default=[32, 256])
+    ap.add_argument("--sweep", action="store_true", help="every split-K count of both tile widths (slow)")
     ap.add_argument("--out", default=str(common.RESULTS / "fp8_small_m_h200.json"))
     args = ap.parse_args()
     rows: list[dict] = []
@@ -154,7 +161,7 @@ def main() -> None:
                 rows.append(r)
                 print(r, flush=True)
             for name, (n, k) in gemms(model).items():
-                rows += gemm_rows(model, name, n, k, m)
+                rows += gemm_rows(model, name, n, k, m, args.sweep)
                 common.write_results(out.name, meta, rows, out.parent)
     path = common.write_results(out.name, meta, rows, out.parent)
     print(f"wrote {path}")

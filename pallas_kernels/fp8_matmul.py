@@ -206,7 +206,7 @@ def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
 def _narrow_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   kg = k // GROUP
   if m <= 64:
-    cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, max_concurrent_steps=6)
+    cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=64, max_concurrent_steps=8)  # clamped: fit_stages
   elif m <= 256:
     cfg = Fp8MatmulConfig(wg_dimension=Dim.M, wg_tile_n=128, max_concurrent_steps=5)
   else:
@@ -237,7 +237,7 @@ WIDE_SMALL_M = os.environ.get("FP8_WIDE_SMALL_M", "1") != "0"
 def wide_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
   """256-wide N tiles (2 warpgroups of 64 x 128), 4 stages (shared memory: 41 KB per stage), split-K to at most
   ~1.1 waves of 132 SMs; None where that leaves most SMs idle (< 0.7 of a wave: Dream's 3584 -> down GEMM)."""
-  cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4)
+  cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=8)  # fit_stages
   if n % cfg.cta_tile_n:
     return None
   kg = k // GROUP
@@ -247,6 +247,22 @@ def wide_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
   if tiles * split < 0.7 * sms:
     return None
   return dataclasses.replace(cfg, split_k=split)
+
+
+SMEM_BYTES = 232448  # H100/H200 dynamic shared memory per block
+
+
+def fit_stages(cfg: Fp8MatmulConfig, acc_dtype) -> int:
+  """cfg.max_concurrent_steps, lowered to the pipeline stages that fit in shared memory next to the epilogue
+  buffers (2 KB kept for barriers and alignment). Small-M configs ask for 8 and get what fits: at M <= 64 the
+  kernel is limited by the weight bytes each SM keeps in flight, so every stage that fits is used."""
+  ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
+  stage = ctm * GROUP + ctn * GROUP + 4 * ctm + 128  # e4m3 A and B tiles, an xs row, a 128-byte ws row
+  epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
+  slots = min(2, (cfg.wg_tile_m * cfg.wg_tile_n) // (cfg.wg_tile_m * epi_n))
+  epilogue = 2 * slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
+  fits = (SMEM_BYTES - 2048 - epilogue) // stage
+  return max(2, min(cfg.max_concurrent_steps, fits))
 
 
 def ws_cols(cfg: Fp8MatmulConfig) -> int:
@@ -308,7 +324,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                if ws_prefetch else []),
           wg_axis="wg",
           num_compute_wgs=2,
-          max_concurrent_steps=cfg.max_concurrent_steps,
+          max_concurrent_steps=fit_stages(cfg, acc_dtype),
           compute_context=compute_context,
       )
 
