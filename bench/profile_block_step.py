@@ -344,7 +344,8 @@ def floor_compute_ms(weight_bytes: int, batch: int) -> float:
 
 
 KIND_ORDER = ("gemm", "attention", "cache_update", "copy", "other")
-TABLE_LABELS = {"profile_v3": "v3", "after": "v4", "v5_fp8": "v4 (v5 run)"}  # rows' table -> bar label
+TABLE_LABELS = {"profile_v3": "v3", "after": "v4", "v5_fp8": "v4 (v5 run)", "v6_fp8": "v4 (v6 run)"}  # table -> label
+FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6"}  # the traced FP8 variant's bar, by table
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -359,7 +360,7 @@ def plot(rows: list[dict], path: Path) -> bool:
         if r.get("trace_per_step", {}).get("by_kind_ms"):
             traced.append({**r, "label": label})
         if r.get("trace_fp8_ffn", {}).get("by_kind_ms"):  # the FP8 variant of the same process: its own bar
-            traced.append({**r, "label": "FP8 FFN", "trace_per_step": r["trace_fp8_ffn"]})
+            traced.append({**r, "label": FP8_LABELS.get(r.get("table"), "FP8 FFN"), "trace_per_step": r["trace_fp8_ffn"]})
     if not traced:
         return False
     import matplotlib
@@ -367,9 +368,9 @@ def plot(rows: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len({r["batch"] for r in traced}), figsize=(14, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len({r["batch"] for r in traced}), figsize=(18, 5), squeeze=False)
     for ax, batch in zip(axes[0], sorted({r["batch"] for r in traced})):
-        order = [*TABLE_LABELS.values(), "FP8 FFN"]
+        order = [*TABLE_LABELS.values(), *FP8_LABELS.values(), "FP8 FFN"]
         sel = sorted((r for r in traced if r["batch"] == batch),
                      key=lambda r: (r["model"], order.index(r["label"]) if r["label"] in order else len(order)))
         labels = [f"{r['model']}\n{r['label']}" for r in sel]
@@ -380,7 +381,7 @@ def plot(rows: list[dict], path: Path) -> bool:
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.scatter(range(len(sel)), [max(r["ms_floor_hbm"], r.get("ms_floor_compute", 0.0)) for r in sel],
                    marker="_", s=400, color="k", zorder=3, label="floor (HBM or FLOPs)")
-        ax.set_xticks(range(len(sel)), labels, fontsize=7)
+        ax.set_xticks(range(len(sel)), labels, fontsize=6, rotation=45, ha="right")
         ax.set_ylabel("device ms per block step")
         ax.set_title(f"batch {batch}")
     axes[0][0].legend(fontsize=7)

@@ -39,8 +39,8 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
 
 
 def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
-    """The default tiling, then (M <= 64) the same tiling on the stage counts before v6c (6 narrow, 4 wide) and the
-    other width; sweep=True adds every split-K count of both widths (runs v6a/v6b)."""
+    """The default tiling, then (M <= 64) the same tiling with every stage that fits and the other tile width;
+    sweep=True adds every split-K count of both widths (runs v6a/v6b)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -51,10 +51,10 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
 
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
-        add(dataclasses.replace(default, max_concurrent_steps=6 if default.wg_tile_n == 64 else 4))
-        add(dataclasses.replace(narrow, max_concurrent_steps=6))
+        add(dataclasses.replace(default, max_concurrent_steps=8))  # every stage that fits (run v6c: no gain)
+        add(narrow)
         if wide is not None:
-            add(dataclasses.replace(wide, max_concurrent_steps=4))
+            add(wide)
         tiles = [(dict(wg_dimension=D.N, wg_tile_n=64), (6,)),
                  (dict(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32), (3, 4))] if sweep else []
         splits = (1, 2, 3, 4, 6, 7, 8, 12)

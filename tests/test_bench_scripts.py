@@ -55,8 +55,8 @@ def test_sweep_fp8_small_m_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel"] for r in rows[:2]] == ["rmsnorm_quantize", "swiglu_quantize"]
     gemm = rows[2:]
-    assert [r["gemm"] for r in gemm] == ["gate_up", "down"] and all(r["is_default"] for r in gemm)
-    assert all("error" not in r and r["rel_err"] < 1e-2 for r in gemm)
+    assert [r["gemm"] for r in gemm if r["is_default"]] == ["gate_up", "down"] and gemm[0]["is_default"]
+    assert all("error" not in r and r["rel_err"] < 1e-2 and r["stages"] >= 2 for r in gemm)
 
 
 def test_fp8_gemm_rows_smoke():
