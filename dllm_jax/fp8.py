@@ -115,7 +115,8 @@ def with_kernel_scales(mlp_fp8: dict) -> dict:
         ws, n = mlp_fp8[src], np.shape(mlp_fp8[w])[-2]
         xp = np if isinstance(ws, np.ndarray) else jnp
         for cols in KERNEL_SCALE_COLS:
-            out[kernel_scale_key(src, cols)] = xp.repeat(xp.swapaxes(ws, -1, -2), GROUP // cols, axis=-1)[..., : n // cols]
+            table = xp.repeat(xp.swapaxes(ws, -1, -2), GROUP // cols, axis=-1)
+            out[kernel_scale_key(src, cols)] = table[..., : n // cols]
     return out
 
 

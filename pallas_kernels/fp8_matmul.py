@@ -228,7 +228,8 @@ def _narrow_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 # Small M (a block step: <= 64 rows) may run on 256-wide CTA N tiles (32 KB of weights per K step instead of 16).
 # Traced on the H200 (bench/results/fp8_small_m_h200.json), the kernel streams at ~37 GB/s per busy SM whatever
 # the tiling or stage count (a per-K-step compute chain, not the bytes in flight: more stages did not help, run
-# v6c), so finer tiles and more split-K units were all slower (LLaDA gate/up at M = 32: 30.9 us at 128-wide tiles, 33.0 with split-K 2, 31.6 at 64-wide, run v6a), and
+# v6c), so finer tiles and more split-K units were all slower (LLaDA gate/up at M = 32: 30.9 us at 128-wide
+# tiles, 33.0 with split-K 2, 31.6 at 64-wide, run v6a), and
 # the wide tiles win only where they leave fewer SMs idle in the last wave (`default_config`).
 # FP8_WIDE_SMALL_M=0 keeps the 128-wide tiles everywhere (benchmarks compare the two in one process).
 WIDE_SMALL_M = os.environ.get("FP8_WIDE_SMALL_M", "1") != "0"
