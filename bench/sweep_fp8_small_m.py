@@ -72,8 +72,6 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
                 units = -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * split
                 if units > 900 or units < 48:
                     continue
-                if cfg.cta_tile_m * cfg.cta_tile_n >= 128 * 128 and split > 1 and s > 4:
-                    continue  # shared memory (see default_config)
                 add(cfg)
     return out
 

@@ -110,13 +110,14 @@ def kernel_scale_key(src: str, cols: int) -> str:
 
 def with_kernel_scales(mlp_fp8: dict) -> dict:
     """One layer's mlp_fp8 dict plus the kernel-layout scale tables (numpy stays numpy: host loading)."""
+    from pallas_kernels.fp8_matmul import expand_weight_scales
+
     out = dict(mlp_fp8)
     for src, w in KERNEL_SCALES.items():
         ws, n = mlp_fp8[src], np.shape(mlp_fp8[w])[-2]
         xp = np if isinstance(ws, np.ndarray) else jnp
         for cols in KERNEL_SCALE_COLS:
-            table = xp.repeat(xp.swapaxes(ws, -1, -2), GROUP // cols, axis=-1)
-            out[kernel_scale_key(src, cols)] = table[..., : n // cols]
+            out[kernel_scale_key(src, cols)] = expand_weight_scales(ws, n, cols, xp)
     return out
 
 

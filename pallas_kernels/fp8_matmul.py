@@ -217,12 +217,7 @@ def _narrow_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   split = 1
   while tiles * split * 2 <= 165 and kg % (split * 2) == 0 and kg // (split * 2) >= 8:
     split *= 2
-  steps = cfg.max_concurrent_steps
-  if split > 1 and cfg.cta_tile_m * cfg.cta_tile_n >= 128 * 128:
-    # split-K writes fp32 partials: the doubled epilogue buffer plus 5 stages of 128x128 tiles is 233552 B,
-    # just over the H200's 232448 B of shared memory (found by the LLaDA batch-8 block step, M=256, K=12288)
-    steps = min(steps, 4)
-  return dataclasses.replace(cfg, split_k=split, max_concurrent_steps=steps)
+  return dataclasses.replace(cfg, split_k=split)  # the stages that fit next to split-K's fp32 epilogue: fit_stages
 
 
 # Small M (a block step: <= 64 rows) may run on 256-wide CTA N tiles (32 KB of weights per K step instead of 16).
@@ -255,7 +250,9 @@ SMEM_BYTES = 232448  # H100/H200 dynamic shared memory per block
 
 def fit_stages(cfg: Fp8MatmulConfig, acc_dtype) -> int:
   """cfg.max_concurrent_steps, lowered where the stages would not fit in shared memory next to the epilogue
-  buffers (2 KB kept for barriers and alignment; e.g. an fp32 epilogue on a config sized for bf16).
+  buffers (2 KB kept for barriers and alignment): an fp32 epilogue (split-K partials, fp32 out) doubles them.
+  Calibration: 5 stages of 128x128 tiles with split-K's fp32 epilogue needed 233552 B, over the H200's 232448
+  (the LLaDA batch-8 block step, M=256, K=12288); this count gives 4 there.
   More stages than the defaults do not help at small M (fp8_small_m_h200.json run v6c: 5 instead of 4 stages on
   the wide tiles 30.1 vs 28.4 us, 7-8 instead of 6 on the narrow ones equal or slower)."""
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
@@ -273,10 +270,11 @@ def ws_cols(cfg: Fp8MatmulConfig) -> int:
   return cfg.cta_tile_n // 32
 
 
-def expand_weight_scales(ws, n, cols):
+def expand_weight_scales(ws, n, cols, xp=jnp):
   """ws [N/128, K/128] -> [K/128, N/cols]: one copy per `cols` columns, so every
-  CTA's scales for one K step are a 128-byte row that TMA prefetches with the tiles."""
-  return jnp.repeat(ws.T, GROUP // cols, axis=1)[:, : n // cols]
+  CTA's scales for one K step are a 128-byte row that TMA prefetches with the tiles.
+  xp: the array module (numpy for host-side loading)."""
+  return xp.repeat(ws.T, GROUP // cols, axis=1)[:, : n // cols]
 
 
 def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret):

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.fp8_matmul import quantize_activations, swiglu_quantize
+
 try:
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -50,12 +52,6 @@ class QuantizeBlocks:
       raise ValueError(f"QuantizeBlocks.num_warps must be a power of two <= 16, got {self.num_warps!r}")
 
   @classmethod
-  def for_norm(cls, m_pad: int) -> "QuantizeBlocks":
-    # One row per program: a block step's 32-256 rows are that many programs, and a row of K/128 groups stays
-    # in the registers of 4 warps (more rows per program would spill at K = 4096).
-    return cls(block_m=1, num_warps=4)
-
-  @classmethod
   def for_swiglu(cls, m_pad: int) -> "QuantizeBlocks":
     # 16-row tiles at block-step sizes: 4x the programs of 64-row tiles (5.2 us per LLaDA-8B layer at M = 32 on
     # the H200 with 64), and pad-row tiles skip their loads; 64 rows once M is large.
@@ -76,17 +72,18 @@ def _check_pad(m: int, m_pad: int, what: str):
 
 
 # ------------------------------------------------------------------------------------------ RMSNorm
+def _layout(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return q, scale.T  # the GEMM's layouts: xq [Mp, K], xs_t [K/128, Mp]
+
+
 def rmsnorm_quantize_reference(x: jax.Array, weight: jax.Array, eps: float, m_pad: int
                                ) -> tuple[jax.Array, jax.Array]:
-  """x [M, K], weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32)."""
+  """x [M, K], weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32): `dllm_jax.layers.RMSNorm`'s
+  numerics, zero pad rows, then `fp8_matmul.quantize_activations`."""
   m, k = x.shape
   xf = x.astype(jnp.float32)
   h = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype) * weight.astype(x.dtype)
-  hg = jnp.pad(h.astype(jnp.float32), ((0, m_pad - m), (0, 0))).reshape(m_pad, k // GROUP, GROUP)
-  amax = jnp.max(jnp.abs(hg), axis=-1)
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  q = jnp.clip(hg / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8)
-  return q.reshape(m_pad, k), scale.T
+  return _layout(*quantize_activations(jnp.pad(h, ((0, m_pad - m), (0, 0)))))
 
 
 def _rmsnorm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, m: int, k: int, eps: float):
@@ -122,9 +119,7 @@ def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
   if k % GROUP:
     raise ValueError(f"rmsnorm_quantize: K={k} must be a multiple of {GROUP}")
   _check_pad(m, m_pad, "rmsnorm_quantize")
-  bs = blocks or QuantizeBlocks.for_norm(m_pad)
-  if m_pad % bs.block_m:
-    raise ValueError(f"rmsnorm_quantize: m_pad={m_pad} must be a multiple of block_m={bs.block_m}")
+  bs = blocks or QuantizeBlocks()  # one row per program: a block step's 32-256 rows are that many programs
   if bs.block_m != 1:
     raise ValueError(f"rmsnorm_quantize: one row per program (block_m=1), got block_m={bs.block_m}")
   kernel = functools.partial(_rmsnorm_quantize_kernel, m=m, k=k, eps=float(eps))
@@ -151,16 +146,10 @@ def _as_partials(gu: jax.Array) -> jax.Array:
 
 
 def swiglu_quantize_t_reference(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """gu [Mp, 2F] or [S, Mp, 2F] (gate | up) -> (aq [Mp, F] e4m3, as_t [F/128, Mp] fp32)."""
-  p = _as_partials(gu)
-  s = p.astype(jnp.float32).sum(axis=0).astype(jnp.bfloat16).astype(jnp.float32)
-  mp, f2 = s.shape
-  f = f2 // 2
-  a = (jax.nn.silu(s[:, :f]) * s[:, f:]).reshape(mp, f // GROUP, GROUP)
-  amax = jnp.max(jnp.abs(a), axis=-1)
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  q = jnp.clip(a / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8)
-  return q.reshape(mp, f), scale.T
+  """gu [Mp, 2F] or [S, Mp, 2F] (gate | up) -> (aq [Mp, F] e4m3, as_t [F/128, Mp] fp32): the partials summed in
+  fp32 and rounded to bf16 (the GEMM's own output), then `fp8_matmul.swiglu_quantize`."""
+  summed = _as_partials(gu).astype(jnp.float32).sum(axis=0).astype(jnp.bfloat16)
+  return _layout(*swiglu_quantize(summed))
 
 
 def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int, block_m: int, live_rows: int):
