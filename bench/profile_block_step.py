@@ -48,6 +48,9 @@ VARIANTS = {
     "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything else)",
     "fp8_ffn_v5": "the FP8 FFN on session 5's wrapper (jnp quantisation and pads, weight scales expanded per call)",
     "fp8_ffn_narrow": "the FP8 FFN with 128-wide CTA N tiles at M <= 64 (FP8_WIDE_SMALL_M=0: the tiling before v6)",
+    "fp8_ffn_g1": "the FP8 FFN with one 128-K group per pipeline stage (FP8_GROUPS_PER_STEP=1)",
+    "fp8_ffn_g2": "the FP8 FFN with two 128-K groups per pipeline stage (FP8_GROUPS_PER_STEP=2)",
+    "fp8_ffn_g4": "the FP8 FFN with four 128-K groups per pipeline stage where they fit (FP8_GROUPS_PER_STEP=4)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -69,9 +72,11 @@ def variant(name: str):
 
     from pallas_kernels import fp8_matmul
 
-    saved_fp8, saved_wide = fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M
-    if name in ("fp8_ffn_narrow", "fp8_ffn_v5"):  # default_config reads the flag at trace time
+    saved_fp8, saved_wide, saved_groups = fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP
+    if name in ("fp8_ffn_narrow", "fp8_ffn_v5"):  # default_config reads the flags at trace time
         fp8_matmul.WIDE_SMALL_M = False
+    if name in ("fp8_ffn_g1", "fp8_ffn_g2", "fp8_ffn_g4"):
+        fp8_matmul.GROUPS_PER_STEP = int(name[-1])
     if name == "fp8_ffn_v5":
         from dllm_jax.layers import RMSNorm
         from pallas_kernels.fp8_matmul import fp8_ffn
@@ -84,7 +89,7 @@ def variant(name: str):
         yield
     finally:
         modeling.attend, Block.finish = saved_attend, saved_finish
-        fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M = saved_fp8, saved_wide
+        fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP = saved_fp8, saved_wide, saved_groups
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,

@@ -49,8 +49,14 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
         if cfg not in out and not n % cfg.cta_tile_n and not kg % cfg.split_k:
             out.append(cfg)
 
+    for g in (2, 4):  # several K groups per stage (wgmmas in flight during the promotions), where they fit
+        grouped = dataclasses.replace(default, groups_per_step=g)
+        if not (kg // default.split_k) % g and F.stages_that_fit(grouped, jnp.float32) >= 2:
+            add(grouped)
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
+        if wide is not None and default == wide and not (kg // narrow.split_k) % 2:
+            add(dataclasses.replace(narrow, groups_per_step=2))  # grouped stages at 2 stages (wide) or 4 (narrow)
         add(dataclasses.replace(default, max_concurrent_steps=8))  # every stage that fits (run v6c: no gain)
         add(narrow)
         if wide is not None:

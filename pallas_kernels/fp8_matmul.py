@@ -140,6 +140,9 @@ class Fp8MatmulConfig:
   owns a (wg_tile_m, wg_tile_n) fp32 output tile; the two are stacked along
   ``wg_dimension``.  tile_k is fixed to 128 = one scale group.  ``split_k``
   splits the K loop over independent work units (fp32 partials summed after).
+  ``groups_per_step``: 128-K groups per pipeline stage (1, 2 or 4). Their wgmmas are issued back to back into
+  one fresh accumulator each, so group j's promotion runs while the later groups' wgmmas are in flight (one
+  barrier round trip per stage instead of per group). K/128/split_k must be a multiple of it.
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -151,6 +154,7 @@ class Fp8MatmulConfig:
   grid_tile_width: int = 8
   ctas_per_sm: int = 1
   ws_prefetch: bool = dataclasses.field(default_factory=lambda: DEFAULT_WS_PREFETCH)
+  groups_per_step: int = 1
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -168,6 +172,8 @@ class Fp8MatmulConfig:
         raise ValueError(f"epi_tile_n={self.epi_tile_n} must be <= wg_tile_n={self.wg_tile_n}")
     if self.cta_tile_n < 64:
       raise ValueError(f"CTA N tile must be >= 64 (16-byte scale rows), got {self.cta_tile_n}")
+    if self.groups_per_step not in (1, 2, 4):
+      raise ValueError(f"groups_per_step must be 1, 2 or 4, got {self.groups_per_step}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
       raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
 
@@ -187,7 +193,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return narrow
+    return _with_groups(narrow, k)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -196,7 +202,20 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
 
-  return max((narrow, wide), key=rank)
+  return _with_groups(max((narrow, wide), key=rank), k)
+
+
+# K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step) where they divide a work
+# unit's K groups and two such stages fit in shared memory; FP8_GROUPS_PER_STEP overrides (benchmarks compare).
+GROUPS_PER_STEP = int(os.environ.get("FP8_GROUPS_PER_STEP", "1"))
+
+
+def _with_groups(cfg: Fp8MatmulConfig, k: int) -> Fp8MatmulConfig:
+  g = GROUPS_PER_STEP
+  if g == 1 or (k // GROUP // cfg.split_k) % g:
+    return cfg
+  grouped = dataclasses.replace(cfg, groups_per_step=g)
+  return grouped if stages_that_fit(grouped, jnp.float32) >= 2 else cfg
 
 
 def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
@@ -248,19 +267,25 @@ def wide_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
 SMEM_BYTES = 232448  # H100/H200 dynamic shared memory per block
 
 
-def fit_stages(cfg: Fp8MatmulConfig, acc_dtype) -> int:
+def stages_that_fit(cfg: Fp8MatmulConfig, acc_dtype, reserve: int = 0) -> int:
+  """Pipeline stages of `cfg` that fit in shared memory next to the epilogue buffers and `reserve` bytes."""
+  ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
+  # e4m3 A and B tiles, an xs row, a 128-byte ws row, per 128-K group
+  stage = cfg.groups_per_step * (ctm * GROUP + ctn * GROUP + 4 * ctm + 128)
+  epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
+  slots = min(2, (cfg.wg_tile_m * cfg.wg_tile_n) // (cfg.wg_tile_m * epi_n))
+  epilogue = 2 * slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
+  return (SMEM_BYTES - 2048 - reserve - epilogue) // stage  # 2 KB kept for barriers and alignment
+
+
+def fit_stages(cfg: Fp8MatmulConfig, acc_dtype, reserve: int = 0) -> int:
   """cfg.max_concurrent_steps, lowered where the stages would not fit in shared memory next to the epilogue
   buffers (2 KB kept for barriers and alignment): an fp32 epilogue (split-K partials, fp32 out) doubles them.
   Calibration: 5 stages of 128x128 tiles with split-K's fp32 epilogue needed 233552 B, over the H200's 232448
   (the LLaDA batch-8 block step, M=256, K=12288); this count gives 4 there.
   More stages than the defaults do not help at small M (fp8_small_m_h200.json run v6c: 5 instead of 4 stages on
   the wide tiles 30.1 vs 28.4 us, 7-8 instead of 6 on the narrow ones equal or slower)."""
-  ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
-  stage = ctm * GROUP + ctn * GROUP + 4 * ctm + 128  # e4m3 A and B tiles, an xs row, a 128-byte ws row
-  epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
-  slots = min(2, (cfg.wg_tile_m * cfg.wg_tile_n) // (cfg.wg_tile_m * epi_n))
-  epilogue = 2 * slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
-  fits = (SMEM_BYTES - 2048 - epilogue) // stage
+  fits = stages_that_fit(cfg, acc_dtype, reserve)
   return max(2, min(cfg.max_concurrent_steps, fits))
 
 
@@ -277,7 +302,7 @@ def expand_weight_scales(ws, n, cols, xp=jnp):
   return xp.repeat(ws.T, GROUP // cols, axis=1)[:, : n // cols]
 
 
-def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret):
+def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, profile_dir=None):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -287,11 +312,16 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k
   kg = k // GROUP
+  gps = cfg.groups_per_step
+  step_k = gps * GROUP
   wsc = ws_cols(cfg)
   ws_prefetch = cfg.ws_prefetch
   if kg % split:
     raise ValueError(f"split_k={split} must divide K/128={kg}")
-  ksteps = kg // split
+  if (kg // split) % gps:
+    raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
+                     f"{kg // split}")
+  ksteps = kg // split // gps  # pipeline steps per work unit
   if mp % ctm:
     raise ValueError(f"padded M={mp} must be a multiple of {ctm}")
   if n % ctn:
@@ -300,6 +330,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   acc_dtype = jnp.float32 if split > 1 else out_dtype
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
   num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
+  # the profiler's event buffers live in shared memory too (3 warpgroups x 4 words per range)
+  stages = fit_stages(cfg, acc_dtype, reserve=3 * 16 * PROFILE_EVENTS if profile_dir else 0)
 
   swz = plgpu.find_swizzle(GROUP * 8, "fp8 operand")  # 128 B rows
   in_transforms = (plgpu.TilingTransform((8, swz)), plgpu.SwizzleTransform(swz))
@@ -310,21 +342,19 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
   def fp8_matmul_kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
     def get_pipeline(body, compute_context):
+      spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
       return plgpu.emit_pipeline_warp_specialized(
           body,
           grid=(ksteps,),
           memory_registers=40,
           in_specs=[
-              plgpu.BlockSpec((ctm, GROUP), lambda kk: (0, kk),
-                              transforms=in_transforms, memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((ctn, GROUP), lambda kk: (0, kk),
-                              transforms=in_transforms, memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((1, ctm), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
-          ] + ([plgpu.BlockSpec((1, ctn // wsc), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]
-               if ws_prefetch else []),
+              spec((ctm, step_k), lambda kk: (0, kk), transforms=in_transforms),
+              spec((ctn, step_k), lambda kk: (0, kk), transforms=in_transforms),
+              spec((gps, ctm), lambda kk: (kk, 0)),
+          ] + ([spec((gps, ctn // wsc), lambda kk: (kk, 0))] if ws_prefetch else []),
           wg_axis="wg",
           num_compute_wgs=2,
-          max_concurrent_steps=fit_stages(cfg, acc_dtype),
+          max_concurrent_steps=stages,
           compute_context=compute_context,
       )
 
@@ -333,10 +363,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            a_gmem.at[:, pl.ds(0, ksteps * GROUP)],
-            b_gmem.at[:, pl.ds(0, ksteps * GROUP)],
-            xs_gmem.at[pl.ds(0, ksteps), :],
-            *([ws_gmem.at[pl.ds(0, ksteps), :]] if ws_prefetch else [])),
+            a_gmem.at[:, pl.ds(0, ksteps * step_k)],
+            b_gmem.at[:, pl.ds(0, ksteps * step_k)],
+            xs_gmem.at[pl.ds(0, ksteps * gps), :],
+            *([ws_gmem.at[pl.ds(0, ksteps * gps), :]] if ws_prefetch else [])),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs):
@@ -357,11 +387,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           wg_n = pl.ds(wg_idx * tn, tn)
         wg_ws = 0 if cfg.wg_dimension == Dim.M else wg_idx * (tn // wsc)
         nblk = (n_idx * ctn + (0 if cfg.wg_dimension == Dim.M else wg_idx * tn)) // GROUP
-        k0 = ks * ksteps
+        g0 = ks * ksteps * gps  # first K group of this work unit
 
-        def compute_context(eval_pipeline):
-          acc0 = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
-          acc = eval_pipeline(acc0)
+        def epilogue(acc):
           acc = acc.astype(acc_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for ni in range(tn // epi_n):
@@ -375,28 +403,42 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                 out_smem.at[wg_idx, slot],
                 dst.at[cta_m, cta_n].at[wg_m, wg_n].at[:, sl_n])
 
+        def compute_context(eval_pipeline):
+          epilogue(eval_pipeline(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)))
+
+        def group_scale(idx, j, xs_smem, ws_smem):
+          """x_scale[rows] * w_scale of K group j of this pipeline step, broadcast to the [tm, tn] tile."""
+          if ws_prefetch:
+            w_scale = ws_smem[0][j, wg_ws]
+          else:
+            w_scale = ws_gmem[g0 + idx * gps + j, nblk]
+          return lax.broadcast_in_dim(xs_smem[j, wg_m] * w_scale, (tm, tn), [0])
+
+        # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
         def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
           *ws_smem, acc = rest
-          if ws_prefetch:
-            w_scale = ws_smem[0][0, wg_ws]
-          else:
-            w_scale = ws_gmem[k0 + idxs[0], nblk]
-          x_scale = xs_smem[0, wg_m]
 
-          def do_mma(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem.at[wg_m],
-                        b_smem.at[wg_n].transpose((1, 0)))
-            return acc_ref[...]
+          def mmas(*acc_refs):  # one fresh (zeroed) accumulator per K group of the stage
+            with jax.named_scope("issue"):
+              for j, acc_ref in enumerate(acc_refs):
+                ks_ = pl.ds(j * GROUP, GROUP)
+                plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b_smem.at[wg_n, ks_].transpose((1, 0)))
+            out = acc
+            for j, acc_ref in enumerate(acc_refs):
+              # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
+              with jax.named_scope(f"wait{j}"):
+                part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=gps - 1 - j)
+              with jax.named_scope(f"promote{j}"):
+                out = out + part * group_scale(idxs[0], j, xs_smem, ws_smem)
+            return out
 
-          part = pl.run_scoped(do_mma, plgpu.ACC((tm, tn), jnp.float32))
-          s = x_scale * w_scale
-          return acc + part * lax.broadcast_in_dim(s, (tm, tn), [0])
+          return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
 
         get_pipeline(mma_body, compute_context)(
-            a_gmem.at[cta_m, pl.ds(k0 * GROUP, ksteps * GROUP)],
-            b_gmem.at[cta_n, pl.ds(k0 * GROUP, ksteps * GROUP)],
-            xs_gmem.at[pl.ds(k0, ksteps), cta_m],
-            *([ws_gmem.at[pl.ds(k0, ksteps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
+            a_gmem.at[cta_m, pl.ds(g0 * GROUP, ksteps * step_k)],
+            b_gmem.at[cta_n, pl.ds(g0 * GROUP, ksteps * step_k)],
+            xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m],
+            *([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
               if ws_prefetch else []),
             allocations=pipeline_allocs,
         )
@@ -410,6 +452,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     kw["interpret"] = interpret if not isinstance(interpret, bool) else InterpretGPUParams()
+  profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir, profile_bounds_check=True) \
+      if profile_dir else {}
   f = plgpu.kernel(
       fp8_matmul_kernel,  # its name reaches the profiler trace (kernel_trace counts it as a GEMM)
       out_type=jax.ShapeDtypeStruct(out_shape, acc_dtype),
@@ -418,12 +462,17 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile),
       scratch_types=dict(out_smem=plgpu.SMEM(
           (2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms)),
       **kw,
   )
   return f(xq_p, wq, xs_t, ws)
+
+
+# Events per warpgroup recorded by Mosaic GPU's in-kernel profiler (`profile_dir=`; bench/profile_fp8_kernel.py):
+# enough for the first ~60 pipeline steps of a work unit; later events are dropped (bounds-checked).
+PROFILE_EVENTS = 256
 
 
 def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Array:
@@ -440,12 +489,13 @@ def padded_rows(m: int, *configs: Fp8MatmulConfig) -> int:
 
 
 def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax.Array, *, cfg: Fp8MatmulConfig,
-                      out_dtype=jnp.bfloat16, interpret: Any = False) -> jax.Array:
+                      out_dtype=jnp.bfloat16, interpret: Any = False, profile_dir: str | None = None) -> jax.Array:
   """The Mosaic GPU kernel on operands already in its layouts (the FFN path: `fp8_quantize` writes them).
 
   xq_p [Mp, K] e4m3 (Mp a multiple of the CTA M tile), xs_t [K/128, Mp] fp32, wq [N, K] e4m3, ws_k from
   `kernel_weight_scales`. Returns y [Mp, N] out_dtype, or with cfg.split_k > 1 the fp32 partials [split, Mp, N]
-  (the consumer sums them: the SwiGLU quantiser, or the residual add)."""
+  (the consumer sums them: the SwiGLU quantiser, or the residual add). profile_dir: write a Mosaic GPU in-kernel
+  trace (per-warpgroup ranges of the K-step body) there, for `bench/profile_fp8_kernel.py`."""
   mp, k = xq_p.shape
   n = wq.shape[0]
   kg = k // GROUP
@@ -457,7 +507,8 @@ def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax
   want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
   if ws_k.shape != want:
     raise ValueError(f"fp8_matmul_padded: weight scales must be {want} for this config, got {ws_k.shape}")
-  return _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
+  return _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret,
+                          profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config"))

@@ -59,6 +59,30 @@ def test_sweep_fp8_small_m_smoke(tmp_path):
     assert all("error" not in r and r["rel_err"] < 1e-2 and r["stages"] >= 2 for r in gemm)
 
 
+def test_fp8_kernel_profile_summary():
+    """The in-kernel profile summary (bench/profile_fp8_kernel.py) on a hand-built trace of two warpgroups: step
+    period, the pipeline's gap between steps and the per-range medians, the first step skipped."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import profile_fp8_kernel
+
+    def step(tid, t0, wait):  # issue 1 us, wait, promote 1 us, then 2 us in the pipeline before the next step
+        return [{"name": "issue", "ph": "B", "ts": t0, "tid": tid}, {"name": "issue", "ph": "E", "ts": t0 + 1, "tid": tid},
+                {"name": "wait0", "ph": "B", "ts": t0 + 1, "tid": tid},
+                {"name": "wait0", "ph": "E", "ts": t0 + 1 + wait, "tid": tid},
+                {"name": "promote0", "ph": "B", "ts": t0 + 1 + wait, "tid": tid},
+                {"name": "promote0", "ph": "E", "ts": t0 + 2 + wait, "tid": tid}]
+    events = []
+    for tid, wait in ((1, 3.0), (2, 5.0)):
+        t = 0.0
+        for i in range(4):
+            events += step(tid, t, 50.0 if i == 0 else wait)  # the first step waits for the pipeline fill
+            t += (52.0 if i == 0 else wait + 2) + 2
+    s = profile_fp8_kernel.summarise_trace(events)
+    assert s["warpgroups"] == 2 and s["steps_seen"] == 4
+    assert s["step_period_us"] == 8.0 and s["pipeline_gap_us"] == 2.0  # (7 + 7 + 9 + 9) / 4 periods: median 8
+    assert s["range_us"]["issue"] == 1.0 and s["range_us"]["promote0"] == 1.0
+
+
 def test_fp8_gemm_rows_smoke():
     """The standalone FP8 GEMM rows (the FFN path's fp8_matmul with its wrapper): one row per M with the weight
     bandwidth; on the CPU the XLA reference runs and there is no device time."""

@@ -130,6 +130,12 @@ KERNEL_CASES = [
     (64, 128, 256, None),
     # the small-M default on 256-wide CTA tiles (wide_small_m_config), split-K 2, ragged M
     (5, 512, 512, C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, split_k=2, max_concurrent_steps=3)),
+    # several K groups per stage (wgmmas in flight while the earlier groups are promoted): a one-step unit, ...
+    (1, 256, 512, C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
+    # ... 8 units on the simulator's 4 SMs (two units per CTA), 4 steps per unit on 3 stages (barrier wrap), ...
+    (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
+    # ... and four groups per stage on the 256-wide small-M tiles
+    (33, 256, 1024, C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)),
 ]
 
 
@@ -177,6 +183,26 @@ def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
   txt = lowered.as_text()
   assert "mosaic_gpu" in txt
   assert f"tensor<{m}x{n}xbf16>" in txt
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_default_configs_fit_and_lower(groups, monkeypatch):
+  """default_config at the real FFN shapes: the 256-wide small-M tiles only where they fill the waves better
+  (LLaDA gate/up), K groups per stage only where they divide a work unit, and every config lowers for CUDA
+  within the H200's shared memory (Mosaic GPU checks it at lowering)."""
+  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)
+  shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
+  for m in (32, 256):
+    for n, k in shapes:
+      cfg = F.default_config(m, n, k)
+      kg = k // 128 // cfg.split_k
+      assert cfg.groups_per_step == (groups if kg % groups == 0 else 1), (m, n, k, cfg)
+      assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
+      args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+              jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
+      with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+        F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
+  assert F.default_config(32, 3584, 18944).groups_per_step == 1  # 148 groups / split-K 4: odd
 
 
 # ---------------------------------------------------------------- FFN path
