@@ -51,6 +51,8 @@ VARIANTS = {
     "fp8_ffn_g1": "the FP8 FFN with one 128-K group per pipeline stage (FP8_GROUPS_PER_STEP=1)",
     "fp8_ffn_g2": "the FP8 FFN with two 128-K groups per pipeline stage (FP8_GROUPS_PER_STEP=2)",
     "fp8_ffn_g4": "the FP8 FFN with four 128-K groups per pipeline stage where they fit (FP8_GROUPS_PER_STEP=4)",
+    "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
+                              "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -73,15 +75,19 @@ def variant(name: str):
     from pallas_kernels import fp8_matmul
 
     saved_fp8, saved_wide, saved_groups = fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP
+    saved_fuse = fp8.FUSE_SWIGLU
     if name in ("fp8_ffn_narrow", "fp8_ffn_v5"):  # default_config reads the flags at trace time
         fp8_matmul.WIDE_SMALL_M = False
+    if name in ("fp8_ffn_narrow", "fp8_ffn_v5", "fp8_ffn_unfused_swiglu"):
+        fp8.FUSE_SWIGLU = False
     if name in ("fp8_ffn_g1", "fp8_ffn_g2", "fp8_ffn_g4"):
         fp8_matmul.GROUPS_PER_STEP = int(name[-1])
     if name == "fp8_ffn_v5":
         from dllm_jax.layers import RMSNorm
         from pallas_kernels.fp8_matmul import fp8_ffn
 
-        def v5(x, norm_scale, eps, mlp_fp8, interpret=False):
+        def v5(x, norm_scale, eps, mlp_fp8, interpret=False, residual=None):
+            x = x if residual is None else x + residual
             h = RMSNorm(eps, x.dtype).apply({"params": {"scale": norm_scale}}, x)
             return x + fp8_ffn(h, fp8.without_kernel_scales(mlp_fp8), backend="pallas", interpret=interpret)
         fp8.fp8_ffn_pallas = v5
@@ -90,6 +96,7 @@ def variant(name: str):
     finally:
         modeling.attend, Block.finish = saved_attend, saved_finish
         fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP = saved_fp8, saved_wide, saved_groups
+        fp8.FUSE_SWIGLU = saved_fuse
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,

@@ -10,6 +10,7 @@ the first layer's FFN in bf16). Weights are quantised once (conversion `--fp8-ff
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -135,24 +136,55 @@ def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
     return kernel_weight_scales(mlp_fp8[src], n, cfg)
 
 
-def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dict, interpret: bool = False
-                   ) -> jax.Array:
-    """The FFN half of a layer on the GPU kernels: x + down(swiglu(gate_up(rmsnorm(x)))), x [M, d].
+# The gate/up GEMM writes silu(gate) * up already quantised (`fp8_gate_up_swiglu`) where its tiling allows it; at
+# block-step M (<= 64) the FFN then prefers the 256-wide tiles that allow it. FP8_FUSE_SWIGLU=0 (or setting this
+# attribute, for same-process comparisons) keeps the GEMM's bf16 output and the separate `swiglu_quantize_t`.
+FUSE_SWIGLU = os.environ.get("FP8_FUSE_SWIGLU", "1") != "0"
 
-    Five kernels: RMSNorm + quantise (Triton), the gate/up FP8 GEMM (Mosaic GPU), split-K sum + SwiGLU + quantise
-    (Triton), the down FP8 GEMM, and XLA's split-K sum + residual add. Same numerics as the XLA path up to the
-    order of fp32 sums (the RMSNorm statistic, split-K partials)."""
-    from pallas_kernels.fp8_matmul import default_config, fp8_matmul_padded, padded_rows
+
+def gate_up_plan(m: int, f2: int, d: int):
+    """(config, fused) of the FFN's gate/up GEMM for m rows: `default_config`, or at m <= 64 with FUSE_SWIGLU the
+    256-wide small-M tiles when only they allow the fused SwiGLU epilogue."""
+    from pallas_kernels.fp8_matmul import with_default_groups, default_config, swiglu_fusable, wide_small_m_config
+
+    cfg = default_config(m, f2, d)
+    if not FUSE_SWIGLU:
+        return cfg, False
+    if not swiglu_fusable(cfg) and m <= 64 and (wide := wide_small_m_config(m, f2, d)) is not None \
+            and swiglu_fusable(wide):
+        cfg = with_default_groups(wide, m, d)
+    return cfg, swiglu_fusable(cfg)
+
+
+def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dict, interpret: bool = False,
+                   residual: jax.Array | None = None, gate_up: tuple | None = None) -> jax.Array:
+    """The FFN half of a layer on the GPU kernels: s + down(swiglu(gate_up(rmsnorm(s)))), s = x (+ residual),
+    x and residual [M, d].
+
+    Four kernels: residual add + RMSNorm + quantise (Triton), the gate/up FP8 GEMM with SwiGLU + quantise in its
+    epilogue (Mosaic GPU; where its tiling does not allow that, the GEMM and a Triton split-K sum + SwiGLU +
+    quantise), the down FP8 GEMM, and XLA's split-K sum + residual add. Same numerics as the XLA path up to the
+    order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a (config, fused) plan instead of
+    `gate_up_plan` (tests)."""
+    from pallas_kernels.fp8_matmul import default_config, fp8_gate_up_swiglu, fp8_matmul_padded, padded_rows
     from pallas_kernels.fp8_quantize import rmsnorm_quantize, swiglu_quantize_t
 
     m, d = x.shape
     f2 = mlp_fp8["w_gu"].shape[0]
-    cfg_gu, cfg_dn = default_config(m, f2, d), default_config(m, d, f2 // 2)
+    cfg_gu, fused = gate_up or gate_up_plan(m, f2, d)
+    cfg_dn = default_config(m, d, f2 // 2)
     mp = padded_rows(m, cfg_gu, cfg_dn)
-    xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
-    gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], _kernel_scales(mlp_fp8, "s_gu", cfg_gu), cfg=cfg_gu,
-                           out_dtype=jnp.bfloat16, interpret=interpret)
-    aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
+    if residual is None:
+        xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
+    else:
+        xq, xs_t, x = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, residual=residual, interpret=interpret)
+    ws_gu = _kernel_scales(mlp_fp8, "s_gu", cfg_gu)
+    if fused:
+        aq, as_t = fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, interpret=interpret)
+    else:
+        gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, out_dtype=jnp.bfloat16,
+                               interpret=interpret)
+        aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
     y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
                           out_dtype=x.dtype, interpret=interpret)
     if y.ndim == 3:  # split-K partials
@@ -161,31 +193,37 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
 
 
 def ffn_residual(params: dict, config: ModelConfig, layer_params: dict, layer_index: Any, x: jax.Array,
-                 backend: str | None = None, interpret: bool = False) -> jax.Array:
-    """x + FFN(ffn_norm(x)) of one layer [B, n, d]: bf16 SwiGLU for layer 0, FP8 for the rest.
+                 backend: str | None = None, interpret: bool = False, attn_out: jax.Array | None = None
+                 ) -> jax.Array:
+    """s + FFN(ffn_norm(s)) of one layer [B, n, d], s = x + attn_out (the attention residual, when given): bf16
+    SwiGLU for layer 0, FP8 for the rest.
 
     backend "xla" (the default off the GPU): RMSNorm, jnp quantisation, the dequantising reference GEMM;
-    "pallas" (the GPU default): `fp8_ffn_pallas`. The unrolled layer loop picks layer 0's path statically; the
-    scan over stacked layers uses a lax.cond on its traced index."""
+    "pallas" (the GPU default): `fp8_ffn_pallas` (the residual add fused into its RMSNorm kernel). The unrolled
+    layer loop picks layer 0's path statically; the scan over stacked layers uses a lax.cond on its traced
+    index."""
     from dllm_jax.layers import RMSNorm, SwiGLU
     from pallas_kernels.fp8_matmul import fp8_ffn
 
     backend = backend or fp8_backend()
     norm = RMSNorm(config.rms_eps, config.jnp_dtype)
+    o = jnp.zeros_like(x) if attn_out is None else attn_out  # lax.cond wants both operands either way
 
-    def first(x):
+    def first(x, o):
+        x = x + o if attn_out is not None else x
         h = norm.apply({"params": layer_params["ffn_norm"]}, x)
         return x + SwiGLU(config.mlp_hidden, config.jnp_dtype).apply({"params": params["mlp_first"]}, h)
 
-    def rest(x):
+    def rest(x, o):
         if backend == "pallas":
             b, n, d = x.shape
             scale = layer_params["ffn_norm"]["scale"]
-            return fp8_ffn_pallas(x.reshape(b * n, d), scale, config.rms_eps, layer_params["mlp_fp8"],
-                                  interpret).reshape(b, n, d)
+            return fp8_ffn_pallas(x.reshape(b * n, d), scale, config.rms_eps, layer_params["mlp_fp8"], interpret,
+                                  residual=None if attn_out is None else o.reshape(b * n, d)).reshape(b, n, d)
+        x = x + o if attn_out is not None else x
         h = norm.apply({"params": layer_params["ffn_norm"]}, x)
         return x + fp8_ffn(h, layer_params["mlp_fp8"], backend=backend, out_dtype=h.dtype)
 
     if isinstance(layer_index, int):  # the unrolled layer loop: a static choice, no conditional in the program
-        return first(x) if layer_index == 0 else rest(x)
-    return jax.lax.cond(layer_index == 0, first, rest, x)
+        return first(x, o) if layer_index == 0 else rest(x, o)
+    return jax.lax.cond(layer_index == 0, first, rest, x, o)

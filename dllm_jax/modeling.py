@@ -73,8 +73,12 @@ class Block(nn.Module):
         return apply_rope(q, cos, sin, c.rope_fp32), apply_rope(k, cos, sin, c.rope_fp32), v
 
     def attn_residual(self, x: Array, attn: Array) -> Array:
-        b, n, _ = x.shape
-        return x + self.o_proj(attn.reshape(b, n, -1))
+        return x + self.attn_projection(attn)
+
+    def attn_projection(self, attn: Array) -> Array:
+        """o_proj of the attention output [B, n, heads, head_dim] -> [B, n, d]."""
+        b, n = attn.shape[:2]
+        return self.o_proj(attn.reshape(b, n, -1))
 
     def ffn_in(self, x: Array) -> Array:
         return self.ffn_norm(x)
@@ -215,8 +219,9 @@ def forward(
             return block.apply({"params": layer_params}, x, attn, method=Block.finish)
         from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
 
-        x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
-        return fp8.ffn_residual(params, config, layer_params, i, x)
+        # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
+        o = block.apply({"params": layer_params}, attn, method=Block.attn_projection)
+        return fp8.ffn_residual(params, config, layer_params, i, x, attn_out=o)
 
     layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
     if cache is None:

@@ -193,7 +193,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return _with_groups(narrow, k)
+    return with_default_groups(narrow, m, k)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -202,16 +202,20 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
 
-  return _with_groups(max((narrow, wide), key=rank), k)
+  return with_default_groups(max((narrow, wide), key=rank), m, k)
 
 
-# K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step) where they divide a work
-# unit's K groups and two such stages fit in shared memory; FP8_GROUPS_PER_STEP overrides (benchmarks compare).
-GROUPS_PER_STEP = int(os.environ.get("FP8_GROUPS_PER_STEP", "1"))
+# K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
+# unit's K groups and two such stages fit in shared memory: 2 at block-step M (<= 64), where the in-kernel profile
+# and the traced sweep showed the per-stage chain (wait for the stage, wgmma, wait, promotion, release) is what
+# limits the kernel: LLaDA gate/up at M = 32 27.7 vs 29.0 us, down 16.6 vs 17.0, Dream gate/up 43.0 vs 44.8
+# (fp8_small_m_h200.json run v7a); 1 above (not measured yet). FP8_GROUPS_PER_STEP sets it for every M
+# (benchmarks compare in one process by setting this attribute).
+GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 
 
-def _with_groups(cfg: Fp8MatmulConfig, k: int) -> Fp8MatmulConfig:
-  g = GROUPS_PER_STEP
+def with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
+  g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 else 1)
   if g == 1 or (k // GROUP // cfg.split_k) % g:
     return cfg
   grouped = dataclasses.replace(cfg, groups_per_step=g)
@@ -302,12 +306,19 @@ def expand_weight_scales(ws, n, cols, xp=jnp):
   return xp.repeat(ws.T, GROUP // cols, axis=1)[:, : n // cols]
 
 
-def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, profile_dir=None):
+def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, profile_dir=None,
+                     swiglu: bool = False):
+  """swiglu=True (`fp8_gate_up_swiglu`): wq is [gate | up] (2F rows); CTA tile j pairs gate block j (warpgroup 0)
+  with up block j (warpgroup 1), and the epilogue writes silu(gate) * up quantised 1x128 (aq [Mp, F] e4m3,
+  as_t [F/128, Mp]) instead of the GEMM's output."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   mp, k = xq_p.shape
   n = wq.shape[0]
+  if swiglu and not (cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch):
+    raise ValueError(f"fp8_gate_up_swiglu needs 2 warpgroups of 64 x 128 along N, no split-K and prefetched "
+                     f"weight scales, got {cfg}")
   tm, tn = cfg.wg_tile_m, cfg.wg_tile_n
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k
@@ -327,11 +338,17 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   if n % ctn:
     raise ValueError(f"N={n} must be a multiple of the CTA N tile {ctn} for this config")
   m_iters, n_iters = mp // ctm, n // ctn
-  acc_dtype = jnp.float32 if split > 1 else out_dtype
+  acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
   num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
   # the profiler's event buffers live in shared memory too (3 warpgroups x 4 words per range)
-  stages = fit_stages(cfg, acc_dtype, reserve=3 * 16 * PROFILE_EVENTS if profile_dir else 0)
+  reserve = 3 * 16 * PROFILE_EVENTS if profile_dir else 0
+  if swiglu:  # the up tile handed over (bf16), the quantised tile and its row scales
+    reserve += tm * tn * 3 + 4 * tm + 128
+  stages = fit_stages(cfg, acc_dtype, reserve)
+  if stages_that_fit(cfg, acc_dtype, reserve) < 2:
+    raise ValueError(f"fp8_matmul: two pipeline stages of {cfg} do not fit in {SMEM_BYTES} bytes of shared memory "
+                     f"next to a {jnp.dtype(acc_dtype).name} epilogue; use fewer groups_per_step or narrower tiles")
 
   swz = plgpu.find_swizzle(GROUP * 8, "fp8 operand")  # 128 B rows
   in_transforms = (plgpu.TilingTransform((8, swz)), plgpu.SwizzleTransform(swz))
@@ -340,7 +357,17 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   out_transforms = (plgpu.TilingTransform((8, out_swz * 8 // ob)),
                     plgpu.SwizzleTransform(out_swz))
 
-  def fp8_matmul_kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, out_gmem, out_smem):
+  def fp8_matmul_kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, *outs, out_smem, up_smem=None, q_smem=None, s_smem=None,
+                        handover=None):
+    if swiglu:
+      aq_gmem, as_gmem = outs
+      up_ready, up_free = handover.at[0], handover.at[1]
+    else:
+      (out_gmem,) = outs
+    # swiglu: B is viewed [2 (gate, up), F, K] and its scale table [K/128, 2, F/cols]; a stage holds one block of each
+    b_block = (2, tn, step_k) if swiglu else (ctn, step_k)
+    ws_block = (gps, 2, tn // wsc) if swiglu else (gps, ctn // wsc)
+
     def get_pipeline(body, compute_context):
       spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
       return plgpu.emit_pipeline_warp_specialized(
@@ -349,9 +376,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           memory_registers=40,
           in_specs=[
               spec((ctm, step_k), lambda kk: (0, kk), transforms=in_transforms),
-              spec((ctn, step_k), lambda kk: (0, kk), transforms=in_transforms),
+              spec(b_block, lambda kk: (0,) * (len(b_block) - 1) + (kk,), transforms=in_transforms),
               spec((gps, ctm), lambda kk: (kk, 0)),
-          ] + ([spec((gps, ctn // wsc), lambda kk: (kk, 0))] if ws_prefetch else []),
+          ] + ([spec(ws_block, lambda kk: (kk,) + (0,) * (len(ws_block) - 1))] if ws_prefetch else []),
           wg_axis="wg",
           num_compute_wgs=2,
           max_concurrent_steps=stages,
@@ -364,9 +391,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[:, pl.ds(0, ksteps * step_k)],
-            b_gmem.at[:, pl.ds(0, ksteps * step_k)],
+            b_gmem.at[..., pl.ds(0, ksteps * step_k)],
             xs_gmem.at[pl.ds(0, ksteps * gps), :],
-            *([ws_gmem.at[pl.ds(0, ksteps * gps), :]] if ws_prefetch else [])),
+            *([ws_gmem.at[pl.ds(0, ksteps * gps)]] if ws_prefetch else [])),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs):
@@ -403,12 +430,43 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                 out_smem.at[wg_idx, slot],
                 dst.at[cta_m, cta_n].at[wg_m, wg_n].at[:, sl_n])
 
+        def swiglu_epilogue(acc):
+          """Warpgroup 1 hands its up tile to warpgroup 0 through shared memory; warpgroup 0 writes
+          silu(gate) * up, quantised per row (one 128-wide group: this tile), and the row scales."""
+          acc = acc.astype(jnp.bfloat16)  # the GEMM's own output rounding, as swiglu_quantize_t_reference
+
+          @pl.when(wg_idx == 1)
+          def _hand_over():
+            up_smem[...] = acc
+            plgpu.barrier_arrive(up_ready)
+            plgpu.barrier_wait(up_free)  # warpgroup 0 has the tile in registers: up_smem is free again
+
+          @pl.when(wg_idx == 0)
+          def _quantise():
+            plgpu.barrier_wait(up_ready)
+            up = up_smem[...].astype(jnp.float32)
+            plgpu.barrier_arrive(up_free)
+            gate = acc.astype(jnp.float32)
+            a = gate / (1.0 + jnp.exp(-gate)) * up
+            amax = jnp.max(jnp.abs(a), axis=1)
+            scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+            q = jnp.clip(a / lax.broadcast_in_dim(scale, (tm, tn), [0]), -E4M3_MAX, E4M3_MAX).astype(FP8)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's stores have read q/s_smem
+            q_smem[...] = q
+            s_smem[...] = scale
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, aq_gmem.at[cta_m, pl.ds(n_idx * tn, tn)])
+            plgpu.copy_smem_to_gmem(s_smem, as_gmem.at[n_idx, cta_m])
+
         def compute_context(eval_pipeline):
-          epilogue(eval_pipeline(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)))
+          acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA))
+          (swiglu_epilogue if swiglu else epilogue)(acc)
 
         def group_scale(idx, j, xs_smem, ws_smem):
           """x_scale[rows] * w_scale of K group j of this pipeline step, broadcast to the [tm, tn] tile."""
-          if ws_prefetch:
+          if swiglu:
+            w_scale = ws_smem[0][j, wg_idx, 0]
+          elif ws_prefetch:
             w_scale = ws_smem[0][j, wg_ws]
           else:
             w_scale = ws_gmem[g0 + idx * gps + j, nblk]
@@ -422,7 +480,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             with jax.named_scope("issue"):
               for j, acc_ref in enumerate(acc_refs):
                 ks_ = pl.ds(j * GROUP, GROUP)
-                plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b_smem.at[wg_n, ks_].transpose((1, 0)))
+                b = b_smem.at[wg_idx, :, ks_] if swiglu else b_smem.at[wg_n, ks_]
+                plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b.transpose((1, 0)))
             out = acc
             for j, acc_ref in enumerate(acc_refs):
               # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
@@ -434,12 +493,16 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
           return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
 
+        k_range = pl.ds(g0 * GROUP, ksteps * step_k)
+        if swiglu:
+          b_unit = b_gmem.at[:, pl.ds(n_idx * tn, tn), k_range]
+          ws_unit = [ws_gmem.at[pl.ds(g0, ksteps * gps), :, pl.ds(n_idx * (tn // wsc), tn // wsc)]]
+        else:
+          b_unit = b_gmem.at[cta_n, k_range]
+          ws_unit = ([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
+                     if ws_prefetch else [])
         get_pipeline(mma_body, compute_context)(
-            a_gmem.at[cta_m, pl.ds(g0 * GROUP, ksteps * step_k)],
-            b_gmem.at[cta_n, pl.ds(g0 * GROUP, ksteps * step_k)],
-            xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m],
-            *([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
-              if ws_prefetch else []),
+            a_gmem.at[cta_m, k_range], b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], *ws_unit,
             allocations=pipeline_allocs,
         )
 
@@ -448,6 +511,20 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   units = split * m_iters * n_iters
   grid = max(1, min(units, num_sms() * cfg.ctas_per_sm))
   out_shape = (split, mp, n) if split > 1 else (mp, n)
+  scratch = dict(out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms))
+  out_type = jax.ShapeDtypeStruct(out_shape, acc_dtype)
+  if swiglu:
+    f_ = n // 2
+    b16_swz = plgpu.find_swizzle(tn * 16, "up tile")
+    scratch.update(
+        up_smem=plgpu.SMEM((tm, tn), jnp.bfloat16,
+                           transforms=(plgpu.TilingTransform((8, b16_swz // 2)), plgpu.SwizzleTransform(b16_swz))),
+        q_smem=plgpu.SMEM((tm, tn), FP8, transforms=in_transforms),
+        s_smem=plgpu.SMEM((tm,), jnp.float32),
+        handover=plgpu.Barrier(num_arrivals=1, num_barriers=2))  # [up tile ready, up tile read]
+    out_type = (jax.ShapeDtypeStruct((mp, f_), FP8), jax.ShapeDtypeStruct((f_ // GROUP, mp), jnp.float32))
+    wq = wq.reshape(2, f_, k)
+    ws = ws.reshape(kg, 2, f_ // wsc)
   kw = {}
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -456,15 +533,14 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
       if profile_dir else {}
   f = plgpu.kernel(
       fp8_matmul_kernel,  # its name reaches the profiler trace (kernel_trace counts it as a GEMM)
-      out_type=jax.ShapeDtypeStruct(out_shape, acc_dtype),
+      out_type=out_type,
       grid=(grid,),
       grid_names=("cluster_grid",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile),
-      scratch_types=dict(out_smem=plgpu.SMEM(
-          (2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms)),
+      scratch_types=scratch,
       **kw,
   )
   return f(xq_p, wq, xs_t, ws)
@@ -488,6 +564,20 @@ def padded_rows(m: int, *configs: Fp8MatmulConfig) -> int:
   return -(-m // tile) * tile
 
 
+def _check_padded_operands(xq_p, xs_t, wq, ws_k, cfg: Fp8MatmulConfig, what: str) -> None:
+  mp, k = xq_p.shape
+  n = wq.shape[0]
+  kg = k // GROUP
+  if xq_p.dtype != FP8 or wq.dtype != FP8 or wq.shape[1] != k or k % GROUP:
+    raise ValueError(f"{what}: expected e4m3 xq [Mp, K] and wq [N, K] with K % 128 == 0, got "
+                     f"{xq_p.dtype}{xq_p.shape} and {wq.dtype}{wq.shape}")
+  if xs_t.shape != (kg, mp):
+    raise ValueError(f"{what}: xs_t must be {(kg, mp)}, got {xs_t.shape}")
+  want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
+  if ws_k.shape != want:
+    raise ValueError(f"{what}: weight scales must be {want} for this config, got {ws_k.shape}")
+
+
 def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax.Array, *, cfg: Fp8MatmulConfig,
                       out_dtype=jnp.bfloat16, interpret: Any = False, profile_dir: str | None = None) -> jax.Array:
   """The Mosaic GPU kernel on operands already in its layouts (the FFN path: `fp8_quantize` writes them).
@@ -496,19 +586,36 @@ def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax
   `kernel_weight_scales`. Returns y [Mp, N] out_dtype, or with cfg.split_k > 1 the fp32 partials [split, Mp, N]
   (the consumer sums them: the SwiGLU quantiser, or the residual add). profile_dir: write a Mosaic GPU in-kernel
   trace (per-warpgroup ranges of the K-step body) there, for `bench/profile_fp8_kernel.py`."""
-  mp, k = xq_p.shape
-  n = wq.shape[0]
-  kg = k // GROUP
-  if xq_p.dtype != FP8 or wq.dtype != FP8 or wq.shape[1] != k or k % GROUP:
-    raise ValueError(f"fp8_matmul_padded: expected e4m3 xq [Mp, K] and wq [N, K] with K % 128 == 0, got "
-                     f"{xq_p.dtype}{xq_p.shape} and {wq.dtype}{wq.shape}")
-  if xs_t.shape != (kg, mp):
-    raise ValueError(f"fp8_matmul_padded: xs_t must be {(kg, mp)}, got {xs_t.shape}")
-  want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
-  if ws_k.shape != want:
-    raise ValueError(f"fp8_matmul_padded: weight scales must be {want} for this config, got {ws_k.shape}")
+  _check_padded_operands(xq_p, xs_t, wq, ws_k, cfg, "fp8_matmul_padded")
   return _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret,
                           profile_dir=profile_dir)
+
+
+def swiglu_fusable(cfg: Fp8MatmulConfig) -> bool:
+  """Whether `fp8_gate_up_swiglu` can run with this gate/up tiling: each warpgroup owns one whole 128-wide block
+  (its quantisation group), no split-K partials, weight scales through the pipeline."""
+  return cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch
+
+
+def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: jax.Array, *,
+                       cfg: Fp8MatmulConfig, interpret: Any = False, profile_dir: str | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+  """The FFN's gate/up GEMM with SwiGLU and the down GEMM's activation quantisation in its epilogue.
+
+  xq_p [Mp, K] e4m3, xs_t [K/128, Mp], w_gu [2F, K] e4m3 (gate rows, then up rows), ws_k: the standard scale
+  table of w_gu for cfg (`kernel_weight_scales`). Returns (aq [Mp, F] e4m3, as_t [F/128, Mp] fp32), equal to
+  `fp8_quantize.swiglu_quantize_t` of the GEMM's bf16 output (and pad rows zeros with scale 1): one kernel and
+  no [Mp, 2F] round trip through memory instead of two kernels."""
+  mp, k = xq_p.shape
+  n = w_gu.shape[0]
+  if not swiglu_fusable(cfg):
+    raise ValueError(f"fp8_gate_up_swiglu: needs swiglu_fusable(cfg) (64 x 128 warpgroup tiles along N, no "
+                     f"split-K, ws_prefetch), got {cfg}")
+  if n % (2 * GROUP):
+    raise ValueError(f"fp8_gate_up_swiglu: w_gu must have 2F rows with F % 128 == 0, got {w_gu.shape}")
+  _check_padded_operands(xq_p, xs_t, w_gu, ws_k, cfg, "fp8_gate_up_swiglu")
+  return _fp8_kernel_call(xq_p, xs_t, w_gu, ws_k, cfg=cfg, out_dtype=jnp.bfloat16, interpret=interpret,
+                          profile_dir=profile_dir, swiglu=True)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config"))

@@ -5,7 +5,8 @@ The FP8 GEMM (`fp8_matmul.py`) wants its activations as e4m3 rows padded to the 
 inputs of a layer cost ~7 small XLA kernels (RMSNorm, two amax reductions, four pads, a transpose: 0.33 ms of a
 4.55 ms LLaDA-8B batch-1 block step on an H200, bench/NOTES.md v5). Here each is one kernel:
 
-  * `rmsnorm_quantize(x, weight)`: the FFN's RMSNorm (fp32 statistics, rounded to x.dtype, times the weight,
+  * `rmsnorm_quantize(x, weight, residual=)`: the attention residual add (x + residual in x.dtype, also written
+    out: the FFN's own residual), the FFN's RMSNorm (fp32 statistics, rounded to x.dtype, times the weight,
     exactly as `dllm_jax.layers.RMSNorm`) then the 1x128 quantisation of `fp8_matmul.quantize_activations`.
   * `swiglu_quantize_t(gu)`: the sum of the gate/up GEMM's split-K partials (rounded to bf16, as the GEMM's own
     bf16 output would be), silu(gate) * up in fp32, then the same quantisation.
@@ -76,17 +77,21 @@ def _layout(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q, scale.T  # the GEMM's layouts: xq [Mp, K], xs_t [K/128, Mp]
 
 
-def rmsnorm_quantize_reference(x: jax.Array, weight: jax.Array, eps: float, m_pad: int
-                               ) -> tuple[jax.Array, jax.Array]:
+def rmsnorm_quantize_reference(x: jax.Array, weight: jax.Array, eps: float, m_pad: int,
+                               residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """x [M, K], weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32): `dllm_jax.layers.RMSNorm`'s
-  numerics, zero pad rows, then `fp8_matmul.quantize_activations`."""
+  numerics, zero pad rows, then `fp8_matmul.quantize_activations`. With residual [M, K]: of x + residual (in
+  x.dtype), which is returned third."""
   m, k = x.shape
+  if residual is not None:
+    x = x + residual.astype(x.dtype)
   xf = x.astype(jnp.float32)
   h = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype) * weight.astype(x.dtype)
-  return _layout(*quantize_activations(jnp.pad(h, ((0, m_pad - m), (0, 0)))))
+  out = _layout(*quantize_activations(jnp.pad(h, ((0, m_pad - m), (0, 0)))))
+  return out if residual is None else (*out, x)
 
 
-def _rmsnorm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, m: int, k: int, eps: float):
+def _rmsnorm_quantize_kernel(x_ref, w_ref, *refs, m: int, k: int, eps: float, with_residual: bool):
   """One row per program, held as a [groups (padded to a power of two), 128] tile: the statistic is one
   reduction and the 1x128 amaxes one reduction along the lanes (a loop of per-group reductions synchronised the
   warps once per group: 21 us per LLaDA-8B row block on the H200 instead of a few)."""
@@ -98,7 +103,16 @@ def _rmsnorm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, m: int, k: int, eps:
   cols = g * GROUP + lane                                   # [gp, 128] column of each element
   ok = g < groups
   row = jnp.zeros_like(cols) + i
-  x = plgpu.load(x_ref.at[row, cols], mask=ok & (i < m), other=0.0).astype(jnp.float32)
+  live = ok & (i < m)
+  if with_residual:  # x + residual in x's dtype (the model's residual stream), written out for the FFN's add
+    r_ref, q_ref, s_ref, sum_ref = refs
+    x = (plgpu.load(x_ref.at[row, cols], mask=live, other=0.0).astype(jnp.float32)
+         + plgpu.load(r_ref.at[row, cols], mask=live, other=0.0).astype(jnp.float32)).astype(x_ref.dtype)
+    plgpu.store(sum_ref.at[row, cols], x, mask=live)
+    x = x.astype(jnp.float32)
+  else:
+    q_ref, s_ref = refs
+    x = plgpu.load(x_ref.at[row, cols], mask=live, other=0.0).astype(jnp.float32)
   w = plgpu.load(w_ref.at[cols], mask=ok, other=0.0)
   inv = lax.rsqrt(jnp.sum(x * x) / k + eps)
   h = (x * inv).astype(x_ref.dtype) * w.astype(x_ref.dtype)
@@ -108,13 +122,18 @@ def _rmsnorm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, m: int, k: int, eps:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "m_pad", "blocks", "interpret"))
-def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
-                     blocks: QuantizeBlocks | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int, residual: jax.Array | None = None,
+                     blocks: QuantizeBlocks | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
   """RMSNorm then 1x128 e4m3 quantisation, in the FP8 GEMM's layout.
 
-  x [M, K] (bf16/fp32), weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32)."""
+  x [M, K] (bf16/fp32), weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32). With residual [M, K]
+  (the attention output projection): of s = x + residual in x.dtype, returned third (one kernel instead of an
+  XLA add before this one)."""
   if x.ndim != 2 or weight.shape != (x.shape[-1],):
     raise ValueError(f"rmsnorm_quantize: expected x [M, K] and weight [K], got {x.shape} and {weight.shape}")
+  if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    raise ValueError(f"rmsnorm_quantize: residual must match x {x.dtype}{x.shape}, got "
+                     f"{residual.dtype}{residual.shape}")
   m, k = x.shape
   if k % GROUP:
     raise ValueError(f"rmsnorm_quantize: K={k} must be a multiple of {GROUP}")
@@ -122,18 +141,21 @@ def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
   bs = blocks or QuantizeBlocks()  # one row per program: a block step's 32-256 rows are that many programs
   if bs.block_m != 1:
     raise ValueError(f"rmsnorm_quantize: one row per program (block_m=1), got block_m={bs.block_m}")
-  kernel = functools.partial(_rmsnorm_quantize_kernel, m=m, k=k, eps=float(eps))
+  with_residual = residual is not None
+  kernel = functools.partial(_rmsnorm_quantize_kernel, m=m, k=k, eps=float(eps), with_residual=with_residual)
+  whole = pl.BlockSpec((m, k), lambda i: (0, 0))
   return pl.pallas_call(
       kernel,
       grid=(m_pad // bs.block_m,),
-      in_specs=[pl.BlockSpec((m, k), lambda i: (0, 0)), pl.BlockSpec((k,), lambda i: (0,))],
+      in_specs=[whole, pl.BlockSpec((k,), lambda i: (0,))] + [whole] * with_residual,
       out_specs=[pl.BlockSpec((bs.block_m, k), lambda i: (i, 0)),
-                 pl.BlockSpec((k // GROUP, bs.block_m), lambda i: (0, i))],
-      out_shape=[jax.ShapeDtypeStruct((m_pad, k), FP8), jax.ShapeDtypeStruct((k // GROUP, m_pad), jnp.float32)],
+                 pl.BlockSpec((k // GROUP, bs.block_m), lambda i: (0, i))] + [whole] * with_residual,
+      out_shape=[jax.ShapeDtypeStruct((m_pad, k), FP8), jax.ShapeDtypeStruct((k // GROUP, m_pad), jnp.float32)]
+      + [jax.ShapeDtypeStruct((m, k), x.dtype)] * with_residual,
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
       interpret=interpret,
       name="rmsnorm_quantize",
-  )(x, weight)
+  )(x, weight, *([residual] if with_residual else []))
 
 
 # ------------------------------------------------------------------------------------------- SwiGLU

@@ -3,6 +3,8 @@
 On the CPU the Mosaic GPU kernel runs in jax's GPU simulator (interpret mode)
 and is lowered for CUDA under an abstract GPU mesh; on a GPU it is compiled.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,8 +136,8 @@ KERNEL_CASES = [
     (1, 256, 512, C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
     # ... 8 units on the simulator's 4 SMs (two units per CTA), 4 steps per unit on 3 stages (barrier wrap), ...
     (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
-    # ... and four groups per stage on the 256-wide small-M tiles
-    (33, 256, 1024, C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)),
+    # ... and four groups per stage (64-wide CTA tiles: two such stages fit next to an fp32 epilogue)
+    (33, 256, 1024, C(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)),
 ]
 
 
@@ -168,6 +170,40 @@ def test_kernel_gpu_real_shapes(m, n, k):
   assert _rel(y, ref) < 5e-4
 
 
+SWIGLU_CASES = [
+    # (M, F, K, groups_per_step): one unit per CTA; 4x4 units on the simulator's 4 SMs (the hand-over barrier
+    # reused) with two K groups per stage
+    (33, 256, 512, 1),
+    (200, 512, 1024, 2),
+]
+
+
+@pytest.mark.parametrize("m,f,k,groups", SWIGLU_CASES + ([(32, 12288, 4096, 2), (64, 18944, 3584, 1)] if ON_GPU else []))
+def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups):
+  """The fused SwiGLU epilogue (gate block j paired with up block j in one CTA tile) equals the GEMM's bf16
+  output followed by swiglu_quantize_t's reference, pad rows zeros with scale 1."""
+  from pallas_kernels import fp8_quantize as Q
+
+  x, w = _data(m, 2 * f, k, seed=m + f)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  cfg = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4, groups_per_step=groups)
+  mp = F.padded_rows(m, cfg)
+  xq_p, xs_t = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs.T, ((0, 0), (0, mp - m)))
+  ws_k = F.kernel_weight_scales(ws, 2 * f, cfg)
+  aq, as_t = F.fp8_gate_up_swiglu(xq_p, xs_t, wq, ws_k, cfg=cfg, interpret=INTERPRET)
+  gu = F.fp8_matmul_padded(xq_p, xs_t, wq, ws_k, cfg=cfg, interpret=INTERPRET)
+  rq, rs = Q.swiglu_quantize_t_reference(gu)
+  assert aq.shape == (mp, f) and aq.dtype == F.FP8 and as_t.shape == (f // 128, mp)
+  codes = lambda q: np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8))
+  # sigmoid via exp in the kernel vs XLA's logistic: a rare rounding flip of one code
+  assert np.mean(codes(aq) == codes(rq)) > 0.99
+  np.testing.assert_allclose(np.asarray(as_t), np.asarray(rs), rtol=1e-5)
+  assert np.all(codes(aq)[m:] == 0) and np.all(np.asarray(as_t)[:, m:] == 1.0)
+  with pytest.raises(ValueError, match="swiglu_fusable"):
+    F.fp8_gate_up_swiglu(xq_p, xs_t, wq, ws_k, cfg=dataclasses.replace(cfg, split_k=2), interpret=INTERPRET)
+
+
 def _gpu_mesh():
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   return jax.sharding.AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
@@ -185,18 +221,28 @@ def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
   assert f"tensor<{m}x{n}xbf16>" in txt
 
 
-@pytest.mark.parametrize("groups", [1, 2])
+def test_stages_that_do_not_fit_are_refused_before_lowering():
+  x, w = _data(32, 512, 1024)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  wide4 = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)
+  with pytest.raises(ValueError, match="do not fit"):
+    F.fp8_matmul(xq, xs, wq, ws, backend="pallas", interpret=INTERPRET, config=wide4)
+
+
+@pytest.mark.parametrize("groups", [1, 2, None])
 def test_default_configs_fit_and_lower(groups, monkeypatch):
   """default_config at the real FFN shapes: the 256-wide small-M tiles only where they fill the waves better
   (LLaDA gate/up), K groups per stage only where they divide a work unit, and every config lowers for CUDA
   within the H200's shared memory (Mosaic GPU checks it at lowering)."""
-  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)
+  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)  # None: the default rule (2 at M <= 64, else 1)
   shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
   for m in (32, 256):
     for n, k in shapes:
       cfg = F.default_config(m, n, k)
       kg = k // 128 // cfg.split_k
-      assert cfg.groups_per_step == (groups if kg % groups == 0 else 1), (m, n, k, cfg)
+      g = groups or (2 if m <= 64 else 1)
+      assert cfg.groups_per_step == (g if kg % g == 0 else 1), (m, n, k, cfg)
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
       args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
               jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))

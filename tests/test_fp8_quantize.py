@@ -61,6 +61,25 @@ def test_rmsnorm_quantize_matches_rmsnorm_then_quantise(m, m_pad, k):
   np.testing.assert_allclose(np.asarray(s_t), np.asarray(sr), rtol=1e-2)
 
 
+@pytest.mark.parametrize("m,m_pad,k", [(5, 64, 384), (33, 64, 896)])
+def test_rmsnorm_quantize_adds_the_residual_first(m, m_pad, k):
+  """With residual=: the attention residual add in bf16 (returned exactly as x + r), then the same RMSNorm +
+  quantisation as on that sum."""
+  x = jax.random.normal(jax.random.key(k), (m, k)).astype(jnp.bfloat16)
+  r = (3 * jax.random.normal(jax.random.key(k + 1), (m, k))).astype(jnp.bfloat16)
+  w = (1 + 0.3 * jax.random.normal(jax.random.key(7), (k,))).astype(jnp.bfloat16)
+  q, s_t, total = Q.rmsnorm_quantize(x, w, eps=1e-5, m_pad=m_pad, residual=r, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(total, np.float32), np.asarray(x + r, np.float32))
+  q1, s1 = Q.rmsnorm_quantize(x + r, w, eps=1e-5, m_pad=m_pad, interpret=INTERPRET)
+  np.testing.assert_array_equal(_codes(q), _codes(q1))
+  np.testing.assert_array_equal(np.asarray(s_t), np.asarray(s1))
+  qr, sr, tr = Q.rmsnorm_quantize_reference(x, w, 1e-5, m_pad, residual=r)
+  np.testing.assert_array_equal(np.asarray(tr, np.float32), np.asarray(total, np.float32))
+  assert np.mean(_codes(q) == _codes(qr)) > 0.97
+  with pytest.raises(ValueError, match="residual"):
+    Q.rmsnorm_quantize(x, w, eps=1e-5, m_pad=m_pad, residual=r[:, :128], interpret=True)
+
+
 SWIGLU_CASES = [(1, 64, 256), (3, 16, 384), (2, 128, 128)]
 
 
@@ -146,3 +165,43 @@ def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
   np.testing.assert_array_equal(
       np.asarray(fp8.ffn_residual(params, c8, poisoned, 1, x, backend="pallas", interpret=INTERPRET)),
       np.asarray(x))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_fp8_ffn_takes_the_attention_residual(unrolled_fp8, layer):
+  """attn_out= (the model's path): s = x + attn_out then the FFN's residual block, on both backends and for the
+  bf16 first layer, equal to adding first."""
+  params, c8 = unrolled_fp8
+  lp = params["layers"][layer]
+  x = jax.random.normal(jax.random.key(5), (2, 21, CFG.d_model)).astype(jnp.bfloat16)
+  o = (2 * jax.random.normal(jax.random.key(6), x.shape)).astype(jnp.bfloat16)
+  for backend in ("xla", "pallas"):
+    added = fp8.ffn_residual(params, c8, lp, layer, x + o, backend=backend, interpret=INTERPRET)
+    fused = fp8.ffn_residual(params, c8, lp, layer, x, backend=backend, interpret=INTERPRET, attn_out=o)
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(added, np.float32))
+  # the stacked layers' scan path: a traced layer index (lax.cond), the same result
+  traced = jax.jit(lambda i: fp8.ffn_residual(params, c8, lp, i, x, backend="xla", attn_out=o))(layer)
+  np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(
+      fp8.ffn_residual(params, c8, lp, layer, x + o, backend="xla"), np.float32))
+
+
+def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp8):
+  """The FFN on the gate/up kernel with the SwiGLU epilogue (256-wide tiles, as at block-step M on the GPU)."""
+  params, c8 = unrolled_fp8
+  lp = params["layers"][1]
+  x = jax.random.normal(jax.random.key(8), (2, 21, CFG.d_model)).astype(jnp.bfloat16)
+  o = jax.random.normal(jax.random.key(9), x.shape).astype(jnp.bfloat16)
+  wide = F.Fp8MatmulConfig(wg_dimension=F.Dim.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=2)
+  assert F.swiglu_fusable(wide)
+  b, n, d = x.shape
+  scale = lp["ffn_norm"]["scale"]
+  fused = fp8.fp8_ffn_pallas(x.reshape(b * n, d), scale, c8.rms_eps, lp["mlp_fp8"], INTERPRET,
+                             residual=o.reshape(b * n, d), gate_up=(wide, True))
+  unfused = fp8.fp8_ffn_pallas(x.reshape(b * n, d), scale, c8.rms_eps, lp["mlp_fp8"], INTERPRET,
+                               residual=o.reshape(b * n, d), gate_up=(wide, False))
+  ref = fp8.ffn_residual(params, c8, lp, 1, x, backend="xla", attn_out=o).reshape(b * n, d)
+  s = np.asarray(x + o, np.float32).reshape(b * n, d)
+  d_ref = np.asarray(ref, np.float32) - s
+  for out in (fused, unfused):
+    assert np.linalg.norm(np.asarray(out, np.float32) - s - d_ref) / np.linalg.norm(d_ref) < 2e-2
+  np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32), atol=2e-2)
