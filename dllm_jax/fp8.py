@@ -136,24 +136,20 @@ def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
     return kernel_weight_scales(mlp_fp8[src], n, cfg)
 
 
-# The gate/up GEMM writes silu(gate) * up already quantised (`fp8_gate_up_swiglu`) where its tiling allows it; at
-# block-step M (<= 64) the FFN then prefers the 256-wide tiles that allow it. FP8_FUSE_SWIGLU=0 (or setting this
-# attribute, for same-process comparisons) keeps the GEMM's bf16 output and the separate `swiglu_quantize_t`.
+# The gate/up GEMM writes silu(gate) * up already quantised (`fp8_gate_up_swiglu`) where its tiling allows it.
+# FP8_FUSE_SWIGLU=0 (or setting this attribute, for same-process comparisons) keeps the GEMM's bf16 output and the
+# separate `swiglu_quantize_t`.
 FUSE_SWIGLU = os.environ.get("FP8_FUSE_SWIGLU", "1") != "0"
 
 
 def gate_up_plan(m: int, f2: int, d: int):
-    """(config, fused) of the FFN's gate/up GEMM for m rows: `default_config`, or at m <= 64 with FUSE_SWIGLU the
-    256-wide small-M tiles when only they allow the fused SwiGLU epilogue."""
-    from pallas_kernels.fp8_matmul import with_default_groups, default_config, swiglu_fusable, wide_small_m_config
+    """(config, fused) of the FFN's gate/up GEMM for m rows: `default_config`, fused where that tiling allows it
+    (LLaDA-8B at block-step M). Forcing the 256-wide tiles to fuse was slower for Dream-7B (3.72 vs 3.66 ms per
+    batch-1 block step, block_step_h200.json run H: its kernels +0.12 ms, the quantiser saved 0.10)."""
+    from pallas_kernels.fp8_matmul import default_config, swiglu_fusable
 
     cfg = default_config(m, f2, d)
-    if not FUSE_SWIGLU:
-        return cfg, False
-    if not swiglu_fusable(cfg) and m <= 64 and (wide := wide_small_m_config(m, f2, d)) is not None \
-            and swiglu_fusable(wide):
-        cfg = with_default_groups(wide, m, d)
-    return cfg, swiglu_fusable(cfg)
+    return cfg, FUSE_SWIGLU and swiglu_fusable(cfg)
 
 
 def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dict, interpret: bool = False,
@@ -163,11 +159,11 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
 
     Four kernels: residual add + RMSNorm + quantise (Triton), the gate/up FP8 GEMM with SwiGLU + quantise in its
     epilogue (Mosaic GPU; where its tiling does not allow that, the GEMM and a Triton split-K sum + SwiGLU +
-    quantise), the down FP8 GEMM, and XLA's split-K sum + residual add. Same numerics as the XLA path up to the
+    quantise), the down FP8 GEMM, and the split-K sum + residual add (Triton; XLA's add without split-K). Same numerics as the XLA path up to the
     order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a (config, fused) plan instead of
     `gate_up_plan` (tests)."""
     from pallas_kernels.fp8_matmul import default_config, fp8_gate_up_swiglu, fp8_matmul_padded, padded_rows
-    from pallas_kernels.fp8_quantize import rmsnorm_quantize, swiglu_quantize_t
+    from pallas_kernels.fp8_quantize import rmsnorm_quantize, splitk_residual_add, swiglu_quantize_t
 
     m, d = x.shape
     f2 = mlp_fp8["w_gu"].shape[0]
@@ -187,8 +183,8 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
         aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
     y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
                           out_dtype=x.dtype, interpret=interpret)
-    if y.ndim == 3:  # split-K partials
-        y = y.sum(axis=0)
+    if y.ndim == 3:  # split-K partials: summed and added in one kernel
+        return splitk_residual_add(y, x, interpret=interpret)
     return x + y[:m].astype(x.dtype)
 
 

@@ -205,3 +205,24 @@ def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp
   for out in (fused, unfused):
     assert np.linalg.norm(np.asarray(out, np.float32) - s - d_ref) / np.linalg.norm(d_ref) < 2e-2
   np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("splits,m,m_pad,d", [(4, 32, 64, 512), (2, 42, 64, 384), (3, 17, 128, 128)])
+def test_splitk_residual_add_matches_sum_then_add(splits, m, m_pad, d):
+  p = jax.random.normal(jax.random.key(m), (splits, m_pad, d), jnp.float32) * 3
+  p = p.at[:, m:].set(jnp.nan)  # pad rows: never read into the output
+  x = jax.random.normal(jax.random.key(d), (m, d)).astype(jnp.bfloat16)
+  out = Q.splitk_residual_add(p, x, interpret=INTERPRET)
+  ref = Q.splitk_residual_add_reference(p, x)
+  assert out.shape == x.shape and out.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  with pytest.raises(ValueError, match="partials"):
+    Q.splitk_residual_add(p[0], x, interpret=True)
+
+
+def test_gate_up_plan_fuses_where_the_default_tiling_allows(monkeypatch):
+  assert fp8.gate_up_plan(32, 24576, 4096)[1]  # LLaDA-8B block step: 256-wide tiles, fused
+  assert not fp8.gate_up_plan(32, 37888, 3584)[1]  # Dream-7B: 128-wide tiles fill the waves better, not fused
+  assert not fp8.gate_up_plan(256, 24576, 4096)[1]  # batch 8: 64-row warpgroup tiles along M
+  monkeypatch.setattr(fp8, "FUSE_SWIGLU", False)
+  assert not fp8.gate_up_plan(32, 24576, 4096)[1]
