@@ -51,6 +51,7 @@ VARIANTS = {
     "fp8_ffn_g1": "the FP8 FFN with one 128-K group per pipeline stage (FP8_GROUPS_PER_STEP=1)",
     "fp8_ffn_g2": "the FP8 FFN with two 128-K groups per pipeline stage (FP8_GROUPS_PER_STEP=2)",
     "fp8_ffn_g4": "the FP8 FFN with four 128-K groups per pipeline stage where they fit (FP8_GROUPS_PER_STEP=4)",
+    "fp8_ffn_xla_sum": "the FP8 FFN with XLA's split-K sum and residual add (FP8_SPLITK_RESIDUAL_KERNEL=0)",
     "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
                               "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
@@ -75,7 +76,9 @@ def variant(name: str):
     from pallas_kernels import fp8_matmul
 
     saved_fp8, saved_wide, saved_groups = fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP
-    saved_fuse = fp8.FUSE_SWIGLU
+    saved_fuse, saved_sum = fp8.FUSE_SWIGLU, fp8.SPLITK_RESIDUAL_KERNEL
+    if name == "fp8_ffn_xla_sum":
+        fp8.SPLITK_RESIDUAL_KERNEL = False
     if name in ("fp8_ffn_narrow", "fp8_ffn_v5"):  # default_config reads the flags at trace time
         fp8_matmul.WIDE_SMALL_M = False
     if name in ("fp8_ffn_narrow", "fp8_ffn_v5", "fp8_ffn_unfused_swiglu"):
@@ -96,7 +99,7 @@ def variant(name: str):
     finally:
         modeling.attend, Block.finish = saved_attend, saved_finish
         fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP = saved_fp8, saved_wide, saved_groups
-        fp8.FUSE_SWIGLU = saved_fuse
+        fp8.FUSE_SWIGLU, fp8.SPLITK_RESIDUAL_KERNEL = saved_fuse, saved_sum
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,

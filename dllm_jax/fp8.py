@@ -142,6 +142,11 @@ def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
 FUSE_SWIGLU = os.environ.get("FP8_FUSE_SWIGLU", "1") != "0"
 
 
+# The down GEMM's split-K partials summed and added to the residual stream by one Triton kernel (False: XLA's sum
+# and add; FP8_SPLITK_RESIDUAL_KERNEL=0, or this attribute for same-process comparisons).
+SPLITK_RESIDUAL_KERNEL = os.environ.get("FP8_SPLITK_RESIDUAL_KERNEL", "1") != "0"
+
+
 def gate_up_plan(m: int, f2: int, d: int):
     """(config, fused) of the FFN's gate/up GEMM for m rows: `default_config`, fused where that tiling allows it
     (LLaDA-8B at block-step M). Forcing the 256-wide tiles to fuse was slower for Dream-7B (3.72 vs 3.66 ms per
@@ -183,8 +188,10 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
         aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
     y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
                           out_dtype=x.dtype, interpret=interpret)
-    if y.ndim == 3:  # split-K partials: summed and added in one kernel
+    if y.ndim == 3 and SPLITK_RESIDUAL_KERNEL:  # split-K partials: summed and added in one kernel
         return splitk_residual_add(y, x, interpret=interpret)
+    if y.ndim == 3:
+        y = y.sum(axis=0)
     return x + y[:m].astype(x.dtype)
 
 

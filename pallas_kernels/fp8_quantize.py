@@ -257,7 +257,9 @@ def splitk_residual_add(partials: jax.Array, x: jax.Array, *, interpret: bool = 
   m = x.shape[0]
   if d % GROUP:
     raise ValueError(f"splitk_residual_add: d={d} must be a multiple of {GROUP}")
-  bm, bd = 16, next(b for b in (512, 256, 128) if d % b == 0)
+  # small tiles, many programs: 16 x 512 tiles made 16 programs at a block step's 32 rows, 5.9 us per LLaDA-8B
+  # layer on the H200 (block_step_h200.json run I), slower than XLA's reduction + add (3.9 us)
+  bm, bd = 8, GROUP
   return pl.pallas_call(
       functools.partial(_splitk_residual_add_kernel, splits=splits),
       grid=(pl.cdiv(m, bm), d // bd),
