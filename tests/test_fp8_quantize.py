@@ -179,15 +179,23 @@ def test_fp8_ffn_takes_the_attention_residual(unrolled_fp8, layer):
     added = np.asarray(fp8.ffn_residual(params, c8, lp, layer, x + o, backend=backend, interpret=INTERPRET), np.float32)
     fused = np.asarray(fp8.ffn_residual(params, c8, lp, layer, x, backend=backend, interpret=INTERPRET, attn_out=o),
                        np.float32)
-    if ON_GPU and backend == "pallas":  # two compiled kernels: a different fp32 reduction order may flip an e4m3 code
-      s = np.asarray(x + o, np.float32)
-      assert np.linalg.norm(fused - added) / np.linalg.norm(added - s) < 2e-2
-    else:
-      np.testing.assert_array_equal(fused, added)
+    _same(fused, added, np.asarray(x + o, np.float32))
   # the stacked layers' scan path: a traced layer index (lax.cond), the same result
   traced = jax.jit(lambda i: fp8.ffn_residual(params, c8, lp, i, x, backend="xla", attn_out=o))(layer)
-  np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(
-      fp8.ffn_residual(params, c8, lp, layer, x + o, backend="xla"), np.float32))
+  _same(np.asarray(traced, np.float32),
+        np.asarray(fp8.ffn_residual(params, c8, lp, layer, x + o, backend="xla"), np.float32),
+        np.asarray(x + o, np.float32))
+
+
+def _same(a, b, residual):
+  """Bit-equal on the CPU; on the GPU up to the e4m3 rounding noise of the FFN: XLA may keep x + o in fp32 inside
+  a fusion (excess precision) and two compiled kernels may reduce the RMSNorm statistic in different orders, so
+  codes at rounding boundaries flip (measured 5.8% of the FFN's contribution on the H200; ignoring attn_out would
+  be ~14x the contribution here)."""
+  if ON_GPU:
+    assert np.linalg.norm(a - b) / np.linalg.norm(b - residual) < 0.1
+  else:
+    np.testing.assert_array_equal(a, b)
 
 
 def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp8):
