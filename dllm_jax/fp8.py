@@ -164,9 +164,9 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
 
     Four kernels: residual add + RMSNorm + quantise (Triton), the gate/up FP8 GEMM with SwiGLU + quantise in its
     epilogue (Mosaic GPU; where its tiling does not allow that, the GEMM and a Triton split-K sum + SwiGLU +
-    quantise), the down FP8 GEMM, and the split-K sum + residual add (Triton; XLA's add without split-K). Same numerics as the XLA path up to the
-    order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a (config, fused) plan instead of
-    `gate_up_plan` (tests)."""
+    quantise), the down FP8 GEMM, and the split-K sum + residual add (Triton; XLA's add without split-K). Same
+    numerics as the XLA path up to the order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a
+    (config, fused) plan instead of `gate_up_plan` (tests)."""
     from pallas_kernels.fp8_matmul import default_config, fp8_gate_up_swiglu, fp8_matmul_padded, padded_rows
     from pallas_kernels.fp8_quantize import rmsnorm_quantize, splitk_residual_add, swiglu_quantize_t
 

@@ -316,9 +316,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
   mp, k = xq_p.shape
   n = wq.shape[0]
-  if swiglu and not (cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch):
-    raise ValueError(f"fp8_gate_up_swiglu needs 2 warpgroups of 64 x 128 along N, no split-K and prefetched "
-                     f"weight scales, got {cfg}")
+  assert not swiglu or swiglu_fusable(cfg), cfg  # fp8_gate_up_swiglu checked it
   tm, tn = cfg.wg_tile_m, cfg.wg_tile_n
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k

@@ -14,8 +14,8 @@ inputs of a layer cost ~7 small XLA kernels (RMSNorm, two amax reductions, four 
 And `splitk_residual_add(partials, x)`: the down GEMM's split-K partials summed, rounded and added to the
 residual stream, the FFN's last step.
 
-Rows M..Mp of the quantisers' outputs are zeros with scale 1 (the GEMM's pad rows; their outputs are sliced away). Each has a
-pure-jnp `*_reference` with the same outputs; on the CPU the kernels run with interpret=True (tests).
+Rows M..Mp of the quantisers' outputs are zeros with scale 1 (the GEMM's pad rows; their outputs are sliced
+away). Each has a pure-jnp `*_reference` with the same outputs; on the CPU the kernels run with interpret=True (tests).
 """
 from __future__ import annotations
 
