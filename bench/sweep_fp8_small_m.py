@@ -6,7 +6,8 @@ wall time is mostly dispatch, bench/NOTES.md v5).
 
 Why: at M = 32 the gate/up GEMM's 192 work units (128-wide N tiles) are 1.45 waves of 132 SMs, and the down
 GEMM's 128 units (split-K 4) one wave with short K loops; both stream e4m3 weights at ~3.1 TB/s where XLA's bf16
-GEMMs reach 3.8-4.1. The sweep tries finer N tiles and split-K counts that make whole waves. Each row: model, GEMM,
+GEMMs reach 3.8-4.1. The sweep tries finer N tiles and split-K counts that make whole waves, and (v7) the default
+tiling with 2 or 4 K groups per pipeline stage. Each row: model, GEMM,
 M, config, us_kernel (the GEMM kernel's device time per call, median of 4 weight copies in one trace), the e4m3
 weight TB/s, and whether it is the default. Also the two quantisers alone at each M.
 """
@@ -39,8 +40,8 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
 
 
 def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
-    """The default tiling, then (M <= 64) the same tiling with every stage that fits and the other tile width;
-    sweep=True adds every split-K count of both widths (runs v6a/v6b)."""
+    """The default tiling, the same with 1, 2 or 4 K groups per stage, then (M <= 64) with every stage that fits and
+    the other tile width; sweep=True adds every split-K count of both widths (runs v6a/v6b)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -49,7 +50,7 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
         if cfg not in out and not n % cfg.cta_tile_n and not kg % cfg.split_k:
             out.append(cfg)
 
-    for g in (2, 4):  # several K groups per stage (wgmmas in flight during the promotions), where they fit
+    for g in (1, 2, 4):  # K groups per stage (wgmmas in flight during the promotions; v7), where they fit
         grouped = dataclasses.replace(default, groups_per_step=g)
         if not (kg // default.split_k) % g and F.stages_that_fit(grouped, jnp.float32) >= 2:
             add(grouped)

@@ -193,7 +193,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return with_default_groups(narrow, m, k)
+    return _with_default_groups(narrow, m, k)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -202,7 +202,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
 
-  return with_default_groups(max((narrow, wide), key=rank), m, k)
+  return _with_default_groups(max((narrow, wide), key=rank), m, k)
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
@@ -214,7 +214,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 
 
-def with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
+def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
   g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 else 1)
   if g == 1 or (k // GROUP // cfg.split_k) % g:
     return cfg
