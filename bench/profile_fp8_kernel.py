@@ -7,8 +7,9 @@ count (bench/NOTES.md v6), i.e. the limit is the per-step chain of a compute war
 The kernel's body has named ranges (`issue`: the wgmmas of a stage, `wait<j>`: until group j's wgmma is done,
 `promote<j>`: the scaled add into the running sum); the time between a step's last range and the next step's
 `issue` is the pipeline's own work (waiting for the stage's TMA data, the consumed-barrier arrival). Each row:
-the medians per step over all compute warpgroups (first step of each work unit skipped), and the wall time of a
-warpgroup's whole trace.
+the medians per step over all compute warpgroups (the first step of each warpgroup's trace, the pipeline fill,
+skipped; a trace holds the first ~60 steps, i.e. the first work unit at these shapes), and the time span of a
+warpgroup's trace.
 """
 from __future__ import annotations
 

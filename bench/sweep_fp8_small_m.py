@@ -56,9 +56,10 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
             add(grouped)
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
-        if wide is not None and default == wide and not (kg // narrow.split_k) % 2:
+        one_group = dataclasses.replace(default, groups_per_step=1)
+        if wide is not None and one_group == wide and not (kg // narrow.split_k) % 2:
             add(dataclasses.replace(narrow, groups_per_step=2))  # grouped stages at 2 stages (wide) or 4 (narrow)
-        add(dataclasses.replace(default, max_concurrent_steps=8))  # every stage that fits (run v6c: no gain)
+        add(dataclasses.replace(one_group, max_concurrent_steps=8))  # every stage that fits (run v6c: no gain)
         add(narrow)
         if wide is not None:
             add(wide)

@@ -212,6 +212,8 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 # (fp8_small_m_h200.json run v7a); 1 above (not measured yet). FP8_GROUPS_PER_STEP sets it for every M
 # (benchmarks compare in one process by setting this attribute).
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
+if GROUPS_PER_STEP not in (None, 1, 2, 4):
+  raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
 
 
 def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
@@ -341,8 +343,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
   # the profiler's event buffers live in shared memory too (3 warpgroups x 4 words per range)
   reserve = 3 * 16 * PROFILE_EVENTS if profile_dir else 0
-  if swiglu:  # the up tile handed over (bf16), the quantised tile and its row scales
-    reserve += tm * tn * 3 + 4 * tm + 128
+  if swiglu:
+    reserve += _swiglu_smem(cfg)
   stages = fit_stages(cfg, acc_dtype, reserve)
   if stages_that_fit(cfg, acc_dtype, reserve) < 2:
     raise ValueError(f"fp8_matmul: two pipeline stages of {cfg} do not fit in {SMEM_BYTES} bytes of shared memory "
@@ -589,10 +591,17 @@ def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax
                           profile_dir=profile_dir)
 
 
+def _swiglu_smem(cfg: Fp8MatmulConfig) -> int:
+  """Shared memory of the fused SwiGLU epilogue: the up tile handed over (bf16), the quantised tile, its scales."""
+  return cfg.wg_tile_m * cfg.wg_tile_n * 3 + 4 * cfg.wg_tile_m + 128
+
+
 def swiglu_fusable(cfg: Fp8MatmulConfig) -> bool:
   """Whether `fp8_gate_up_swiglu` can run with this gate/up tiling: each warpgroup owns one whole 128-wide block
-  (its quantisation group), no split-K partials, weight scales through the pipeline."""
-  return cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch
+  (its quantisation group), no split-K partials, weight scales through the pipeline, and two pipeline stages fit
+  next to the epilogue's buffers."""
+  return (cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch
+          and stages_that_fit(cfg, jnp.bfloat16, _swiglu_smem(cfg)) >= 2)
 
 
 def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: jax.Array, *,

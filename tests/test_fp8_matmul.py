@@ -249,6 +249,16 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
       with jax.sharding.use_abstract_mesh(_gpu_mesh()):
         F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
   assert F.default_config(32, 3584, 18944).groups_per_step == 1  # 148 groups / split-K 4: odd
+  # the fused SwiGLU epilogue at LLaDA's block-step tiling (the only default that allows it) lowers too
+  cfg = F.default_config(32, 24576, 4096)
+  assert F.swiglu_fusable(cfg)
+  mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
+  args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
+          jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
+  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+    txt = jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in txt and f"tensor<{mp}x12288xf8E4M3FN>" in txt
 
 
 # ---------------------------------------------------------------- FFN path

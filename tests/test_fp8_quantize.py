@@ -188,10 +188,10 @@ def test_fp8_ffn_takes_the_attention_residual(unrolled_fp8, layer):
 
 
 def _same(a, b, residual):
-  """Bit-equal on the CPU; on the GPU up to the e4m3 rounding noise of the FFN: XLA may keep x + o in fp32 inside
-  a fusion (excess precision) and two compiled kernels may reduce the RMSNorm statistic in different orders, so
-  codes at rounding boundaries flip (measured 5.8% of the FFN's contribution on the H200; ignoring attn_out would
-  be ~14x the contribution here)."""
+  """Bit-equal on the CPU; on the GPU up to the e4m3 rounding noise of the FFN: under jit XLA may keep x + o in
+  fp32 inside a fusion (excess precision), so codes at rounding boundaries flip (measured: 5.6% of the FFN's
+  contribution on the H200; the two RMSNorm kernels alone are bit-equal there,
+  test_rmsnorm_quantize_adds_the_residual_first). Ignoring attn_out would be ~14x the contribution here."""
   if ON_GPU:
     assert np.linalg.norm(a - b) / np.linalg.norm(b - residual) < 0.1
   else:
@@ -217,7 +217,8 @@ def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp
   d_ref = np.asarray(ref, np.float32) - s
   for out in (fused, unfused):
     assert np.linalg.norm(np.asarray(out, np.float32) - s - d_ref) / np.linalg.norm(d_ref) < 2e-2
-  np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32), atol=2e-2)
+  # bit-equal in the simulator; compiled, the epilogue's exp-based sigmoid may flip an e4m3 code
+  _same(np.asarray(fused, np.float32), np.asarray(unfused, np.float32), s)
 
 
 @pytest.mark.parametrize("splits,m,m_pad,d", [(4, 32, 64, 512), (2, 42, 64, 384), (3, 17, 128, 128)])
