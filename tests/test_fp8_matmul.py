@@ -136,6 +136,8 @@ KERNEL_CASES = [
     (1, 256, 512, C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
     # ... 8 units on the simulator's 4 SMs (two units per CTA), 4 steps per unit on 3 stages (barrier wrap), ...
     (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
+    # ... the scalar weight-scale load per group (no prefetch) ...
+    (64, 256, 1024, C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=3, groups_per_step=2, ws_prefetch=False)),
     # ... and four groups per stage (64-wide CTA tiles: two such stages fit next to an fp32 epilogue)
     (33, 256, 1024, C(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)),
 ]
