@@ -26,6 +26,7 @@ import functools
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -60,46 +61,53 @@ VARIANTS = {
 CACHE_SLOTS, BLOCK, FUSED = 512, 32, 8
 
 
+# The FP8 variants as module-attribute overrides (default_config and the FFN read them at trace time).
+FP8_FLAG_OVERRIDES = {
+    "fp8_ffn_v5": {"WIDE_SMALL_M": False, "FUSE_SWIGLU": False},
+    "fp8_ffn_narrow": {"WIDE_SMALL_M": False, "FUSE_SWIGLU": False},
+    "fp8_ffn_unfused_swiglu": {"FUSE_SWIGLU": False},
+    "fp8_ffn_xla_sum": {"SPLITK_RESIDUAL_KERNEL": False},
+    "fp8_ffn_g1": {"GROUPS_PER_STEP": 1},
+    "fp8_ffn_g2": {"GROUPS_PER_STEP": 2},
+    "fp8_ffn_g4": {"GROUPS_PER_STEP": 4},
+}
+
+
+def _v5_ffn(x, norm_scale, eps, mlp_fp8, interpret=False, residual=None):
+    """Session 5's FP8 FFN wrapper: jnp RMSNorm and quantisation, pads, weight scales expanded per call."""
+    from dllm_jax import fp8
+    from dllm_jax.layers import RMSNorm
+    from pallas_kernels.fp8_matmul import fp8_ffn
+
+    x = x if residual is None else x + residual
+    h = RMSNorm(eps, x.dtype).apply({"params": {"scale": norm_scale}}, x)
+    return x + fp8_ffn(h, fp8.without_kernel_scales(mlp_fp8), backend="pallas", interpret=interpret)
+
+
+def _fake_attend(q, k, v, key_mask=None, backend="xla"):
+    g = q.shape[2] // v.shape[2]
+    return jnp.repeat(v[:, :1], q.shape[1], axis=1).repeat(g, axis=2).astype(q.dtype)
+
+
 @contextlib.contextmanager
 def variant(name: str):
-    """Temporarily change one stage of the block (module attributes are read at trace time)."""
-    saved_attend, saved_finish = modeling.attend, Block.finish
-    if name == "no_attention":
-        def fake_attend(q, k, v, key_mask=None, backend="xla"):
-            g = q.shape[2] // v.shape[2]
-            return jnp.repeat(v[:, :1], q.shape[1], axis=1).repeat(g, axis=2).astype(q.dtype)
-        modeling.attend = fake_attend
-    elif name == "no_ffn":
-        Block.finish = lambda self, x, attn: self.attn_residual(x, attn)
+    """Temporarily change one stage of the block: attributes patched for the duration (read at trace time)."""
     from dllm_jax import fp8
-
     from pallas_kernels import fp8_matmul
 
-    saved_fp8, saved_wide, saved_groups = fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP
-    saved_fuse, saved_sum = fp8.FUSE_SWIGLU, fp8.SPLITK_RESIDUAL_KERNEL
-    if name == "fp8_ffn_xla_sum":
-        fp8.SPLITK_RESIDUAL_KERNEL = False
-    if name in ("fp8_ffn_narrow", "fp8_ffn_v5"):  # default_config reads the flags at trace time
-        fp8_matmul.WIDE_SMALL_M = False
-    if name in ("fp8_ffn_narrow", "fp8_ffn_v5", "fp8_ffn_unfused_swiglu"):
-        fp8.FUSE_SWIGLU = False
-    if name in ("fp8_ffn_g1", "fp8_ffn_g2", "fp8_ffn_g4"):
-        fp8_matmul.GROUPS_PER_STEP = int(name[-1])
-    if name == "fp8_ffn_v5":
-        from dllm_jax.layers import RMSNorm
-        from pallas_kernels.fp8_matmul import fp8_ffn
-
-        def v5(x, norm_scale, eps, mlp_fp8, interpret=False, residual=None):
-            x = x if residual is None else x + residual
-            h = RMSNorm(eps, x.dtype).apply({"params": {"scale": norm_scale}}, x)
-            return x + fp8_ffn(h, fp8.without_kernel_scales(mlp_fp8), backend="pallas", interpret=interpret)
-        fp8.fp8_ffn_pallas = v5
-    try:
+    patches = []
+    if name == "no_attention":
+        patches.append((modeling, "attend", _fake_attend))
+    elif name == "no_ffn":
+        patches.append((Block, "finish", lambda self, x, attn: self.attn_residual(x, attn)))
+    elif name == "fp8_ffn_v5":
+        patches.append((fp8, "fp8_ffn_pallas", _v5_ffn))
+    for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
+        patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
+    with contextlib.ExitStack() as stack:
+        for obj, attr, value in patches:
+            stack.enter_context(mock.patch.object(obj, attr, value))
         yield
-    finally:
-        modeling.attend, Block.finish = saved_attend, saved_finish
-        fp8.fp8_ffn_pallas, fp8_matmul.WIDE_SMALL_M, fp8_matmul.GROUPS_PER_STEP = saved_fp8, saved_wide, saved_groups
-        fp8.FUSE_SWIGLU, fp8.SPLITK_RESIDUAL_KERNEL = saved_fuse, saved_sum
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,

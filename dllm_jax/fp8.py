@@ -210,10 +210,9 @@ def ffn_residual(params: dict, config: ModelConfig, layer_params: dict, layer_in
 
     backend = backend or fp8_backend()
     norm = RMSNorm(config.rms_eps, config.jnp_dtype)
-    o = jnp.zeros_like(x) if attn_out is None else attn_out  # lax.cond wants both operands either way
 
-    def first(x, o):
-        x = x + o if attn_out is not None else x
+    def first(x, o):  # o: attn_out or None (an empty pytree, also through lax.cond)
+        x = x if o is None else x + o
         h = norm.apply({"params": layer_params["ffn_norm"]}, x)
         return x + SwiGLU(config.mlp_hidden, config.jnp_dtype).apply({"params": params["mlp_first"]}, h)
 
@@ -222,11 +221,11 @@ def ffn_residual(params: dict, config: ModelConfig, layer_params: dict, layer_in
             b, n, d = x.shape
             scale = layer_params["ffn_norm"]["scale"]
             return fp8_ffn_pallas(x.reshape(b * n, d), scale, config.rms_eps, layer_params["mlp_fp8"], interpret,
-                                  residual=None if attn_out is None else o.reshape(b * n, d)).reshape(b, n, d)
-        x = x + o if attn_out is not None else x
+                                  residual=None if o is None else o.reshape(b * n, d)).reshape(b, n, d)
+        x = x if o is None else x + o
         h = norm.apply({"params": layer_params["ffn_norm"]}, x)
         return x + fp8_ffn(h, layer_params["mlp_fp8"], backend=backend, out_dtype=h.dtype)
 
     if isinstance(layer_index, int):  # the unrolled layer loop: a static choice, no conditional in the program
-        return first(x, o) if layer_index == 0 else rest(x, o)
-    return jax.lax.cond(layer_index == 0, first, rest, x, o)
+        return first(x, attn_out) if layer_index == 0 else rest(x, attn_out)
+    return jax.lax.cond(layer_index == 0, first, rest, x, attn_out)

@@ -54,11 +54,18 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"quantize_activations: x must be floating, got {x.dtype}")
   m, k = x.shape
   _check_k(k, "quantize_activations")
-  xg = x.astype(jnp.float32).reshape(m, k // GROUP, GROUP)
-  amax = jnp.max(jnp.abs(xg), axis=-1)
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
-  q = jnp.clip(xg / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8)
+  q, scale = quantize_rows(x.astype(jnp.float32).reshape(m, k // GROUP, GROUP))
   return q.reshape(m, k), scale
+
+
+def quantize_rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """v [..., 128] fp32, one 1x128 group per row -> (e4m3 codes [..., 128], scales [...] = amax / 448, 1 for an
+  all-zero group). The one formula of every activation quantiser: this reference, the Triton kernels of
+  `fp8_quantize` and the fused SwiGLU epilogue of the GEMM (plain jnp ops that all three lowerings take)."""
+  amax = jnp.max(jnp.abs(v), axis=-1)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  q = jnp.clip(v / lax.broadcast_in_dim(scale, v.shape, tuple(range(v.ndim - 1))), -E4M3_MAX, E4M3_MAX)
+  return q.astype(FP8), scale
 
 
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -448,9 +455,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             plgpu.barrier_arrive(up_free)
             gate = acc.astype(jnp.float32)
             a = gate / (1.0 + jnp.exp(-gate)) * up
-            amax = jnp.max(jnp.abs(a), axis=1)
-            scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-            q = jnp.clip(a / lax.broadcast_in_dim(scale, (tm, tn), [0]), -E4M3_MAX, E4M3_MAX).astype(FP8)
+            q, scale = quantize_rows(a)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's stores have read q/s_smem
             q_smem[...] = q
             s_smem[...] = scale

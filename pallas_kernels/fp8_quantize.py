@@ -27,17 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fp8_matmul import quantize_activations, swiglu_quantize
+from pallas_kernels.fp8_matmul import FP8, GROUP, quantize_activations, quantize_rows, swiglu_quantize
 
 try:
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
-
-E4M3_MAX = 448.0
-GROUP = 128
-FP8 = jnp.float8_e4m3fn
-
 
 def _is_pow2(x: int) -> bool:
   return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
@@ -60,14 +55,6 @@ class QuantizeBlocks:
     # 16-row tiles at block-step sizes: 4x the programs of 64-row tiles (5.2 us per LLaDA-8B layer at M = 32 on
     # the H200 with 64), and pad-row tiles skip their loads; 64 rows once M is large.
     return cls(block_m=min(16 if m_pad <= 256 else 64, m_pad & -m_pad), num_warps=4)
-
-
-def _scale_and_quantize(v):
-  """v [rows, 128] fp32 -> (e4m3 [rows, 128], scale [rows]); the numerics of quantize_activations."""
-  amax = jnp.max(jnp.abs(v), axis=1)
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  q = jnp.clip(v / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(FP8)
-  return q, scale
 
 
 def _check_pad(m: int, m_pad: int, what: str):
@@ -119,7 +106,7 @@ def _rmsnorm_quantize_kernel(x_ref, w_ref, *refs, m: int, k: int, eps: float, wi
   w = plgpu.load(w_ref.at[cols], mask=ok, other=0.0)
   inv = lax.rsqrt(jnp.sum(x * x) / k + eps)
   h = (x * inv).astype(x_ref.dtype) * w.astype(x_ref.dtype)
-  q, scale = _scale_and_quantize(h.astype(jnp.float32))
+  q, scale = quantize_rows(h.astype(jnp.float32))
   plgpu.store(q_ref.at[jnp.zeros_like(cols), cols], q, mask=ok)
   plgpu.store(s_ref.at[g, jnp.zeros_like(g)], scale[:, None], mask=ok)
 
@@ -194,7 +181,7 @@ def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int, block_m
   gate = gate.astype(jnp.bfloat16).astype(jnp.float32)  # the GEMM's bf16 output
   up = up.astype(jnp.bfloat16).astype(jnp.float32)
   a = gate * jax.nn.sigmoid(gate) * up
-  q, scale = _scale_and_quantize(a)
+  q, scale = quantize_rows(a)
   q_ref[...] = q
   s_ref[...] = scale[None, :]
 
