@@ -11,6 +11,8 @@ auto`: per-layer weights and an unrolled layer loop on a GPU, see `dllm_jax.load
   ms_<variant>     the step with one choice of the default reverted (--variants: unfused projections, a stacked
                    cache) or a candidate kernel (pallas_ffn / mgpu_ffn: the weight-streaming FFN GEMMs)
   trace_per_step   (--trace) device ms per kernel kind and the top kernels, from a jax.profiler trace
+  long_loop        (--long-loop L) the step's marginal ms inside a jitted loop (slope between 8 and L fused steps;
+                   generate runs a whole generation as one call) and the per-call overhead a call of 8 carries
 and standalone weight-streaming GEMMs (M in 32, 64, 256) with their effective bandwidth. The HBM floor of a step
 is (all weights read once + the K/V cache read once) / 4.3 TB/s; the compute floor (ms_floor_compute) 2 FLOPs per
 weight per token at 790 TFLOP/s (it dominates from batch ~16). Writes bench/results/block_step_h200.json and
@@ -111,9 +113,13 @@ def variant(name: str):
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,
-              stacked_cache: bool = False) -> float:
+              stacked_cache: bool = False, long_loop: dict | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
-    stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4)."""
+    stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
+    long_loop: {"steps": L} to also time L fused steps; filled with marginal_ms (the slope between the two loops:
+    one more step's cost inside a jitted loop, as in generate, where the whole generation is one call) and
+    call_overhead_ms (what a call of 8 adds on top: argument handling for every weight leaf, launch and sync),
+    and dispatch_ms (a jitted call that only passes the same arguments through)."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
@@ -122,24 +128,39 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     strat = STRATEGIES["dual"]
     bs = jnp.int32(t - 2 * BLOCK)
 
-    @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place, as in generate (no copy per call)
-    def run(params, state):
+    # the cache is updated in place, as in generate (no copy per call)
+    @functools.partial(jax.jit, donate_argnums=1, static_argnums=2)
+    def run(params, state, steps: int):
         def body(i, carry):
             st, acc = carry
             logits, st = strat.step(params, model_cfg, inp, st, x, bs)
             return st, acc + logits[0, 0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
+        return jax.lax.fori_loop(0, steps, body, (state, jnp.float32(0)))
 
     state = [strat.init(params, model_cfg, inp, x)]
     if stacked_cache:
         state[0] = state[0].stacked()
 
-    def call():
-        st, acc = run(params, state[0])
+    def call(steps: int = FUSED):
+        st, acc = run(params, state[0], steps)
         acc.block_until_ready()
         state[0] = st
 
     med, _ = common.time_call(call, reps=5)
+    if long_loop is not None:
+        steps = long_loop["steps"]
+        med_long, _ = common.time_call(lambda: call(steps), reps=5)
+        marginal = (med_long - med) / (steps - FUSED)
+        passthrough = jax.jit(lambda p, st: (st, p["embed"][0, 0]), donate_argnums=1)
+
+        def dispatch():
+            st, e = passthrough(params, state[0])
+            e.block_until_ready()
+            state[0] = st
+
+        med_dispatch, _ = common.time_call(dispatch, reps=20)
+        long_loop.update(marginal_ms=1e3 * marginal, call_overhead_ms=1e3 * (med - FUSED * marginal),
+                         dispatch_ms=1e3 * med_dispatch, ms_long=1e3 * med_long / steps)
     if trace is not None:
         from kernel_trace import kernel_breakdown
 
@@ -278,8 +299,13 @@ def main() -> None:
                     help="also trace the default step once (jax.profiler): device ms by kernel kind, launch gaps")
     ap.add_argument("--proj-fusion", action="store_true",
                     help="also time separate vs fused q/k/v and gate/up GEMMs over all layers (standalone)")
+    ap.add_argument("--long-loop", type=int, default=0, metavar="L",
+                    help="also time the default step and the fp8 variants with L fused steps (L > 8): the marginal "
+                    "ms per step (slope between the two loops) and the per-call overhead of a call of 8")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
+    if args.long_loop and args.long_loop <= FUSED:
+        ap.error(f"--long-loop must be more than the {FUSED} steps of a timed call, got {args.long_loop}")
     layout = resolve_layer_layout(args.layer_layout)
     rows = []
     for name in args.models:
@@ -303,10 +329,15 @@ def main() -> None:
                    "ms_floor_compute": floor_compute_ms(weight_bytes, b)}
             base = args.backends[0]
             for backend in args.backends:
-                tr = {} if args.trace and backend == args.backends[0] else None
-                row[f"ms_attn_{backend}"] = _try(lambda: time_step(cfg, params, b, backend, trace=tr), row, backend)
+                first = backend == args.backends[0]
+                tr = {} if args.trace and first else None
+                ll = {"steps": args.long_loop} if args.long_loop and first else None
+                row[f"ms_attn_{backend}"] = _try(lambda: time_step(cfg, params, b, backend, trace=tr, long_loop=ll),
+                                                 row, backend)
                 if tr:
                     row["trace_per_step"] = tr
+                if ll and "marginal_ms" in ll:
+                    row["long_loop"] = ll
             row["ms_block_step"] = row[f"ms_attn_{base}"]
             # the plain-XLA baseline: stacked weights under lax.scan, cuDNN attention on a GPU (the v2 engine)
             ref_attn = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -323,10 +354,16 @@ def main() -> None:
                     row["ms_stacked_cache"] = _try(lambda: time_step(cfg, params, b, base, stacked_cache=True), row, v)
                 elif v.startswith("fp8_ffn"):
                     tr8 = {} if args.trace else None
+                    ll8 = {"steps": args.long_loop} if args.long_loop else None
                     with variant(v):
-                        row[f"ms_{v}"] = _try(lambda: time_step(*alternative("fp8_ffn"), b, base, trace=tr8), row, v)
+                        row[f"ms_{v}"] = _try(lambda: time_step(*alternative("fp8_ffn"), b, base, trace=tr8,
+                                                                long_loop=ll8), row, v)
                     if tr8:
                         row[f"trace_{v}"] = tr8
+                    if ll8 and "marginal_ms" in ll8:
+                        row[f"long_loop_{v}"] = ll8
+                        if row.get("long_loop"):
+                            row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")

@@ -35,8 +35,8 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
 
 def test_profile_block_step_smoke(tmp_path):
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants", "unfused",
-         "stacked_cache", "fp8_ffn", "fp8_ffn_v5", "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--trace", "--out",
-         str(tmp_path))
+         "stacked_cache", "fp8_ffn", "fp8_ffn_v5", "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--trace",
+         "--long-loop", "10", "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layer_layout"] == "unrolled" and row["ms_block_step"] > 0 and row["xla_baseline_ms"] > 0
     assert row["ms_unfused"] > 0 and row["ms_stacked_cache"] > 0  # both v4 choices reverted, same process
@@ -45,6 +45,11 @@ def test_profile_block_step_smoke(tmp_path):
     assert "by_kind_ms" in row["trace_per_step"]  # empty on the CPU (no device plane), filled on a GPU
     assert "by_kind_ms" in row["trace_fp8_ffn"]  # the FP8 variant is traced too
     assert row["ms_fp8_ffn_v5"] > 0 and "by_kind_ms" in row["trace_fp8_ffn_v5"]  # and session 5's FP8 wrapper
+    # the loop of 10 beside the loop of 8: the slope, what a call adds, the pass-through call's cost
+    for ll, ms_step in ((row["long_loop"], row["ms_block_step"]), (row["long_loop_fp8_ffn"], row["ms_fp8_ffn"])):
+        assert ll["steps"] == 10 and ll["ms_long"] > 0 and ll["dispatch_ms"] > 0
+        assert abs(ll["call_overhead_ms"] + 8 * ll["marginal_ms"] - 8 * ms_step) < 1e-6  # a call of 8 = both parts
+    assert row["fp8_ffn_marginal_speedup"] == row["long_loop"]["marginal_ms"] / row["long_loop_fp8_ffn"]["marginal_ms"]
 
 
 def test_sweep_fp8_small_m_smoke(tmp_path):
