@@ -216,15 +216,18 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 # unit's K groups and two such stages fit in shared memory: 2 at block-step M (<= 64), where the in-kernel profile
 # and the traced sweep showed the per-stage chain (wait for the stage, wgmma, wait, promotion, release) is what
 # limits the kernel: LLaDA gate/up at M = 32 27.7 vs 29.0 us, down 16.6 vs 17.0, Dream gate/up 43.0 vs 44.8
-# (fp8_small_m_h200.json run v7a); 1 above (not measured yet). FP8_GROUPS_PER_STEP sets it for every M
-# (benchmarks compare in one process by setting this attribute).
+# (fp8_small_m_h200.json run v7a). At M = 256 two groups leave room for only 2 stages and lose (LLaDA gate/up
+# 53.0 vs 50.6 us, down 28.0 vs 26.8; run v8a), so 1 there; compute bound (M >= 1024) 2 wins with 2 stages: M = 4096
+# LLaDA gate/up 683.5 vs 720.9 us, down 345.0 vs 353.6, Dream 933.7 vs 976.9 and 459.9 vs 472.8 (run v8a; M = 1024
+# and 16384 in fp8_matmul_h200.json run v8). FP8_GROUPS_PER_STEP sets it for every M (benchmarks compare in one
+# process by setting this attribute).
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 if GROUPS_PER_STEP not in (None, 1, 2, 4):
   raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
 
 
 def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
-  g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 else 1)
+  g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 or m >= 1024 else 1)
   if g == 1 or (k // GROUP // cfg.split_k) % g:
     return cfg
   grouped = dataclasses.replace(cfg, groups_per_step=g)
