@@ -86,7 +86,7 @@ def alt_configs(m, n, k):
   if m <= 256:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6),
             C(wg_dimension=D.M, wg_tile_n=64, max_concurrent_steps=6, split_k=2)]
-  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8 made 2 the default here)
+  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8 made 2 the default from M = 4096)
   default = F.default_config(m, n, k)
   other = dataclasses.replace(default, groups_per_step=1 if default.groups_per_step > 1 else 2)
   return [other] if F.stages_that_fit(other, jnp.float32) >= 2 else []
@@ -109,6 +109,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
       print("  config failed", c, repr(e)[:200], flush=True)
       continue
     tried.append(dict(us=t, is_default=(c == default), wg_tile_n=c.wg_tile_n, wg_dimension=c.wg_dimension.name,
+                      cluster_dimension=None if c.cluster_dimension is None else c.cluster_dimension.name,
                       split_k=c.split_k, stages=c.max_concurrent_steps, groups_per_step=c.groups_per_step))
     if best is None or t < best[0]:
       best = (t, c, fp8)
@@ -120,6 +121,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
   row["fp8_us"] = t
   row["candidates"] = tried  # every config timed (same run), the default marked
   row["config"] = dict(dataclasses.asdict(c), wg_dimension=c.wg_dimension.name,
+                       cluster_dimension=None if c.cluster_dimension is None else c.cluster_dimension.name,
                        grid_minor_dim=c.grid_minor_dim.name, is_default=(c == default))
   if baselines:
     t_nk = timeit(xla_bf16, [(s["x"], s["w"]) for s in sets])

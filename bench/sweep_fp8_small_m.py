@@ -40,8 +40,9 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
 
 
 def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
-    """The default tiling, the same with 1, 2 or 4 K groups per stage, then (M <= 64) with every stage that fits and
-    the other tile width; sweep=True adds every split-K count of both widths (runs v6a/v6b)."""
+    """The default tiling, the same with 1, 2 or 4 K groups per stage, then (M >= 1024) two-CTA clusters along M and
+    N, (M <= 64) every stage that fits and the other tile width; sweep=True adds every split-K count of both widths
+    (runs v6a/v6b)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -54,6 +55,12 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
         grouped = dataclasses.replace(default, groups_per_step=g)
         if not (kg // default.split_k) % g and F.stages_that_fit(grouped, jnp.float32) >= 2:
             add(grouped)
+    if m >= 1024:  # compute bound: two-CTA clusters multicasting the weight (M) or activation (N) tile (v8)
+        for cluster in (D.M, D.N):
+            for g in (default.groups_per_step, 1):
+                cfg = dataclasses.replace(default, cluster_dimension=cluster, groups_per_step=g)
+                if not n % cfg.cluster_tile_n and not (kg // default.split_k) % g:
+                    add(cfg)
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
         one_group = dataclasses.replace(default, groups_per_step=1)
@@ -114,6 +121,7 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False
             args.append((xq_p, xs_t, wq, F.kernel_weight_scales(ws, n, cfg)))
         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
                "config": dict(dataclasses.asdict(cfg), wg_dimension=cfg.wg_dimension.name,
+                              cluster_dimension=None if cfg.cluster_dimension is None else cfg.cluster_dimension.name,
                               grid_minor_dim=cfg.grid_minor_dim.name),
                "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,
                "stages": F.fit_stages(cfg, jnp.float32 if cfg.split_k > 1 else jnp.bfloat16)}

@@ -150,6 +150,10 @@ class Fp8MatmulConfig:
   ``groups_per_step``: 128-K groups per pipeline stage (1, 2 or 4). Their wgmmas are issued back to back into
   one fresh accumulator each, so group j's promotion runs while the later groups' wgmmas are in flight (one
   barrier round trip per stage instead of per group). K/128/split_k must be a multiple of it.
+  ``cluster_dimension``: None, or a cluster of two CTAs side by side along M (they share the weight tile B of every
+  stage, one TMA multicast to both) or along N (they share the activation tile A). Cuts the L2 -> shared memory
+  traffic of the shared operand in half when compute bound; the scale rows are still loaded per CTA (they are
+  too small to split between the two: TMA destinations must be 128-byte aligned).
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -162,6 +166,7 @@ class Fp8MatmulConfig:
   ctas_per_sm: int = 1
   ws_prefetch: bool = dataclasses.field(default_factory=lambda: DEFAULT_WS_PREFETCH)
   groups_per_step: int = 1
+  cluster_dimension: Dim | None = None
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -183,6 +188,8 @@ class Fp8MatmulConfig:
       raise ValueError(f"groups_per_step must be 1, 2 or 4, got {self.groups_per_step}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
       raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
+    if self.cluster_dimension not in (None, Dim.M, Dim.N):
+      raise ValueError(f"cluster_dimension must be None, Dim.M or Dim.N, got {self.cluster_dimension!r}")
 
   @property
   def cta_tile_m(self):
@@ -191,6 +198,16 @@ class Fp8MatmulConfig:
   @property
   def cta_tile_n(self):
     return self.wg_tile_n * (2 if self.wg_dimension == Dim.N else 1)
+
+  @property
+  def cluster_tile_m(self):
+    """Rows of one cluster's output tile (M must be padded to it)."""
+    return self.cta_tile_m * (2 if self.cluster_dimension == Dim.M else 1)
+
+  @property
+  def cluster_tile_n(self):
+    """Columns of one cluster's output tile (N must be a multiple of it)."""
+    return self.cta_tile_n * (2 if self.cluster_dimension == Dim.N else 1)
 
 
 def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
@@ -217,17 +234,19 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 # and the traced sweep showed the per-stage chain (wait for the stage, wgmma, wait, promotion, release) is what
 # limits the kernel: LLaDA gate/up at M = 32 27.7 vs 29.0 us, down 16.6 vs 17.0, Dream gate/up 43.0 vs 44.8
 # (fp8_small_m_h200.json run v7a). At M = 256 two groups leave room for only 2 stages and lose (LLaDA gate/up
-# 53.0 vs 50.6 us, down 28.0 vs 26.8; run v8a), so 1 there; compute bound (M >= 1024) 2 wins with 2 stages: M = 4096
-# LLaDA gate/up 683.5 vs 720.9 us, down 345.0 vs 353.6, Dream 933.7 vs 976.9 and 459.9 vs 472.8 (run v8a; M = 1024
-# and 16384 in fp8_matmul_h200.json run v8). FP8_GROUPS_PER_STEP sets it for every M (benchmarks compare in one
-# process by setting this attribute).
+# 53.0 vs 50.6 us, down 28.0 vs 26.8; fp8_small_m_h200.json run v8a), so 1 there. From M = 4096 two groups with
+# 2 stages win in 6 of 7 timings: traced (run v8a, gate/up fused) LLaDA 683.5 vs 720.9 us, down 345.0 vs 353.6,
+# Dream 933.7 vs 976.9 and 459.9 vs 472.8; wall (fp8_matmul_h200.json run v8) LLaDA up 455.9 vs 535.1, down 462.3
+# vs 474.0, both at M = 16384 1534.8 vs 1601.2 / 1578.7, but Dream up (18944 wide) 641.3 vs 615.1. At M = 1024 it
+# is a draw (LLaDA up 182.3 vs 152.8, down 152.5 vs 191.9, Dream 206.2 vs 204.8), so 1 below 4096.
+# FP8_GROUPS_PER_STEP sets it for every M (benchmarks compare in one process by setting this attribute).
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 if GROUPS_PER_STEP not in (None, 1, 2, 4):
   raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
 
 
 def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
-  g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 or m >= 1024 else 1)
+  g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 or m >= 4096 else 1)
   if g == 1 or (k // GROUP // cfg.split_k) % g:
     return cfg
   grouped = dataclasses.replace(cfg, groups_per_step=g)
@@ -343,11 +362,16 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
                      f"{kg // split}")
   ksteps = kg // split // gps  # pipeline steps per work unit
-  if mp % ctm:
-    raise ValueError(f"padded M={mp} must be a multiple of {ctm}")
-  if n % ctn:
-    raise ValueError(f"N={n} must be a multiple of the CTA N tile {ctn} for this config")
-  m_iters, n_iters = mp // ctm, n // ctn
+  if swiglu and cfg.cluster_dimension is not None:
+    raise ValueError("fp8_gate_up_swiglu: CTA clusters are not supported with the fused SwiGLU epilogue")
+  if mp % cfg.cluster_tile_m:
+    raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
+  if n % cfg.cluster_tile_n:
+    raise ValueError(f"N={n} must be a multiple of the {'cluster' if cfg.cluster_dimension is not None else 'CTA'} N tile "
+                     f"{cfg.cluster_tile_n} for this config")
+  cluster = 1 if cfg.cluster_dimension is None else 2
+  # the persistent loop walks cluster tiles; CTA c of a cluster takes the c-th CTA tile of it
+  m_iters, n_iters = mp // cfg.cluster_tile_m, n // cfg.cluster_tile_n
   acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
   num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
@@ -380,13 +404,17 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
     def get_pipeline(body, compute_context):
       spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+      # the operand both CTAs of a cluster read is multicast: B (weights) along M, A (activations) along N
+      a_multicast = ("cluster",) if cfg.cluster_dimension == Dim.N else ()
+      b_multicast = ("cluster",) if cfg.cluster_dimension == Dim.M else ()
       return plgpu.emit_pipeline_warp_specialized(
           body,
           grid=(ksteps,),
           memory_registers=40,
           in_specs=[
-              spec((ctm, step_k), lambda kk: (0, kk), transforms=in_transforms),
-              spec(b_block, lambda kk: (0,) * (len(b_block) - 1) + (kk,), transforms=in_transforms),
+              spec((ctm, step_k), lambda kk: (0, kk), transforms=in_transforms, collective_axes=a_multicast),
+              spec(b_block, lambda kk: (0,) * (len(b_block) - 1) + (kk,), transforms=in_transforms,
+                   collective_axes=b_multicast),
               spec((gps, ctm), lambda kk: (kk, 0)),
           ] + ([spec(ws_block, lambda kk: (kk,) + (0,) * (len(ws_block) - 1))] if ws_prefetch else []),
           wg_axis="wg",
@@ -414,6 +442,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         ks, lin = loop_info.index
         m_idx, n_idx = plgpu.planar_snake(
             lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        if cfg.cluster_dimension == Dim.M:
+          m_idx = m_idx * 2 + lax.axis_index("cluster")
+        elif cfg.cluster_dimension == Dim.N:
+          n_idx = n_idx * 2 + lax.axis_index("cluster")
         cta_m = pl.ds(m_idx * ctm, ctm)
         cta_n = pl.ds(n_idx * ctn, ctn)
         if cfg.wg_dimension == Dim.M:
@@ -516,8 +548,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  units = split * m_iters * n_iters
-  grid = max(1, min(units, num_sms() * cfg.ctas_per_sm))
+  units = split * m_iters * n_iters  # cluster work units
+  grid = max(1, min(units, num_sms() * cfg.ctas_per_sm // cluster))  # clusters
   out_shape = (split, mp, n) if split > 1 else (mp, n)
   scratch = dict(out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms))
   out_type = jax.ShapeDtypeStruct(out_shape, acc_dtype)
@@ -544,6 +576,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
       out_type=out_type,
       grid=(grid,),
       grid_names=("cluster_grid",),
+      cluster=(cluster,),
+      cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
@@ -567,8 +601,8 @@ def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Arr
 
 
 def padded_rows(m: int, *configs: Fp8MatmulConfig) -> int:
-  """M rounded up to every config's CTA M tile (64 or 128: the larger is a multiple of the smaller)."""
-  tile = max(c.cta_tile_m for c in configs)
+  """M rounded up to every config's cluster M tile (64, 128 or 256: the larger a multiple of the smaller)."""
+  tile = max(c.cluster_tile_m for c in configs)
   return -(-m // tile) * tile
 
 
@@ -648,9 +682,9 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
   if backend != "pallas":
     raise ValueError(f"fp8_matmul: backend must be 'pallas' or 'xla', got {backend!r}")
   cfg = config or default_config(m, n, k)
-  if n % cfg.cta_tile_n:
+  if n % cfg.cluster_tile_n:
     raise ValueError(
-        f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cta_tile_n} (wq {wq.shape}); "
+        f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cluster_tile_n} (wq {wq.shape}); "
         "use backend='xla' for ragged N")
   if (k // GROUP) % cfg.split_k:
     raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")

@@ -140,6 +140,12 @@ KERNEL_CASES = [
     (64, 256, 1024, C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=3, groups_per_step=2, ws_prefetch=False)),
     # ... and four groups per stage (64-wide CTA tiles: two such stages fit next to an fp32 epilogue)
     (33, 256, 1024, C(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)),
+    # clusters of two CTAs sharing a multicast operand: along M (the weight tile; ragged M padded to the 256-row
+    # cluster tile, 2 units per cluster on the simulator's 4 SMs = 2 clusters) and along N (the activation tile,
+    # with split-K and two K groups per stage: 4 units per cluster)
+    (300, 256, 512, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2, cluster_dimension=D.M)),
+    (70, 512, 1024, C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=3, split_k=2, groups_per_step=2,
+                      cluster_dimension=D.N)),
 ]
 
 
@@ -223,6 +229,24 @@ def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
   assert f"tensor<{m}x{n}xbf16>" in txt
 
 
+@pytest.mark.parametrize("cluster", [D.M, D.N])
+def test_clustered_configs_lower_for_cuda_at_real_shapes(cluster):
+  """Two-CTA clusters with a multicast operand lower for CUDA within shared memory (the compute-bound tiling of
+  M = 4096 and its 2-group default); a cluster that does not tile N is refused with a clear error."""
+  cfg = dataclasses.replace(F.default_config(4096, 24576, 4096), cluster_dimension=cluster)
+  for n, k in ((24576, 4096), (4096, 12288)):
+    args = (jax.ShapeDtypeStruct((4096, k), F.FP8), jax.ShapeDtypeStruct((4096, k // 128), jnp.float32),
+            jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
+    with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+      txt = F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+  assert F.padded_rows(300, cfg) == (512 if cluster == D.M else 384)
+  xq, wq = jnp.zeros((4, 256), F.FP8), jnp.zeros((128, 256), F.FP8)
+  if cluster == D.N:  # one 128-wide CTA tile of N cannot feed a cluster of two along N
+    with pytest.raises(ValueError, match="multiple of 256"):
+      F.fp8_matmul(xq, jnp.ones((4, 2)), wq, jnp.ones((1, 2)), backend="pallas", config=cfg)
+
+
 def test_stages_that_do_not_fit_are_refused_before_lowering():
   x, w = _data(32, 512, 1024)
   xq, xs = F.quantize_activations(x)
@@ -237,13 +261,13 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   """default_config at the real FFN shapes: the 256-wide small-M tiles only where they fill the waves better
   (LLaDA gate/up), K groups per stage only where they divide a work unit, and every config lowers for CUDA
   within the H200's shared memory (Mosaic GPU checks it at lowering)."""
-  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)  # None: the default rule (2 at M <= 64 and M >= 1024, else 1)
+  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)  # None: the default rule (2 at M <= 64 and M >= 4096, else 1)
   shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
   for m in (32, 256, 4096):
     for n, k in shapes:
       cfg = F.default_config(m, n, k)
       kg = k // 128 // cfg.split_k
-      g = groups or (2 if m <= 64 or m >= 1024 else 1)
+      g = groups or (2 if m <= 64 or m >= 4096 else 1)
       assert cfg.groups_per_step == (g if kg % g == 0 else 1), (m, n, k, cfg)
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
       args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
