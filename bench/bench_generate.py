@@ -75,14 +75,19 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
     gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
                           ffn_backend=ffn_backend)
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
+    tag = f"{name} {mode} b{batch} s{steps}{' fp8' if model.config.fp8_ffn else ''}"
     t0 = time.perf_counter()
     out = generate(model, prompts, gc)
     first = time.perf_counter() - t0
+    print(f"    {tag}: first generate {first:.1f}s (compile included)", flush=True)  # long compiles show up here
     secs = []
     for _ in range(reps):
         secs.append(generate(model, prompts, gc).seconds)
     sec = float(np.median(secs))
+    t1 = time.perf_counter()
     ms_start, ms_step = forward_times(model, gc, batch)
+    print(f"    {tag}: {reps} timed generates, median {sec:.3f}s; forward loops {time.perf_counter() - t1:.1f}s",
+          flush=True)
     return {"model": name, "mode": mode, "batch": batch, "steps": steps, "gen_length": GEN, "block_length": BLOCK,
             "prompt_length": PROMPT, "tokens_per_s": batch * GEN / sec, "seconds": sec,
             "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
@@ -166,6 +171,8 @@ def main() -> None:
             if layer_layout == "unrolled":
                 params = unstack_layers(params)
             current = Model(config, params)
+            print(f"[{time.perf_counter() - t_start:5.0f}s] {name}: random weights{' + FP8 quantisation' if args.fp8_ffn else ''}"
+                  f" ready ({layer_layout})", flush=True)
             if args.compare_stacked:  # one reference row per model: dual, batch 1, 64 steps, stacked weights
                 try:
                     stacked = Model(config, stack_layers(params, config))
