@@ -86,7 +86,7 @@ def alt_configs(m, n, k):
   if m <= 256:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6),
             C(wg_dimension=D.M, wg_tile_n=64, max_concurrent_steps=6, split_k=2)]
-  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8 made 2 the default from M = 4096)
+  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8: 2 the default from 4096)
   default = F.default_config(m, n, k)
   other = dataclasses.replace(default, groups_per_step=1 if default.groups_per_step > 1 else 2)
   return [other] if F.stages_that_fit(other, jnp.float32) >= 2 else []

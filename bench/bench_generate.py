@@ -171,8 +171,8 @@ def main() -> None:
             if layer_layout == "unrolled":
                 params = unstack_layers(params)
             current = Model(config, params)
-            print(f"[{time.perf_counter() - t_start:5.0f}s] {name}: random weights{' + FP8 quantisation' if args.fp8_ffn else ''}"
-                  f" ready ({layer_layout})", flush=True)
+            what = "random weights" + (" + FP8 quantisation" if args.fp8_ffn else "")
+            print(f"[{time.perf_counter() - t_start:5.0f}s] {name}: {what} ready ({layer_layout})", flush=True)
             if args.compare_stacked:  # one reference row per model: dual, batch 1, 64 steps, stacked weights
                 try:
                     stacked = Model(config, stack_layers(params, config))

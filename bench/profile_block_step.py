@@ -406,7 +406,8 @@ def floor_compute_ms(weight_bytes: int, batch: int) -> float:
 KIND_ORDER = ("gemm", "attention", "cache_update", "copy", "other")
 TABLE_LABELS = {"profile_v3": "v3", "after": "v4", "v5_fp8": "v4 (v5 run)", "v6_fp8": "v4 (v6 run)",
                 "v7_fp8": "v4 (v7 run)", "v8_long_loop": "v4 (v8 run)"}  # table -> label
-FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6", "v7_fp8": "FP8 v7", "v8_long_loop": "FP8 v7 (v8 run)"}  # the traced FP8 variant's bar, by table
+# the traced FP8 variant's bar, by table
+FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6", "v7_fp8": "FP8 v7", "v8_long_loop": "FP8 v7 (v8 run)"}
 
 
 def plot(rows: list[dict], path: Path) -> bool:

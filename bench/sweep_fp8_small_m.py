@@ -40,9 +40,9 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
 
 
 def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
-    """The default tiling, the same with 1, 2 or 4 K groups per stage, then (M >= 1024) two-CTA clusters along M and
-    N, (M <= 64) every stage that fits and the other tile width; sweep=True adds every split-K count of both widths
-    (runs v6a/v6b)."""
+    """The default tiling, the same with 1, 2 or 4 K groups per stage, then two-CTA clusters (along M and N at
+    M >= 1024, along M at M >= 256), (M <= 64) every stage that fits and the other tile width; sweep=True adds every
+    split-K count of both widths (runs v6a/v6b)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -55,8 +55,10 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
         grouped = dataclasses.replace(default, groups_per_step=g)
         if not (kg // default.split_k) % g and F.stages_that_fit(grouped, jnp.float32) >= 2:
             add(grouped)
-    if m >= 1024:  # compute bound: two-CTA clusters multicasting the weight (M) or activation (N) tile (v8)
-        for cluster in (D.M, D.N):
+    # two-CTA clusters multicasting the weight (M) or activation (N) tile (v8): compute bound (M >= 1024) both
+    # axes; at M = 256 along M (its two 128-row tiles of a weight tile in one cluster: the weights read once)
+    if m >= 256:
+        for cluster in (D.M, D.N) if m >= 1024 else (D.M,):
             for g in (default.groups_per_step, 1):
                 cfg = dataclasses.replace(default, cluster_dimension=cluster, groups_per_step=g)
                 if not n % cfg.cluster_tile_n and not (kg // default.split_k) % g:

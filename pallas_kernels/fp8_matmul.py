@@ -367,8 +367,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   if mp % cfg.cluster_tile_m:
     raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
   if n % cfg.cluster_tile_n:
-    raise ValueError(f"N={n} must be a multiple of the {'cluster' if cfg.cluster_dimension is not None else 'CTA'} N tile "
-                     f"{cfg.cluster_tile_n} for this config")
+    tile = "cluster" if cfg.cluster_dimension is not None else "CTA"
+    raise ValueError(f"N={n} must be a multiple of the {tile} N tile {cfg.cluster_tile_n} for this config")
   cluster = 1 if cfg.cluster_dimension is None else 2
   # the persistent loop walks cluster tiles; CTA c of a cluster takes the c-th CTA tile of it
   m_iters, n_iters = mp // cfg.cluster_tile_m, n // cfg.cluster_tile_n
