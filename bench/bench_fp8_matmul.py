@@ -100,7 +100,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
   best = None
   tried = []
   for c in cands:
-    if (k // 128) % c.split_k or n % c.cta_tile_n:
+    if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or n % c.cluster_tile_n:
       continue
     fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c)
     try:
@@ -108,9 +108,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
     except Exception as e:  # noqa: BLE001
       print("  config failed", c, repr(e)[:200], flush=True)
       continue
-    tried.append(dict(us=t, is_default=(c == default), wg_tile_n=c.wg_tile_n, wg_dimension=c.wg_dimension.name,
-                      cluster_dimension=None if c.cluster_dimension is None else c.cluster_dimension.name,
-                      split_k=c.split_k, stages=c.max_concurrent_steps, groups_per_step=c.groups_per_step))
+    tried.append(dict(us=t, is_default=(c == default), **c.as_dict()))
     if best is None or t < best[0]:
       best = (t, c, fp8)
   t, c, fp8 = best
@@ -120,9 +118,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
   del y, ref
   row["fp8_us"] = t
   row["candidates"] = tried  # every config timed (same run), the default marked
-  row["config"] = dict(dataclasses.asdict(c), wg_dimension=c.wg_dimension.name,
-                       cluster_dimension=None if c.cluster_dimension is None else c.cluster_dimension.name,
-                       grid_minor_dim=c.grid_minor_dim.name, is_default=(c == default))
+  row["config"] = dict(c.as_dict(), is_default=(c == default))
   if baselines:
     t_nk = timeit(xla_bf16, [(s["x"], s["w"]) for s in sets])
     wts = [jnp.asarray(s["w"].T) for s in sets]

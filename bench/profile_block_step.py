@@ -116,10 +116,10 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
               stacked_cache: bool = False, long_loop: dict | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
-    long_loop: {"steps": L} to also time L fused steps; filled with marginal_ms (the slope between the two loops:
-    one more step's cost inside a jitted loop, as in generate, where the whole generation is one call) and
-    call_overhead_ms (what a call of 8 adds on top: argument handling for every weight leaf, launch and sync),
-    and dispatch_ms (a jitted call that only passes the same arguments through)."""
+    long_loop: {"steps": L} to also time L fused steps; filled by `loop_costs` (marginal_ms: the slope between the
+    two loops, one more step's cost inside a jitted loop, as in generate, where the whole generation is one call;
+    call_overhead_ms: what a call of 8 costs beyond 8 such steps, host and device: NOTES v8) and dispatch_ms (a
+    jitted call that only passes the same arguments through: the host's share of argument handling)."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
@@ -150,7 +150,6 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     if long_loop is not None:
         steps = long_loop["steps"]
         med_long, _ = common.time_call(lambda: call(steps), reps=5)
-        marginal = (med_long - med) / (steps - FUSED)
         passthrough = jax.jit(lambda p, st: (st, p["embed"][0, 0]), donate_argnums=1)
 
         def dispatch():
@@ -159,8 +158,7 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
             state[0] = st
 
         med_dispatch, _ = common.time_call(dispatch, reps=20)
-        long_loop.update(marginal_ms=1e3 * marginal, call_overhead_ms=1e3 * (med - FUSED * marginal),
-                         dispatch_ms=1e3 * med_dispatch, ms_long=1e3 * med_long / steps)
+        long_loop.update(loop_costs(med, FUSED, med_long, steps), dispatch_ms=1e3 * med_dispatch)
     if trace is not None:
         from kernel_trace import kernel_breakdown
 
@@ -169,6 +167,19 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         trace["by_kind_ms"] = {k: v / FUSED for k, v in bd.get("by_kind_ms", {}).items()}
         trace["top"] = [{**t, "ms": t["ms"] / FUSED, "count": t["count"] / FUSED} for t in bd.get("top", [])]
     return 1e3 * med / FUSED
+
+
+def loop_costs(t_short: float, short: int, t_long: float, long: int) -> dict:
+    """From the seconds of a call of `short` and of `long` fused steps: marginal_ms, the slope (one more step of a
+    loop: a two-point fit, so a third length is what would check it is linear), call_overhead_ms (what a call of
+    `short` costs beyond its steps at that rate) and ms_long (the long call per step). A slope <= 0 (noise larger
+    than the extra steps) is flagged instead of being reported as a speed."""
+    marginal = (t_long - t_short) / (long - short)
+    out = {"marginal_ms": 1e3 * marginal, "call_overhead_ms": 1e3 * (t_short - short * marginal),
+           "ms_long": 1e3 * t_long / long}
+    if marginal <= 0:
+        out["warning"] = "slope <= 0: the long loop was not slower than the short one (noise); do not use"
+    return out
 
 
 def fp8_model(cfg, stacked, layout: str):

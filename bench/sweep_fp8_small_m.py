@@ -122,10 +122,8 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False
             xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))
             args.append((xq_p, xs_t, wq, F.kernel_weight_scales(ws, n, cfg)))
         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
-               "config": dict(dataclasses.asdict(cfg), wg_dimension=cfg.wg_dimension.name,
-                              cluster_dimension=None if cfg.cluster_dimension is None else cfg.cluster_dimension.name,
-                              grid_minor_dim=cfg.grid_minor_dim.name),
-               "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,
+               "config": cfg.as_dict(),
+               "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,  # CTA tiles (2 per cluster unit)
                "stages": F.fit_stages(cfg, jnp.float32 if cfg.split_k > 1 else jnp.bfloat16)}
         try:
             fn = lambda a, b, c, d, cfg=cfg: F.fp8_matmul_padded(a, b, c, d, cfg=cfg, interpret=INTERPRET)

@@ -188,8 +188,17 @@ class Fp8MatmulConfig:
       raise ValueError(f"groups_per_step must be 1, 2 or 4, got {self.groups_per_step}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
       raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
-    if self.cluster_dimension not in (None, Dim.M, Dim.N):
-      raise ValueError(f"cluster_dimension must be None, Dim.M or Dim.N, got {self.cluster_dimension!r}")
+    c = self.cluster_dimension
+    # Dim is an IntEnum: False / 0 would compare equal to Dim.M, so only None or a Dim is accepted
+    if c is not None and not isinstance(c, Dim):
+      raise ValueError(f"cluster_dimension must be None, Dim.M or Dim.N, got {c!r}")
+
+  def as_dict(self) -> dict:
+    """The fields as JSON-ready values (enum names), for benchmark rows."""
+    d = dataclasses.asdict(self)
+    for key in ("wg_dimension", "grid_minor_dim", "cluster_dimension"):
+      d[key] = None if d[key] is None else Dim(d[key]).name
+    return d
 
   @property
   def cta_tile_m(self):
@@ -234,11 +243,13 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 # and the traced sweep showed the per-stage chain (wait for the stage, wgmma, wait, promotion, release) is what
 # limits the kernel: LLaDA gate/up at M = 32 27.7 vs 29.0 us, down 16.6 vs 17.0, Dream gate/up 43.0 vs 44.8
 # (fp8_small_m_h200.json run v7a). At M = 256 two groups leave room for only 2 stages and lose (LLaDA gate/up
-# 53.0 vs 50.6 us, down 28.0 vs 26.8; fp8_small_m_h200.json run v8a), so 1 there. From M = 4096 two groups with
-# 2 stages win in 6 of 7 timings: traced (run v8a, gate/up fused) LLaDA 683.5 vs 720.9 us, down 345.0 vs 353.6,
-# Dream 933.7 vs 976.9 and 459.9 vs 472.8; wall (fp8_matmul_h200.json run v8) LLaDA up 455.9 vs 535.1, down 462.3
-# vs 474.0, both at M = 16384 1534.8 vs 1601.2 / 1578.7, but Dream up (18944 wide) 641.3 vs 615.1. At M = 1024 it
-# is a draw (LLaDA up 182.3 vs 152.8, down 152.5 vs 191.9, Dream 206.2 vs 204.8), so 1 below 4096.
+# 53.0 vs 50.6 us, down 28.0 vs 26.8; fp8_small_m_h200.json run v8a), so 1 there. From M = 4096, 2 (with 2
+# stages): traced (run v8a, device time, the evidence this rests on) 2-5% faster on all four FFN GEMMs: LLaDA gate/up
+# 683.5 vs 720.9 us, down 345.0 vs 353.6, Dream 933.7 vs 976.9 and 459.9 vs 472.8. The wall times of
+# fp8_matmul_h200.json run v8 lean the same way (LLaDA at 4096 and 16384, 4 of 4) but Dream up (18944 wide) at 4096
+# went the other way (641.3 vs 615.1 us), and their run-to-run spread is as large as the effect (one group took
+# 457.5-535.1 us for the same LLaDA shape in runs v1-v8). At M = 1024 the two orders swapped by shape (LLaDA up
+# 182.3 vs 152.8, down 152.5 vs 191.9; untraced), so 1 below 4096 until a traced sweep there.
 # FP8_GROUPS_PER_STEP sets it for every M (benchmarks compare in one process by setting this attribute).
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 if GROUPS_PER_STEP not in (None, 1, 2, 4):
@@ -624,7 +635,7 @@ def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax
                       out_dtype=jnp.bfloat16, interpret: Any = False, profile_dir: str | None = None) -> jax.Array:
   """The Mosaic GPU kernel on operands already in its layouts (the FFN path: `fp8_quantize` writes them).
 
-  xq_p [Mp, K] e4m3 (Mp a multiple of the CTA M tile), xs_t [K/128, Mp] fp32, wq [N, K] e4m3, ws_k from
+  xq_p [Mp, K] e4m3 (Mp a multiple of the cluster M tile, `padded_rows`), xs_t [K/128, Mp] fp32, wq [N, K] e4m3, ws_k from
   `kernel_weight_scales`. Returns y [Mp, N] out_dtype, or with cfg.split_k > 1 the fp32 partials [split, Mp, N]
   (the consumer sums them: the SwiGLU quantiser, or the residual add). profile_dir: write a Mosaic GPU in-kernel
   trace (per-warpgroup ranges of the K-step body) there, for `bench/profile_fp8_kernel.py`."""
@@ -640,10 +651,10 @@ def _swiglu_smem(cfg: Fp8MatmulConfig) -> int:
 
 def swiglu_fusable(cfg: Fp8MatmulConfig) -> bool:
   """Whether `fp8_gate_up_swiglu` can run with this gate/up tiling: each warpgroup owns one whole 128-wide block
-  (its quantisation group), no split-K partials, weight scales through the pipeline, and two pipeline stages fit
-  next to the epilogue's buffers."""
+  (its quantisation group), no split-K partials, weight scales through the pipeline, no CTA cluster, and two
+  pipeline stages fit next to the epilogue's buffers."""
   return (cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch
-          and stages_that_fit(cfg, jnp.bfloat16, _swiglu_smem(cfg)) >= 2)
+          and cfg.cluster_dimension is None and stages_that_fit(cfg, jnp.bfloat16, _swiglu_smem(cfg)) >= 2)
 
 
 def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: jax.Array, *,
@@ -674,7 +685,7 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
 
   xq [M, K] e4m3, xs [M, K//128] f32, wq [N, K] e4m3, ws [ceil(N/128), K//128] f32.
   backend "xla": reference numerics anywhere; "pallas": Mosaic GPU kernel
-  (N must be a multiple of the CTA N tile -- 128 with the default configs).
+  (N must be a multiple of the cluster N tile -- 128 with the default configs).
   """
   m, n, k = _check_operands(xq, xs, wq, ws)
   if backend == "xla":

@@ -142,7 +142,9 @@ KERNEL_CASES = [
     (33, 256, 1024, C(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32, max_concurrent_steps=2, groups_per_step=4)),
     # clusters of two CTAs sharing a multicast operand: along M (the weight tile; ragged M padded to the 256-row
     # cluster tile, 2 units per cluster on the simulator's 4 SMs = 2 clusters) and along N (the activation tile,
-    # with split-K and two K groups per stage: 4 units per cluster)
+    # with split-K and two K groups per stage: 4 units per cluster). The simulator checks the cluster's tile
+    # indexing and barriers but not the multicast itself (it copies each CTA's slice whatever collective_axes
+    # say): which operand is multicast is checked only by the GPU runs of these cases.
     (300, 256, 512, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2, cluster_dimension=D.M)),
     (70, 512, 1024, C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=3, split_k=2, groups_per_step=2,
                       cluster_dimension=D.N)),
@@ -229,22 +231,32 @@ def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
   assert f"tensor<{m}x{n}xbf16>" in txt
 
 
-@pytest.mark.parametrize("cluster", [D.M, D.N])
+@pytest.mark.parametrize("cluster", [D.M, D.N], ids=["M", "N"])
 def test_clustered_configs_lower_for_cuda_at_real_shapes(cluster):
   """Two-CTA clusters with a multicast operand lower for CUDA within shared memory (the compute-bound tiling of
-  M = 4096 and its 2-group default); a cluster that does not tile N is refused with a clear error."""
+  M = 4096 and its 2-group default) as a cluster launch; shapes the cluster does not tile are refused clearly."""
   cfg = dataclasses.replace(F.default_config(4096, 24576, 4096), cluster_dimension=cluster)
   for n, k in ((24576, 4096), (4096, 12288)):
     args = (jax.ShapeDtypeStruct((4096, k), F.FP8), jax.ShapeDtypeStruct((4096, k // 128), jnp.float32),
             jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
     with jax.sharding.use_abstract_mesh(_gpu_mesh()):
       txt = F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in txt
+    assert "mosaic_gpu" in txt and "cluster_dim_blocks" in txt  # the kernel is launched as clusters
   assert F.padded_rows(300, cfg) == (512 if cluster == D.M else 384)
-  xq, wq = jnp.zeros((4, 256), F.FP8), jnp.zeros((128, 256), F.FP8)
-  if cluster == D.N:  # one 128-wide CTA tile of N cannot feed a cluster of two along N
+  xq, wq = jnp.zeros((128, 256), F.FP8), jnp.zeros((128, 256), F.FP8)
+  ws_k = F.kernel_weight_scales(jnp.ones((1, 2)), 128, cfg)
+  if cluster == D.M:  # 128 rows are half of the cluster's 256-row tile
     with pytest.raises(ValueError, match="multiple of 256"):
-      F.fp8_matmul(xq, jnp.ones((4, 2)), wq, jnp.ones((1, 2)), backend="pallas", config=cfg)
+      F.fp8_matmul_padded(xq, jnp.ones((2, 128)), wq, ws_k, cfg=cfg)
+  else:  # one 128-wide CTA tile of N cannot feed a cluster of two along N
+    with pytest.raises(ValueError, match="multiple of 256"):
+      F.fp8_matmul(xq[:4], jnp.ones((4, 2)), wq, jnp.ones((1, 2)), backend="pallas", config=cfg)
+  # the fused SwiGLU epilogue does not take clusters: not fusable, so the FFN falls back to the unfused kernels
+  wide = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4)
+  assert F.swiglu_fusable(wide) and not F.swiglu_fusable(dataclasses.replace(wide, cluster_dimension=cluster))
+  with pytest.raises(ValueError, match="cluster_dimension"):
+    C(cluster_dimension=False)  # == Dim.M as an int: refused rather than read as a cluster along M
+  assert cfg.as_dict()["cluster_dimension"] == cluster.name
 
 
 def test_stages_that_do_not_fit_are_refused_before_lowering():
