@@ -71,8 +71,7 @@ def profile_config(m: int, n: int, k: int, cfg: F.Fp8MatmulConfig, out_dir: Path
     wq, ws = F.quantize_weights((0.02 * jax.random.normal(jax.random.key(1), (n, k), jnp.float32)).astype(jnp.bfloat16))
     xq, xs = F.quantize_activations(jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16))
     mp = F.padded_rows(m, cfg)
-    args = (jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs.T, ((0, 0), (0, mp - m))), wq,
-            F.kernel_weight_scales(ws, n, cfg))
+    args = (*F.pad_activations(xq, xs, mp), wq, F.kernel_weight_scales(ws, n, cfg))
     d = Path(tempfile.mkdtemp(dir=out_dir))
     fn = jax.jit(lambda a, b, c, e: F.fp8_matmul_padded(a, b, c, e, cfg=cfg, profile_dir=str(d)))
     jax.block_until_ready(fn(*args))  # the trace file is written by the first execution only
@@ -102,7 +101,7 @@ def main() -> None:
                         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "groups_per_step": g,
                                "cta_tile_n": cfg.cta_tile_n, "split_k": cfg.split_k,
                                "stages": F.fit_stages(cfg, jnp.float32 if cfg.split_k > 1 else jnp.bfloat16,
-                                                      reserve=3 * 16 * F.PROFILE_EVENTS)}
+                                                      reserve=F.PROFILE_SMEM_BYTES)}
                         try:
                             row.update(profile_config(m, n, k, cfg, Path(tmp)))
                         except Exception as e:  # noqa: BLE001  (one config that does not fit must not lose the rest)

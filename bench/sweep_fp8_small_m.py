@@ -118,9 +118,7 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False
         mp = F.padded_rows(m, cfg)
         args = []
         for (xq, xs), (wq, ws) in zip(xs_, ws_):
-            xq_p = jnp.pad(xq, ((0, mp - m), (0, 0)))
-            xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))
-            args.append((xq_p, xs_t, wq, F.kernel_weight_scales(ws, n, cfg)))
+            args.append((*F.pad_activations(xq, xs, mp), wq, F.kernel_weight_scales(ws, n, cfg)))
         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
                "config": cfg.as_dict(),
                "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,  # CTA tiles (2 per cluster unit)

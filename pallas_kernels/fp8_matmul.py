@@ -373,8 +373,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
                      f"{kg // split}")
   ksteps = kg // split // gps  # pipeline steps per work unit
-  if swiglu and cfg.cluster_dimension is not None:
-    raise ValueError("fp8_gate_up_swiglu: CTA clusters are not supported with the fused SwiGLU epilogue")
   if mp % cfg.cluster_tile_m:
     raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
   if n % cfg.cluster_tile_n:
@@ -386,14 +384,14 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
   num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
-  # the profiler's event buffers live in shared memory too (3 warpgroups x 4 words per range)
-  reserve = 3 * 16 * PROFILE_EVENTS if profile_dir else 0
+  # the profiler's event buffers and the fused epilogue's tiles share the shared memory with the stages
+  reserve = PROFILE_SMEM_BYTES if profile_dir else 0
   if swiglu:
     reserve += _swiglu_smem(cfg)
-  stages = fit_stages(cfg, acc_dtype, reserve)
   if stages_that_fit(cfg, acc_dtype, reserve) < 2:
     raise ValueError(f"fp8_matmul: two pipeline stages of {cfg} do not fit in {SMEM_BYTES} bytes of shared memory "
                      f"next to a {jnp.dtype(acc_dtype).name} epilogue; use fewer groups_per_step or narrower tiles")
+  stages = fit_stages(cfg, acc_dtype, reserve)
 
   swz = plgpu.find_swizzle(GROUP * 8, "fp8 operand")  # 128 B rows
   in_transforms = (plgpu.TilingTransform((8, swz)), plgpu.SwizzleTransform(swz))
@@ -602,6 +600,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 # Events per warpgroup recorded by Mosaic GPU's in-kernel profiler (`profile_dir=`; bench/profile_fp8_kernel.py):
 # enough for the first ~60 pipeline steps of a work unit; later events are dropped (bounds-checked).
 PROFILE_EVENTS = 256
+PROFILE_SMEM_BYTES = 3 * 16 * PROFILE_EVENTS  # their shared-memory buffers: 3 warpgroups x 4 words per range
 
 
 def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Array:
@@ -609,6 +608,14 @@ def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Arr
   ws_prefetch, else ws.T). Expanding costs a broadcast kernel per call (XLA does not hoist it out of a loop):
   the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes the table in."""
   return expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T
+
+
+def pad_activations(xq: jax.Array, xs: jax.Array, mp: int) -> tuple[jax.Array, jax.Array]:
+  """xq [M, K] e4m3, xs [M, K/128] -> the kernel's operands (xq_p [Mp, K] with zero pad rows, xs_t [K/128, Mp]
+  with scale 0 for them), Mp from `padded_rows`."""
+  m = xq.shape[0]
+  xq_p = xq if mp == m else jnp.pad(xq, ((0, mp - m), (0, 0)))
+  return xq_p, jnp.pad(xs.T, ((0, 0), (0, mp - m)))
 
 
 def padded_rows(m: int, *configs: Fp8MatmulConfig) -> int:
@@ -700,8 +707,7 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
   if (k // GROUP) % cfg.split_k:
     raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
   mp = padded_rows(m, cfg)
-  xq_p = xq if mp == m else jnp.pad(xq, ((0, mp - m), (0, 0)))
-  xs_t = jnp.pad(xs.T, ((0, 0), (0, mp - m)))  # [K/128, Mp]; pad rows get scale 0
+  xq_p, xs_t = pad_activations(xq, xs, mp)
   y = fp8_matmul_padded(xq_p, xs_t, wq, kernel_weight_scales(ws, n, cfg), cfg=cfg, out_dtype=out_dtype,
                         interpret=interpret)
   if cfg.split_k > 1:
