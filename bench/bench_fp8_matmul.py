@@ -86,10 +86,17 @@ def alt_configs(m, n, k):
   if m <= 256:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6),
             C(wg_dimension=D.M, wg_tile_n=64, max_concurrent_steps=6, split_k=2)]
-  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8: 2 the default from 4096)
+  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8: 2 the default from 4096),
+  # and the grouped one with the other epilogue width where that changes its stage count (v9)
   default = F.default_config(m, n, k)
   other = dataclasses.replace(default, groups_per_step=1 if default.groups_per_step > 1 else 2)
-  return [other] if F.stages_that_fit(other, jnp.float32) >= 2 else []
+  out = [other] if F.stages_that_fit(other, jnp.float32) >= 2 else []
+  for c in [default] + out:
+    if c.groups_per_step > 1:
+      flip = dataclasses.replace(c, epi_tile_n=32 if c.epi_tile_n > 32 else 64)
+      if flip != default and F.stages_that_fit(flip, jnp.bfloat16) != F.stages_that_fit(c, jnp.bfloat16):
+        out.append(flip)
+  return out
 
 
 def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):

@@ -39,10 +39,11 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
     return {"gate_up": (2 * c.mlp_hidden, c.d_model), "down": (c.d_model, c.mlp_hidden)}
 
 
-def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
+def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True) -> list:
     """The default tiling, the same with 1, 2 or 4 K groups per stage, then two-CTA clusters (along M and N at
-    M >= 1024, along M at M >= 256), (M <= 64) every stage that fits and the other tile width; sweep=True adds every
-    split-K count of both widths (runs v6a/v6b)."""
+    M >= 1024, along M at M >= 256), grouped stages with a 32-wide epilogue where that fits a stage more, (M <= 64)
+    every stage that fits and the other tile width; sweep=True adds every split-K count of both widths (runs
+    v6a/v6b); grid=False drops the split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -63,6 +64,13 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
                 cfg = dataclasses.replace(default, cluster_dimension=cluster, groups_per_step=g)
                 if not n % cfg.cluster_tile_n and not (kg // default.split_k) % g:
                     add(cfg)
+    # (v9) two groups per stage leave room for only 2 stages next to a 64-wide bf16 epilogue at M >= 256; a 32-wide
+    # epilogue (half its shared memory) makes room for a third
+    for cfg in list(out):
+        thin = dataclasses.replace(cfg, epi_tile_n=32)
+        acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+        if cfg.groups_per_step > 1 and F.stages_that_fit(thin, acc) > F.stages_that_fit(cfg, acc):
+            add(thin)
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
         one_group = dataclasses.replace(default, groups_per_step=1)
@@ -75,9 +83,11 @@ def candidates(m: int, n: int, k: int, sweep: bool = False) -> list:
         tiles = [(dict(wg_dimension=D.N, wg_tile_n=64), (6,)),
                  (dict(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32), (3, 4))] if sweep else []
         splits = (1, 2, 3, 4, 6, 7, 8, 12)
-    else:
+    elif grid:
         tiles = [(dict(wg_dimension=D.M, wg_tile_n=128), (4,)), (dict(wg_dimension=D.N, wg_tile_n=64), (4,))]
         splits = (1, 2, 4)
+    else:
+        tiles, splits = [], ()
     for t, steps in tiles:
         for s in steps:
             for split in splits:
@@ -107,14 +117,14 @@ def device_us(fn, args_list, name_part: str) -> float | None:
     return 1e3 * total / count if count else None
 
 
-def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False) -> list[dict]:
+def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False, grid: bool = True) -> list[dict]:
     rows = []
     ws_ = [F.quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
                               .astype(jnp.bfloat16)) for j in range(4)]
     xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16)) for j in range(4)]
     default = F.default_config(m, n, k)
     ref = F.fp8_matmul_reference(*xs_[0], *ws_[0], out_dtype=jnp.float32)
-    for cfg in candidates(m, n, k, sweep):
+    for cfg in candidates(m, n, k, sweep, grid):
         mp = F.padded_rows(m, cfg)
         args = []
         for (xq, xs), (wq, ws) in zip(xs_, ws_):
@@ -162,6 +172,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"], choices=list(common.MODELS))
     ap.add_argument("--ms", nargs="+", type=int, default=[32, 256])
     ap.add_argument("--sweep", action="store_true", help="every split-K count of both tile widths (slow)")
+    ap.add_argument("--no-grid", action="store_true",
+                    help="above M = 64, skip the split-K x tile-width grid (runs v6a/v8a: never a winner)")
     ap.add_argument("--out", default=str(common.RESULTS / "fp8_small_m_h200.json"))
     args = ap.parse_args()
     rows: list[dict] = []
@@ -173,7 +185,7 @@ def main() -> None:
                 rows.append(r)
                 print(r, flush=True)
             for name, (n, k) in gemms(model).items():
-                rows += gemm_rows(model, name, n, k, m, args.sweep)
+                rows += gemm_rows(model, name, n, k, m, args.sweep, not args.no_grid)
                 common.write_results(out.name, meta, rows, out.parent)
     path = common.write_results(out.name, meta, rows, out.parent)
     print(f"wrote {path}")

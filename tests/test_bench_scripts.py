@@ -163,6 +163,7 @@ def test_fp8_sweep_candidates_by_regime():
     once) at M = 256, none at block-step M; bench_fp8_matmul tries the other K-group count at large M."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_fp8_matmul
+    import jax.numpy as jnp
     import sweep_fp8_small_m
     from pallas_kernels import fp8_matmul as F
 
@@ -172,5 +173,10 @@ def test_fp8_sweep_candidates_by_regime():
     assert clusters(4096, 24576, 4096) == {F.Dim.M, F.Dim.N} and clusters(256, 24576, 4096) == {F.Dim.M}
     assert clusters(32, 24576, 4096) == set()
     assert sweep_fp8_small_m.candidates(4096, 24576, 4096)[0] == F.default_config(4096, 24576, 4096)
+    # a 32-wide epilogue beside every grouped tiling whose stages it raises (2 -> 3 at M = 4096, bf16 out)
+    thin = [c for c in sweep_fp8_small_m.candidates(4096, 24576, 4096, grid=False) if c.epi_tile_n == 32]
+    assert thin and all(c.groups_per_step == 2 and F.stages_that_fit(c, jnp.bfloat16) == 3 for c in thin)
+    assert len(sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)) < len(
+        sweep_fp8_small_m.candidates(256, 4096, 12288))
     (other,) = bench_fp8_matmul.alt_configs(4096, 12288, 4096)
     assert other.groups_per_step == 1 and F.default_config(4096, 12288, 4096).groups_per_step == 2
