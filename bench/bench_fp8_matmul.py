@@ -7,7 +7,11 @@
 Timing: each measurement jits R back-to-back calls on R different input sets
 (rotating inputs so L2 holds none of them), warms up once, then takes the
 median of several perf_counter()-timed runs ending in block_until_ready,
-divided by R.
+divided by R. With a device (GPU), each is also traced once (v9): *_device_us is
+the busy time of every kernel the call launched (jax.profiler), free of the
+host's share and of the run-to-run spread of wall times at large M.
+
+  python bench/bench_fp8_matmul.py --ms 4096,16384 --models llada --shapes 24576x4096 --no-e2e --out /tmp/x.json
 """
 from __future__ import annotations
 
@@ -22,23 +26,26 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernel_trace import kernel_breakdown
 from pallas_kernels import fp8_matmul as F
 
-SHAPES = {  # model: [(N, K), ...]
-    "llada": [(12288, 4096), (4096, 12288)],
-    "dream": [(18944, 3584), (3584, 18944)],
+SHAPES = {  # model: [(N, K), ...]: gate (or up) alone, gate/up fused as the model runs it (v9), down
+    "llada": [(12288, 4096), (24576, 4096), (4096, 12288)],
+    "dream": [(18944, 3584), (37888, 3584), (3584, 18944)],
 }
 MS = [32, 256, 1024, 4096, 16384]
 R = 4  # rotating input sets per timing
 
 
-def timeit(fn, args_list, reps=5):
+def timeit(fn, args_list, reps=5, device=False):
+  """Wall us per call; with device=True (wall, device busy us per call or None without a device trace)."""
   f = jax.jit(lambda al: [fn(*a) for a in al])
   jax.block_until_ready(f(args_list))
   ts = []
@@ -46,7 +53,12 @@ def timeit(fn, args_list, reps=5):
     t0 = time.perf_counter()
     jax.block_until_ready(f(args_list))
     ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) / len(args_list) * 1e6  # us
+  wall = statistics.median(ts) / len(args_list) * 1e6  # us
+  if not device:
+    return wall
+  bd = kernel_breakdown(lambda: jax.block_until_ready(f(args_list)), calls=2, top=0)
+  busy = bd.get("busy_ms") or 0.0
+  return wall, (1e3 * busy / len(args_list) if busy else None)
 
 
 def make_inputs(m, n, k, nsets=R, seed=0):
@@ -78,7 +90,7 @@ def rel_err(y, ref):
   return float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
 
 
-def alt_configs(m, n, k):
+def alt_configs(m, n, k, max_alts=3):
   C, D = F.Fp8MatmulConfig, F.Dim
   if m <= 64:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6, split_k=1),
@@ -86,55 +98,64 @@ def alt_configs(m, n, k):
   if m <= 256:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6),
             C(wg_dimension=D.M, wg_tile_n=64, max_concurrent_steps=6, split_k=2)]
-  # compute bound: the default with the other number of K groups per stage (1 <-> 2; v8: 2 the default from 4096),
-  # and the grouped one with the other epilogue width where that changes its stage count (v9)
+  # compute bound (v9): the default beside its steps back: no cluster, then the v8 default (2 groups on 2 stages
+  # next to a 64-wide epilogue), then one group per stage
   default = F.default_config(m, n, k)
-  other = dataclasses.replace(default, groups_per_step=1 if default.groups_per_step > 1 else 2)
-  out = [other] if F.stages_that_fit(other, jnp.float32) >= 2 else []
-  for c in [default] + out:
-    if c.groups_per_step > 1:
-      flip = dataclasses.replace(c, epi_tile_n=32 if c.epi_tile_n > 32 else 64)
-      if flip != default and F.stages_that_fit(flip, jnp.bfloat16) != F.stages_that_fit(c, jnp.bfloat16):
-        out.append(flip)
-  return out
+  steps = [dataclasses.replace(default, cluster_dimension=None)]
+  steps.append(dataclasses.replace(steps[0], epi_tile_n=64))
+  steps.append(dataclasses.replace(steps[1], groups_per_step=1))
+  out = []
+  for c in steps:
+    if c != default and c not in out and F.stages_that_fit(c, jnp.float32) >= 2:
+      out.append(c)
+  return out[:max_alts]
 
 
-def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
+def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alts=3):
+  """One shape: the default config (fp8_us, fp8_device_us) and, with tune, the alternatives beside it
+  (candidates[], each with wall and device time), then the XLA baselines."""
   sets = make_inputs(m, n, k)
   s0 = sets[0]
   default = config or F.default_config(m, n, k)
-  cands = [default] + (alt_configs(m, n, k) if tune else [])
-  best = None
+  cands = [default] + (alt_configs(m, n, k, max_alts) if tune else [])
   tried = []
   for c in cands:
     if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or n % c.cluster_tile_n:
       continue
     fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c)
     try:
-      t = timeit(fp8, [(s["xq"], s["xs"], s["wq"], s["ws"]) for s in sets])
+      t, dev = timeit(fp8, [(s["xq"], s["xs"], s["wq"], s["ws"]) for s in sets], device=True)
     except Exception as e:  # noqa: BLE001
       print("  config failed", c, repr(e)[:200], flush=True)
+      if c == default:
+        raise
       continue
-    tried.append(dict(us=t, is_default=(c == default), **c.as_dict()))
-    if best is None or t < best[0]:
-      best = (t, c, fp8)
-  t, c, fp8 = best
+    tried.append(dict(us=t, device_us=dev, is_default=(c == default), **c.as_dict()))
+    print(f"    {model} M={m} N={n} K={k} {'default' if c == default else 'alt':7s} {t:8.1f} us wall, "
+          f"{dev if dev is None else round(dev, 1)} us device  g={c.groups_per_step} epi={c.epi_tile_n} "
+          f"cluster={c.cluster_dimension}", flush=True)
+  c = default
+  t, dev = tried[0]["us"], tried[0]["device_us"]
+  fp8 = lambda xq, xs, wq, ws: F.fp8_matmul(xq, xs, wq, ws, config=c)
   y = fp8(s0["xq"], s0["xs"], s0["wq"], s0["ws"])
   ref = F.fp8_matmul_reference(s0["xq"], s0["xs"], s0["wq"], s0["ws"], out_dtype=jnp.float32)
   row = dict(model=model, M=m, N=n, K=k, rel_err=rel_err(y, ref))
   del y, ref
-  row["fp8_us"] = t
+  row["fp8_us"] = t  # the default config (before v9: the best candidate)
+  row["fp8_device_us"] = dev
   row["candidates"] = tried  # every config timed (same run), the default marked
-  row["config"] = dict(c.as_dict(), is_default=(c == default))
+  row["config"] = dict(c.as_dict(), is_default=True)
   if baselines:
-    t_nk = timeit(xla_bf16, [(s["x"], s["w"]) for s in sets])
+    t_nk, d_nk = timeit(xla_bf16, [(s["x"], s["w"]) for s in sets], device=True)
     wts = [jnp.asarray(s["w"].T) for s in sets]
-    t_kn = timeit(lambda x, wt: jnp.dot(x, wt, preferred_element_type=jnp.bfloat16),
-                  [(s["x"], wt) for s, wt in zip(sets, wts)])
+    t_kn, d_kn = timeit(lambda x, wt: jnp.dot(x, wt, preferred_element_type=jnp.bfloat16),
+                        [(s["x"], wt) for s, wt in zip(sets, wts)], device=True)
     del wts
     row["xla_bf16_us"] = min(t_nk, t_kn)
     row["xla_bf16_w_nk_us"] = t_nk
     row["xla_bf16_w_kn_us"] = t_kn
+    devs = [d for d in (d_nk, d_kn) if d is not None]
+    row["xla_bf16_device_us"] = min(devs) if devs else None
     try:
       pt = []
       for s in sets:
@@ -150,6 +171,8 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False):
   if baselines:
     row["xla_bf16_tflops"] = flops / row["xla_bf16_us"] / 1e6
     row["speedup_vs_bf16"] = row["xla_bf16_us"] / row["fp8_us"]
+    if row["fp8_device_us"] and row["xla_bf16_device_us"]:
+      row["speedup_vs_bf16_device"] = row["xla_bf16_device_us"] / row["fp8_device_us"]
   # floors: bytes (fp8 x + w + bf16 out) at 4.3 TB/s; flops at 1979 TFLOP/s dense fp8
   row["floor_bytes_us"] = (m * k + n * k + 2 * m * n) / 4.3e12 * 1e6
   row["floor_flops_us"] = flops / 1979e12 * 1e6
@@ -350,8 +373,9 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
   except Exception:  # noqa: BLE001
     return
-  fig, axes = plt.subplots(1, 4, figsize=(18, 4))
   keys = sorted({(r["model"], r["N"], r["K"]) for r in rows})
+  fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
+  axes = axes[0]
   for ax, key in zip(axes, keys):
     rs = sorted([r for r in rows if (r["model"], r["N"], r["K"]) == key], key=lambda r: r["M"])
     ms = [r["M"] for r in rs]
@@ -378,6 +402,9 @@ def main():
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                 "results", "fp8_matmul_h200.json"))
   ap.add_argument("--ms", default=",".join(map(str, MS)))
+  ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " + ",".join(SHAPES))
+  ap.add_argument("--shapes", default=None, help="comma-separated NxK filter, e.g. 24576x4096,4096x12288")
+  ap.add_argument("--max-alts", type=int, default=3, help="alternative configs timed beside the default per row")
   a = ap.parse_args()
   os.makedirs(os.path.dirname(a.out), exist_ok=True)
   if a.check:
@@ -399,14 +426,23 @@ def main():
     return
   result = {"meta": meta(), "rows": []}
   if not a.e2e_only:
-    for model, shapes in SHAPES.items():
-      for (n, k) in shapes:
-        for m in map(int, a.ms.split(",")):
-          r = bench_shape(model, m, n, k, tune=True)
-          result["rows"].append(r)
-          print(json.dumps(r), flush=True)
-          with open(a.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    models = a.models.split(",")
+    unknown = sorted(set(models) - set(SHAPES))
+    if unknown:
+      ap.error(f"unknown models {unknown}; choose from {sorted(SHAPES)}")
+    wanted = None if a.shapes is None else {tuple(map(int, sh.split("x"))) for sh in a.shapes.split(",")}
+    plan = [(m, model, n, k) for m in map(int, a.ms.split(",")) for model in models for (n, k) in SHAPES[model]
+            if wanted is None or (n, k) in wanted]
+    if not plan:
+      ap.error(f"no shape of {models} matches --shapes {a.shapes}")
+    t0 = time.perf_counter()
+    for i, (m, model, n, k) in enumerate(plan):  # M outermost: the rows that matter most finish first
+      print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t0:5.0f}s] {model} M={m} N={n} K={k}", flush=True)
+      r = bench_shape(model, m, n, k, tune=True, max_alts=a.max_alts)
+      result["rows"].append(r)
+      print(json.dumps({key: v for key, v in r.items() if key != "candidates"}), flush=True)
+      with open(a.out, "w") as fh:  # after every row: a run stopped by a time limit keeps what it measured
+        json.dump(result, fh, indent=1)
   if not a.no_e2e:
     result["e2e_llada8b_proxy"] = e2e()
   with open(a.out, "w") as fh:

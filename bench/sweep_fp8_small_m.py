@@ -59,18 +59,18 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True) -
     # two-CTA clusters multicasting the weight (M) or activation (N) tile (v8): compute bound (M >= 1024) both
     # axes; at M = 256 along M (its two 128-row tiles of a weight tile in one cluster: the weights read once)
     if m >= 256:
-        for cluster in (D.M, D.N) if m >= 1024 else (D.M,):
+        for cluster in (None, D.M, D.N) if m >= 1024 else (None, D.M):  # None: the default's own, if clustered
             for g in (default.groups_per_step, 1):
                 cfg = dataclasses.replace(default, cluster_dimension=cluster, groups_per_step=g)
                 if not n % cfg.cluster_tile_n and not (kg // default.split_k) % g:
                     add(cfg)
     # (v9) two groups per stage leave room for only 2 stages next to a 64-wide bf16 epilogue at M >= 256; a 32-wide
-    # epilogue (half its shared memory) makes room for a third
+    # epilogue (half its shared memory) makes room for a third: each grouped tiling with the other width too
     for cfg in list(out):
-        thin = dataclasses.replace(cfg, epi_tile_n=32)
+        other = dataclasses.replace(cfg, epi_tile_n=64 if cfg.epi_tile_n == 32 else 32)
         acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-        if cfg.groups_per_step > 1 and F.stages_that_fit(thin, acc) > F.stages_that_fit(cfg, acc):
-            add(thin)
+        if cfg.groups_per_step > 1 and F.stages_that_fit(other, acc) != F.stages_that_fit(cfg, acc):
+            add(other)
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
         one_group = dataclasses.replace(default, groups_per_step=1)

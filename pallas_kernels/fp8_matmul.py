@@ -226,7 +226,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return _with_default_groups(narrow, m, k)
+    return _with_default_cluster(_with_default_groups(narrow, m, k), m, n)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -235,33 +235,52 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
 
-  return _with_default_groups(max((narrow, wide), key=rank), m, k)
+  return _with_default_groups(max((narrow, wide), key=rank), m, k)  # M <= 64: no clusters
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
-# unit's K groups and two such stages fit in shared memory: 2 at block-step M (<= 64), where the in-kernel profile
-# and the traced sweep showed the per-stage chain (wait for the stage, wgmma, wait, promotion, release) is what
-# limits the kernel: LLaDA gate/up at M = 32 27.7 vs 29.0 us, down 16.6 vs 17.0, Dream gate/up 43.0 vs 44.8
-# (fp8_small_m_h200.json run v7a). At M = 256 two groups leave room for only 2 stages and lose (LLaDA gate/up
-# 53.0 vs 50.6 us, down 28.0 vs 26.8; fp8_small_m_h200.json run v8a), so 1 there. From M = 4096, 2 (with 2
-# stages): traced (run v8a, device time, the evidence this rests on) 2-5% faster on all four FFN GEMMs: LLaDA gate/up
-# 683.5 vs 720.9 us, down 345.0 vs 353.6, Dream 933.7 vs 976.9 and 459.9 vs 472.8. The wall times of
-# fp8_matmul_h200.json run v8 lean the same way (LLaDA at 4096 and 16384, 4 of 4) but Dream up (18944 wide) at 4096
-# went the other way (641.3 vs 615.1 us), and their run-to-run spread is as large as the effect (one group took
-# 457.5-535.1 us for the same LLaDA shape in runs v1-v8). At M = 1024 the two orders swapped by shape (LLaDA up
-# 182.3 vs 152.8, down 152.5 vs 191.9; untraced), so 1 below 4096 until a traced sweep there.
-# FP8_GROUPS_PER_STEP sets it for every M (benchmarks compare in one process by setting this attribute).
+# unit's K groups. Traced on the H200 (fp8_small_m_h200.json), device time per kernel:
+# * M <= 64 (block steps), 2: the per-stage chain (wait for the stage, wgmma, wait, promotion, release) is what limits
+#   the kernel there: LLaDA gate/up at M = 32 27.7 vs 29.0 us, down 16.6 vs 17.0, Dream gate/up 43.0 vs 44.8 (v7a).
+# * above, 2 only with a 32-wide epilogue, which frees the shared memory for a third stage (two groups next to the
+#   64-wide bf16 epilogue leave room for 2): run v9a, M = 256: LLaDA gate/up 44.4 us vs 50.6 with one group (5
+#   stages) and 53.2 with two groups on 2 stages; Dream gate/up 67.7 vs 77.4. M = 4096: LLaDA gate/up 654.6 vs 679.9
+#   (2 groups, 2 stages: the v8 default) and 719.7 (1 group), down 316.6 vs 347.2; Dream 922.5 vs 932.9, 426.3 vs
+#   461.1. Where the third stage does not fit (split-K's fp32 epilogue: the down GEMM at M = 256), 1 group: two
+#   groups on 2 stages lost there (LLaDA down 28.3 vs 26.8 us). The epilogue's extra stores cost nothing visible.
+# FP8_GROUPS_PER_STEP forces a count at every M, with the epilogue as it is (benchmarks compare in one process by
+# setting this attribute).
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 if GROUPS_PER_STEP not in (None, 1, 2, 4):
   raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
 
 
 def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
-  g = GROUPS_PER_STEP if GROUPS_PER_STEP is not None else (2 if m <= 64 or m >= 4096 else 1)
+  g = GROUPS_PER_STEP or 2
   if g == 1 or (k // GROUP // cfg.split_k) % g:
     return cfg
   grouped = dataclasses.replace(cfg, groups_per_step=g)
-  return grouped if stages_that_fit(grouped, jnp.float32) >= 2 else cfg
+  if m <= 64 or GROUPS_PER_STEP is not None:
+    return grouped if stages_that_fit(grouped, jnp.float32) >= 2 else cfg
+  # the bf16 output of the model's GEMMs (split-K writes fp32 partials); an fp32 out_dtype still runs this config,
+  # on the 2 stages that then fit (fit_stages)
+  acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+  thin = dataclasses.replace(grouped, epi_tile_n=min(32, cfg.epi_tile_n))
+  return thin if stages_that_fit(thin, acc) >= 3 else cfg
+
+
+# Two-CTA clusters along N (the pair shares each stage's activation tile, one TMA multicast) from this M, where N
+# is a multiple of the pair's 256 columns. Traced at M = 4096 (fp8_small_m_h200.json run v9a, with the grouped,
+# 3-stage tiling): LLaDA gate/up 634.3 vs 654.6 us, down 313.6 vs 316.6, Dream gate/up 863.0 vs 922.5, down 418.7
+# vs 426.3; along M (the pair shares the weight tile) 638.3 / 317.5 / 865.8 / 421.9. Below M = 1024 not timed.
+# FP8_CLUSTER=0 turns it off (benchmarks compare in one process by setting CLUSTER_FROM_M = None).
+CLUSTER_FROM_M: int | None = 1024 if os.environ.get("FP8_CLUSTER", "1") != "0" else None
+
+
+def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConfig:
+  if CLUSTER_FROM_M is None or m < CLUSTER_FROM_M or n % (2 * cfg.cta_tile_n):
+    return cfg
+  return dataclasses.replace(cfg, cluster_dimension=Dim.N)
 
 
 def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:

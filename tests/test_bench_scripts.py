@@ -173,10 +173,27 @@ def test_fp8_sweep_candidates_by_regime():
     assert clusters(4096, 24576, 4096) == {F.Dim.M, F.Dim.N} and clusters(256, 24576, 4096) == {F.Dim.M}
     assert clusters(32, 24576, 4096) == set()
     assert sweep_fp8_small_m.candidates(4096, 24576, 4096)[0] == F.default_config(4096, 24576, 4096)
-    # a 32-wide epilogue beside every grouped tiling whose stages it raises (2 -> 3 at M = 4096, bf16 out)
-    thin = [c for c in sweep_fp8_small_m.candidates(4096, 24576, 4096, grid=False) if c.epi_tile_n == 32]
-    assert thin and all(c.groups_per_step == 2 and F.stages_that_fit(c, jnp.bfloat16) == 3 for c in thin)
+    # every grouped tiling with both epilogue widths (3 stages on the 32-wide one, 2 on the 64-wide at M = 4096)
+    grouped = [c for c in sweep_fp8_small_m.candidates(4096, 24576, 4096, grid=False) if c.groups_per_step == 2]
+    stages = {(c.epi_tile_n, c.cluster_dimension): F.stages_that_fit(c, jnp.bfloat16) for c in grouped}
+    assert stages == {(e, cl): 3 if e == 32 else 2 for e in (32, 64) for cl in (None, F.Dim.M, F.Dim.N)}
     assert len(sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)) < len(
         sweep_fp8_small_m.candidates(256, 4096, 12288))
-    (other,) = bench_fp8_matmul.alt_configs(4096, 12288, 4096)
-    assert other.groups_per_step == 1 and F.default_config(4096, 12288, 4096).groups_per_step == 2
+    # bench_fp8_matmul at large M: the default (clustered, grouped, 3 stages) and its steps back to the v8 default
+    default = F.default_config(4096, 12288, 4096)
+    no_cluster, v8, one_group = bench_fp8_matmul.alt_configs(4096, 12288, 4096)
+    assert default.cluster_dimension == F.Dim.N and no_cluster.cluster_dimension is None
+    assert (default.epi_tile_n, no_cluster.epi_tile_n, v8.epi_tile_n) == (32, 32, 64)
+    assert (v8.groups_per_step, one_group.groups_per_step) == (2, 1)
+
+
+def test_bench_fp8_matmul_row_on_cpu(capsys):
+    """One row of the FP8 GEMM benchmark end to end on the CPU (the XLA backend, no device trace: device times
+    None): the default's time is fp8_us, candidates hold it first, the baselines and speedups are filled."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_fp8_matmul
+
+    row = bench_fp8_matmul.bench_shape("llada", 64, 256, 256, tune=False)
+    assert row["candidates"][0]["is_default"] and row["fp8_us"] == row["candidates"][0]["us"] > 0
+    assert row["fp8_device_us"] is None and row["xla_bf16_us"] > 0 and row["speedup_vs_bf16"] > 0
+    assert row["rel_err"] < 1e-2

@@ -273,14 +273,21 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   """default_config at the real FFN shapes: the 256-wide small-M tiles only where they fill the waves better
   (LLaDA gate/up), K groups per stage only where they divide a work unit, and every config lowers for CUDA
   within the H200's shared memory (Mosaic GPU checks it at lowering)."""
-  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)  # None: the default rule (2 at M <= 64 and M >= 4096, else 1)
+  # None: the default rule (2 at M <= 64; above, 2 on a 32-wide epilogue where that fits 3 stages, else 1)
+  monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)
   shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
   for m in (32, 256, 4096):
     for n, k in shapes:
       cfg = F.default_config(m, n, k)
       kg = k // 128 // cfg.split_k
-      g = groups or (2 if m <= 64 or m >= 4096 else 1)
+      g = groups or (2 if m <= 64 or cfg.split_k == 1 else 1)
       assert cfg.groups_per_step == (g if kg % g == 0 else 1), (m, n, k, cfg)
+      if groups is None and m > 64:
+        acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+        assert (cfg.epi_tile_n == 32) == (cfg.groups_per_step == 2), (m, n, k, cfg)
+        assert F.fit_stages(cfg, acc) == (3 if cfg.groups_per_step == 2 else 4), (m, n, k, cfg)
+      # two-CTA clusters along N where compute bound (M >= 1024), never at block-step sizes
+      assert cfg.cluster_dimension == (D.N if m >= 1024 else None), (m, n, k, cfg)
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
       args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
               jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
