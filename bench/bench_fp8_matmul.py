@@ -41,6 +41,7 @@ SHAPES = {  # model: [(N, K), ...]: gate (or up) alone, gate/up fused as the mod
     "dream": [(18944, 3584), (37888, 3584), (3584, 18944)],
 }
 MS = [32, 256, 1024, 4096, 16384]
+INTERPRET = jax.default_backend() != "gpu"  # the CPU smoke test: the Mosaic GPU simulator
 R = 4  # rotating input sets per timing
 
 
@@ -122,7 +123,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
   for c in cands:
     if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or n % c.cluster_tile_n:
       continue
-    fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c)
+    fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=INTERPRET)
     try:
       t, dev = timeit(fp8, [(s["xq"], s["xs"], s["wq"], s["ws"]) for s in sets], device=True)
     except Exception as e:  # noqa: BLE001
@@ -136,7 +137,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
           f"cluster={c.cluster_dimension}", flush=True)
   c = default
   t, dev = tried[0]["us"], tried[0]["device_us"]
-  fp8 = lambda xq, xs, wq, ws: F.fp8_matmul(xq, xs, wq, ws, config=c)
+  fp8 = lambda xq, xs, wq, ws: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=INTERPRET)
   y = fp8(s0["xq"], s0["xs"], s0["wq"], s0["ws"])
   ref = F.fp8_matmul_reference(s0["xq"], s0["xs"], s0["wq"], s0["ws"], out_dtype=jnp.float32)
   row = dict(model=model, M=m, N=n, K=k, rel_err=rel_err(y, ref))
