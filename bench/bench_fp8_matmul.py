@@ -95,10 +95,10 @@ def alt_configs(m, n, k, max_alts=3):
   C, D = F.Fp8MatmulConfig, F.Dim
   if m <= 64:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6, split_k=1),
-            C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6, split_k=2)]
+            C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6, split_k=2)][:max_alts]
   if m <= 256:
     return [C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=6),
-            C(wg_dimension=D.M, wg_tile_n=64, max_concurrent_steps=6, split_k=2)]
+            C(wg_dimension=D.M, wg_tile_n=64, max_concurrent_steps=6, split_k=2)][:max_alts]
   # compute bound (v9): the default beside its steps back: no cluster, then the v8 default (2 groups on 2 stages
   # next to a 64-wide epilogue), then one group per stage
   default = F.default_config(m, n, k)
