@@ -45,8 +45,9 @@ INTERPRET = jax.default_backend() != "gpu"  # the CPU smoke test: the Mosaic GPU
 R = 4  # rotating input sets per timing
 
 
-def timeit(fn, args_list, reps=5, device=False):
-  """Wall us per call; with device=True (wall, device busy us per call or None without a device trace)."""
+def timeit(fn, args_list, reps=5, device=False, kernel="fp8_matmul_kernel"):
+  """Wall us per call; with device=True (wall, device busy us per call, device us of the kernels named `kernel`
+  per call), the device times None without a device trace (the CPU)."""
   f = jax.jit(lambda al: [fn(*a) for a in al])
   jax.block_until_ready(f(args_list))
   ts = []
@@ -57,9 +58,11 @@ def timeit(fn, args_list, reps=5, device=False):
   wall = statistics.median(ts) / len(args_list) * 1e6  # us
   if not device:
     return wall
-  bd = kernel_breakdown(lambda: jax.block_until_ready(f(args_list)), calls=2, top=0)
+  bd = kernel_breakdown(lambda: jax.block_until_ready(f(args_list)), calls=2, top=50)
   busy = bd.get("busy_ms") or 0.0
-  return wall, (1e3 * busy / len(args_list) if busy else None)
+  named = sum(t["ms"] for t in bd.get("top", []) if kernel in t["name"])
+  per_call = lambda ms: 1e3 * ms / len(args_list) if ms else None
+  return wall, per_call(busy), per_call(named)
 
 
 def make_inputs(m, n, k, nsets=R, seed=0):
@@ -125,13 +128,13 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
       continue
     fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=INTERPRET)
     try:
-      t, dev = timeit(fp8, [(s["xq"], s["xs"], s["wq"], s["ws"]) for s in sets], device=True)
+      t, dev, kern = timeit(fp8, [(s["xq"], s["xs"], s["wq"], s["ws"]) for s in sets], device=True)
     except Exception as e:  # noqa: BLE001
       print("  config failed", c, repr(e)[:200], flush=True)
       if c == default:
         raise
       continue
-    tried.append(dict(us=t, device_us=dev, is_default=(c == default), **c.as_dict()))
+    tried.append(dict(us=t, device_us=dev, kernel_us=kern, is_default=(c == default), **c.as_dict()))
     print(f"    {model} M={m} N={n} K={k} {'default' if c == default else 'alt':7s} {t:8.1f} us wall, "
           f"{dev if dev is None else round(dev, 1)} us device  g={c.groups_per_step} epi={c.epi_tile_n} "
           f"cluster={c.cluster_dimension}", flush=True)
@@ -145,13 +148,14 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
   row = dict(model=model, M=m, N=n, K=k, rel_err=rel_err(y, ref), rel_err_rows=rows)
   del y, ref
   row["fp8_us"] = t  # the default config (before v9: the best candidate)
-  row["fp8_device_us"] = dev
+  row["fp8_device_us"] = dev  # every kernel of the call: the GEMM and the wrapper's pad / transposes / scale table
+  row["fp8_kernel_us"] = tried[0]["kernel_us"]  # the GEMM kernel alone (what the model's FFN runs: bench/NOTES.md v9)
   row["candidates"] = tried  # every config timed (same run), the default marked
   row["config"] = dict(c.as_dict(), is_default=True)
   if baselines:
-    t_nk, d_nk = timeit(xla_bf16, [(s["x"], s["w"]) for s in sets], device=True)
+    t_nk, d_nk, _ = timeit(xla_bf16, [(s["x"], s["w"]) for s in sets], device=True)
     wts = [jnp.asarray(s["w"].T) for s in sets]
-    t_kn, d_kn = timeit(lambda x, wt: jnp.dot(x, wt, preferred_element_type=jnp.bfloat16),
+    t_kn, d_kn, _ = timeit(lambda x, wt: jnp.dot(x, wt, preferred_element_type=jnp.bfloat16),
                         [(s["x"], wt) for s, wt in zip(sets, wts)], device=True)
     del wts
     row["xla_bf16_us"] = min(t_nk, t_kn)
@@ -176,6 +180,8 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
     row["speedup_vs_bf16"] = row["xla_bf16_us"] / row["fp8_us"]
     if row["fp8_device_us"] and row["xla_bf16_device_us"]:
       row["speedup_vs_bf16_device"] = row["xla_bf16_device_us"] / row["fp8_device_us"]
+    if row["fp8_kernel_us"] and row["xla_bf16_device_us"]:
+      row["speedup_vs_bf16_kernel"] = row["xla_bf16_device_us"] / row["fp8_kernel_us"]
   # floors: bytes (fp8 x + w + bf16 out) at 4.3 TB/s; flops at 1979 TFLOP/s dense fp8
   row["floor_bytes_us"] = (m * k + n * k + 2 * m * n) / 4.3e12 * 1e6
   row["floor_flops_us"] = flops / 1979e12 * 1e6
@@ -369,13 +375,23 @@ def meta():
               floors="bytes at 4.3 TB/s (fp8 x, fp8 w, bf16 y); flops at 1979 TFLOP/s dense fp8")
 
 
+def latest_rows(rows):
+  """The last row per (model, N, K, M): later runs are appended after earlier ones in the committed file."""
+  last = {}
+  for r in rows:
+    last[(r["model"], r["N"], r["K"], r["M"])] = r
+  return list(last.values())
+
+
 def plot(rows, path):
+  """TF/s against M per shape (the latest row of each): device time where the row has it (v9), else wall time."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except Exception:  # noqa: BLE001
     return
+  rows = latest_rows(rows)
   keys = sorted({(r["model"], r["N"], r["K"]) for r in rows})
   fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
   axes = axes[0]
@@ -383,13 +399,14 @@ def plot(rows, path):
     rs = sorted([r for r in rows if (r["model"], r["N"], r["K"]) == key], key=lambda r: r["M"])
     ms = [r["M"] for r in rs]
     fl = lambda r, k: 2 * r["M"] * r["N"] * r["K"] / r[k] / 1e6 if r.get(k) else np.nan
-    ax.plot(ms, [fl(r, "fp8_us") for r in rs], "o-", label="fp8 block-scaled (pallas)")
-    ax.plot(ms, [fl(r, "xla_bf16_us") for r in rs], "s-", label="XLA bf16")
-    ax.plot(ms, [fl(r, "xla_fp8_per_tensor_us") for r in rs], "^-", label="XLA fp8 per-tensor")
+    best = lambda r, dev, wall: fl(r, dev) if r.get(dev) else fl(r, wall)
+    ax.plot(ms, [best(r, "fp8_device_us", "fp8_us") for r in rs], "o-", label="fp8 block-scaled (pallas)")
+    ax.plot(ms, [best(r, "xla_bf16_device_us", "xla_bf16_us") for r in rs], "s-", label="XLA bf16")
+    ax.plot(ms, [fl(r, "xla_fp8_per_tensor_us") for r in rs], "^-", label="XLA fp8 per-tensor (wall)")
     ax.set_xscale("log", base=2)
     ax.set_title(f"{key[0]} N={key[1]} K={key[2]}")
     ax.set_xlabel("M")
-    ax.set_ylabel("TFLOP/s")
+    ax.set_ylabel("TFLOP/s (device time where traced)")
     ax.grid(True, alpha=0.3)
   axes[0].legend(fontsize=7)
   fig.tight_layout()
@@ -407,8 +424,13 @@ def main():
   ap.add_argument("--ms", default=",".join(map(str, MS)))
   ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " + ",".join(SHAPES))
   ap.add_argument("--shapes", default=None, help="comma-separated NxK filter, e.g. 24576x4096,4096x12288")
+  ap.add_argument("--replot", action="store_true", help="only redraw --out's .png from its rows (no device work)")
   ap.add_argument("--max-alts", type=int, default=3, help="alternative configs timed beside the default per row")
   a = ap.parse_args()
+  if a.replot:
+    with open(a.out) as fh:
+      plot(json.load(fh)["rows"], a.out.replace(".json", ".png"))
+    return
   os.makedirs(os.path.dirname(a.out), exist_ok=True)
   if a.check:
     ok = True

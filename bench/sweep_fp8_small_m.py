@@ -71,6 +71,12 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True) -
         acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
         if cfg.groups_per_step > 1 and F.stages_that_fit(other, acc) != F.stages_that_fit(cfg, acc):
             add(other)
+        # (v9, not timed yet) one epilogue slot where two 32-wide ones leave the grouped tiling on 2 stages (split-K's
+        # fp32 epilogue: the down GEMMs at M = 256)
+        thin = dataclasses.replace(cfg, epi_tile_n=32)
+        one_slot = dataclasses.replace(thin, out_slots=1)
+        if cfg.groups_per_step > 1 and F.stages_that_fit(thin, acc) < 3 <= F.stages_that_fit(one_slot, acc):
+            add(one_slot)
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
         one_group = dataclasses.replace(default, groups_per_step=1)

@@ -154,6 +154,9 @@ class Fp8MatmulConfig:
   stage, one TMA multicast to both) or along N (they share the activation tile A). Cuts the L2 -> shared memory
   traffic of the shared operand in half when compute bound; the scale rows are still loaded per CTA (they are
   too small to split between the two: TMA destinations must be 128-byte aligned).
+  ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
+  previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
+  for one more pipeline stage).
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -167,6 +170,7 @@ class Fp8MatmulConfig:
   ws_prefetch: bool = dataclasses.field(default_factory=lambda: DEFAULT_WS_PREFETCH)
   groups_per_step: int = 1
   cluster_dimension: Dim | None = None
+  out_slots: int = 2
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -186,6 +190,8 @@ class Fp8MatmulConfig:
       raise ValueError(f"CTA N tile must be >= 64 (16-byte scale rows), got {self.cta_tile_n}")
     if self.groups_per_step not in (1, 2, 4):
       raise ValueError(f"groups_per_step must be 1, 2 or 4, got {self.groups_per_step}")
+    if self.out_slots not in (1, 2):
+      raise ValueError(f"out_slots must be 1 or 2, got {self.out_slots}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
       raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
     c = self.cluster_dimension
@@ -269,16 +275,23 @@ def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfi
   return thin if stages_that_fit(thin, acc) >= 3 else cfg
 
 
-# Two-CTA clusters along N (the pair shares each stage's activation tile, one TMA multicast) from this M, where N
-# is a multiple of the pair's 256 columns. Traced at M = 4096 (fp8_small_m_h200.json run v9a, with the grouped,
-# 3-stage tiling): LLaDA gate/up 634.3 vs 654.6 us, down 313.6 vs 316.6, Dream gate/up 863.0 vs 922.5, down 418.7
-# vs 426.3; along M (the pair shares the weight tile) 638.3 / 317.5 / 865.8 / 421.9. Below M = 1024 not timed.
+# Two-CTA clusters along N (the pair shares each stage's activation tile, one TMA multicast) where the GEMM is
+# compute bound (M >= 1024) with at least 4 waves of CTA tiles on 132 SMs, and N is a multiple of the pair's 256
+# columns. Device times on the H200 (grouped, 3-stage tiling; cluster along N vs none):
+# * M = 4096 (fp8_small_m_h200.json run v9a): LLaDA gate/up 634.3 vs 654.6 us, down 313.6 vs 316.6, Dream gate/up
+#   863.0 vs 922.5, down 418.7 vs 426.3; along M (the pair shares the weight tile) 638.3 / 317.5 / 865.8 / 421.9.
+#   Again in fp8_matmul_h200.json run v9: 647.9 vs 663.4, 323.5 vs 325.7, 878.6 vs 911.9, 433.3 vs 439.5; and at
+#   M = 16384 (LLaDA) 2670.7 vs 2964.2 and 1314.6 vs 1347.2.
+# * M = 1024 (run v9): gate/up 169.8 vs 172.7 (LLaDA), 226.8 vs 231.6 (Dream: 1536 / 2368 CTA tiles, 11.6 / 17.9
+#   waves) but down 83.6 vs 82.2 and 121.3 vs 119.1 (256 / 224 tiles, < 2 waves): hence the 4-wave floor.
 # FP8_CLUSTER=0 turns it off (benchmarks compare in one process by setting CLUSTER_FROM_M = None).
 CLUSTER_FROM_M: int | None = 1024 if os.environ.get("FP8_CLUSTER", "1") != "0" else None
+CLUSTER_MIN_WAVES = 4
 
 
 def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConfig:
-  if CLUSTER_FROM_M is None or m < CLUSTER_FROM_M or n % (2 * cfg.cta_tile_n):
+  if (CLUSTER_FROM_M is None or m < CLUSTER_FROM_M or n % (2 * cfg.cta_tile_n)
+      or _units(m, n, cfg) < CLUSTER_MIN_WAVES * 132):
     return cfg
   return dataclasses.replace(cfg, cluster_dimension=Dim.N)
 
@@ -338,7 +351,7 @@ def stages_that_fit(cfg: Fp8MatmulConfig, acc_dtype, reserve: int = 0) -> int:
   # e4m3 A and B tiles, an xs row, a 128-byte ws row, per 128-K group
   stage = cfg.groups_per_step * (ctm * GROUP + ctn * GROUP + 4 * ctm + 128)
   epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
-  slots = min(2, (cfg.wg_tile_m * cfg.wg_tile_n) // (cfg.wg_tile_m * epi_n))
+  slots = min(cfg.out_slots, cfg.wg_tile_n // epi_n)
   epilogue = 2 * slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
   return (SMEM_BYTES - 2048 - reserve - epilogue) // stage  # 2 KB kept for barriers and alignment
 
@@ -402,7 +415,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   m_iters, n_iters = mp // cfg.cluster_tile_m, n // cfg.cluster_tile_n
   acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
-  num_out_slots = min(2, (tm * tn) // (epi_m * epi_n))
+  num_out_slots = min(cfg.out_slots, tn // epi_n)
   # the profiler's event buffers and the fused epilogue's tiles share the shared memory with the stages
   reserve = PROFILE_SMEM_BYTES if profile_dir else 0
   if swiglu:
@@ -491,8 +504,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for ni in range(tn // epi_n):
             sl_n = slice(ni * epi_n, (ni + 1) * epi_n)
-            slot = ni % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            slot = ni % num_out_slots
+            plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)  # this slot's last store has read it
             out_smem[wg_idx, slot] = acc[:, sl_n]
             plgpu.commit_smem()
             dst = out_gmem.at[ks] if split > 1 else out_gmem

@@ -177,6 +177,8 @@ def test_fp8_sweep_candidates_by_regime():
     grouped = [c for c in sweep_fp8_small_m.candidates(4096, 24576, 4096, grid=False) if c.groups_per_step == 2]
     stages = {(c.epi_tile_n, c.cluster_dimension): F.stages_that_fit(c, jnp.bfloat16) for c in grouped}
     assert stages == {(e, cl): 3 if e == 32 else 2 for e in (32, 64) for cl in (None, F.Dim.M, F.Dim.N)}
+    down256 = sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)
+    assert any(c.out_slots == 1 and c.groups_per_step == 2 for c in down256)  # split-K's fp32 epilogue: one slot
     assert len(sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)) < len(
         sweep_fp8_small_m.candidates(256, 4096, 12288))
     # bench_fp8_matmul at large M: the default (clustered, grouped, 3 stages) and its steps back to the v8 default

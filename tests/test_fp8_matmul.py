@@ -134,8 +134,10 @@ KERNEL_CASES = [
     (5, 512, 512, C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, split_k=2, max_concurrent_steps=3)),
     # several K groups per stage (wgmmas in flight while the earlier groups are promoted): a one-step unit, ...
     (1, 256, 512, C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
-    # ... 8 units on the simulator's 4 SMs (two units per CTA), 4 steps per unit on 3 stages (barrier wrap), ...
-    (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2)),
+    # ... 8 units on the simulator's 4 SMs (two units per CTA), 4 steps per unit on 3 stages (barrier wrap), the
+    # fp32 partials stored through one epilogue slot in 4 chunks (each store waited for before the next), ...
+    (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2,
+                      epi_tile_n=32, out_slots=1)),
     # ... the scalar weight-scale load per group (no prefetch) ...
     (64, 256, 1024, C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=3, groups_per_step=2, ws_prefetch=False)),
     # ... and four groups per stage (64-wide CTA tiles: two such stages fit next to an fp32 epilogue)
@@ -259,6 +261,20 @@ def test_clustered_configs_lower_for_cuda_at_real_shapes(cluster):
   assert cfg.as_dict()["cluster_dimension"] == cluster.name
 
 
+def test_one_epilogue_slot_frees_a_stage():
+  """LLaDA's down GEMM at M = 256 (split-K 2: an fp32 epilogue): two K groups per stage fit 2 stages on two 32-wide
+  epilogue slots, 3 on one; the one-slot config lowers for CUDA at that shape."""
+  cfg = dataclasses.replace(F.default_config(256, 4096, 12288), groups_per_step=2, epi_tile_n=32)
+  one = dataclasses.replace(cfg, out_slots=1)
+  assert cfg.split_k == 2 and F.stages_that_fit(cfg, jnp.float32) == 2 and F.stages_that_fit(one, jnp.float32) == 3
+  with pytest.raises(ValueError, match="out_slots"):
+    C(out_slots=3)
+  args = (jax.ShapeDtypeStruct((256, 12288), F.FP8), jax.ShapeDtypeStruct((256, 96), jnp.float32),
+          jax.ShapeDtypeStruct((4096, 12288), F.FP8), jax.ShapeDtypeStruct((32, 96), jnp.float32))
+  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+    F.fp8_matmul.trace(*args, config=one).lower(lowering_platforms=("cuda",))
+
+
 def test_stages_that_do_not_fit_are_refused_before_lowering():
   x, w = _data(32, 512, 1024)
   xq, xs = F.quantize_activations(x)
@@ -294,6 +310,10 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
       with jax.sharding.use_abstract_mesh(_gpu_mesh()):
         F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
   assert F.default_config(32, 3584, 18944).groups_per_step == 1  # 148 groups / split-K 4: odd
+  # ... and only with >= 4 waves of CTA tiles: not for the down GEMMs at M = 1024 (< 2 waves), yes for gate/up
+  assert F.default_config(1024, 4096, 12288).cluster_dimension is None
+  assert F.default_config(1024, 3584, 18944).cluster_dimension is None
+  assert F.default_config(1024, 24576, 4096).cluster_dimension == D.N
   # the fused SwiGLU epilogue at LLaDA's block-step tiling (the only default that allows it) lowers too
   cfg = F.default_config(32, 24576, 4096)
   assert F.swiglu_fusable(cfg)
