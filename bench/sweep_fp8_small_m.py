@@ -39,11 +39,12 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
     return {"gate_up": (2 * c.mlp_hidden, c.d_model), "down": (c.d_model, c.mlp_hidden)}
 
 
-def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True) -> list:
+def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, overlap: bool = not INTERPRET) -> list:
     """The default tiling, the same with 1, 2 or 4 K groups per stage, then two-CTA clusters (along M and N at
     M >= 1024, along M at M >= 256), grouped stages with a 32-wide epilogue where that fits a stage more, (M <= 64)
     every stage that fits and the other tile width; sweep=True adds every split-K count of both widths (runs
-    v6a/v6b); grid=False drops the split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner)."""
+    v6a/v6b); grid=False drops the split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner);
+    overlap: the overlap_steps twins (not on the CPU: the simulator cannot run them)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -77,6 +78,12 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True) -
         one_slot = dataclasses.replace(thin, out_slots=1)
         if cfg.groups_per_step > 1 and F.stages_that_fit(thin, acc) < 3 <= F.stages_that_fit(one_slot, acc):
             add(one_slot)
+    # (v9, not timed yet) each stage's last K group promoted in the next step, where 3 stages fit (one is lost to
+    # the late release)
+    for cfg in list(out) if overlap else []:
+        acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+        if cfg.max_concurrent_steps >= 3 and F.stages_that_fit(cfg, acc) >= 3:
+            add(dataclasses.replace(cfg, overlap_steps=True))
     if m <= 64:
         narrow, wide = F._narrow_config(m, n, k), F.wide_small_m_config(m, n, k)
         one_group = dataclasses.replace(default, groups_per_step=1)

@@ -154,6 +154,10 @@ class Fp8MatmulConfig:
   stage, one TMA multicast to both) or along N (they share the activation tile A). Cuts the L2 -> shared memory
   traffic of the shared operand in half when compute bound; the scale rows are still loaded per CTA (they are
   too small to split between the two: TMA destinations must be 128-byte aligned).
+  ``overlap_steps``: software-pipeline the promotion across pipeline steps: a stage's last K group is promoted at
+  the start of the next step, after that step's first wgmmas are issued, so each warpgroup keeps a wgmma in flight
+  across the stage boundary (its barrier waits included). The stage is then released one step late
+  (BlockSpec delay_release=1), which costs one prefetched stage.
   ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
   previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
   for one more pipeline stage).
@@ -171,6 +175,7 @@ class Fp8MatmulConfig:
   groups_per_step: int = 1
   cluster_dimension: Dim | None = None
   out_slots: int = 2
+  overlap_steps: bool = False
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -190,6 +195,9 @@ class Fp8MatmulConfig:
       raise ValueError(f"CTA N tile must be >= 64 (16-byte scale rows), got {self.cta_tile_n}")
     if self.groups_per_step not in (1, 2, 4):
       raise ValueError(f"groups_per_step must be 1, 2 or 4, got {self.groups_per_step}")
+    if self.overlap_steps and self.max_concurrent_steps < 3:
+      raise ValueError("overlap_steps releases each stage one step late: it needs max_concurrent_steps >= 3, got "
+                       f"{self.max_concurrent_steps}")
     if self.out_slots not in (1, 2):
       raise ValueError(f"out_slots must be 1 or 2, got {self.out_slots}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
@@ -232,7 +240,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return _with_default_cluster(_with_default_groups(narrow, m, k), m, n)
+    return _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n))
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -241,7 +249,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
 
-  return _with_default_groups(max((narrow, wide), key=rank), m, k)  # M <= 64: no clusters
+  return _with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k))  # M <= 64: no clusters
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
@@ -261,6 +269,11 @@ if GROUPS_PER_STEP not in (None, 1, 2, 4):
   raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
 
 
+def _bf16_out_acc(cfg: Fp8MatmulConfig):
+  """The epilogue dtype of the model's GEMMs (bf16 out; split-K writes fp32 partials), for stage counts."""
+  return jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+
+
 def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
   g = GROUPS_PER_STEP or 2
   if g == 1 or (k // GROUP // cfg.split_k) % g:
@@ -268,11 +281,10 @@ def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfi
   grouped = dataclasses.replace(cfg, groups_per_step=g)
   if m <= 64 or GROUPS_PER_STEP is not None:
     return grouped if stages_that_fit(grouped, jnp.float32) >= 2 else cfg
-  # the bf16 output of the model's GEMMs (split-K writes fp32 partials); an fp32 out_dtype still runs this config,
-  # on the 2 stages that then fit (fit_stages)
-  acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+  # stages counted for the model's bf16 output; an fp32 out_dtype still runs this config, on the 2 stages that then
+  # fit (fit_stages)
   thin = dataclasses.replace(grouped, epi_tile_n=min(32, cfg.epi_tile_n))
-  return thin if stages_that_fit(thin, acc) >= 3 else cfg
+  return thin if stages_that_fit(thin, _bf16_out_acc(thin)) >= 3 else cfg
 
 
 # Two-CTA clusters along N (the pair shares each stage's activation tile, one TMA multicast) where the GEMM is
@@ -294,6 +306,19 @@ def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConf
       or _units(m, n, cfg) < CLUSTER_MIN_WAVES * 132):
     return cfg
   return dataclasses.replace(cfg, cluster_dimension=Dim.N)
+
+
+# overlap_steps on the default configs (where 3 stages fit: one is given up to the late release): OFF by default.
+# Built in v9 without device time: it lowers for CUDA and is bit-identical to the default order of promotions by
+# construction, but the GPU simulator cannot run it (no interpreter rule for an accumulator store) and it has not
+# run on a GPU. FP8_OVERLAP_STEPS=1 turns it on (benchmarks compare in one process by setting this attribute).
+OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
+
+
+def _with_default_overlap(cfg: Fp8MatmulConfig) -> Fp8MatmulConfig:
+  if not OVERLAP_STEPS or cfg.max_concurrent_steps < 3 or stages_that_fit(cfg, _bf16_out_acc(cfg)) < 3:
+    return cfg
+  return dataclasses.replace(cfg, overlap_steps=True)
 
 
 def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
@@ -404,6 +429,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   if (kg // split) % gps:
     raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
                      f"{kg // split}")
+  if interpret and cfg.overlap_steps:
+    raise ValueError("fp8_matmul: overlap_steps cannot run in the GPU simulator (interpret=True has no rule for "
+                     "the accumulator store it needs); run it on a GPU or use overlap_steps=False")
   ksteps = kg // split // gps  # pipeline steps per work unit
   if mp % cfg.cluster_tile_m:
     raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
@@ -444,7 +472,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     ws_block = (gps, 2, tn // wsc) if swiglu else (gps, ctn // wsc)
 
     def get_pipeline(body, compute_context):
-      spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+      # overlap_steps: a stage's last wgmma is still in flight when its body returns: release the stage a step later
+      spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, delay_release=int(cfg.overlap_steps))
       # the operand both CTAs of a cluster read is multicast: B (weights) along M, A (activations) along N
       a_multicast = ("cluster",) if cfg.cluster_dimension == Dim.N else ()
       b_multicast = ("cluster",) if cfg.cluster_dimension == Dim.M else ()
@@ -539,30 +568,74 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             plgpu.copy_smem_to_gmem(q_smem, aq_gmem.at[cta_m, pl.ds(n_idx * tn, tn)])
             plgpu.copy_smem_to_gmem(s_smem, as_gmem.at[n_idx, cta_m])
 
-        def compute_context(eval_pipeline):
-          acc = eval_pipeline(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA))
-          (swiglu_epilogue if swiglu else epilogue)(acc)
+        overlap = cfg.overlap_steps
+        unit_accs = []  # overlap_steps: the unit's accumulators, allocated around its pipeline (compute_context)
 
-        def group_scale(idx, j, xs_smem, ws_smem):
-          """x_scale[rows] * w_scale of K group j of this pipeline step, broadcast to the [tm, tn] tile."""
+        def compute_context(eval_pipeline):
+          zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+          finish = swiglu_epilogue if swiglu else epilogue
+          if not overlap:
+            finish(eval_pipeline(zeros))
+            return
+
+          def run(*acc_refs):  # zeroed at allocation: the first step promotes the "previous" last group as 0 * 0
+            unit_accs[:] = acc_refs
+            out, pending = eval_pipeline((zeros, jnp.zeros((tm,), jnp.float32)))
+            last = plgpu.wgmma_accumulator_load(acc_refs[-1], wait_n=0)  # the last step's last group
+            finish(out + last * lax.broadcast_in_dim(pending, (tm, tn), [0]))
+
+          pl.run_scoped(run, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
+
+        def row_scale(idx, j, xs_smem, ws_smem):
+          """x_scale[rows] * w_scale of K group j of this pipeline step: [tm]."""
           if swiglu:
             w_scale = ws_smem[0][j, wg_idx, 0]
           elif ws_prefetch:
             w_scale = ws_smem[0][j, wg_ws]
           else:
             w_scale = ws_gmem[g0 + idx * gps + j, nblk]
-          return lax.broadcast_in_dim(xs_smem[j, wg_m] * w_scale, (tm, tn), [0])
+          return xs_smem[j, wg_m] * w_scale
+
+        def group_scale(idx, j, xs_smem, ws_smem):
+          """row_scale broadcast to the [tm, tn] tile."""
+          return lax.broadcast_in_dim(row_scale(idx, j, xs_smem, ws_smem), (tm, tn), [0])
 
         # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
+        def issue(acc_ref, j, a_smem, b_smem):
+          ks_ = pl.ds(j * GROUP, GROUP)
+          b = b_smem.at[wg_idx, :, ks_] if swiglu else b_smem.at[wg_n, ks_]
+          plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b.transpose((1, 0)))
+
+        def overlapped_body(idxs, a_smem, b_smem, xs_smem, *rest):
+          """overlap_steps: groups 0..G-2 issued, then the previous step's last group (done once G-1 wgmmas are in
+          flight) promoted, then group G-1 issued and left in flight across the step boundary; its row scale is
+          carried to the next step (2 floats per thread) since its stage's scale rows may be refilled by then."""
+          *ws_smem, (out, pending) = rest
+          zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+          with jax.named_scope("issue"):
+            for j in range(gps - 1):
+              unit_accs[j][...] = zeros
+              issue(unit_accs[j], j, a_smem, b_smem)
+          with jax.named_scope("wait_prev"):
+            prev = plgpu.wgmma_accumulator_load(unit_accs[-1], wait_n=gps - 1)
+          with jax.named_scope("promote_prev"):
+            out = out + prev * lax.broadcast_in_dim(pending, (tm, tn), [0])
+          unit_accs[-1][...] = zeros
+          issue(unit_accs[-1], gps - 1, a_smem, b_smem)
+          for j in range(gps - 1):
+            with jax.named_scope(f"wait{j}"):
+              part = plgpu.wgmma_accumulator_load(unit_accs[j], wait_n=gps - 1 - j)
+            with jax.named_scope(f"promote{j}"):
+              out = out + part * group_scale(idxs[0], j, xs_smem, ws_smem)
+          return out, row_scale(idxs[0], gps - 1, xs_smem, ws_smem)
+
         def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
           *ws_smem, acc = rest
 
           def mmas(*acc_refs):  # one fresh (zeroed) accumulator per K group of the stage
             with jax.named_scope("issue"):
               for j, acc_ref in enumerate(acc_refs):
-                ks_ = pl.ds(j * GROUP, GROUP)
-                b = b_smem.at[wg_idx, :, ks_] if swiglu else b_smem.at[wg_n, ks_]
-                plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b.transpose((1, 0)))
+                issue(acc_ref, j, a_smem, b_smem)
             out = acc
             for j, acc_ref in enumerate(acc_refs):
               # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
@@ -582,7 +655,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           b_unit = b_gmem.at[cta_n, k_range]
           ws_unit = ([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
                      if ws_prefetch else [])
-        get_pipeline(mma_body, compute_context)(
+        get_pipeline(overlapped_body if overlap else mma_body, compute_context)(
             a_gmem.at[cta_m, k_range], b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], *ws_unit,
             allocations=pipeline_allocs,
         )

@@ -182,6 +182,74 @@ def test_kernel_gpu_real_shapes(m, n, k):
   assert _rel(y, ref) < 5e-4
 
 
+def _overlapped(cfg):
+  return dataclasses.replace(cfg, overlap_steps=True, max_concurrent_steps=max(3, cfg.max_concurrent_steps))
+
+
+# overlap_steps at the real shapes (M: block step, batch-8 block step, ragged, compute bound): the GPU simulator has
+# no rule for the accumulator store it needs, so on the CPU these only lower (test_overlapped_steps_lower_for_cuda)
+OVERLAP_SHAPES = [(m, n, k) for m in (32, 256, 300, 4096) for n, k in ((24576, 4096), (4096, 12288))]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the simulator cannot run overlap_steps (no accumulator-store rule)")
+@pytest.mark.parametrize("m,n,k", OVERLAP_SHAPES + [(1, 256, 512), (70, 512, 2048)])
+def test_overlapped_steps_equal_the_default_order_on_gpu(m, n, k):
+  """overlap_steps moves each stage's last promotion into the next step but adds the same partials in the same
+  order: bit-identical to the same tiling without it, and within the kernel's error of the reference."""
+  x, w = _data(m, n, k, seed=7)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  cfg = dataclasses.replace(F.default_config(m, n, k), max_concurrent_steps=3, overlap_steps=False)
+  y0 = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, config=cfg)
+  y1 = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, config=_overlapped(cfg))
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  assert _rel(y1, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < 5e-4
+
+
+@pytest.mark.parametrize("m,n,k", OVERLAP_SHAPES[::3])
+def test_overlapped_steps_lower_for_cuda(m, n, k):
+  """overlap_steps lowers for CUDA within shared memory at the real shapes (its one-step-late release takes a
+  stage), also in the fused SwiGLU epilogue; configs that could not hold the late stage are refused."""
+  cfg = _overlapped(F.default_config(m, n, k))
+  args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+          jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
+  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+    txt = F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in txt
+  with pytest.raises(ValueError, match="overlap_steps"):
+    C(overlap_steps=True, max_concurrent_steps=2)
+
+
+def test_overlapped_steps_refused_by_the_simulator():
+  """interpret=True cannot run overlap_steps: a clear error, before any simulation."""
+  x, w = _data(64, 256, 512)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  with pytest.raises(ValueError, match="simulator"):
+    F.fp8_matmul(xq, xs, wq, ws, backend="pallas", interpret=True, config=C(overlap_steps=True, max_concurrent_steps=3))
+
+
+def test_overlapped_swiglu_epilogue_lowers_for_cuda():
+  cfg = _overlapped(F.default_config(32, 24576, 4096))
+  assert F.swiglu_fusable(cfg)
+  mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
+  args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
+          jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
+  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+    jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_overlap_is_opt_in(monkeypatch):
+  """No default config overlaps steps until it is timed; the module switch turns it on where 3 stages fit."""
+  assert not any(F.default_config(m, n, k).overlap_steps for m, n, k in OVERLAP_SHAPES)
+  monkeypatch.setattr(F, "OVERLAP_STEPS", True)
+  on = {(m, n, k): F.default_config(m, n, k) for m, n, k in OVERLAP_SHAPES}
+  acc = lambda c: jnp.float32 if c.split_k > 1 else jnp.bfloat16
+  assert all(c.overlap_steps == (F.stages_that_fit(c, acc(c)) >= 3) for c in on.values())
+  assert on[(256, 24576, 4096)].overlap_steps
+
+
 SWIGLU_CASES = [
     # (M, F, K, groups_per_step): one unit per CTA; 4x4 units on the simulator's 4 SMs (the hand-over barrier
     # reused) with two K groups per stage
