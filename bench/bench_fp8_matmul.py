@@ -7,7 +7,7 @@
 Timing: each measurement jits R back-to-back calls on R different input sets
 (rotating inputs so L2 holds none of them), warms up once, then takes the
 median of several perf_counter()-timed runs ending in block_until_ready,
-divided by R. With a device (GPU), each is also traced once (v9): *_device_us is
+divided by R. With a device (GPU), each is also traced (2 passes, v9): *_device_us is
 the busy time of every kernel the call launched (jax.profiler), free of the
 host's share and of the run-to-run spread of wall times at large M.
 
@@ -139,7 +139,10 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
           f"{dev if dev is None else round(dev, 1)} us device  g={c.groups_per_step} epi={c.epi_tile_n} "
           f"cluster={c.cluster_dimension}", flush=True)
   c = default
-  t, dev = tried[0]["us"], tried[0]["device_us"]
+  mine = [r for r in tried if r["is_default"]]
+  if not mine:
+    raise ValueError(f"bench_shape: the default config does not tile M={m} N={n} K={k}: {default}")
+  t, dev = mine[0]["us"], mine[0]["device_us"]
   fp8 = lambda xq, xs, wq, ws: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=INTERPRET)
   # rel_err on the first 2048 rows: the fp32 HIGHEST-precision reference of a whole M = 16384 row took minutes (v9)
   rows = min(m, 2048)
@@ -149,7 +152,7 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
   del y, ref
   row["fp8_us"] = t  # the default config (before v9: the best candidate)
   row["fp8_device_us"] = dev  # every kernel of the call: the GEMM and the wrapper's pad / transposes / scale table
-  row["fp8_kernel_us"] = tried[0]["kernel_us"]  # the GEMM kernel alone (what the model's FFN runs: bench/NOTES.md v9)
+  row["fp8_kernel_us"] = mine[0]["kernel_us"]  # the GEMM kernel alone (what the model's FFN runs: bench/NOTES.md v9)
   row["candidates"] = tried  # every config timed (same run), the default marked
   row["config"] = dict(c.as_dict(), is_default=True)
   if baselines:

@@ -15,6 +15,8 @@ register renaming of 2 row scales).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -25,12 +27,12 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental.mosaic.gpu import core as mgpu_core  # noqa: E402
 
 from pallas_kernels import fp8_matmul as F  # noqa: E402
+from pallas_kernels.gpu_info import abstract_h200_mesh  # noqa: E402
 
 
-def gpu_abstract_mesh():
-    """An abstract mesh of one H200: enough to lower a Mosaic GPU kernel on a CPU-only machine."""
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    return jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+def wgmma_waits(lowered: str) -> list[int]:
+    """The `wgmma.wait_group N` counts of a lowered module, in program order."""
+    return [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", lowered)]
 
 
 def dump(m: int, n: int, k: int, cfg: F.Fp8MatmulConfig | None = None) -> dict[str, str]:
@@ -48,8 +50,9 @@ def dump(m: int, n: int, k: int, cfg: F.Fp8MatmulConfig | None = None) -> dict[s
     args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // F.GROUP), jnp.float32),
             jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((-(-n // F.GROUP), k // F.GROUP), jnp.float32))
     mgpu_core.dialect_lowering.lower_mgpu_dialect = hooked
+    jax.clear_caches()  # a lowering cached by an earlier call would not run the hook
     try:
-        with jax.sharding.use_abstract_mesh(gpu_abstract_mesh()):
+        with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
             F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
     finally:
         mgpu_core.dialect_lowering.lower_mgpu_dialect = lower_dialect
@@ -64,10 +67,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=24576)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--out", required=True, help="folder for layouts.mlir and lowered.mlir")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="override fields of the default config, e.g. overlap_steps=1 groups_per_step=2 out_slots=1")
     a = ap.parse_args(argv)
     if a.k % F.GROUP:
         ap.error(f"--k must be a multiple of {F.GROUP}")
     cfg = F.default_config(a.m, a.n, a.k)
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    overrides = {}
+    for item in a.set:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            ap.error(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        current = getattr(cfg, name)
+        overrides[name] = (F.Dim[value] if value in F.Dim.__members__ else None if value == "None"
+                           else bool(int(value)) if isinstance(current, bool) else int(value))
+    cfg = dataclasses.replace(cfg, **overrides)
     texts = dump(a.m, a.n, a.k, cfg)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     lowered = texts["lowered"]
     print(f"{cfg}\nwrote {out}/layouts.mlir, {out}/lowered.mlir: {lowered.count('wgmma.mma_async')} wgmma, "
           f"{lowered.count('arith.mulf')} mulf / {lowered.count('arith.addf')} addf "
-          f"({lowered.count('fastmath<contract>')} with fastmath<contract>)")
+          f"({lowered.count('fastmath<contract>')} with fastmath<contract>), wgmma waits {wgmma_waits(lowered)}")
 
 
 if __name__ == "__main__":

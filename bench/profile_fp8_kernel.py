@@ -100,7 +100,7 @@ def main() -> None:
                         cfg = dataclasses.replace(base, groups_per_step=g)
                         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "groups_per_step": g,
                                "cta_tile_n": cfg.cta_tile_n, "split_k": cfg.split_k,
-                               "stages": F.fit_stages(cfg, jnp.float32 if cfg.split_k > 1 else jnp.bfloat16,
+                               "stages": F.fit_stages(cfg, F.model_epilogue_dtype(cfg),
                                                       reserve=F.PROFILE_SMEM_BYTES)}
                         try:
                             row.update(profile_config(m, n, k, cfg, Path(tmp)))

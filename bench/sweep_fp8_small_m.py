@@ -40,8 +40,8 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
 
 
 def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, overlap: bool = not INTERPRET) -> list:
-    """The default tiling, the same with 1, 2 or 4 K groups per stage, then two-CTA clusters (along M and N at
-    M >= 1024, along M at M >= 256), grouped stages with a 32-wide epilogue where that fits a stage more, (M <= 64)
+    """The default tiling, the same with 1, 2 or 4 K groups per stage, then with and without two-CTA clusters
+    (along M and N at M >= 1024, along M at M >= 256), grouped stages with a 32-wide epilogue where that fits a stage more, (M <= 64)
     every stage that fits and the other tile width; sweep=True adds every split-K count of both widths (runs
     v6a/v6b); grid=False drops the split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner);
     overlap: the overlap_steps twins (not on the CPU: the simulator cannot run them)."""
@@ -69,7 +69,7 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
     # epilogue (half its shared memory) makes room for a third: each grouped tiling with the other width too
     for cfg in list(out):
         other = dataclasses.replace(cfg, epi_tile_n=64 if cfg.epi_tile_n == 32 else 32)
-        acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+        acc = F.model_epilogue_dtype(cfg)
         if cfg.groups_per_step > 1 and F.stages_that_fit(other, acc) != F.stages_that_fit(cfg, acc):
             add(other)
         # (v9, not timed yet) one epilogue slot where two 32-wide ones leave the grouped tiling on 2 stages (split-K's
@@ -81,7 +81,7 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
     # (v9, not timed yet) each stage's last K group promoted in the next step, where 3 stages fit (one is lost to
     # the late release)
     for cfg in list(out) if overlap else []:
-        acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+        acc = F.model_epilogue_dtype(cfg)
         if cfg.max_concurrent_steps >= 3 and F.stages_that_fit(cfg, acc) >= 3:
             add(dataclasses.replace(cfg, overlap_steps=True))
     if m <= 64:
@@ -145,7 +145,8 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False
         row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
                "config": cfg.as_dict(),
                "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,  # CTA tiles (2 per cluster unit)
-               "stages": F.fit_stages(cfg, jnp.float32 if cfg.split_k > 1 else jnp.bfloat16)}
+               "stages": F.fit_stages(cfg, F.model_epilogue_dtype(cfg))}
+        row["prefetch_stages"] = row["stages"] - int(cfg.overlap_steps)  # overlap_steps holds one stage a step longer
         try:
             fn = lambda a, b, c, d, cfg=cfg: F.fp8_matmul_padded(a, b, c, d, cfg=cfg, interpret=INTERPRET)
             y = jax.jit(fn)(*args[0])

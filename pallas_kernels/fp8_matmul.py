@@ -223,6 +223,11 @@ class Fp8MatmulConfig:
     return self.wg_tile_n * (2 if self.wg_dimension == Dim.N else 1)
 
   @property
+  def epilogue_slots(self):
+    """Shared-memory buffers per warpgroup for the epilogue's chunks (out_slots, at most one per chunk)."""
+    return min(self.out_slots, self.wg_tile_n // min(self.epi_tile_n, self.wg_tile_n))
+
+  @property
   def cluster_tile_m(self):
     """Rows of one cluster's output tile (M must be padded to it)."""
     return self.cta_tile_m * (2 if self.cluster_dimension == Dim.M else 1)
@@ -240,7 +245,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n))
+    return _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n), k)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -249,7 +254,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
 
-  return _with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k))  # M <= 64: no clusters
+  return _with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k), k)  # M <= 64: no clusters
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
@@ -269,8 +274,9 @@ if GROUPS_PER_STEP not in (None, 1, 2, 4):
   raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
 
 
-def _bf16_out_acc(cfg: Fp8MatmulConfig):
-  """The epilogue dtype of the model's GEMMs (bf16 out; split-K writes fp32 partials), for stage counts."""
+def model_epilogue_dtype(cfg: Fp8MatmulConfig):
+  """The epilogue dtype of the model's GEMMs with this config (bf16 out; split-K writes fp32 partials): what stage
+  counts are sized for."""
   return jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
 
 
@@ -284,7 +290,7 @@ def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfi
   # stages counted for the model's bf16 output; an fp32 out_dtype still runs this config, on the 2 stages that then
   # fit (fit_stages)
   thin = dataclasses.replace(grouped, epi_tile_n=min(32, cfg.epi_tile_n))
-  return thin if stages_that_fit(thin, _bf16_out_acc(thin)) >= 3 else cfg
+  return thin if stages_that_fit(thin, model_epilogue_dtype(thin)) >= 3 else cfg
 
 
 # Two-CTA clusters along N (the pair shares each stage's activation tile, one TMA multicast) where the GEMM is
@@ -293,9 +299,10 @@ def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfi
 # * M = 4096 (fp8_small_m_h200.json run v9a): LLaDA gate/up 634.3 vs 654.6 us, down 313.6 vs 316.6, Dream gate/up
 #   863.0 vs 922.5, down 418.7 vs 426.3; along M (the pair shares the weight tile) 638.3 / 317.5 / 865.8 / 421.9.
 #   Again in fp8_matmul_h200.json run v9: 647.9 vs 663.4, 323.5 vs 325.7, 878.6 vs 911.9, 433.3 vs 439.5; and at
-#   M = 16384 (LLaDA) 2670.7 vs 2964.2 and 1314.6 vs 1347.2.
-# * M = 1024 (run v9): gate/up 169.8 vs 172.7 (LLaDA), 226.8 vs 231.6 (Dream: 1536 / 2368 CTA tiles, 11.6 / 17.9
-#   waves) but down 83.6 vs 82.2 and 121.3 vs 119.1 (256 / 224 tiles, < 2 waves): hence the 4-wave floor.
+#   M = 16384 (LLaDA) 2670.7 vs 2964.2 and 1314.6 vs 1347.2 (there the unclustered 3-stage tiling was slower than
+#   v8's 2 stages, 2822.8: FP8_CLUSTER=0 is not the v8 kernel at that M).
+# * M = 1024 (run v9): gate/up 169.8 vs 172.7 (LLaDA), 226.8 vs 231.6 (Dream; LLaDA 1536 / Dream 2368 CTA tiles,
+#   11.6 / 17.9 waves) but down 83.6 vs 82.2 and 121.3 vs 119.1 (256 / 224 tiles, < 2 waves): hence the 4-wave floor.
 # FP8_CLUSTER=0 turns it off (benchmarks compare in one process by setting CLUSTER_FROM_M = None).
 CLUSTER_FROM_M: int | None = 1024 if os.environ.get("FP8_CLUSTER", "1") != "0" else None
 CLUSTER_MIN_WAVES = 4
@@ -315,8 +322,9 @@ def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConf
 OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
 
 
-def _with_default_overlap(cfg: Fp8MatmulConfig) -> Fp8MatmulConfig:
-  if not OVERLAP_STEPS or cfg.max_concurrent_steps < 3 or stages_that_fit(cfg, _bf16_out_acc(cfg)) < 3:
+def _with_default_overlap(cfg: Fp8MatmulConfig, k: int) -> Fp8MatmulConfig:
+  if (not OVERLAP_STEPS or cfg.max_concurrent_steps < 3 or stages_that_fit(cfg, model_epilogue_dtype(cfg)) < 3
+      or k // GROUP // cfg.split_k // cfg.groups_per_step < 2):
     return cfg
   return dataclasses.replace(cfg, overlap_steps=True)
 
@@ -376,8 +384,7 @@ def stages_that_fit(cfg: Fp8MatmulConfig, acc_dtype, reserve: int = 0) -> int:
   # e4m3 A and B tiles, an xs row, a 128-byte ws row, per 128-K group
   stage = cfg.groups_per_step * (ctm * GROUP + ctn * GROUP + 4 * ctm + 128)
   epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
-  slots = min(cfg.out_slots, cfg.wg_tile_n // epi_n)
-  epilogue = 2 * slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
+  epilogue = 2 * cfg.epilogue_slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
   return (SMEM_BYTES - 2048 - reserve - epilogue) // stage  # 2 KB kept for barriers and alignment
 
 
@@ -433,6 +440,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     raise ValueError("fp8_matmul: overlap_steps cannot run in the GPU simulator (interpret=True has no rule for "
                      "the accumulator store it needs); run it on a GPU or use overlap_steps=False")
   ksteps = kg // split // gps  # pipeline steps per work unit
+  if cfg.overlap_steps and ksteps < 2:
+    # with one step per unit the late release never happens and the memory warpgroup would run into the next unit
+    raise ValueError(f"fp8_matmul: overlap_steps needs >= 2 pipeline steps per work unit, got {ksteps} "
+                     f"(K/128 = {kg}, split_k = {split}, groups_per_step = {gps})")
   if mp % cfg.cluster_tile_m:
     raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
   if n % cfg.cluster_tile_n:
@@ -443,7 +454,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   m_iters, n_iters = mp // cfg.cluster_tile_m, n // cfg.cluster_tile_n
   acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
-  num_out_slots = min(cfg.out_slots, tn // epi_n)
+  num_out_slots = cfg.epilogue_slots
   # the profiler's event buffers and the fused epilogue's tiles share the shared memory with the stages
   reserve = PROFILE_SMEM_BYTES if profile_dir else 0
   if swiglu:
@@ -452,6 +463,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     raise ValueError(f"fp8_matmul: two pipeline stages of {cfg} do not fit in {SMEM_BYTES} bytes of shared memory "
                      f"next to a {jnp.dtype(acc_dtype).name} epilogue; use fewer groups_per_step or narrower tiles")
   stages = fit_stages(cfg, acc_dtype, reserve)
+  if cfg.overlap_steps and stages < 3:
+    # one stage is held by the late release: on 2 stages nothing would be prefetched
+    raise ValueError(f"fp8_matmul: overlap_steps needs 3 pipeline stages, only {stages} fit next to a "
+                     f"{jnp.dtype(acc_dtype).name} epilogue for {cfg}")
 
   swz = plgpu.find_swizzle(GROUP * 8, "fp8 operand")  # 128 B rows
   in_transforms = (plgpu.TilingTransform((8, swz)), plgpu.SwizzleTransform(swz))
@@ -571,8 +586,11 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         overlap = cfg.overlap_steps
         unit_accs = []  # overlap_steps: the unit's accumulators, allocated around its pipeline (compute_context)
 
+        def zero_tile():
+          return plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+
         def compute_context(eval_pipeline):
-          zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+          zeros = zero_tile()
           finish = swiglu_epilogue if swiglu else epilogue
           if not overlap:
             finish(eval_pipeline(zeros))
@@ -608,10 +626,11 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
         def overlapped_body(idxs, a_smem, b_smem, xs_smem, *rest):
           """overlap_steps: groups 0..G-2 issued, then the previous step's last group (done once G-1 wgmmas are in
-          flight) promoted, then group G-1 issued and left in flight across the step boundary; its row scale is
-          carried to the next step (2 floats per thread) since its stage's scale rows may be refilled by then."""
+          flight) promoted, then group G-1 issued and left in flight across the step boundary (its stage is released
+          a step late); its row scale is carried to the next step (2 floats per thread), read while the stage is
+          still held."""
           *ws_smem, (out, pending) = rest
-          zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+          zeros = zero_tile()
           with jax.named_scope("issue"):
             for j in range(gps - 1):
               unit_accs[j][...] = zeros
@@ -620,13 +639,22 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             prev = plgpu.wgmma_accumulator_load(unit_accs[-1], wait_n=gps - 1)
           with jax.named_scope("promote_prev"):
             out = out + prev * lax.broadcast_in_dim(pending, (tm, tn), [0])
-          unit_accs[-1][...] = zeros
-          issue(unit_accs[-1], gps - 1, a_smem, b_smem)
+          with jax.named_scope("issue"):
+            unit_accs[-1][...] = zeros
+            issue(unit_accs[-1], gps - 1, a_smem, b_smem)
           for j in range(gps - 1):
             with jax.named_scope(f"wait{j}"):
               part = plgpu.wgmma_accumulator_load(unit_accs[j], wait_n=gps - 1 - j)
             with jax.named_scope(f"promote{j}"):
               out = out + part * group_scale(idxs[0], j, xs_smem, ws_smem)
+
+          # the unit's last step: its stage is not waited for by a later step of this pipeline, and the next unit's
+          # loads may refill it as soon as the pipeline returns, so its wgmma must be done before (the promotion
+          # after the pipeline waits for it anyway)
+          @pl.when(idxs[0] == ksteps - 1)
+          def _drain():
+            plgpu.wgmma_wait(0)
+
           return out, row_scale(idxs[0], gps - 1, xs_smem, ws_smem)
 
         def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):

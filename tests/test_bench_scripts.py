@@ -160,7 +160,8 @@ def test_check_gemm_out_dtype_smoke(tmp_path):
 
 def test_fp8_sweep_candidates_by_regime():
     """The FP8 sweeps' candidate tilings: two-CTA clusters along both axes when compute bound, along M (weights read
-    once) at M = 256, none at block-step M; bench_fp8_matmul tries the other K-group count at large M."""
+    once) at M = 256, none at block-step M; both epilogue widths of grouped tilings, the one-slot epilogue and the
+    overlap_steps twins where they apply; bench_fp8_matmul's steps back from the large-M default."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_fp8_matmul
     import jax.numpy as jnp
@@ -178,7 +179,7 @@ def test_fp8_sweep_candidates_by_regime():
     stages = {(c.epi_tile_n, c.cluster_dimension): F.stages_that_fit(c, jnp.bfloat16) for c in grouped}
     assert stages == {(e, cl): 3 if e == 32 else 2 for e in (32, 64) for cl in (None, F.Dim.M, F.Dim.N)}
     # the overlap_steps twins on the GPU only (the simulator cannot run them), where 3 stages fit
-    assert not any(c.overlap_steps for c in sweep_fp8_small_m.candidates(4096, 24576, 4096))
+    assert not any(c.overlap_steps for c in sweep_fp8_small_m.candidates(4096, 24576, 4096, overlap=False))
     twins = [c for c in sweep_fp8_small_m.candidates(4096, 24576, 4096, overlap=True) if c.overlap_steps]
     assert twins and all(F.stages_that_fit(c, jnp.bfloat16) >= 3 for c in twins)
     down256 = sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)
@@ -193,16 +194,34 @@ def test_fp8_sweep_candidates_by_regime():
     assert (v8.groups_per_step, one_group.groups_per_step) == (2, 1)
 
 
-def test_bench_fp8_matmul_row_on_cpu(capsys):
-    """One row of the FP8 GEMM benchmark end to end on the CPU (the XLA backend, no device trace: device times
-    None): the default's time is fp8_us, candidates hold it first, the baselines and speedups are filled."""
+def test_bench_fp8_matmul_row_on_cpu(monkeypatch):
+    """One row of the FP8 GEMM benchmark on the CPU (the kernel in the GPU simulator): with alternatives timed, the
+    row reports the DEFAULT config's times (not the fastest candidate's), keeps every candidate, and fills the
+    baselines and speedups from the same (stubbed) timer; without a stub it runs end to end with rel_err checked."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_fp8_matmul
+    from pallas_kernels import fp8_matmul as F
 
     row = bench_fp8_matmul.bench_shape("llada", 64, 256, 256, tune=False)
     assert row["candidates"][0]["is_default"] and row["fp8_us"] == row["candidates"][0]["us"] > 0
-    assert row["fp8_device_us"] is None and row["xla_bf16_us"] > 0 and row["speedup_vs_bf16"] > 0
-    assert row["rel_err"] < 1e-2
+    assert row["xla_bf16_us"] > 0 and row["speedup_vs_bf16"] > 0 and row["rel_err"] < 1e-2
+
+    times = iter(range(100, 0, -1))  # each later call is faster: the alternatives beat the default
+
+    def fake_timeit(fn, args_list, reps=5, device=False, kernel="fp8_matmul_kernel"):
+        t = float(next(times))
+        return (t, t / 2, t / 4) if device else t
+
+    monkeypatch.setattr(bench_fp8_matmul, "timeit", fake_timeit)
+    # compute-bound M (alternatives: the steps back from the default); the kernel replaced by its reference so the
+    # simulator does not run 4096 rows
+    monkeypatch.setattr(F, "fp8_matmul", lambda xq, xs, wq, ws, **kw: F.fp8_matmul_reference(xq, xs, wq, ws))
+    row = bench_fp8_matmul.bench_shape("llada", 4096, 512, 512, tune=True)
+    cands = row["candidates"]
+    assert len(cands) > 1 and cands[0]["is_default"] and min(c["us"] for c in cands) < cands[0]["us"]
+    assert (row["fp8_us"], row["fp8_device_us"], row["fp8_kernel_us"]) == (
+        cands[0]["us"], cands[0]["device_us"], cands[0]["kernel_us"])
+    assert row["speedup_vs_bf16_device"] == row["xla_bf16_device_us"] / row["fp8_device_us"]
 
 
 def test_dump_fp8_mlir_shows_contractible_promotion(tmp_path):

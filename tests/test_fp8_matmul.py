@@ -4,14 +4,16 @@ On the CPU the Mosaic GPU kernel runs in jax's GPU simulator (interpret mode)
 and is lowered for CUDA under an abstract GPU mesh; on a GPU it is compiled.
 """
 import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 from pallas_kernels import fp8_matmul as F
+from pallas_kernels.gpu_info import abstract_h200_mesh
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -182,42 +184,88 @@ def test_kernel_gpu_real_shapes(m, n, k):
   assert _rel(y, ref) < 5e-4
 
 
-def _overlapped(cfg):
-  return dataclasses.replace(cfg, overlap_steps=True, max_concurrent_steps=max(3, cfg.max_concurrent_steps))
+def _overlapped(m, n, k):
+  """The default config of (m, n, k) with overlap_steps, on one K group per stage where two leave no third stage
+  (bf16 out) or no second step per work unit."""
+  cfg = dataclasses.replace(F.default_config(m, n, k), overlap_steps=True,
+                            max_concurrent_steps=max(3, F.default_config(m, n, k).max_concurrent_steps))
+  steps = k // 128 // cfg.split_k // cfg.groups_per_step
+  if F.stages_that_fit(cfg, F.model_epilogue_dtype(cfg)) < 3 or steps < 2:
+    cfg = dataclasses.replace(cfg, groups_per_step=1)
+  assert F.stages_that_fit(cfg, F.model_epilogue_dtype(cfg)) >= 3 and k // 128 // cfg.split_k >= 2, cfg
+  return cfg
 
 
-# overlap_steps at the real shapes (M: block step, batch-8 block step, ragged, compute bound): the GPU simulator has
-# no rule for the accumulator store it needs, so on the CPU these only lower (test_overlapped_steps_lower_for_cuda)
+# overlap_steps at the real shapes (M: block step, batch-8 block step, ragged, compute bound) and two edge shapes: the
+# GPU simulator has no rule for the accumulator store it needs, so on the CPU these only lower
 OVERLAP_SHAPES = [(m, n, k) for m in (32, 256, 300, 4096) for n, k in ((24576, 4096), (4096, 12288))]
+OVERLAP_SHAPES += [(1, 256, 512), (70, 512, 2048)]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the simulator cannot run overlap_steps (no accumulator-store rule)")
-@pytest.mark.parametrize("m,n,k", OVERLAP_SHAPES + [(1, 256, 512), (70, 512, 2048)])
+@pytest.mark.parametrize("m,n,k", OVERLAP_SHAPES)
 def test_overlapped_steps_equal_the_default_order_on_gpu(m, n, k):
   """overlap_steps moves each stage's last promotion into the next step but adds the same partials in the same
-  order: bit-identical to the same tiling without it, and within the kernel's error of the reference."""
+  order: bit-identical to the same tiling without it (bf16 out, as the model runs it), and close to the reference."""
   x, w = _data(m, n, k, seed=7)
   xq, xs = F.quantize_activations(x)
   wq, ws = F.quantize_weights(w)
-  cfg = dataclasses.replace(F.default_config(m, n, k), max_concurrent_steps=3, overlap_steps=False)
-  y0 = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, config=cfg)
-  y1 = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, config=_overlapped(cfg))
-  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
-  assert _rel(y1, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < 5e-4
+  cfg = _overlapped(m, n, k)
+  y0 = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, overlap_steps=False))
+  y1 = F.fp8_matmul(xq, xs, wq, ws, config=cfg)
+  np.testing.assert_array_equal(np.asarray(y1.astype(jnp.float32)), np.asarray(y0.astype(jnp.float32)))
+  assert _rel(y1, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < 1e-2
+
+
+def _lower_for_cuda(m, n, k, cfg):
+  args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+          jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32))
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    return F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("m,n,k", OVERLAP_SHAPES[::3])
 def test_overlapped_steps_lower_for_cuda(m, n, k):
-  """overlap_steps lowers for CUDA within shared memory at the real shapes (its one-step-late release takes a
-  stage), also in the fused SwiGLU epilogue; configs that could not hold the late stage are refused."""
-  cfg = _overlapped(F.default_config(m, n, k))
-  args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
-          jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
-    txt = F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in txt
+  """overlap_steps lowers for CUDA within shared memory at the real shapes; configs that could not hold the late
+  stage, or have a single step per work unit (the late release would never come), are refused."""
+  assert "mosaic_gpu" in _lower_for_cuda(m, n, k, _overlapped(m, n, k))
   with pytest.raises(ValueError, match="overlap_steps"):
     C(overlap_steps=True, max_concurrent_steps=2)
+  one_step = C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=3, groups_per_step=2, overlap_steps=True)
+  with pytest.raises(ValueError, match=">= 2 pipeline steps"):
+    _lower_for_cuda(1, 256, 512, one_step)
+  two_stages = dataclasses.replace(F.default_config(256, 24576, 4096), overlap_steps=True, epi_tile_n=64)
+  with pytest.raises(ValueError, match="needs 3 pipeline stages"):
+    _lower_for_cuda(256, 24576, 4096, two_stages)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_overlapped_steps_wgmma_waits(groups):
+  """The overlapped body's wgmma waits in the lowered module (what the simulator cannot check): the previous step's
+  last group once G-1 are in flight, group j once G-1-j are, the unit's last step drained (0), then the final 0."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+  import dump_fp8_mlir
+
+  m, n, k = 64, 512, 2048
+  cfg = C(wg_dimension=D.N, wg_tile_n=32, epi_tile_n=32, max_concurrent_steps=3, groups_per_step=groups,
+          overlap_steps=True)
+  waits = dump_fp8_mlir.wgmma_waits(dump_fp8_mlir.dump(m, n, k, cfg)["lowered"])
+  assert waits == [groups - 1] + [groups - 1 - j for j in range(groups - 1)] + [0, 0]
+  plain = dump_fp8_mlir.wgmma_waits(dump_fp8_mlir.dump(m, n, k, dataclasses.replace(cfg, overlap_steps=False))
+                                    ["lowered"])
+  assert plain == [groups - 1 - j for j in range(groups)]
+
+
+def test_overlapped_swiglu_epilogue_lowers_for_cuda():
+  cfg = dataclasses.replace(F.default_config(32, 24576, 4096), overlap_steps=True, max_concurrent_steps=4,
+                            groups_per_step=1)
+  assert F.swiglu_fusable(cfg)
+  mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
+  args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
+          jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
+        lowering_platforms=("cuda",))
 
 
 def test_overlapped_steps_refused_by_the_simulator():
@@ -229,25 +277,17 @@ def test_overlapped_steps_refused_by_the_simulator():
     F.fp8_matmul(xq, xs, wq, ws, backend="pallas", interpret=True, config=C(overlap_steps=True, max_concurrent_steps=3))
 
 
-def test_overlapped_swiglu_epilogue_lowers_for_cuda():
-  cfg = _overlapped(F.default_config(32, 24576, 4096))
-  assert F.swiglu_fusable(cfg)
-  mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
-  args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
-          jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
-  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
-    jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
-        lowering_platforms=("cuda",))
-
-
 def test_overlap_is_opt_in(monkeypatch):
-  """No default config overlaps steps until it is timed; the module switch turns it on where 3 stages fit."""
+  """No default config overlaps steps until it is timed; the module switch turns it on where 3 stages fit and a
+  work unit has >= 2 steps."""
+  monkeypatch.setattr(F, "OVERLAP_STEPS", False)
   assert not any(F.default_config(m, n, k).overlap_steps for m, n, k in OVERLAP_SHAPES)
   monkeypatch.setattr(F, "OVERLAP_STEPS", True)
-  on = {(m, n, k): F.default_config(m, n, k) for m, n, k in OVERLAP_SHAPES}
-  acc = lambda c: jnp.float32 if c.split_k > 1 else jnp.bfloat16
-  assert all(c.overlap_steps == (F.stages_that_fit(c, acc(c)) >= 3) for c in on.values())
-  assert on[(256, 24576, 4096)].overlap_steps
+  for m, n, k in OVERLAP_SHAPES:
+    c = F.default_config(m, n, k)
+    fits = F.stages_that_fit(c, F.model_epilogue_dtype(c)) >= 3 and k // 128 // c.split_k // c.groups_per_step >= 2
+    assert c.overlap_steps == fits, (m, n, k, c)
+  assert F.default_config(256, 24576, 4096).overlap_steps
 
 
 SWIGLU_CASES = [
@@ -284,17 +324,12 @@ def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups):
     F.fp8_gate_up_swiglu(xq_p, xs_t, wq, ws_k, cfg=dataclasses.replace(cfg, split_k=2), interpret=INTERPRET)
 
 
-def _gpu_mesh():
-  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  return jax.sharding.AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
-
-
 @pytest.mark.parametrize("m,n,k", [(32, 12288, 4096), (256, 4096, 12288), (256, 3584, 18944), (4096, 4096, 12288),
                                    (1000, 18944, 3584)])
 def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
   args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
           jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
     lowered = F.fp8_matmul.trace(*args).lower(lowering_platforms=("cuda",))
   txt = lowered.as_text()
   assert "mosaic_gpu" in txt
@@ -309,7 +344,7 @@ def test_clustered_configs_lower_for_cuda_at_real_shapes(cluster):
   for n, k in ((24576, 4096), (4096, 12288)):
     args = (jax.ShapeDtypeStruct((4096, k), F.FP8), jax.ShapeDtypeStruct((4096, k // 128), jnp.float32),
             jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-    with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+    with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
       txt = F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt and "cluster_dim_blocks" in txt  # the kernel is launched as clusters
   assert F.padded_rows(300, cfg) == (512 if cluster == D.M else 384)
@@ -339,7 +374,7 @@ def test_one_epilogue_slot_frees_a_stage():
     C(out_slots=3)
   args = (jax.ShapeDtypeStruct((256, 12288), F.FP8), jax.ShapeDtypeStruct((256, 96), jnp.float32),
           jax.ShapeDtypeStruct((4096, 12288), F.FP8), jax.ShapeDtypeStruct((32, 96), jnp.float32))
-  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
     F.fp8_matmul.trace(*args, config=one).lower(lowering_platforms=("cuda",))
 
 
@@ -359,6 +394,8 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   within the H200's shared memory (Mosaic GPU checks it at lowering)."""
   # None: the default rule (2 at M <= 64; above, 2 on a 32-wide epilogue where that fits 3 stages, else 1)
   monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)
+  monkeypatch.setattr(F, "CLUSTER_FROM_M", 1024)  # the defaults, whatever FP8_CLUSTER / FP8_OVERLAP_STEPS say
+  monkeypatch.setattr(F, "OVERLAP_STEPS", False)
   shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
   for m in (32, 256, 4096):
     for n, k in shapes:
@@ -367,7 +404,7 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
       g = groups or (2 if m <= 64 or cfg.split_k == 1 else 1)
       assert cfg.groups_per_step == (g if kg % g == 0 else 1), (m, n, k, cfg)
       if groups is None and m > 64:
-        acc = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+        acc = F.model_epilogue_dtype(cfg)
         assert (cfg.epi_tile_n == 32) == (cfg.groups_per_step == 2), (m, n, k, cfg)
         assert F.fit_stages(cfg, acc) == (3 if cfg.groups_per_step == 2 else 4), (m, n, k, cfg)
       # two-CTA clusters along N where compute bound (M >= 1024), never at block-step sizes
@@ -375,7 +412,7 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
       args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
               jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-      with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+      with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
         F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
   assert F.default_config(32, 3584, 18944).groups_per_step == 1  # 148 groups / split-K 4: odd
   # ... and only with >= 4 waves of CTA tiles: not for the down GEMMs at M = 1024 (< 2 waves), yes for gate/up
@@ -388,7 +425,7 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
   args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
           jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
-  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
     txt = jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in txt and f"tensor<{mp}x12288xf8E4M3FN>" in txt

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 from pallas_kernels import stream_matmul_mgpu as S
+from pallas_kernels.gpu_info import abstract_h200_mesh
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -91,11 +91,6 @@ def test_shape_errors():
     S.stream_matmul(x, w[:, :192], interpret=INTERPRET)
 
 
-def _gpu_mesh():
-  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  return jax.sharding.AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
-
-
 REAL = [(32, 32, 4096, 12288), (32, 32, 12288, 4096), (32, 64, 4096, 4096), (28, 32, 3584, 18944),
         (28, 32, 18944, 3584), (28, 32, 3584, 512)]
 
@@ -105,7 +100,7 @@ def test_cuda_lowering_at_real_shapes(layers, m, k, n):
   """Default config, stacked LLaDA-8B / Dream-7B weights: lowers for CUDA within the H200's shared memory."""
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((layers, k, n), jnp.bfloat16),
           jax.ShapeDtypeStruct((), jnp.int32))
-  with jax.sharding.use_abstract_mesh(_gpu_mesh()):
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
     txt = S.stream_matmul.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in txt and f"tensor<{m}x{n}xbf16>" in txt
 
