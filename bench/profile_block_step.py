@@ -119,8 +119,8 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
               stacked_cache: bool = False, long_loop: dict | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
-    long_loop: {"steps": L} to also time L fused steps; filled by `loop_costs` (marginal_ms: the slope between the
-    two loops, one more step's cost inside a jitted loop, as in generate, where the whole generation is one call;
+    long_loop: {"steps": L} to also time L and (8 + L) // 2 fused steps; filled by `loop_costs` (marginal_ms: the
+    slope between the 8- and L-step loops, the middle one checking it is linear; one more step's cost inside a jitted loop, as in generate, where the whole generation is one call;
     call_overhead_ms: what a call of 8 costs beyond 8 such steps, host and device: NOTES v8) and dispatch_ms (a
     jitted call that only passes the same arguments through: the host's share of argument handling)."""
     t = CACHE_SLOTS
@@ -152,7 +152,10 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     med, _ = common.time_call(call, reps=5)
     if long_loop is not None:
         steps = long_loop["steps"]
+        mid = (FUSED + steps) // 2
         med_long, _ = common.time_call(lambda: call(steps), reps=5)
+        # a third length between the two: whether the slope is a per-step cost (NOTES v8 asked for it)
+        med_mid, _ = common.time_call(lambda: call(mid), reps=5) if FUSED < mid < steps else (None, None)
         passthrough = jax.jit(lambda p, st: (st, p["embed"][0, 0]), donate_argnums=1)
 
         def dispatch():
@@ -161,7 +164,8 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
             state[0] = st
 
         med_dispatch, _ = common.time_call(dispatch, reps=20)
-        long_loop.update(loop_costs(med, FUSED, med_long, steps), dispatch_ms=1e3 * med_dispatch)
+        long_loop.update(loop_costs(med, FUSED, med_long, steps, med_mid, mid if med_mid is not None else None),
+                         dispatch_ms=1e3 * med_dispatch)
     if trace is not None:
         from kernel_trace import kernel_breakdown
 
@@ -172,16 +176,28 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     return 1e3 * med / FUSED
 
 
-def loop_costs(t_short: float, short: int, t_long: float, long: int) -> dict:
+LINEAR_TOLERANCE = 0.02  # a loop whose middle length sits within 2% of the line counts as linear
+
+
+def loop_costs(t_short: float, short: int, t_long: float, long: int, t_mid: float | None = None,
+               mid: int | None = None) -> dict:
     """From the seconds of a call of `short` and of `long` fused steps: marginal_ms, the slope (one more step of a
-    loop: a two-point fit, so a third length is what would check it is linear), call_overhead_ms (what a call of
-    `short` costs beyond its steps at that rate) and ms_long (the long call per step). A slope <= 0 (noise larger
-    than the extra steps) is flagged instead of being reported as a speed."""
+    loop), call_overhead_ms (what a call of `short` costs beyond its steps at that rate) and ms_long (the long call
+    per step). With a third length (t_mid seconds for `mid` steps, v9): mid_residual_frac, how far that call sits
+    from the line through the other two (relative to its time), and linear (within LINEAR_TOLERANCE): the check that
+    a two-point slope is a per-step cost. A slope <= 0 (noise larger than the extra steps) is flagged instead of
+    being reported as a speed."""
     marginal = (t_long - t_short) / (long - short)
     out = {"marginal_ms": 1e3 * marginal, "call_overhead_ms": 1e3 * (t_short - short * marginal),
            "ms_long": 1e3 * t_long / long}
     if marginal <= 0:
         out["warning"] = "slope <= 0: the long loop was not slower than the short one (noise); do not use"
+    if t_mid is not None:
+        if mid is None or not short < mid < long:
+            raise ValueError(f"loop_costs: the middle length must lie between {short} and {long}, got {mid}")
+        residual = t_mid - (t_short + marginal * (mid - short))
+        out.update(mid_steps=mid, mid_residual_ms=1e3 * residual, mid_residual_frac=residual / t_mid,
+                   linear=abs(residual / t_mid) <= LINEAR_TOLERANCE)
     return out
 
 

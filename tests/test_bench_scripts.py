@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _run(script: str, *args: str) -> None:
     path = Path(__file__).resolve().parents[1] / "bench" / f"{script}.py"
@@ -48,6 +50,7 @@ def test_profile_block_step_smoke(tmp_path):
     # the loop of 10 beside the loop of 8: the slope, what a call adds, the pass-through call's cost
     for ll in (row["long_loop"], row["long_loop_fp8_ffn"]):
         assert ll["steps"] == 10 and ll["ms_long"] > 0 and ll["dispatch_ms"] > 0 and "marginal_ms" in ll
+        assert ll["mid_steps"] == 9 and isinstance(ll["linear"], bool)
     assert row["fp8_ffn_marginal_speedup"] == row["long_loop"]["marginal_ms"] / row["long_loop_fp8_ffn"]["marginal_ms"]
 
 
@@ -60,6 +63,13 @@ def test_loop_costs_split_a_call_into_steps_and_overhead():
     assert abs(c["marginal_ms"] - 1.0) < 1e-9 and abs(c["call_overhead_ms"] - 2.0) < 1e-9
     assert abs(c["ms_long"] - 1.05) < 1e-9 and "warning" not in c
     assert "warning" in profile_block_step.loop_costs(0.010, 8, 0.009, 40)
+    # a third length: on the line (26 ms at 24 steps) is linear; 10% above it is not
+    on = profile_block_step.loop_costs(0.010, 8, 0.042, 40, 0.026, 24)
+    assert abs(on["mid_residual_ms"]) < 1e-9 and on["linear"] and on["mid_steps"] == 24
+    off = profile_block_step.loop_costs(0.010, 8, 0.042, 40, 0.026 * 1.1, 24)
+    assert not off["linear"] and abs(off["mid_residual_frac"] - 0.1 / 1.1) < 1e-9
+    with pytest.raises(ValueError, match="between"):
+        profile_block_step.loop_costs(0.010, 8, 0.042, 40, 0.05, 48)
 
 
 def test_sweep_fp8_small_m_smoke(tmp_path):
