@@ -120,7 +120,8 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
     long_loop: {"steps": L} to also time L and (8 + L) // 2 fused steps; filled by `loop_costs` (marginal_ms: the
-    slope between the 8- and L-step loops, the middle one checking it is linear; one more step's cost inside a jitted loop, as in generate, where the whole generation is one call;
+    slope between the 8- and L-step loops, one more step's cost inside a jitted loop, as in generate, where the
+    whole generation is one call; the middle length checks that it is linear;
     call_overhead_ms: what a call of 8 costs beyond 8 such steps, host and device: NOTES v8) and dispatch_ms (a
     jitted call that only passes the same arguments through: the host's share of argument handling)."""
     t = CACHE_SLOTS
