@@ -41,10 +41,11 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
 
 def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, overlap: bool = not INTERPRET) -> list:
     """The default tiling, the same with 1, 2 or 4 K groups per stage, then with and without two-CTA clusters
-    (along M and N at M >= 1024, along M at M >= 256), grouped stages with a 32-wide epilogue where that fits a stage more, (M <= 64)
-    every stage that fits and the other tile width; sweep=True adds every split-K count of both widths (runs
-    v6a/v6b); grid=False drops the split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner);
-    overlap: the overlap_steps twins (not on the CPU: the simulator cannot run them)."""
+    (along M and N at M >= 1024, along M at M >= 256), each grouped tiling with the other epilogue width where that
+    changes its stage count, the one-slot epilogue where only it fits 3 stages, (M <= 64) every stage that fits and
+    the other tile width; sweep=True adds every split-K count of both widths (runs v6a/v6b); grid=False drops the
+    split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner); overlap: the overlap_steps twins
+    (not on the CPU: the simulator cannot run them)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
