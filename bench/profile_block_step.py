@@ -155,8 +155,9 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         steps = long_loop["steps"]
         mid = (FUSED + steps) // 2
         med_long, _ = common.time_call(lambda: call(steps), reps=5)
-        # a third length between the two: whether the slope is a per-step cost (NOTES v8 asked for it)
-        med_mid, _ = common.time_call(lambda: call(mid), reps=5) if FUSED < mid < steps else (None, None)
+        mid_args = ()  # a third length between the two: whether the slope is a per-step cost (NOTES v8 asked)
+        if FUSED < mid < steps:
+            mid_args = (common.time_call(lambda: call(mid), reps=5)[0], mid)
         passthrough = jax.jit(lambda p, st: (st, p["embed"][0, 0]), donate_argnums=1)
 
         def dispatch():
@@ -165,8 +166,7 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
             state[0] = st
 
         med_dispatch, _ = common.time_call(dispatch, reps=20)
-        long_loop.update(loop_costs(med, FUSED, med_long, steps, med_mid, mid if med_mid is not None else None),
-                         dispatch_ms=1e3 * med_dispatch)
+        long_loop.update(loop_costs(med, FUSED, med_long, steps, *mid_args), dispatch_ms=1e3 * med_dispatch)
     if trace is not None:
         from kernel_trace import kernel_breakdown
 

@@ -238,6 +238,11 @@ class Fp8MatmulConfig:
     return self.cta_tile_n * (2 if self.cluster_dimension == Dim.N else 1)
 
 
+# The SM count the default tilings are sized for: the H200's, wherever the kernel is lowered (the same tiling on
+# every machine, so CPU lowering checks see what the GPU runs).
+TUNED_SMS = 132
+
+
 def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   """Heuristic from the H200 sweeps (bench/NOTES.md): fine N tiles and split-K
   when weight-bandwidth bound (enough work units for 132 SMs), 128x128 CTA
@@ -252,7 +257,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   # narrow (split 4); Dream gate/up 45.6 wide (148 units) vs 43.0 narrow (296).
   def rank(c):
     units = _units(m, n, c)
-    return (units / (-(-units // 132) * 132), -c.split_k, c is wide)
+    return (units / (-(-units // TUNED_SMS) * TUNED_SMS), -c.split_k, c is wide)
 
   return _with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k), k)  # M <= 64: no clusters
 
@@ -310,7 +315,7 @@ CLUSTER_MIN_WAVES = 4
 
 def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConfig:
   if (CLUSTER_FROM_M is None or m < CLUSTER_FROM_M or n % (2 * cfg.cta_tile_n)
-      or _units(m, n, cfg) < CLUSTER_MIN_WAVES * 132):
+      or _units(m, n, cfg) < CLUSTER_MIN_WAVES * TUNED_SMS):
     return cfg
   return dataclasses.replace(cfg, cluster_dimension=Dim.N)
 
@@ -368,7 +373,7 @@ def wide_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
     return None
   kg = k // GROUP
   tiles = -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n)
-  sms = 132  # sized for the H200 like the rest of default_config (the same tiling when lowered elsewhere)
+  sms = TUNED_SMS
   split = max(s for s in range(1, kg + 1) if kg % s == 0 and (s == 1 or (tiles * s <= 1.1 * sms and kg // s >= 4)))
   if tiles * split < 0.7 * sms:
     return None
@@ -614,9 +619,13 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             w_scale = ws_gmem[g0 + idx * gps + j, nblk]
           return xs_smem[j, wg_m] * w_scale
 
-        def group_scale(idx, j, xs_smem, ws_smem):
-          """row_scale broadcast to the [tm, tn] tile."""
-          return lax.broadcast_in_dim(row_scale(idx, j, xs_smem, ws_smem), (tm, tn), [0])
+        def promote(out, acc_ref, wait_n, rows, name):
+          """out + the partial in acc_ref (once at most wait_n later wgmmas are in flight) x rows() [tm], the row
+          scales (read after the wait)."""
+          with jax.named_scope(f"wait{name}"):
+            part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
+          with jax.named_scope(f"promote{name}"):
+            return out + part * lax.broadcast_in_dim(rows(), (tm, tn), [0])
 
         # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
         def issue(acc_ref, j, a_smem, b_smem):
@@ -635,18 +644,12 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             for j in range(gps - 1):
               unit_accs[j][...] = zeros
               issue(unit_accs[j], j, a_smem, b_smem)
-          with jax.named_scope("wait_prev"):
-            prev = plgpu.wgmma_accumulator_load(unit_accs[-1], wait_n=gps - 1)
-          with jax.named_scope("promote_prev"):
-            out = out + prev * lax.broadcast_in_dim(pending, (tm, tn), [0])
+          out = promote(out, unit_accs[-1], gps - 1, lambda: pending, "_prev")
           with jax.named_scope("issue"):
             unit_accs[-1][...] = zeros
             issue(unit_accs[-1], gps - 1, a_smem, b_smem)
           for j in range(gps - 1):
-            with jax.named_scope(f"wait{j}"):
-              part = plgpu.wgmma_accumulator_load(unit_accs[j], wait_n=gps - 1 - j)
-            with jax.named_scope(f"promote{j}"):
-              out = out + part * group_scale(idxs[0], j, xs_smem, ws_smem)
+            out = promote(out, unit_accs[j], gps - 1 - j, lambda j=j: row_scale(idxs[0], j, xs_smem, ws_smem), j)
 
           # the unit's last step: its stage is not waited for by a later step of this pipeline, and the next unit's
           # loads may refill it as soon as the pipeline returns, so its wgmma must be done before (the promotion
@@ -667,10 +670,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             out = acc
             for j, acc_ref in enumerate(acc_refs):
               # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
-              with jax.named_scope(f"wait{j}"):
-                part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=gps - 1 - j)
-              with jax.named_scope(f"promote{j}"):
-                out = out + part * group_scale(idxs[0], j, xs_smem, ws_smem)
+              out = promote(out, acc_ref, gps - 1 - j, lambda j=j: row_scale(idxs[0], j, xs_smem, ws_smem), j)
             return out
 
           return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
