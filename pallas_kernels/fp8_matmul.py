@@ -270,13 +270,17 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 #   64-wide bf16 epilogue leave room for 2): run v9a, M = 256: LLaDA gate/up 44.4 us vs 50.6 with one group (5
 #   stages) and 53.2 with two groups on 2 stages; Dream gate/up 67.7 vs 77.4. M = 4096: LLaDA gate/up 654.6 vs 679.9
 #   (2 groups, 2 stages: the v8 default) and 719.7 (1 group), down 316.6 vs 347.2; Dream 922.5 vs 932.9, 426.3 vs
-#   461.1. Where the third stage does not fit (split-K's fp32 epilogue: the down GEMM at M = 256), 1 group: two
-#   groups on 2 stages lost there (LLaDA down 28.3 vs 26.8 us). The epilogue's extra stores cost nothing visible.
+#   461.1. Where the third stage does not fit next to two 32-wide epilogue slots (split-K's fp32 epilogue: the down
+#   GEMM at M = 256), one slot (out_slots=1) makes room for it: run v10a, M = 256, LLaDA down 23.3 vs 26.8 us (the
+#   1-group, 4-stage tiling that was the default), Dream down 32.1 vs 37.0; two groups on 2 stages lost (28.0, 39.0).
+#   Else 1 group. The epilogue's extra stores cost nothing visible. FP8_ONE_SLOT=0 turns the one-slot rule off
+#   (benchmarks compare in one process by setting ONE_SLOT_EPILOGUE).
 # FP8_GROUPS_PER_STEP forces a count at every M, with the epilogue as it is (benchmarks compare in one process by
 # setting this attribute).
 GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
 if GROUPS_PER_STEP not in (None, 1, 2, 4):
   raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
+ONE_SLOT_EPILOGUE = os.environ.get("FP8_ONE_SLOT", "1") != "0"
 
 
 def model_epilogue_dtype(cfg: Fp8MatmulConfig):
@@ -295,7 +299,11 @@ def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfi
   # stages counted for the model's bf16 output; an fp32 out_dtype still runs this config, on the 2 stages that then
   # fit (fit_stages)
   thin = dataclasses.replace(grouped, epi_tile_n=min(32, cfg.epi_tile_n))
-  return thin if stages_that_fit(thin, model_epilogue_dtype(thin)) >= 3 else cfg
+  one_slot = dataclasses.replace(thin, out_slots=1)
+  for candidate in (thin, one_slot) if ONE_SLOT_EPILOGUE else (thin,):
+    if stages_that_fit(candidate, model_epilogue_dtype(candidate)) >= 3:
+      return candidate
+  return cfg
 
 
 # Two-CTA clusters along N (the pair shares each stage's activation tile, one TMA multicast) where the GEMM is
@@ -320,10 +328,11 @@ def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConf
   return dataclasses.replace(cfg, cluster_dimension=Dim.N)
 
 
-# overlap_steps on the default configs (where 3 stages fit: one is given up to the late release): OFF by default.
-# Built in v9 without device time: it lowers for CUDA and is bit-identical to the default order of promotions by
-# construction, but the GPU simulator cannot run it (no interpreter rule for an accumulator store) and it has not
-# run on a GPU. FP8_OVERLAP_STEPS=1 turns it on (benchmarks compare in one process by setting this attribute).
+# overlap_steps on the default configs (where 3 stages fit: one is given up to the late release): OFF, because it
+# loses everywhere. Built in v9; run v10a on the H200 (fp8_small_m_h200.json): bit-identical to the default order at
+# 10 shapes, but 1.05-1.14x slower at M = 32 and 1.35-3.6x slower from M = 256 (LLaDA gate/up M = 4096: 1953 vs
+# 629 us with two groups per stage, 1028 vs 715 with one); see bench/NOTES.md v10. FP8_OVERLAP_STEPS=1 turns it on
+# (benchmarks compare in one process by setting this attribute).
 OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
 
 

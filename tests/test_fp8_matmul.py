@@ -173,7 +173,7 @@ def test_kernel_matches_reference(m, n, k, cfg):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel needs a Hopper GPU")
-@pytest.mark.parametrize("m", [1, 32, 300, 4096])
+@pytest.mark.parametrize("m", [1, 32, 256, 300, 4096])
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 12288), (18944, 3584), (3584, 18944)])
 def test_kernel_gpu_real_shapes(m, n, k):
   x, w = _data(m, n, k, seed=1)
@@ -413,7 +413,8 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   """default_config at the real FFN shapes: the 256-wide small-M tiles only where they fill the waves better
   (LLaDA gate/up), K groups per stage only where they divide a work unit, and every config lowers for CUDA
   within the H200's shared memory (Mosaic GPU checks it at lowering)."""
-  # None: the default rule (2 at M <= 64; above, 2 on a 32-wide epilogue where that fits 3 stages, else 1)
+  # None: the default rule (2 at M <= 64; above, 2 on a 32-wide epilogue where that fits 3 stages, or on one
+  # epilogue slot where only that fits 3 (split-K's fp32 partials: the down GEMMs at M = 256), else 1)
   monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)
   monkeypatch.setattr(F, "CLUSTER_FROM_M", 1024)  # the defaults, whatever FP8_CLUSTER / FP8_OVERLAP_STEPS say
   monkeypatch.setattr(F, "OVERLAP_STEPS", False)
@@ -422,12 +423,16 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
     for n, k in shapes:
       cfg = F.default_config(m, n, k)
       kg = k // 128 // cfg.split_k
-      g = groups or (2 if m <= 64 or cfg.split_k == 1 else 1)
+      g = groups or 2
       assert cfg.groups_per_step == (g if kg % g == 0 else 1), (m, n, k, cfg)
+      assert cfg.out_slots == (1 if groups is None and m == 256 and cfg.split_k > 1 else 2), (m, n, k, cfg)
       if groups is None and m > 64:
         acc = F.model_epilogue_dtype(cfg)
         assert (cfg.epi_tile_n == 32) == (cfg.groups_per_step == 2), (m, n, k, cfg)
         assert F.fit_stages(cfg, acc) == (3 if cfg.groups_per_step == 2 else 4), (m, n, k, cfg)
+        # the one slot only where two would leave the grouped tiling on 2 stages
+        two = dataclasses.replace(cfg, out_slots=2)
+        assert (cfg.out_slots == 1) == (F.fit_stages(two, acc) < 3), (m, n, k, cfg)
       # two-CTA clusters along N where compute bound (M >= 1024), never at block-step sizes
       assert cfg.cluster_dimension == (D.N if m >= 1024 else None), (m, n, k, cfg)
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
