@@ -73,14 +73,17 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
         acc = F.model_epilogue_dtype(cfg)
         if cfg.groups_per_step > 1 and F.stages_that_fit(other, acc) != F.stages_that_fit(cfg, acc):
             add(other)
-        # (v9, not timed yet) one epilogue slot where two 32-wide ones leave the grouped tiling on 2 stages (split-K's
-        # fp32 epilogue: the down GEMMs at M = 256)
+        # one epilogue slot where two 32-wide ones leave the grouped tiling on 2 stages (split-K's fp32 epilogue: the
+        # down GEMMs at M = 256; run v10a: -13%, the default since)
         thin = dataclasses.replace(cfg, epi_tile_n=32)
         one_slot = dataclasses.replace(thin, out_slots=1)
         if cfg.groups_per_step > 1 and F.stages_that_fit(thin, acc) < 3 <= F.stages_that_fit(one_slot, acc):
             add(one_slot)
-    # (v9, not timed yet) each stage's last K group promoted in the next step, where 3 stages fit (one is lost to
-    # the late release)
+    # where the default is the one-slot tiling, the v9 default beside it (one group, two 64-wide slots)
+    if default.out_slots == 1:
+        add(dataclasses.replace(default, out_slots=2, epi_tile_n=64, groups_per_step=1))
+    # each stage's last K group promoted in the next step, where 3 stages fit (one is lost to the late release);
+    # run v10a: 1.05-3.6x slower, ptxas serialises the wgmmas (bench/NOTES.md v10)
     for cfg in list(out) if overlap else []:
         acc = F.model_epilogue_dtype(cfg)
         if cfg.max_concurrent_steps >= 3 and F.stages_that_fit(cfg, acc) >= 3:

@@ -194,6 +194,9 @@ def test_fp8_sweep_candidates_by_regime():
     assert twins and all(F.stages_that_fit(c, jnp.bfloat16) >= 3 for c in twins)
     down256 = sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)
     assert any(c.out_slots == 1 and c.groups_per_step == 2 for c in down256)  # split-K's fp32 epilogue: one slot
+    assert down256[0].out_slots == 1  # the default since v10, with the v9 default (two 64-wide slots) beside it
+    assert any(c.out_slots == 2 and c.epi_tile_n == 64 and c.groups_per_step == 1 and c.cluster_dimension is None
+               for c in down256)
     assert len(sweep_fp8_small_m.candidates(256, 4096, 12288, grid=False)) < len(
         sweep_fp8_small_m.candidates(256, 4096, 12288))
     # bench_fp8_matmul at large M: the default (clustered, grouped, 3 stages) and its steps back to the v8 default
