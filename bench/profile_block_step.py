@@ -59,6 +59,8 @@ VARIANTS = {
                        "where 3 stages fit; v10: 1.05-3.6x slower per GEMM)",
     "fp8_ffn_two_slots": "the FP8 FFN without v10's one-slot epilogue for split-K at M = 65-256 (FP8_ONE_SLOT=0: "
                          "one K group per stage on 4 stages there, the v9 default)",
+    "fp8_ffn_tail_split": "the FP8 FFN with the gate/up GEMM's last partial wave as a split-K second kernel where "
+                          "that applies (FP8_TAIL_SPLIT=1: Dream-7B at block-step M; v10, untimed)",
     "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
                               "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
@@ -78,6 +80,7 @@ FP8_FLAG_OVERRIDES = {
     "fp8_ffn_g4": {"GROUPS_PER_STEP": 4},
     "fp8_ffn_overlap": {"OVERLAP_STEPS": True},
     "fp8_ffn_two_slots": {"ONE_SLOT_EPILOGUE": False},
+    "fp8_ffn_tail_split": {"TAIL_SPLIT": True},
 }
 
 

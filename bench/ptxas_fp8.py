@@ -24,7 +24,9 @@ sys.path.insert(0, {root!r})
 import jax, jax.numpy as jnp
 from pallas_kernels import fp8_matmul as F
 m, n, k = {m}, {n}, {k}
-cfg = dataclasses.replace(F.default_config(m, n, k), **json.loads({changes!r}))
+changes = {{f: F.Dim[v] if (f.endswith("_dimension") or f == "grid_minor_dim") and v is not None else v
+           for f, v in json.loads({changes!r}).items()}}
+cfg = dataclasses.replace(F.default_config(m, n, k), **changes)
 x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
 w = (0.02 * jax.random.normal(jax.random.key(1), (n, k), jnp.float32)).astype(jnp.bfloat16)
 xq, xs = F.quantize_activations(x)
@@ -36,10 +38,17 @@ KEEP = re.compile(r"registers|spill|wgmma|serializ|Performance|CONFIG|error", re
 
 
 def parse_set(items: list[str]) -> dict:
+    """FIELD=VALUE pairs: JSON values, Python's True / False / None, or a Dim name (M, N) for the *_dimension and
+    grid_minor_dim fields (the child process turns those into F.Dim)."""
     out = {}
     for item in items:
         field, _, value = item.partition("=")
-        out[field] = json.loads(value.lower() if value in ("True", "False") else value)
+        if value in ("True", "False", "None"):
+            out[field] = {"True": True, "False": False, "None": None}[value]
+        elif field.endswith("_dimension") or field == "grid_minor_dim":
+            out[field] = value
+        else:
+            out[field] = json.loads(value)
     return out
 
 
@@ -60,12 +69,15 @@ def main() -> None:
             continue
         code = CHILD.format(root=root, m=args.m, n=args.n, k=args.k, changes=json.dumps(changes))
         env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        text = proc.stdout + proc.stderr
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            text, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after 300 s", "timeout"
         (out / f"{name}_full.txt").write_text(text)
         kept = [line for line in text.splitlines() if KEEP.search(line)]
         (out / f"{name}.txt").write_text("\n".join(kept) + "\n")
-        print(f"== {name} {changes} (rc {proc.returncode})", *kept[:40], sep="\n", flush=True)
+        print(f"== {name} {changes} (rc {rc})", *kept[:40], sep="\n", flush=True)
 
 
 if __name__ == "__main__":

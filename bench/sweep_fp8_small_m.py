@@ -120,12 +120,25 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
     return out
 
 
-def device_us(fn, args_list, name_part: str) -> float | None:
-    """Median device time (us) of the kernels whose name contains name_part, one per args set, in one trace."""
+def _trace(fn, args_list) -> dict:
+    """kernel_breakdown of fn over the args sets, one jitted call each (warmed up first)."""
     f = jax.jit(fn)
     for a in args_list:
         jax.block_until_ready(f(*a))
-    bd = kernel_breakdown(lambda: [jax.block_until_ready(f(*a)) for a in args_list], calls=2, top=50)
+    return kernel_breakdown(lambda: [jax.block_until_ready(f(*a)) for a in args_list], calls=2, top=50)
+
+
+def operands(n: int, k: int, m: int) -> tuple[list, list]:
+    """4 sets of quantised weights [(wq, ws)] and activations [(xq, xs)]: the rows time calls rotating over them."""
+    ws_ = [F.quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
+                              .astype(jnp.bfloat16)) for j in range(4)]
+    xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16)) for j in range(4)]
+    return ws_, xs_
+
+
+def device_us(fn, args_list, name_part: str) -> float | None:
+    """Median device time (us) of the kernels whose name contains name_part, one per args set, in one trace."""
+    bd = _trace(fn, args_list)
     hits = [t for t in bd.get("top", []) if name_part in t["name"]]
     if not hits:
         return None
@@ -137,9 +150,7 @@ def device_us(fn, args_list, name_part: str) -> float | None:
 def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False, grid: bool = True,
               overlap: bool = not INTERPRET) -> list[dict]:
     rows = []
-    ws_ = [F.quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
-                              .astype(jnp.bfloat16)) for j in range(4)]
-    xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16)) for j in range(4)]
+    ws_, xs_ = operands(n, k, m)
     default = F.default_config(m, n, k)
     ref = F.fp8_matmul_reference(*xs_[0], *ws_[0], out_dtype=jnp.float32)
     for cfg in candidates(m, n, k, sweep, grid, overlap):
@@ -147,7 +158,7 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False
         args = []
         for (xq, xs), (wq, ws) in zip(xs_, ws_):
             args.append((*F.pad_activations(xq, xs, mp), wq, F.kernel_weight_scales(ws, n, cfg)))
-        row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "is_default": cfg == default,
+        row = {"model": model, "gemm": name, "kind": "gemm", "M": m, "N": n, "K": k, "is_default": cfg == default,
                "config": cfg.as_dict(),
                "units": -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k,  # CTA tiles (2 per cluster unit)
                "stages": F.fit_stages(cfg, F.model_epilogue_dtype(cfg))}
@@ -166,6 +177,44 @@ def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False
         print({k_: v for k_, v in row.items() if k_ != "config"}, cfg.wg_dimension.name, cfg.wg_tile_n,
               cfg.split_k, flush=True)
     return rows
+
+
+def span_us(fn, args_list) -> dict | None:
+    """Device time per call of fn with every kernel it launches and the gaps between them: the span of one
+    program that calls fn once per args set, back to back, divided by the sets; and its kernels per call and
+    busy time (None on the CPU: the simulator has no device time)."""
+    if INTERPRET:
+        return None
+    program = lambda *sets: [fn(*a) for a in sets]
+    bd = _trace(program, [tuple(args_list)])
+    per = len(args_list)
+    return {"us_span": 1e3 * bd.get("span_ms", 0.0) / per, "us_busy": 1e3 * bd.get("busy_ms", 0.0) / per,
+            "kernels": bd.get("kernels_per_call", 0) / per}
+
+
+def tail_split_rows(model: str, name: str, n: int, k: int, m: int) -> list[dict]:
+    """(v10, opt-in) The two-kernel tail split where it applies (`fp8_matmul.tail_split_plan`), beside the one-kernel
+    default, both as every kernel of a call with the gaps between them (the split's fp32 sum and concatenation
+    included): us_span of each, and ratio = default / split."""
+    plan = F.tail_split_plan(m, n, k, force=True)
+    if plan is None:
+        return []
+    ws_, xs_ = operands(n, k, m)
+    mp = F.padded_rows(m, plan.main)
+    args = [(*F.pad_activations(xq, xs, mp), wq, F.kernel_weight_scales(ws, n, plan.main))
+            for (xq, xs), (wq, ws) in zip(xs_, ws_)]
+    split = lambda a, b, c, d: F.fp8_matmul_tail_split(a, b, c, d, plan=plan, interpret=INTERPRET)
+    one = lambda a, b, c, d: F.fp8_matmul_padded(a, b, c, d, cfg=plan.main, interpret=INTERPRET)
+    ref = F.fp8_matmul_reference(*xs_[0], *ws_[0], out_dtype=jnp.float32)
+    y = jax.jit(split)(*args[0])[:m].astype(jnp.float32)
+    row = {"model": model, "gemm": name, "M": m, "N": n, "K": k, "kind": "tail_split", "n_main": plan.n_main,
+           "main": plan.main.as_dict(), "tail": plan.tail.as_dict(),
+           "rel_err": float(jnp.abs(y - ref).max() / jnp.abs(ref).max()),
+           "tail_split": span_us(split, args), "default": span_us(one, args)}
+    row["ratio"] = (row["default"]["us_span"] / row["tail_split"]["us_span"]
+                    if row["tail_split"] and row["default"] and row["tail_split"]["us_span"] else None)
+    print(row, flush=True)
+    return [row]
 
 
 def quantizer_rows(model: str, m: int) -> list[dict]:
@@ -207,6 +256,7 @@ def main() -> None:
                 print(r, flush=True)
             for name, (n, k) in gemms(model).items():
                 rows += gemm_rows(model, name, n, k, m, args.sweep, not args.no_grid, not args.no_overlap and not INTERPRET)
+                rows += tail_split_rows(model, name, n, k, m)
                 common.write_results(out.name, meta, rows, out.parent)
     path = common.write_results(out.name, meta, rows, out.parent)
     print(f"wrote {path}")

@@ -164,10 +164,12 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
 
     Four kernels: residual add + RMSNorm + quantise (Triton), the gate/up FP8 GEMM with SwiGLU + quantise in its
     epilogue (Mosaic GPU; where its tiling does not allow that, the GEMM and a Triton split-K sum + SwiGLU +
-    quantise), the down FP8 GEMM, and the split-K sum + residual add (Triton; XLA's add without split-K). Same
-    numerics as the XLA path up to the order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a
-    (config, fused) plan instead of `gate_up_plan` (tests)."""
-    from pallas_kernels.fp8_matmul import default_config, fp8_gate_up_swiglu, fp8_matmul_padded, padded_rows
+    quantise; with TAIL_SPLIT on, where it applies, that GEMM is two kernels and XLA's sum and concatenation), the
+    down FP8 GEMM, and the split-K sum + residual add (Triton; XLA's add without split-K). Same numerics as the XLA
+    path up to the order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a (config, fused) plan
+    instead of `gate_up_plan` (tests)."""
+    from pallas_kernels.fp8_matmul import (default_config, fp8_gate_up_swiglu, fp8_matmul_padded,
+                                           fp8_matmul_tail_split, padded_rows, tail_split_plan)
     from pallas_kernels.fp8_quantize import rmsnorm_quantize, splitk_residual_add, swiglu_quantize_t
 
     m, d = x.shape
@@ -183,8 +185,15 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
     if fused:
         aq, as_t = fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, interpret=interpret)
     else:
-        gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, out_dtype=jnp.bfloat16,
-                               interpret=interpret)
+        # the last wave's tiles as a split-K second kernel where that is on (TAIL_SPLIT; at the real shapes only
+        # Dream-7B's gate/up at block-step M)
+        plan = tail_split_plan(m, f2, d) if gate_up is None else None
+        if plan is not None and plan.main == cfg_gu:
+            gu = fp8_matmul_tail_split(xq, xs_t, mlp_fp8["w_gu"], ws_gu, plan=plan, out_dtype=jnp.bfloat16,
+                                       interpret=interpret)
+        else:
+            gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, out_dtype=jnp.bfloat16,
+                                   interpret=interpret)
         aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
     y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
                           out_dtype=x.dtype, interpret=interpret)

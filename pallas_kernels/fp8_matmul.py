@@ -157,7 +157,8 @@ class Fp8MatmulConfig:
   ``overlap_steps``: software-pipeline the promotion across pipeline steps: a stage's last K group is promoted at
   the start of the next step, after that step's first wgmmas are issued, so each warpgroup keeps a wgmma in flight
   across the stage boundary (its barrier waits included). The stage is then released one step late
-  (BlockSpec delay_release=1), which costs one prefetched stage.
+  (BlockSpec delay_release=1), which costs one prefetched stage. Exact, but slower on the H200: ptxas serialises
+  the wgmmas once an in-flight accumulator is read across the step (bench/NOTES.md v10); kept for experiments.
   ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
   previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
   for one more pipeline stage).
@@ -330,8 +331,9 @@ def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConf
 
 # overlap_steps on the default configs (where 3 stages fit: one is given up to the late release): OFF, because it
 # loses everywhere. Built in v9; run v10a on the H200 (fp8_small_m_h200.json): bit-identical to the default order at
-# 10 shapes, but 1.05-1.14x slower at M = 32 and 1.35-3.6x slower from M = 256 (LLaDA gate/up M = 4096: 1953 vs
-# 629 us with two groups per stage, 1028 vs 715 with one); see bench/NOTES.md v10. FP8_OVERLAP_STEPS=1 turns it on
+# 10 shapes, but 1.05-1.14x slower at M = 32 and 1.35-3.6x slower from M = 256 (LLaDA gate/up M = 4096,
+# unclustered: 2090 vs 649 us with two groups per stage, 1028 vs 715 with one): ptxas serialises its wgmmas
+# (bench/results/ptxas_fp8_h200.json); see bench/NOTES.md v10. FP8_OVERLAP_STEPS=1 turns it on
 # (benchmarks compare in one process by setting this attribute).
 OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
 
@@ -427,16 +429,22 @@ def expand_weight_scales(ws, n, cols, xp=jnp):
 
 
 def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, profile_dir=None,
-                     swiglu: bool = False):
+                     swiglu: bool = False, columns: tuple[int, int] | None = None):
   """swiglu=True (`fp8_gate_up_swiglu`): wq is [gate | up] (2F rows); CTA tile j pairs gate block j (warpgroup 0)
   with up block j (warpgroup 1), and the epilogue writes silu(gate) * up quantised 1x128 (aq [Mp, F] e4m3,
-  as_t [F/128, Mp]) instead of the GEMM's output."""
+  as_t [F/128, Mp]) instead of the GEMM's output. columns=(start, count): only output columns [start, start +
+  count) of wq's N, written as an output of count columns (`fp8_matmul_tail_split`); ws stays wq's whole table."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   mp, k = xq_p.shape
-  n = wq.shape[0]
+  col0, n = columns or (0, wq.shape[0])  # n: the columns this call computes, from weight row col0 on
   assert not swiglu or swiglu_fusable(cfg), cfg  # fp8_gate_up_swiglu checked it
+  if columns is not None and (swiglu or col0 < 0 or n <= 0 or col0 % cfg.cta_tile_n or col0 + n > wq.shape[0]
+                              or n % cfg.cluster_tile_n):
+    raise ValueError(f"fp8 kernel: columns (start, count) = {columns} must lie inside the weights' N = "
+                     f"{wq.shape[0]}, start a multiple of the CTA N tile {cfg.cta_tile_n}, count a positive "
+                     f"multiple of the {cfg.cluster_tile_n}-column tile, and not with the fused SwiGLU epilogue")
   tm, tn = cfg.wg_tile_m, cfg.wg_tile_n
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k
@@ -546,7 +554,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         elif cfg.cluster_dimension == Dim.N:
           n_idx = n_idx * 2 + lax.axis_index("cluster")
         cta_m = pl.ds(m_idx * ctm, ctm)
-        cta_n = pl.ds(n_idx * ctn, ctn)
+        cta_n = pl.ds(n_idx * ctn, ctn)  # output columns; the weight rows are col0 further on
+        w_col = col0 + n_idx * ctn
         if cfg.wg_dimension == Dim.M:
           wg_m = pl.ds(wg_idx * tm, tm)
           wg_n = slice(None)
@@ -554,7 +563,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           wg_m = slice(None)
           wg_n = pl.ds(wg_idx * tn, tn)
         wg_ws = 0 if cfg.wg_dimension == Dim.M else wg_idx * (tn // wsc)
-        nblk = (n_idx * ctn + (0 if cfg.wg_dimension == Dim.M else wg_idx * tn)) // GROUP
+        nblk = (w_col + (0 if cfg.wg_dimension == Dim.M else wg_idx * tn)) // GROUP
         g0 = ks * ksteps * gps  # first K group of this work unit
 
         def epilogue(acc):
@@ -689,8 +698,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           b_unit = b_gmem.at[:, pl.ds(n_idx * tn, tn), k_range]
           ws_unit = [ws_gmem.at[pl.ds(g0, ksteps * gps), :, pl.ds(n_idx * (tn // wsc), tn // wsc)]]
         else:
-          b_unit = b_gmem.at[cta_n, k_range]
-          ws_unit = ([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(n_idx * (ctn // wsc), ctn // wsc)]]
+          b_unit = b_gmem.at[pl.ds(w_col, ctn), k_range]
+          ws_unit = ([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(w_col // wsc, ctn // wsc)]]
                      if ws_prefetch else [])
         get_pipeline(overlapped_body if overlap else mma_body, compute_context)(
             a_gmem.at[cta_m, k_range], b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], *ws_unit,
@@ -827,14 +836,79 @@ def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: 
                           profile_dir=profile_dir, swiglu=True)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config"))
+# A GEMM whose CTA tiles fill a few whole waves of the SMs and a small last one (Dream-7B's gate/up at block-step M:
+# 296 tiles on 132 SMs = 2 waves + 32 tiles, run as 3 waves with 100 SMs idle in the last) can run as two kernels:
+# the whole waves as they are, then the last wave's tiles split along K into enough short units for the GPU
+# (32 tiles x split-K 4 = 128 units of a quarter of the K loop), their fp32 partials summed by XLA. Prediction from
+# the per-SM streaming rate (~37 GB/s, bench/NOTES.md v6): Dream gate/up at M = 32 from ~45 us to ~34-38 (sum and
+# concatenation included). Block-step M only (<= 64: weight streaming, where waves decide; above, untimed). OFF by
+# default until timed on the GPU: FP8_TAIL_SPLIT=1 (or this attribute, read when the FFN is traced) for the FFN
+# path; the standalone `fp8_matmul` runs it only when asked (tail_split=True).
+TAIL_SPLIT = os.environ.get("FP8_TAIL_SPLIT", "0") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+  """Columns [0, n_main) on `main` (whole waves), columns [n_main, N) on `tail` (split-K > 1)."""
+  n_main: int
+  main: Fp8MatmulConfig
+  tail: Fp8MatmulConfig
+
+
+def tail_split_plan(m: int, n: int, k: int, force: bool = False) -> TailSplit | None:
+  """The two-kernel plan for (m, n, k), m <= 64, where the default tiling's last wave on TUNED_SMS SMs is at most
+  half full (after at least one whole wave), with the largest split-K that keeps the tail's units within one
+  wave; None where it does not apply (the default is split-K already, clustered, or fills its waves) or
+  TAIL_SPLIT is off (force=True ignores the switch: sweeps and tests)."""
+  if not (TAIL_SPLIT or force) or m > 64:
+    return None
+  sms = TUNED_SMS
+  cfg = default_config(m, n, k)
+  if cfg.split_k > 1 or cfg.cluster_dimension is not None or cfg.overlap_steps or n % cfg.cta_tile_n:
+    return None
+  m_tiles, n_tiles = -(-m // cfg.cta_tile_m), n // cfg.cta_tile_n
+  waves = m_tiles * n_tiles // sms
+  main_tiles = waves * sms // m_tiles  # whole columns of tiles that fit the whole waves
+  tail_tiles = n_tiles - main_tiles
+  if waves < 1 or not tail_tiles or m_tiles * tail_tiles > sms // 2:
+    return None
+  kg = k // GROUP
+  splits = [s_ for s_ in range(2, kg + 1) if kg % s_ == 0 and m_tiles * tail_tiles * s_ <= sms and kg // s_ >= 2]
+  if not splits:
+    return None
+  # the tail's K groups per stage by the default rule for its split-K units
+  tail = _with_default_groups(dataclasses.replace(cfg, split_k=max(splits), groups_per_step=1), m, k)
+  return TailSplit(n_main=main_tiles * cfg.cta_tile_n, main=cfg, tail=tail)
+
+
+def fp8_matmul_tail_split(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax.Array, *, plan: TailSplit,
+                          out_dtype=jnp.bfloat16, interpret: Any = False) -> jax.Array:
+  """`fp8_matmul_padded` of one GEMM as the two kernels of `plan` (operands as there; ws_k: the table for
+  plan.main, which the tail's tiling shares). Returns y [Mp, N] out_dtype; the tail's split-K partials are
+  summed in fp32 before the one rounding to out_dtype, as a one-kernel split-K GEMM's consumer does."""
+  n = wq.shape[0]
+  main, tail = plan.main, plan.tail
+  if (tail.split_k < 2 or (ws_cols(main), main.ws_prefetch, main.cluster_tile_m) !=
+          (ws_cols(tail), tail.ws_prefetch, tail.cluster_tile_m) or not 0 < plan.n_main < n):
+    raise ValueError(f"fp8_matmul_tail_split: needs a split-K tail that shares the main tiling's scale table "
+                     f"layout and M tile, and 0 < n_main < N={n}, got {plan}")
+  _check_padded_operands(xq_p, xs_t, wq, ws_k, main, "fp8_matmul_tail_split")
+  kw = dict(out_dtype=out_dtype, interpret=interpret)
+  y_main = _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=main, columns=(0, plan.n_main), **kw)
+  y_tail = _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=tail, columns=(plan.n_main, n - plan.n_main), **kw)
+  return jnp.concatenate([y_main.astype(out_dtype), y_tail.sum(axis=0).astype(out_dtype)], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config", "tail_split"))
 def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas",
-               interpret: Any = False, config: Fp8MatmulConfig | None = None):
+               interpret: Any = False, config: Fp8MatmulConfig | None = None, tail_split: bool = False):
   """y = dequant(xq, xs) @ dequant(wq, ws).T  -> [M, N] out_dtype.
 
   xq [M, K] e4m3, xs [M, K//128] f32, wq [N, K] e4m3, ws [ceil(N/128), K//128] f32.
   backend "xla": reference numerics anywhere; "pallas": Mosaic GPU kernel
-  (N must be a multiple of the cluster N tile -- 128 with the default configs).
+  (N must be a multiple of the cluster N tile -- 128 with the default configs). tail_split (with config None):
+  the two-kernel `tail_split_plan` where it applies (opt-in; a static argument, so no module switch is baked
+  into a cached program).
   """
   m, n, k = _check_operands(xq, xs, wq, ws)
   if backend == "xla":
@@ -850,6 +924,11 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
     raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
   mp = padded_rows(m, cfg)
   xq_p, xs_t = pad_activations(xq, xs, mp)
+  plan = tail_split_plan(m, n, k, force=True) if tail_split and config is None else None
+  if plan is not None:
+    y = fp8_matmul_tail_split(xq_p, xs_t, wq, kernel_weight_scales(ws, n, cfg), plan=plan, out_dtype=out_dtype,
+                              interpret=interpret)
+    return y[:m] if mp != m else y
   y = fp8_matmul_padded(xq_p, xs_t, wq, kernel_weight_scales(ws, n, cfg), cfg=cfg, out_dtype=out_dtype,
                         interpret=interpret)
   if cfg.split_k > 1:

@@ -80,8 +80,23 @@ def test_sweep_fp8_small_m_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel"] for r in rows[:2]] == ["rmsnorm_quantize", "swiglu_quantize"]
     gemm = rows[2:]
+    assert all(r["kind"] == "gemm" for r in gemm)  # no tail-split rows at the tiny shapes (one wave)
     assert [r["gemm"] for r in gemm if r["is_default"]] == ["gate_up", "down"] and gemm[0]["is_default"]
     assert all("error" not in r and r["rel_err"] < 1e-2 and r["stages"] >= 2 for r in gemm)
+
+
+def test_sweep_fp8_tail_split_rows(monkeypatch):
+    """The sweep's tail-split row (two kernels beside the one-kernel default) on a shape where the plan applies
+    with the simulator's 4 SMs: the split's result checked against the reference, the plan recorded."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sweep_fp8_small_m
+    from pallas_kernels import fp8_matmul as F
+
+    monkeypatch.setattr(F, "TUNED_SMS", 4)
+    (row,) = sweep_fp8_small_m.tail_split_rows("tiny", "gate_up", 1280, 512, 5)
+    assert row["kind"] == "tail_split" and row["n_main"] == 1024 and row["tail"]["split_k"] == 2
+    assert row["rel_err"] < 1e-2 and row["tail_split"] is None  # bf16 output; no device time on the CPU
+    assert sweep_fp8_small_m.tail_split_rows("tiny", "down", 512, 1280, 5) == []  # 4 tiles: one whole wave
 
 
 def test_fp8_kernel_profile_summary():
@@ -168,7 +183,7 @@ def test_check_gemm_out_dtype_smoke(tmp_path):
     assert len(rows) == 2 * 5 and all(r["bitwise_equal"] and r["max_abs_diff"] == 0.0 for r in rows)
 
 
-def test_fp8_sweep_candidates_by_regime():
+def test_fp8_sweep_candidates_by_regime(monkeypatch):
     """The FP8 sweeps' candidate tilings: two-CTA clusters along both axes when compute bound, along M (weights read
     once) at M = 256, none at block-step M; both epilogue widths of grouped tilings, the one-slot epilogue and the
     overlap_steps twins where they apply; bench_fp8_matmul's steps back from the large-M default."""
@@ -177,6 +192,10 @@ def test_fp8_sweep_candidates_by_regime():
     import jax.numpy as jnp
     import sweep_fp8_small_m
     from pallas_kernels import fp8_matmul as F
+
+    for flag, value in (("CLUSTER_FROM_M", 1024), ("ONE_SLOT_EPILOGUE", True), ("OVERLAP_STEPS", False),
+                        ("GROUPS_PER_STEP", None), ("WIDE_SMALL_M", True)):
+        monkeypatch.setattr(F, flag, value)  # the defaults, whatever FP8_* say
 
     def clusters(m, n, k):
         return {c.cluster_dimension for c in sweep_fp8_small_m.candidates(m, n, k)} - {None}

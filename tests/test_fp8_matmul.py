@@ -4,6 +4,7 @@ On the CPU the Mosaic GPU kernel runs in jax's GPU simulator (interpret mode)
 and is lowered for CUDA under an abstract GPU mesh; on a GPU it is compiled.
 """
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -388,7 +389,7 @@ def test_epilogue_slots_do_not_race(slots, capfd):
 def test_one_epilogue_slot_frees_a_stage():
   """LLaDA's down GEMM at M = 256 (split-K 2: an fp32 epilogue): two K groups per stage fit 2 stages on two 32-wide
   epilogue slots, 3 on one; the one-slot config lowers for CUDA at that shape."""
-  cfg = dataclasses.replace(F.default_config(256, 4096, 12288), groups_per_step=2, epi_tile_n=32)
+  cfg = dataclasses.replace(F.default_config(256, 4096, 12288), groups_per_step=2, epi_tile_n=32, out_slots=2)
   one = dataclasses.replace(cfg, out_slots=1)
   assert cfg.split_k == 2 and F.stages_that_fit(cfg, jnp.float32) == 2 and F.stages_that_fit(one, jnp.float32) == 3
   with pytest.raises(ValueError, match="out_slots"):
@@ -418,6 +419,7 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   monkeypatch.setattr(F, "GROUPS_PER_STEP", groups)
   monkeypatch.setattr(F, "CLUSTER_FROM_M", 1024)  # the defaults, whatever FP8_CLUSTER / FP8_OVERLAP_STEPS say
   monkeypatch.setattr(F, "OVERLAP_STEPS", False)
+  monkeypatch.setattr(F, "ONE_SLOT_EPILOGUE", True)
   shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
   for m in (32, 256, 4096):
     for n, k in shapes:
@@ -455,6 +457,71 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
     txt = jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in txt and f"tensor<{mp}x12288xf8E4M3FN>" in txt
+
+
+# ---------------------------------------------------------------- the tail split (two kernels, opt-in)
+def test_tail_split_plan_at_the_real_shapes(monkeypatch):
+  """The plan applies where the default tiling leaves its last wave at most half full after whole waves, at
+  block-step M only: at the real shapes Dream-7B's gate/up (296 tiles = 2 waves of 132 + 32: the 32 split-K 4 =
+  128 units), and only with the switch on (force ignores it)."""
+  monkeypatch.setattr(F, "TAIL_SPLIT", False)
+  assert F.tail_split_plan(32, 37888, 3584) is None
+  plan = F.tail_split_plan(32, 37888, 3584, force=True)
+  assert plan.main == F.default_config(32, 37888, 3584) and plan.n_main == 264 * 128
+  assert plan.tail.split_k == 4 and (37888 - plan.n_main) // 128 * plan.tail.split_k <= 132
+  assert plan.tail.groups_per_step == 1  # 28 / 4 = 7 K groups a unit: one per stage
+  shapes = [(24576, 4096), (4096, 12288), (37888, 3584), (3584, 18944)]
+  for m in (1, 8, 32, 64, 128, 256, 1024, 4096):
+    applies = [(n, k) for n, k in shapes if F.tail_split_plan(m, n, k, force=True)]
+    assert applies == ([(37888, 3584)] if m <= 64 else []), (m, applies)
+  monkeypatch.setattr(F, "TAIL_SPLIT", True)
+  assert F.tail_split_plan(32, 37888, 3584) == plan
+  # both kernels lower for CUDA at the real shape, with the main part's and the tail's outputs
+  mp, wsc = F.padded_rows(32, plan.main), F.ws_cols(plan.main)
+  args = (jax.ShapeDtypeStruct((mp, 3584), F.FP8), jax.ShapeDtypeStruct((28, mp), jnp.float32),
+          jax.ShapeDtypeStruct((37888, 3584), F.FP8), jax.ShapeDtypeStruct((28, 37888 // wsc), jnp.float32))
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    txt = jax.jit(lambda a, b, c, d: F.fp8_matmul_tail_split(a, b, c, d, plan=plan)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 2, re.findall(r"custom_call @\w+", txt)
+  assert f"tensor<{mp}x33792xbf16>" in txt and f"tensor<4x{mp}x4096xf32>" in txt
+
+
+def test_tail_split_matches_the_reference(monkeypatch):
+  """fp8_matmul(tail_split=True) runs the two kernels (on the CPU with the simulator's 4 SMs: 10 tiles = 2 waves + 2,
+  the 2 split-K 2; on a GPU at Dream's shape): the reference's values, and the main columns bit-equal to the
+  one-kernel GEMM (the same tiling)."""
+  if INTERPRET:
+    monkeypatch.setattr(F, "TUNED_SMS", 4)
+  m, n, k = (5, 1280, 512) if INTERPRET else (32, 37888, 3584)
+  plan = F.tail_split_plan(m, n, k, force=True)
+  assert plan is not None and plan.tail.split_k > 1, plan
+  calls, original = [], F.fp8_matmul_tail_split
+  monkeypatch.setattr(F, "fp8_matmul_tail_split", lambda *a, **kw: (calls.append(kw["plan"]), original(*a, **kw))[1])
+  x, w = _data(m, n, k, seed=11)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  ref = F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+  F.fp8_matmul.clear_cache()  # the plan is read while tracing: no program cached under another TUNED_SMS
+  try:
+    split = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET, tail_split=True)
+    one = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET, config=plan.main)
+  finally:
+    F.fp8_matmul.clear_cache()
+  assert calls == [plan]
+  assert split.shape == (m, n) and _rel(split, ref) < (5e-4 if ON_GPU else 1e-5)
+  np.testing.assert_array_equal(np.asarray(split[:, :plan.n_main]), np.asarray(one[:, :plan.n_main]))
+  assert _rel(split[:, plan.n_main:], one[:, plan.n_main:]) < 1e-5  # fp32 partials summed in another order
+  mp = F.padded_rows(m, plan.main)
+  xq_p, xs_t = F.pad_activations(xq, xs, mp)
+  ws_k = F.kernel_weight_scales(ws, n, plan.main)
+  for bad in (dataclasses.replace(plan, tail=plan.main),  # no split-K
+              dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, ws_prefetch=False))):  # other table
+    with pytest.raises(ValueError, match="split-K tail"):
+      original(xq_p, xs_t, wq, ws_k, plan=bad, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="columns"):  # a start that is not on a tile
+    F._fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=plan.main, out_dtype=jnp.float32, interpret=INTERPRET,
+                       columns=(64, 256))
 
 
 # ---------------------------------------------------------------- FFN path

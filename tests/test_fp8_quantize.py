@@ -2,6 +2,8 @@
 
 On the CPU the Triton kernels run interpreted (and the FP8 GEMM in the Mosaic GPU simulator); on a GPU compiled.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,6 +221,29 @@ def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp
     assert np.linalg.norm(np.asarray(out, np.float32) - s - d_ref) / np.linalg.norm(d_ref) < 2e-2
   # bit-equal in the simulator; compiled, the epilogue's exp-based sigmoid may flip an e4m3 code
   _same(np.asarray(fused, np.float32), np.asarray(unfused, np.float32), s)
+
+
+def test_fp8_ffn_with_the_tail_split_gate_up_matches_the_xla_path(monkeypatch):
+  """The FFN with its gate/up GEMM as the two kernels of a tail split (Dream-7B's block-step plan, here forced on a
+  tiny layer: 4 column tiles, the last 2 split-K 2): the XLA path's result, through the split's own wrapper."""
+  cfg = dataclasses.replace(CFG, d_model=256, n_heads=8)
+  q, c8 = fp8.quantize_params(init_params(cfg, jax.random.key(1), std=0.05), cfg)
+  params = unstack_layers(q)
+  lp = params["layers"][1]
+  x = jax.random.normal(jax.random.key(4), (2, 21, cfg.d_model)).astype(jnp.bfloat16)
+  main = fp8.gate_up_plan(42, 2 * cfg.mlp_hidden, cfg.d_model)[0]
+  assert not fp8.gate_up_plan(42, 2 * cfg.mlp_hidden, cfg.d_model)[1] and main.cta_tile_n == 128
+  plan = F.TailSplit(n_main=256, main=main, tail=dataclasses.replace(main, split_k=2, groups_per_step=1))
+  calls, original = [], F.fp8_matmul_tail_split
+  monkeypatch.setattr(F, "tail_split_plan", lambda m, n, k: plan)
+  monkeypatch.setattr(F, "fp8_matmul_tail_split", lambda *a, **kw: (calls.append(kw["plan"]), original(*a, **kw))[1])
+  ref = fp8.ffn_residual(params, c8, lp, 1, x, backend="xla")
+  out = fp8.ffn_residual(params, c8, lp, 1, x, backend="pallas", interpret=INTERPRET)
+  assert calls == [plan]
+  d_ref = np.asarray(ref, np.float32) - np.asarray(x, np.float32)
+  d_out = np.asarray(out, np.float32) - np.asarray(x, np.float32)
+  assert float(np.abs(d_ref).max()) > 1e-2
+  assert np.linalg.norm(d_out - d_ref) / np.linalg.norm(d_ref) < 2e-2
 
 
 @pytest.mark.parametrize("splits,m,m_pad,d", [(4, 32, 64, 512), (2, 42, 64, 384), (3, 17, 128, 128)])
