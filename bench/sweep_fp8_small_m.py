@@ -9,7 +9,9 @@ GEMM's 128 units (split-K 4) one wave with short K loops; both stream e4m3 weigh
 GEMMs reach 3.8-4.1. The sweep tries finer N tiles and split-K counts that make whole waves, and (v7) the default
 tiling with 2 or 4 K groups per pipeline stage. Each row: model, GEMM,
 M, config, us_kernel (the GEMM kernel's device time per call, median of 4 weight copies in one trace), the e4m3
-weight TB/s, and whether it is the default. Also the two quantisers alone at each M.
+weight TB/s, and whether it is the default. Also the two quantisers alone at each M, and (v10) where the opt-in
+two-kernel tail split applies (`fp8_matmul.tail_split_plan`: Dream's gate/up at M <= 64) a `kind: tail_split` row
+with the device span per call of both forms.
 """
 from __future__ import annotations
 
@@ -255,7 +257,8 @@ def main() -> None:
                 rows.append(r)
                 print(r, flush=True)
             for name, (n, k) in gemms(model).items():
-                rows += gemm_rows(model, name, n, k, m, args.sweep, not args.no_grid, not args.no_overlap and not INTERPRET)
+                overlap = not args.no_overlap and not INTERPRET
+                rows += gemm_rows(model, name, n, k, m, args.sweep, not args.no_grid, overlap)
                 rows += tail_split_rows(model, name, n, k, m)
                 common.write_results(out.name, meta, rows, out.parent)
     path = common.write_results(out.name, meta, rows, out.parent)
