@@ -56,7 +56,7 @@ VARIANTS = {
     "fp8_ffn_g4": "the FP8 FFN with four 128-K groups per pipeline stage where they fit (FP8_GROUPS_PER_STEP=4)",
     "fp8_ffn_xla_sum": "the FP8 FFN with XLA's split-K sum and residual add (FP8_SPLITK_RESIDUAL_KERNEL=0)",
     "fp8_ffn_overlap": "the FP8 FFN with each stage's last K group promoted in the next step (FP8_OVERLAP_STEPS=1, "
-                       "where 3 stages fit; v10: 1.05-3.6x slower per GEMM)",
+                       "where 3 stages fit; v10: 1.02-3.6x slower per GEMM)",
     "fp8_ffn_two_slots": "the FP8 FFN without v10's one-slot epilogue for split-K at M = 65-256 (FP8_ONE_SLOT=0: "
                          "one K group per stage on 4 stages there, the v9 default)",
     "fp8_ffn_tail_split": "the FP8 FFN with the gate/up GEMM's last partial wave as a split-K second kernel where "

@@ -6,7 +6,7 @@ registers of an in-flight wgmma untouched, and says so in a "Potential Performan
 
 Each config is compiled in its own process with MOSAIC_GPU_DUMP_PTXAS=1 (Mosaic GPU prints ptxas's verbose output),
 run once, and the lines about registers, spills and wgmma are kept in <out>/<name>.txt, the whole output beside it.
-Used in v10 (bench/NOTES.md) to ask why overlap_steps, bit-identical to the default order, ran 1.05-3.6x slower.
+Used in v10 (bench/NOTES.md) to ask why overlap_steps, bit-identical to the default order, ran 1.02-3.6x slower.
 """
 from __future__ import annotations
 

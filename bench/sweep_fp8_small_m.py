@@ -85,7 +85,7 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
     if default.out_slots == 1:
         add(dataclasses.replace(default, out_slots=2, epi_tile_n=64, groups_per_step=1))
     # each stage's last K group promoted in the next step, where 3 stages fit (one is lost to the late release);
-    # run v10a: 1.05-3.6x slower, ptxas serialises the wgmmas (bench/NOTES.md v10)
+    # run v10a: 1.02-3.6x slower, ptxas serialises the wgmmas (bench/NOTES.md v10)
     for cfg in list(out) if overlap else []:
         acc = F.model_epilogue_dtype(cfg)
         if cfg.max_concurrent_steps >= 3 and F.stages_that_fit(cfg, acc) >= 3:

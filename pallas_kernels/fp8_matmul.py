@@ -331,7 +331,7 @@ def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConf
 
 # overlap_steps on the default configs (where 3 stages fit: one is given up to the late release): OFF, because it
 # loses everywhere. Built in v9; run v10a on the H200 (fp8_small_m_h200.json): bit-identical to the default order at
-# 10 shapes, but 1.05-1.14x slower at M = 32 and 1.35-3.6x slower from M = 256 (LLaDA gate/up M = 4096,
+# 10 shapes, but 1.02-1.09x slower at M = 32 and 1.37-3.57x slower from M = 256 (LLaDA gate/up M = 4096,
 # unclustered: 2090 vs 649 us with two groups per stage, 1028 vs 715 with one): ptxas serialises its wgmmas
 # (bench/results/ptxas_fp8_h200.json); see bench/NOTES.md v10. FP8_OVERLAP_STEPS=1 turns it on
 # (benchmarks compare in one process by setting this attribute).
