@@ -187,8 +187,8 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
     else:
         # the last wave's tiles as a split-K second kernel where that is on (TAIL_SPLIT; at the real shapes only
         # Dream-7B's gate/up at block-step M)
-        plan = tail_split_plan(m, f2, d) if gate_up is None else None
-        if plan is not None and plan.main == cfg_gu:
+        plan = tail_split_plan(m, f2, d) if gate_up is None else None  # its main tiling is cfg_gu's default
+        if plan is not None:
             gu = fp8_matmul_tail_split(xq, xs_t, mlp_fp8["w_gu"], ws_gu, plan=plan, out_dtype=jnp.bfloat16,
                                        interpret=interpret)
         else:

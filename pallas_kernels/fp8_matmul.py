@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gpu_info import num_sms
+from pallas_kernels.gpu_info import H200_SMS, num_sms
 
 E4M3_MAX = 448.0
 GROUP = 128  # K group of the activation scales and both dims of the weight blocks
@@ -241,7 +241,7 @@ class Fp8MatmulConfig:
 
 # The SM count the default tilings are sized for: the H200's, wherever the kernel is lowered (the same tiling on
 # every machine, so CPU lowering checks see what the GPU runs).
-TUNED_SMS = 132
+TUNED_SMS = H200_SMS
 
 
 def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
@@ -867,7 +867,7 @@ def tail_split_plan(m: int, n: int, k: int, force: bool = False) -> TailSplit | 
   if cfg.split_k > 1 or cfg.cluster_dimension is not None or cfg.overlap_steps or n % cfg.cta_tile_n:
     return None
   m_tiles, n_tiles = -(-m // cfg.cta_tile_m), n // cfg.cta_tile_n
-  waves = m_tiles * n_tiles // sms
+  waves = _units(m, n, cfg) // sms
   main_tiles = waves * sms // m_tiles  # whole columns of tiles that fit the whole waves
   tail_tiles = n_tiles - main_tiles
   if waves < 1 or not tail_tiles or m_tiles * tail_tiles > sms // 2:
@@ -924,13 +924,12 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
     raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
   mp = padded_rows(m, cfg)
   xq_p, xs_t = pad_activations(xq, xs, mp)
+  ws_k = kernel_weight_scales(ws, n, cfg)
   plan = tail_split_plan(m, n, k, force=True) if tail_split and config is None else None
   if plan is not None:
-    y = fp8_matmul_tail_split(xq_p, xs_t, wq, kernel_weight_scales(ws, n, cfg), plan=plan, out_dtype=out_dtype,
-                              interpret=interpret)
+    y = fp8_matmul_tail_split(xq_p, xs_t, wq, ws_k, plan=plan, out_dtype=out_dtype, interpret=interpret)
     return y[:m] if mp != m else y
-  y = fp8_matmul_padded(xq_p, xs_t, wq, kernel_weight_scales(ws, n, cfg), cfg=cfg, out_dtype=out_dtype,
-                        interpret=interpret)
+  y = fp8_matmul_padded(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
   if cfg.split_k > 1:
     y = y.sum(axis=0).astype(out_dtype)
   return y[:m] if mp != m else y

@@ -18,8 +18,11 @@ def num_sms() -> int:
     return 4
 
 
+H200_SMS = 132  # streaming multiprocessors of one H200
+
+
 def abstract_h200_mesh() -> jax.sharding.AbstractMesh:
   """An abstract mesh of one H200 (132 SMs): `with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):` lowers
   Mosaic GPU kernels for CUDA on a machine without a GPU (the CPU tests' lowering checks, bench/dump_fp8_mlir.py)."""
-  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=H200_SMS, platform="gpu")
   return jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)

@@ -218,11 +218,22 @@ def test_overlapped_steps_equal_the_default_order_on_gpu(m, n, k):
   assert _rel(y1, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < 1e-2
 
 
-def _lower_for_cuda(m, n, k, cfg):
+def _lower_for_cuda(m, n, k, cfg=None):
+  """fp8_matmul's module for CUDA (an abstract H200 mesh) at [m, k] x [n, k], as text; cfg None: the default."""
   args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
           jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32))
   with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
     return F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _lower_padded_for_cuda(fn, mp, n, k, wsc):
+  """fn(xq_p, xs_t, wq, ws_k) lowered for CUDA on the kernel's padded operand layouts (Mp rows, a weight-scale
+  table of wsc columns per entry), as text."""
+  kg = k // 128
+  args = (jax.ShapeDtypeStruct((mp, k), F.FP8), jax.ShapeDtypeStruct((kg, mp), jnp.float32),
+          jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((kg, n // wsc), jnp.float32))
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("m,n,k", OVERLAP_SHAPES[::3])
@@ -261,12 +272,8 @@ def test_overlapped_swiglu_epilogue_lowers_for_cuda():
   cfg = dataclasses.replace(F.default_config(32, 24576, 4096), overlap_steps=True, max_concurrent_steps=4,
                             groups_per_step=1)
   assert F.swiglu_fusable(cfg)
-  mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
-  args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
-          jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
-  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+  _lower_padded_for_cuda(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg), F.padded_rows(32, cfg),
+                         24576, 4096, F.ws_cols(cfg))
 
 
 def test_overlapped_steps_refused_by_the_simulator():
@@ -328,11 +335,7 @@ def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups):
 @pytest.mark.parametrize("m,n,k", [(32, 12288, 4096), (256, 4096, 12288), (256, 3584, 18944), (4096, 4096, 12288),
                                    (1000, 18944, 3584)])
 def test_cuda_lowering_under_abstract_gpu_mesh(m, n, k):
-  args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
-          jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    lowered = F.fp8_matmul.trace(*args).lower(lowering_platforms=("cuda",))
-  txt = lowered.as_text()
+  txt = _lower_for_cuda(m, n, k)
   assert "mosaic_gpu" in txt
   assert f"tensor<{m}x{n}xbf16>" in txt
 
@@ -343,10 +346,7 @@ def test_clustered_configs_lower_for_cuda_at_real_shapes(cluster):
   M = 4096 and its 2-group default) as a cluster launch; shapes the cluster does not tile are refused clearly."""
   cfg = dataclasses.replace(F.default_config(4096, 24576, 4096), cluster_dimension=cluster)
   for n, k in ((24576, 4096), (4096, 12288)):
-    args = (jax.ShapeDtypeStruct((4096, k), F.FP8), jax.ShapeDtypeStruct((4096, k // 128), jnp.float32),
-            jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-    with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-      txt = F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    txt = _lower_for_cuda(4096, n, k, cfg)
     assert "mosaic_gpu" in txt and "cluster_dim_blocks" in txt  # the kernel is launched as clusters
   assert F.padded_rows(300, cfg) == (512 if cluster == D.M else 384)
   xq, wq = jnp.zeros((128, 256), F.FP8), jnp.zeros((128, 256), F.FP8)
@@ -394,10 +394,7 @@ def test_one_epilogue_slot_frees_a_stage():
   assert cfg.split_k == 2 and F.stages_that_fit(cfg, jnp.float32) == 2 and F.stages_that_fit(one, jnp.float32) == 3
   with pytest.raises(ValueError, match="out_slots"):
     C(out_slots=3)
-  args = (jax.ShapeDtypeStruct((256, 12288), F.FP8), jax.ShapeDtypeStruct((256, 96), jnp.float32),
-          jax.ShapeDtypeStruct((4096, 12288), F.FP8), jax.ShapeDtypeStruct((32, 96), jnp.float32))
-  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    F.fp8_matmul.trace(*args, config=one).lower(lowering_platforms=("cuda",))
+  _lower_for_cuda(256, 4096, 12288, one)
 
 
 def test_stages_that_do_not_fit_are_refused_before_lowering():
@@ -438,10 +435,7 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
       # two-CTA clusters along N where compute bound (M >= 1024), never at block-step sizes
       assert cfg.cluster_dimension == (D.N if m >= 1024 else None), (m, n, k, cfg)
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
-      args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
-              jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
-      with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-        F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
+      _lower_for_cuda(m, n, k, cfg)
   assert F.default_config(32, 3584, 18944).groups_per_step == 1  # 148 groups / split-K 4: odd
   # ... and only with >= 4 waves of CTA tiles: not for the down GEMMs at M = 1024 (< 2 waves), yes for gate/up
   assert F.default_config(1024, 4096, 12288).cluster_dimension is None
@@ -450,12 +444,9 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
   # the fused SwiGLU epilogue at LLaDA's block-step tiling (the only default that allows it) lowers too
   cfg = F.default_config(32, 24576, 4096)
   assert F.swiglu_fusable(cfg)
-  mp, wsc = F.padded_rows(32, cfg), F.ws_cols(cfg)
-  args = (jax.ShapeDtypeStruct((mp, 4096), F.FP8), jax.ShapeDtypeStruct((32, mp), jnp.float32),
-          jax.ShapeDtypeStruct((24576, 4096), F.FP8), jax.ShapeDtypeStruct((32, 24576 // wsc), jnp.float32))
-  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    txt = jax.jit(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+  mp = F.padded_rows(32, cfg)
+  txt = _lower_padded_for_cuda(lambda a, b, c, d: F.fp8_gate_up_swiglu(a, b, c, d, cfg=cfg), mp, 24576, 4096,
+                               F.ws_cols(cfg))
   assert "mosaic_gpu" in txt and f"tensor<{mp}x12288xf8E4M3FN>" in txt
 
 
@@ -477,12 +468,9 @@ def test_tail_split_plan_at_the_real_shapes(monkeypatch):
   monkeypatch.setattr(F, "TAIL_SPLIT", True)
   assert F.tail_split_plan(32, 37888, 3584) == plan
   # both kernels lower for CUDA at the real shape, with the main part's and the tail's outputs
-  mp, wsc = F.padded_rows(32, plan.main), F.ws_cols(plan.main)
-  args = (jax.ShapeDtypeStruct((mp, 3584), F.FP8), jax.ShapeDtypeStruct((28, mp), jnp.float32),
-          jax.ShapeDtypeStruct((37888, 3584), F.FP8), jax.ShapeDtypeStruct((28, 37888 // wsc), jnp.float32))
-  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    txt = jax.jit(lambda a, b, c, d: F.fp8_matmul_tail_split(a, b, c, d, plan=plan)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+  mp = F.padded_rows(32, plan.main)
+  txt = _lower_padded_for_cuda(lambda a, b, c, d: F.fp8_matmul_tail_split(a, b, c, d, plan=plan), mp, 37888, 3584,
+                               F.ws_cols(plan.main))
   assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 2, re.findall(r"custom_call @\w+", txt)
   assert f"tensor<{mp}x33792xbf16>" in txt and f"tensor<4x{mp}x4096xf32>" in txt
 
