@@ -10,8 +10,9 @@ the first layer's FFN in bf16). Weights are quantised once (conversion `--fp8-ff
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,28 @@ def gate_up_plan(m: int, f2: int, d: int):
     return cfg, FUSE_SWIGLU and swiglu_fusable(cfg)
 
 
+class FfnPlan(NamedTuple):
+    """The kernels of one FP8 FFN at one M (hashable: the static key of `_fp8_ffn_kernels`)."""
+    gate_up: Any  # Fp8MatmulConfig of the gate/up GEMM
+    fused: bool  # SwiGLU + quantise in the gate/up GEMM's epilogue
+    tail: Any  # TailSplit of the gate/up GEMM, or None
+    down: Any  # Fp8MatmulConfig of the down GEMM
+    splitk_residual_kernel: bool  # the down GEMM's split-K partials summed into the residual by one kernel
+
+
+def ffn_plan(m: int, f2: int, d: int, gate_up: tuple | None = None) -> FfnPlan:
+    """Every tiling choice of the FFN for m rows, made here, outside the jitted kernels, so the module switches
+    (FUSE_SWIGLU, TAIL_SPLIT, GROUPS_PER_STEP, ...) are read when the model is traced and a benchmark that flips
+    one between traces gets a new program, never a cached trace of the old one."""
+    from pallas_kernels.fp8_matmul import default_config, tail_split_plan
+
+    cfg_gu, fused = gate_up or gate_up_plan(m, f2, d)
+    # the last wave's tiles as a split-K second kernel where that is on (TAIL_SPLIT; at the real shapes only
+    # Dream-7B's gate/up at block-step M); its main tiling is cfg_gu's default
+    tail = tail_split_plan(m, f2, d) if gate_up is None and not fused else None
+    return FfnPlan(cfg_gu, fused, tail, default_config(m, d, f2 // 2), SPLITK_RESIDUAL_KERNEL)
+
+
 def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dict, interpret: bool = False,
                    residual: jax.Array | None = None, gate_up: tuple | None = None) -> jax.Array:
     """The FFN half of a layer on the GPU kernels: s + down(swiglu(gate_up(rmsnorm(s)))), s = x (+ residual),
@@ -167,37 +190,42 @@ def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dic
     quantise; with TAIL_SPLIT on, where it applies, that GEMM is two kernels and XLA's sum and concatenation), the
     down FP8 GEMM, and the split-K sum + residual add (Triton; XLA's add without split-K). Same numerics as the XLA
     path up to the order of fp32 sums (the RMSNorm statistic, split-K partials). gate_up: a (config, fused) plan
-    instead of `gate_up_plan` (tests)."""
-    from pallas_kernels.fp8_matmul import (default_config, fp8_gate_up_swiglu, fp8_matmul_padded,
-                                           fp8_matmul_tail_split, padded_rows, tail_split_plan)
+    instead of `gate_up_plan` (tests).
+
+    The kernels run inside one jitted function keyed by the plan, so the layers of a model (same shapes, same
+    plan) share one traced body: jax lowers each kernel once per program instead of once per layer. Lowered per
+    layer, the 31 FP8 layers of LLaDA-8B made a generate program's first compile take 126 s on the H200 against
+    7.6 s in bf16 (bench/NOTES.md v11)."""
+    m, d = x.shape
+    plan = ffn_plan(m, mlp_fp8["w_gu"].shape[0], d, gate_up)
+    return _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, eps=float(eps), interpret=interpret, plan=plan)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "plan"))
+def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret, plan: FfnPlan):
+    from pallas_kernels.fp8_matmul import fp8_gate_up_swiglu, fp8_matmul_padded, fp8_matmul_tail_split, padded_rows
     from pallas_kernels.fp8_quantize import rmsnorm_quantize, splitk_residual_add, swiglu_quantize_t
 
     m, d = x.shape
-    f2 = mlp_fp8["w_gu"].shape[0]
-    cfg_gu, fused = gate_up or gate_up_plan(m, f2, d)
-    cfg_dn = default_config(m, d, f2 // 2)
-    mp = padded_rows(m, cfg_gu, cfg_dn)
+    mp = padded_rows(m, plan.gate_up, plan.down)
     if residual is None:
         xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
     else:
         xq, xs_t, x = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, residual=residual, interpret=interpret)
-    ws_gu = _kernel_scales(mlp_fp8, "s_gu", cfg_gu)
-    if fused:
-        aq, as_t = fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, interpret=interpret)
+    ws_gu = _kernel_scales(mlp_fp8, "s_gu", plan.gate_up)
+    if plan.fused:
+        aq, as_t = fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, interpret=interpret)
     else:
-        # the last wave's tiles as a split-K second kernel where that is on (TAIL_SPLIT; at the real shapes only
-        # Dream-7B's gate/up at block-step M)
-        plan = tail_split_plan(m, f2, d) if gate_up is None else None  # its main tiling is cfg_gu's default
-        if plan is not None:
-            gu = fp8_matmul_tail_split(xq, xs_t, mlp_fp8["w_gu"], ws_gu, plan=plan, out_dtype=jnp.bfloat16,
+        if plan.tail is not None:
+            gu = fp8_matmul_tail_split(xq, xs_t, mlp_fp8["w_gu"], ws_gu, plan=plan.tail, out_dtype=jnp.bfloat16,
                                        interpret=interpret)
         else:
-            gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=cfg_gu, out_dtype=jnp.bfloat16,
+            gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, out_dtype=jnp.bfloat16,
                                    interpret=interpret)
         aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
-    y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", cfg_dn), cfg=cfg_dn,
+    y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", plan.down), cfg=plan.down,
                           out_dtype=x.dtype, interpret=interpret)
-    if y.ndim == 3 and SPLITK_RESIDUAL_KERNEL:  # split-K partials: summed and added in one kernel
+    if y.ndim == 3 and plan.splitk_residual_kernel:  # split-K partials: summed and added in one kernel
         return splitk_residual_add(y, x, interpret=interpret)
     if y.ndim == 3:
         y = y.sum(axis=0)
