@@ -269,3 +269,39 @@ def test_dump_fp8_mlir_shows_contractible_promotion(tmp_path):
     arith = [line for line in lowered.splitlines() if "arith.mulf" in line or "arith.addf" in line]
     assert arith and all("fastmath<contract>" in line for line in arith)
     assert "mosaic_gpu.broadcast_in_dim" in (tmp_path / "layouts.mlir").read_text()
+
+
+def test_probe_fp8_harness_rows_and_tilings(monkeypatch, tmp_path):
+    """The harness probe times every operand recipe under every harness (6 rows), and --tilings the default beside
+    distinct valid neighbours, each checked against the reference; both write their JSON. The timers and the
+    kernel are stubbed (the simulator would run each tiling 24 times)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_fp8_matmul
+    import probe_fp8_harness as probe
+    import sweep_fp8_small_m
+    from pallas_kernels import fp8_matmul as F
+
+    seen = []
+    monkeypatch.setattr(bench_fp8_matmul, "timeit", lambda fn, args, device=False, **kw: (seen.append(len(args)),
+                        (1.0, 2.0, 3.0))[1])
+    monkeypatch.setattr(sweep_fp8_small_m, "device_us", lambda fn, args, name: (seen.append(len(args)), 4.0)[1])
+    rows = probe.probe(256, 512, 256)
+    assert {(r["operands"], r["harness"]) for r in rows} == {
+        (o, h) for o in ("table_operands", "sweep_operands")
+        for h in ("separate_calls_padded", "one_program_wrapper", "one_program_padded")}
+    assert seen == [4] * 6 and sorted(r["kernel_us"] for r in rows) == [3.0] * 4 + [4.0] * 2
+
+    variants = probe.tiling_variants(256, 24576, 4096)
+    assert variants["default"] == F.default_config(256, 24576, 4096)
+    assert len(set(variants.values())) == len(variants) and "cta_along_n" in variants
+    # the kernel on its padded layouts, replaced by the reference on the same operands
+    monkeypatch.setattr(F, "kernel_weight_scales", lambda ws, n, cfg: ws)
+    calls = []
+    monkeypatch.setattr(F, "fp8_matmul_padded", lambda xq_p, xs_t, wq, ws, cfg, **kw: (
+        calls.append(cfg), F.fp8_matmul_reference(xq_p, xs_t.T, wq, ws))[1])
+    out = tmp_path / "tilings.json"
+    _run("probe_fp8_harness", "--shape", "256x512x256", "--tilings", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(probe.tiling_variants(256, 512, 256))
+    assert all(r["rel_err"] < 1e-2 and r["kernel_us"] == 3.0 for r in rows), rows
+    assert len(set(calls)) == len(rows)  # each tiling ran (once for rel_err, once per timed set)
