@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def dump(m: int, n: int, k: int, cfg: F.Fp8MatmulConfig | None = None) -> dict[s
     jax.clear_caches()  # a lowering cached by an earlier call would not run the hook
     try:
         with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-            F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",))
+            jax.jit(functools.partial(F.fp8_matmul, config=cfg)).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         mgpu_core.dialect_lowering.lower_mgpu_dialect = lower_dialect
     if set(texts) != {"layouts", "lowered"}:

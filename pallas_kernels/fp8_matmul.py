@@ -841,9 +841,11 @@ def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: 
 # the whole waves as they are, then the last wave's tiles split along K into enough short units for the GPU
 # (32 tiles x split-K 4 = 128 units of a quarter of the K loop), their fp32 partials summed by XLA. Prediction from
 # the per-SM streaming rate (~37 GB/s, bench/NOTES.md v6): Dream gate/up at M = 32 from ~45 us to ~34-38 (sum and
-# concatenation included). Block-step M only (<= 64: weight streaming, where waves decide; above, untimed). OFF by
-# default until timed on the GPU: FP8_TAIL_SPLIT=1 (or this attribute, read when the FFN is traced) for the FFN
-# path; the standalone `fp8_matmul` runs it only when asked (tail_split=True).
+# concatenation included). Block-step M only (<= 64: weight streaming, where waves decide). Timed on the H200
+# (fp8_small_m_h200.json run v11a): SLOWER, 48.0 vs 43.7 us busy per call: the whole waves are HBM bound, so only the
+# last wave's ~13 us could shrink and the extra kernels cost more (bench/NOTES.md v11). OFF: FP8_TAIL_SPLIT=1 (or
+# this attribute, read when the FFN is traced) for the FFN path; the standalone `fp8_matmul` runs it only when asked
+# (tail_split=True).
 TAIL_SPLIT = os.environ.get("FP8_TAIL_SPLIT", "0") == "1"
 
 
@@ -899,7 +901,6 @@ def fp8_matmul_tail_split(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k:
   return jnp.concatenate([y_main.astype(out_dtype), y_tail.sum(axis=0).astype(out_dtype)], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "backend", "interpret", "config", "tail_split"))
 def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas",
                interpret: Any = False, config: Fp8MatmulConfig | None = None, tail_split: bool = False):
   """y = dequant(xq, xs) @ dequant(wq, ws).T  -> [M, N] out_dtype.
@@ -907,25 +908,36 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
   xq [M, K] e4m3, xs [M, K//128] f32, wq [N, K] e4m3, ws [ceil(N/128), K//128] f32.
   backend "xla": reference numerics anywhere; "pallas": Mosaic GPU kernel
   (N must be a multiple of the cluster N tile -- 128 with the default configs). tail_split (with config None):
-  the two-kernel `tail_split_plan` where it applies (opt-in; a static argument, so no module switch is baked
-  into a cached program).
+  the two-kernel `tail_split_plan` where it applies (opt-in; slower where timed, bench/NOTES.md v11).
+
+  The tiling (config None: `default_config`, which reads this module's switches) is chosen here, outside the
+  jitted body it keys, so flipping a switch between calls gives a new program, never a cached one.
   """
   m, n, k = _check_operands(xq, xs, wq, ws)
-  if backend == "xla":
-    return fp8_matmul_reference(xq, xs, wq, ws, out_dtype)
-  if backend != "pallas":
+  if backend not in ("pallas", "xla"):
     raise ValueError(f"fp8_matmul: backend must be 'pallas' or 'xla', got {backend!r}")
-  cfg = config or default_config(m, n, k)
-  if n % cfg.cluster_tile_n:
-    raise ValueError(
-        f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cluster_tile_n} (wq {wq.shape}); "
-        "use backend='xla' for ragged N")
-  if (k // GROUP) % cfg.split_k:
-    raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
+  cfg = plan = None
+  if backend == "pallas":
+    cfg = config or default_config(m, n, k)
+    if n % cfg.cluster_tile_n:
+      raise ValueError(
+          f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cluster_tile_n} (wq {wq.shape}); "
+          "use backend='xla' for ragged N")
+    if (k // GROUP) % cfg.split_k:
+      raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
+    plan = tail_split_plan(m, n, k, force=True) if tail_split and config is None else None
+  return _fp8_matmul_jit(xq, xs, wq, ws, out_dtype=out_dtype, interpret=interpret, cfg=cfg, plan=plan)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "cfg", "plan"))
+def _fp8_matmul_jit(xq, xs, wq, ws, *, out_dtype, interpret, cfg: Fp8MatmulConfig | None, plan: TailSplit | None):
+  """fp8_matmul's program: the reference (cfg None) or the kernel on the given tiling."""
+  if cfg is None:
+    return fp8_matmul_reference(xq, xs, wq, ws, out_dtype)
+  m, n, _ = _check_operands(xq, xs, wq, ws)
   mp = padded_rows(m, cfg)
   xq_p, xs_t = pad_activations(xq, xs, mp)
   ws_k = kernel_weight_scales(ws, n, cfg)
-  plan = tail_split_plan(m, n, k, force=True) if tail_split and config is None else None
   if plan is not None:
     y = fp8_matmul_tail_split(xq_p, xs_t, wq, ws_k, plan=plan, out_dtype=out_dtype, interpret=interpret)
     return y[:m] if mp != m else y

@@ -4,6 +4,7 @@ On the CPU the Mosaic GPU kernel runs in jax's GPU simulator (interpret mode)
 and is lowered for CUDA under an abstract GPU mesh; on a GPU it is compiled.
 """
 import dataclasses
+import functools
 import re
 import sys
 from pathlib import Path
@@ -223,7 +224,7 @@ def _lower_for_cuda(m, n, k, cfg=None):
   args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
           jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32))
   with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    return F.fp8_matmul.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(functools.partial(F.fp8_matmul, config=cfg)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _lower_padded_for_cuda(fn, mp, n, k, wsc):
@@ -475,6 +476,28 @@ def test_tail_split_plan_at_the_real_shapes(monkeypatch):
   assert f"tensor<{mp}x33792xbf16>" in txt and f"tensor<4x{mp}x4096xf32>" in txt
 
 
+def test_default_tiling_follows_a_switch_flipped_between_calls(monkeypatch):
+  """fp8_matmul(config=None) picks its tiling outside the jitted program it keys: a module switch flipped between
+  two traced calls of the same shapes runs the new tiling (a choice made inside fp8_matmul's own trace stayed baked
+  into its cached trace: the second caller got the first tiling)."""
+  m, n, k = 5, 512, 256
+  x, w = _data(m, n, k, seed=3)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  ran, original = [], F.fp8_matmul_padded
+  monkeypatch.setattr(F, "fp8_matmul_padded", lambda *a, cfg, **kw: (ran.append(cfg), original(*a, cfg=cfg, **kw))[1])
+  # each call traced inside a new caller, as a benchmark's timed program or a model calls it
+  trace = lambda: jax.make_jaxpr(lambda *a: F.fp8_matmul(*a, out_dtype=jnp.float32, interpret=INTERPRET))(
+      xq, xs, wq, ws)
+  trace()
+  monkeypatch.setattr(F, "GROUPS_PER_STEP", 1)
+  trace()
+  assert [c.groups_per_step for c in ran] == [2, 1], ran
+  one_group = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET)
+  assert ran[-1].groups_per_step == 1
+  assert _rel(one_group, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < 1e-5
+
+
 def test_tail_split_matches_the_reference(monkeypatch):
   """fp8_matmul(tail_split=True) runs the two kernels (on the CPU with the simulator's 4 SMs: 10 tiles = 2 waves + 2,
   the 2 split-K 2; on a GPU at Dream's shape): the reference's values, and the main columns bit-equal to the
@@ -490,12 +513,12 @@ def test_tail_split_matches_the_reference(monkeypatch):
   xq, xs = F.quantize_activations(x)
   wq, ws = F.quantize_weights(w)
   ref = F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
-  F.fp8_matmul.clear_cache()  # the plan is read while tracing: no program cached under another TUNED_SMS
+  F._fp8_matmul_jit.clear_cache()  # the spy sees a fresh trace, not a program another test cached
   try:
     split = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET, tail_split=True)
     one = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET, config=plan.main)
   finally:
-    F.fp8_matmul.clear_cache()
+    F._fp8_matmul_jit.clear_cache()
   assert calls == [plan]
   assert split.shape == (m, n) and _rel(split, ref) < (5e-4 if ON_GPU else 1e-5)
   np.testing.assert_array_equal(np.asarray(split[:, :plan.n_main]), np.asarray(one[:, :plan.n_main]))
