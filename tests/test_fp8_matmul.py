@@ -495,7 +495,7 @@ def test_default_tiling_follows_a_switch_flipped_between_calls(monkeypatch):
   assert [c.groups_per_step for c in ran] == [2, 1], ran
   one_group = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET)
   assert ran[-1].groups_per_step == 1
-  assert _rel(one_group, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < 1e-5
+  assert _rel(one_group, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < (5e-4 if ON_GPU else 1e-5)
 
 
 def test_tail_split_matches_the_reference(monkeypatch):
