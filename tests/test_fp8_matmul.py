@@ -224,7 +224,8 @@ def _lower_for_cuda(m, n, k, cfg=None):
   args = (jax.ShapeDtypeStruct((m, k), F.FP8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
           jax.ShapeDtypeStruct((n, k), F.FP8), jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32))
   with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    return jax.jit(functools.partial(F.fp8_matmul, config=cfg)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    traced = jax.jit(functools.partial(F.fp8_matmul, config=cfg)).trace(*args)
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _lower_padded_for_cuda(fn, mp, n, k, wsc):
