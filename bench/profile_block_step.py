@@ -60,7 +60,8 @@ VARIANTS = {
     "fp8_ffn_two_slots": "the FP8 FFN without v10's one-slot epilogue for split-K at M = 65-256 (FP8_ONE_SLOT=0: "
                          "one K group per stage on 4 stages there, the v9 default)",
     "fp8_ffn_tail_split": "the FP8 FFN with the gate/up GEMM's last partial wave as a split-K second kernel where "
-                          "that applies (FP8_TAIL_SPLIT=1: Dream-7B at block-step M; v10, untimed)",
+                          "that applies (FP8_TAIL_SPLIT=1: Dream-7B at block-step M; v11: slower per GEMM, "
+                          "48.0 vs 43.7 us)",
     "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
                               "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",

@@ -59,7 +59,7 @@ class GenerationConfig:
     attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
     # "pallas": FFN GEMMs of short windows (batch x window <= 64 tokens: block steps at batch 1-2) with the
     # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).
-    ffn_backend: Literal["xla", "pallas", "mgpu"] = "xla"  # "mgpu": the Mosaic GPU kernel (bf16, untimed)
+    ffn_backend: Literal["xla", "pallas", "mgpu"] = "xla"  # "mgpu": the Mosaic GPU kernel (bf16; slower, NOTES v3)
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable

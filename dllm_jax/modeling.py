@@ -197,7 +197,8 @@ def forward(
     ffn_backend: "pallas" runs the FFN's three GEMMs with the weight-streaming kernel
     (`pallas_kernels/skinny_matmul.py`, which indexes the stacked weights itself) when the window has few tokens
     (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. "mgpu": the same with the
-    Mosaic GPU kernel (`pallas_kernels/stream_matmul_mgpu.py`; bf16 only; not yet timed). Interpreted off the GPU.
+    Mosaic GPU kernel (`pallas_kernels/stream_matmul_mgpu.py`; bf16 only; 1.1-1.5 TB/s, slower than XLA once
+    unrolled: bench/NOTES.md v3). Interpreted off the GPU.
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """

@@ -940,10 +940,10 @@ def _fp8_matmul_jit(xq, xs, wq, ws, *, out_dtype, interpret, cfg: Fp8MatmulConfi
   ws_k = kernel_weight_scales(ws, n, cfg)
   if plan is not None:
     y = fp8_matmul_tail_split(xq_p, xs_t, wq, ws_k, plan=plan, out_dtype=out_dtype, interpret=interpret)
-    return y[:m] if mp != m else y
-  y = fp8_matmul_padded(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
-  if cfg.split_k > 1:
-    y = y.sum(axis=0).astype(out_dtype)
+  else:
+    y = fp8_matmul_padded(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
+    if cfg.split_k > 1:
+      y = y.sum(axis=0).astype(out_dtype)
   return y[:m] if mp != m else y
 
 
