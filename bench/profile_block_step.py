@@ -64,6 +64,9 @@ VARIANTS = {
                           "48.0 vs 43.7 us)",
     "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
                               "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
+    "xla_norm_rope": "residual adds, RMSNorms, RoPE and the K/V cache writes as XLA ops (norm_rope_backend='xla': "
+                     "the default before v12) instead of the fused kernels of dllm_jax/fused_layers.py",
+    "fp8_ffn_xla_norm_rope": "the FP8 FFN variant with norm_rope_backend='xla' (v12's change, measured on it)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -107,11 +110,14 @@ def variant(name: str):
     from dllm_jax import fp8
     from pallas_kernels import fp8_matmul
 
+    from dllm_jax import fused_layers
+
     patches = []
     if name == "no_attention":
-        patches.append((modeling, "attend", _fake_attend))
-    elif name == "no_ffn":
-        patches.append((Block, "finish", lambda self, x, attn: self.attn_residual(x, attn)))
+        patches += [(modeling, "attend", _fake_attend), (fused_layers, "attend", _fake_attend)]
+    elif name == "no_ffn":  # the fused loop's FFN output is then a zero delta (its add stays in the next norm)
+        patches += [(Block, "finish", lambda self, x, attn: self.attn_residual(x, attn)),
+                    (Block, "ffn", lambda self, h: jnp.zeros_like(h))]
     elif name == "fp8_ffn_v5":
         patches.append((fp8, "fp8_ffn_pallas", _v5_ffn))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
@@ -122,9 +128,17 @@ def variant(name: str):
         yield
 
 
+def default_norm_rope(model_cfg, params) -> str:
+    """The norm/RoPE kernels generate's auto choice picks for these params (the engine's default)."""
+    from dllm_jax.generate import GenerationConfig, resolve_norm_rope_backend
+
+    return resolve_norm_rope_backend(GenerationConfig(), model_cfg, params)
+
+
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,
-              stacked_cache: bool = False, long_loop: dict | None = None) -> float:
+              stacked_cache: bool = False, long_loop: dict | None = None, norm_rope: str | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
+    norm_rope: the norm_rope_backend (None: the engine's default for these params, `default_norm_rope`).
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
     long_loop: {"steps": L} to also time L and (8 + L) // 2 fused steps; filled by `loop_costs` (marginal_ms: the
     slope between the 8- and L-step loops, one more step's cost inside a jitted loop, as in generate, where the
@@ -134,7 +148,8 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
-                       0, backend, padded=False, ffn_backend=ffn_backend)
+                       0, backend, padded=False, ffn_backend=ffn_backend,
+                       norm_rope_backend=norm_rope or default_norm_rope(model_cfg, params))
     x = jnp.full((batch, t), 7, jnp.int32)
     strat = STRATEGIES["dual"]
     bs = jnp.int32(t - 2 * BLOCK)
@@ -340,11 +355,16 @@ def main() -> None:
     ap.add_argument("--long-loop", type=int, default=0, metavar="L",
                     help="also time the default step and the fp8 variants with L fused steps (L > 8): the marginal "
                     "ms per step (slope between the two loops) and the per-call overhead of a call of 8")
+    ap.add_argument("--norm-rope", choices=["auto", "xla", "pallas"], default="auto",
+                    help="norm_rope_backend of the default step and the variants (auto: the engine's choice, "
+                    "pallas on a GPU; the CPU smoke test forces pallas)")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.long_loop and args.long_loop <= FUSED:
         ap.error(f"--long-loop must be more than the {FUSED} steps of a timed call, got {args.long_loop}")
     layout = resolve_layer_layout(args.layer_layout)
+    forced = None if args.norm_rope == "auto" else args.norm_rope
+    step = functools.partial(time_step, norm_rope=forced)  # a variant's own norm_rope= overrides it
     rows = []
     for name in args.models:
         cfg = common.MODELS[name]
@@ -364,13 +384,14 @@ def main() -> None:
             timed_layout = "unrolled" if modeling.is_unrolled(params["layers"]) else "stacked"
             row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": timed_layout,
                    "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S,
-                   "ms_floor_compute": floor_compute_ms(weight_bytes, b)}
+                   "ms_floor_compute": floor_compute_ms(weight_bytes, b),
+                   "norm_rope_backend": forced or default_norm_rope(cfg, params)}
             base = args.backends[0]
             for backend in args.backends:
                 first = backend == args.backends[0]
                 tr = {} if args.trace and first else None
                 ll = {"steps": args.long_loop} if args.long_loop and first else None
-                row[f"ms_attn_{backend}"] = _try(lambda: time_step(cfg, params, b, backend, trace=tr, long_loop=ll),
+                row[f"ms_attn_{backend}"] = _try(lambda: step(cfg, params, b, backend, trace=tr, long_loop=ll),
                                                  row, backend)
                 if tr:
                     row["trace_per_step"] = tr
@@ -381,21 +402,30 @@ def main() -> None:
             ref_attn = "cudnn" if jax.default_backend() == "gpu" else "xla"
             row["xla_baseline_ms"] = (None if args.no_baseline else
                                       row["ms_block_step"] if layout == "stacked" and base == ref_attn else
-                                      _try(lambda: time_step(cfg, stacked, b, ref_attn), row, "xla_baseline"))
+                                      _try(lambda: step(cfg, stacked, b, ref_attn, norm_rope="xla"), row,
+                                           "xla_baseline"))
             for v in () if args.no_stages else ("no_attention", "no_ffn"):
                 with variant(v):
-                    row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base), row, v)
+                    row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base), row, v)
             for v in args.variants:
                 if v == "unfused" and layout == "unrolled":
-                    row["ms_unfused"] = _try(lambda: time_step(*alternative(v), b, base), row, v)
+                    row["ms_unfused"] = _try(lambda: step(*alternative(v), b, base), row, v)
                 elif v == "stacked_cache":
-                    row["ms_stacked_cache"] = _try(lambda: time_step(cfg, params, b, base, stacked_cache=True), row, v)
+                    row["ms_stacked_cache"] = _try(lambda: step(cfg, params, b, base, stacked_cache=True,
+                                                                         norm_rope="xla"), row, v)
+                elif v == "xla_norm_rope":
+                    ll0 = {"steps": args.long_loop} if args.long_loop else None
+                    row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, long_loop=ll0, norm_rope="xla"),
+                                          row, v)
+                    if ll0 and "marginal_ms" in ll0:
+                        row[f"long_loop_{v}"] = ll0
                 elif v.startswith("fp8_ffn"):
                     tr8 = {} if args.trace else None
                     ll8 = {"steps": args.long_loop} if args.long_loop else None
+                    nr = "xla" if v.endswith("_xla_norm_rope") else forced
                     with variant(v):
-                        row[f"ms_{v}"] = _try(lambda: time_step(*alternative("fp8_ffn"), b, base, trace=tr8,
-                                                                long_loop=ll8), row, v)
+                        row[f"ms_{v}"] = _try(lambda: step(*alternative("fp8_ffn"), b, base, trace=tr8,
+                                                                long_loop=ll8, norm_rope=nr), row, v)
                     if tr8:
                         row[f"trace_{v}"] = tr8
                     if ll8 and "marginal_ms" in ll8:
@@ -405,7 +435,7 @@ def main() -> None:
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
-                    row[f"ms_{v}"] = _try(lambda: time_step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
+                    row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
             timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k.removeprefix("ms_") in VARIANTS)
                      and x]
             row["ms_best_variant"] = min(timed) if timed else None

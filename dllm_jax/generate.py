@@ -60,6 +60,10 @@ class GenerationConfig:
     # "pallas": FFN GEMMs of short windows (batch x window <= 64 tokens: block steps at batch 1-2) with the
     # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).
     ffn_backend: Literal["xla", "pallas", "mgpu"] = "xla"  # "mgpu": the Mosaic GPU kernel (bf16; slower, NOTES v3)
+    # "pallas": residual add + RMSNorm and RoPE + K/V cache write as one kernel each (dllm_jax/fused_layers.py);
+    # auto: on a GPU for bf16 models with per-layer params (the loader's GPU layout), where it was measured faster
+    # (bench/NOTES.md v12), else the plain XLA ops
+    norm_rope_backend: Literal["auto", "xla", "pallas"] = "auto"
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
@@ -118,6 +122,8 @@ class GenerationConfig:
             bad(f"attention_backend={self.attention_backend!r}")
         if self.ffn_backend not in ("xla", "pallas", "mgpu"):
             bad(f"ffn_backend={self.ffn_backend!r}; expected xla, pallas or mgpu")
+        if self.norm_rope_backend not in ("auto", "xla", "pallas"):
+            bad(f"norm_rope_backend={self.norm_rope_backend!r}; expected auto, xla or pallas")
         if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
@@ -196,13 +202,22 @@ def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> 
     return "cudnn" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
 
 
+def resolve_norm_rope_backend(gc: GenerationConfig, config: ModelConfig, params: dict) -> str:
+    """auto: the fused kernels on a GPU for bf16 models with per-layer params (the GPU layout), else XLA."""
+    if gc.norm_rope_backend != "auto":
+        return gc.norm_rope_backend
+    gpu = jax.default_backend() == "gpu"
+    return "pallas" if gpu and config.dtype == "bfloat16" and is_unrolled(params["layers"]) else "xla"
+
+
 @functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len", "padded"))
 def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
-                       padded=padded, has_frozen=gc.affix != "none", ffn_backend=gc.ffn_backend)
+                       padded=padded, has_frozen=gc.affix != "none", ffn_backend=gc.ffn_backend,
+                       norm_rope_backend=resolve_norm_rope_backend(gc, config, params))
     if gc.affix == "naive":
         x_cache = _naive_affix_cache(params, config, inp, x, gc)
     else:

@@ -59,14 +59,21 @@ class Block(nn.Module):
 
     def qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """Rotated q [B,n,Hq,D], k [B,n,Hkv,D] and v [B,n,Hkv,D] of the block input x [B,n,d]."""
-        c = self.config
-        b, n, _ = x.shape
-        h = self.attn_norm(x)
+        return self.split_rotate(self.qkv_projection(self.attn_norm(x)), cos, sin)
+
+    def qkv_projection(self, h: Array) -> Array:
+        """The normalised input's q, k and v as one [B, n, (Hq + 2 Hkv) * D] array (q heads, k heads, v heads):
+        the fused projection's own output, or the three concatenated."""
         if self.fused:
-            wq, wk, _ = projection_widths(c)
-            q, k, v = jnp.split(self.qkv_proj(h), [wq, wq + wk], axis=-1)
-        else:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+            return self.qkv_proj(h)
+        return jnp.concatenate([self.q_proj(h), self.k_proj(h), self.v_proj(h)], axis=-1)
+
+    def split_rotate(self, qkv: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """`qkv_projection`'s output as rotated q, rotated k and v."""
+        c = self.config
+        b, n, _ = qkv.shape
+        wq, wk, _ = projection_widths(c)
+        q, k, v = jnp.split(qkv, [wq, wq + wk], axis=-1)
         q = q.reshape(b, n, c.n_heads, c.head_dim)
         k = k.reshape(b, n, c.n_kv_heads, c.head_dim)
         v = v.reshape(b, n, c.n_kv_heads, c.head_dim)
@@ -82,6 +89,10 @@ class Block(nn.Module):
 
     def ffn_in(self, x: Array) -> Array:
         return self.ffn_norm(x)
+
+    def ffn(self, h: Array) -> Array:
+        """The SwiGLU FFN of an already normalised input (no residual)."""
+        return self.mlp(h)
 
     def finish(self, x: Array, attn: Array) -> Array:
         """Residual attention output projection, then the residual SwiGLU MLP."""
@@ -185,6 +196,7 @@ def forward(
     return_kv: bool = False,
     attention_backend: Backend = "xla",
     ffn_backend: FfnBackend = "xla",
+    norm_rope_backend: NormRopeBackend = "xla",
 ) -> ForwardOutput:
     """Run the model on a window of tokens.
 
@@ -199,6 +211,9 @@ def forward(
     (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. "mgpu": the same with the
     Mosaic GPU kernel (`pallas_kernels/stream_matmul_mgpu.py`; bf16 only; 1.1-1.5 TB/s, slower than XLA once
     unrolled: bench/NOTES.md v3). Interpreted off the GPU.
+    norm_rope_backend: "pallas" runs each residual add with the RMSNorm after it as one kernel, and RoPE with the
+    K/V cache write as one kernel (`dllm_jax.fused_layers`; per-layer params and cache only; interpreted off the
+    GPU); "xla" the plain-jnp ops.
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """
@@ -207,6 +222,15 @@ def forward(
     block = Block(config, fused=is_fused(params["layers"]))
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
     x = embed(params, tokens).astype(config.jnp_dtype)
+    if norm_rope_backend not in NORM_ROPE_BACKENDS:
+        raise ValueError(f"unknown norm_rope_backend {norm_rope_backend!r}; expected one of {NORM_ROPE_BACKENDS}")
+    if norm_rope_backend == "pallas":
+        from dllm_jax.fused_layers import run_layers
+
+        x, new_cache, kv = run_layers(params, config, block, x, cos, sin, key_mask=key_mask, cache=cache,
+                                      cache_offset=cache_offset, write_mask=write_mask, return_kv=return_kv,
+                                      attention_backend=attention_backend, ffn_backend=ffn_backend)
+        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), new_cache, kv)
 
     def attend_fresh(q, k, v):
         return attend(q, k, v, key_mask, attention_backend)
@@ -409,6 +433,8 @@ def split_projections(layers: Params, config: ModelConfig) -> Params:
 
 FfnBackend = str  # "xla" | "pallas" (Triton-lowered skinny GEMM) | "mgpu" (Mosaic GPU streaming GEMM)
 FFN_BACKENDS = ("xla", "pallas", "mgpu")
+NormRopeBackend = str  # "xla" | "pallas" (dllm_jax.fused_layers)
+NORM_ROPE_BACKENDS = ("xla", "pallas")
 
 
 def use_pallas_ffn(config: ModelConfig, ffn_backend: FfnBackend, tokens: int) -> bool:

@@ -36,11 +36,13 @@ class DecodeInputs:
     padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
     has_frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))  # any frozen position?
     ffn_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas" | "mgpu"
+    norm_rope_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas"
 
     @property
     def kernels(self) -> dict:
         """The forward's kernel choices (keyword arguments of `modeling.forward`)."""
-        return dict(attention_backend=self.backend, ffn_backend=self.ffn_backend)
+        return dict(attention_backend=self.backend, ffn_backend=self.ffn_backend,
+                    norm_rope_backend=self.norm_rope_backend)
 
     def keep_mask(self, frozen: Array) -> Array | None:
         """write_mask for a window whose frozen slice is `frozen`: None (write everything) when nothing is

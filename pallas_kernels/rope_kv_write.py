@@ -1,0 +1,197 @@
+"""RoPE of q and k plus the K/V cache write, as one kernel (Pallas, Triton lowering).
+
+After a layer's fused q/k/v projection, XLA runs three kernels per layer at a cached block step: the rotation of
+q and k (one concatenate fusion) and one dynamic-update-slice each for K and V into the layer's cache buffer
+(~6 us together per LLaDA-8B layer at batch 1 on the H200, bench/NOTES.md v12). Here one kernel reads the
+projection output once, writes the rotated q, and stores the rotated k and the v of every written token straight
+into the cache buffers, which are aliased to its outputs (updated in place; nothing else of them is touched).
+
+Layout and semantics
+--------------------
+* ``qkv``      [B, n, (Hq + 2 Hkv) * D]  the fused projection output: q heads, then k heads, then v heads.
+* ``cos/sin``  [B, n, D] fp32            half-rotation layout (`dllm_jax.layers.rope_cos_sin`).
+* ``k_cache/v_cache`` [B, S, Hkv, D]     token t of row b goes to slot ``offset + t``; ``offset`` is clamped to
+  [0, S - n] as `lax.dynamic_update_slice` clamps its start.
+* ``write_mask`` [B, n] bool or None     where False the cached K/V stay as they were.
+* ``rope_fp32``: True rotates in fp32 and rounds once (LLaDA); False rounds each product and the sum to the
+  activation dtype (Dream), as `dllm_jax.layers.apply_rope` does.
+Returns (q [B, n, Hq, D] rotated, k_cache, v_cache).
+
+Grid: one program per (token, block of heads); heads are tile rows, so any head count works (rows past the last
+head are masked).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+
+def _is_pow2(x: int) -> bool:
+  return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RopeBlocks:
+  """block_h: heads per program (a power of two); num_warps: Triton warps per program."""
+  block_h: int = 16
+  num_warps: int = 4
+
+  def __post_init__(self):
+    if not _is_pow2(self.block_h) or self.block_h > 64:
+      raise ValueError(f"RopeBlocks.block_h must be a power of two <= 64, got {self.block_h!r}")
+    if not _is_pow2(self.num_warps) or self.num_warps > 16:
+      raise ValueError(f"RopeBlocks.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+
+
+def _rotate(x: jax.Array, rot: jax.Array, cos: jax.Array, sin: jax.Array, rope_fp32: bool, dtype) -> jax.Array:
+  """x * cos + rotate_half(x) * sin with `apply_rope`'s roundings; rot is rotate_half(x)."""
+  if rope_fp32:
+    return (x.astype(jnp.float32) * cos + rot.astype(jnp.float32) * sin).astype(dtype)
+  c, s = cos.astype(dtype), sin.astype(dtype)
+  a = (x.astype(jnp.float32) * c.astype(jnp.float32)).astype(dtype)
+  b = (rot.astype(jnp.float32) * s.astype(jnp.float32)).astype(dtype)
+  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, offset, write_mask=None, *, q_heads: int,
+                            kv_heads: int, rope_fp32: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Plain jnp: split, rotate q and k, keep the old K/V where write_mask is False, dynamic_update_slice."""
+  b, n, _ = qkv.shape
+  d = k_cache.shape[-1]
+  q, k, v = jnp.split(qkv, [q_heads * d, (q_heads + kv_heads) * d], axis=-1)
+  q, k, v = q.reshape(b, n, q_heads, d), k.reshape(b, n, kv_heads, d), v.reshape(b, n, kv_heads, d)
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  q = _rotate(q, _rotate_half(q), c, s, rope_fp32, qkv.dtype)
+  k = _rotate(k, _rotate_half(k), c, s, rope_fp32, qkv.dtype).astype(k_cache.dtype)
+  v = v.astype(v_cache.dtype)
+  offset = jnp.asarray(offset, jnp.int32)
+  if write_mask is not None:
+    old_k = jax.lax.dynamic_slice_in_dim(k_cache, offset, n, axis=1)
+    old_v = jax.lax.dynamic_slice_in_dim(v_cache, offset, n, axis=1)
+    wm = write_mask[:, :, None, None]
+    k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
+  k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, offset, 0, 0))
+  v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, offset, 0, 0))
+  return q, k_cache, v_cache
+
+
+def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, kc_in, vc_in, q_ref, kc_ref, vc_ref, *, n: int,
+            s_len: int, q_heads: int, kv_heads: int, d: int, block_h: int, rope_fp32: bool):
+  del kc_in, vc_in  # aliased to kc_ref / vc_ref: only the written slots change
+  token = pl.program_id(0)      # b * n + t
+  hb = pl.program_id(1)
+  row = token // n
+  t = token - row * n
+  offset = meta_ref[0]
+  heads = hb * block_h + jnp.arange(block_h, dtype=jnp.int32)[:, None]   # [block_h, 1]
+  lane = jnp.arange(d, dtype=jnp.int32)[None, :]                        # [1, D]
+  half = d // 2
+  partner = jnp.where(lane < half, lane + half, lane - half)
+  sign = jnp.where(lane < half, -1.0, 1.0)
+  total = q_heads + 2 * kv_heads
+  full = jnp.zeros((block_h, d), jnp.int32)   # index and mask arrays all get the tile's full shape
+  heads, lane, partner = heads + full, lane + full, partner + full
+  live = heads < total
+  tok = full + token
+  x = plgpu.load(qkv_ref.at[tok, heads * d + lane], mask=live, other=0.0)
+  # rotate_half(x)[j] = -x[j + D/2] for j < D/2, x[j - D/2] after: the same row read through a permuted index
+  rot = plgpu.load(qkv_ref.at[tok, heads * d + partner], mask=live, other=0.0)
+  rot = (rot.astype(jnp.float32) * sign).astype(qkv_ref.dtype)  # an exact negation
+  cos = plgpu.load(cos_ref.at[tok, lane])   # the token's row, the same for every head
+  sin = plgpu.load(sin_ref.at[tok, lane])
+  rotated = _rotate(x, rot, cos, sin, rope_fp32, qkv_ref.dtype)
+  is_q = heads < q_heads
+  is_k = (heads >= q_heads) & (heads < q_heads + kv_heads)
+  is_v = (heads >= q_heads + kv_heads) & (heads < total)
+  written = mask_ref[token] != 0
+  slot = full + (row * s_len + offset + t)
+
+  def column(first_head, ok, width):
+    # a masked lane's column goes past the row (never a negative one, which the interpreter would wrap onto
+    # a live column of the same store)
+    return jnp.where(ok, (heads - first_head) * d + lane, width)
+
+  plgpu.store(q_ref.at[tok, column(0, is_q, q_heads * d)], rotated, mask=is_q)
+  is_k, is_v = is_k & written, is_v & written
+  plgpu.store(kc_ref.at[slot, column(q_heads, is_k, kv_heads * d)], rotated.astype(kc_ref.dtype), mask=is_k)
+  plgpu.store(vc_ref.at[slot, column(q_heads + kv_heads, is_v, kv_heads * d)], x.astype(vc_ref.dtype),
+              mask=is_v)
+
+
+def _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads):
+  def shape(a):
+    return f"{a.dtype}{tuple(a.shape)}"
+
+  if k_cache.ndim != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+    raise ValueError(f"rope_kv_write: caches must be two equal [B, S, Hkv, D] arrays, got k_cache "
+                     f"{shape(k_cache)}, v_cache {shape(v_cache)}")
+  b, s_len, hkv, d = k_cache.shape
+  if hkv != kv_heads or q_heads % kv_heads:
+    raise ValueError(f"rope_kv_write: kv_heads={kv_heads} must match the cache's {hkv} heads and divide "
+                     f"q_heads={q_heads}")
+  if d % 2 or not _is_pow2(d):
+    raise ValueError(f"rope_kv_write: head_dim must be an even power of two (one register row), got {d}")
+  if qkv.ndim != 3 or qkv.shape[0] != b or qkv.shape[2] != (q_heads + 2 * kv_heads) * d:
+    raise ValueError(f"rope_kv_write: qkv must be [B={b}, n, (Hq + 2 Hkv) * D = {(q_heads + 2 * kv_heads) * d}], "
+                     f"got {shape(qkv)}")
+  n = qkv.shape[1]
+  if not 1 <= n <= s_len:
+    raise ValueError(f"rope_kv_write: the window (n={n}) must fit the cache (S={s_len})")
+  for name, a in (("cos", cos), ("sin", sin)):
+    if a.shape != (b, n, d):
+      raise ValueError(f"rope_kv_write: {name} must be [B, n, D] = {(b, n, d)}, got {shape(a)}")
+  if write_mask is not None and write_mask.shape != (b, n):
+    raise ValueError(f"rope_kv_write: write_mask must be [B, n] = {(b, n)}, got {shape(write_mask)}")
+  return b, n, s_len, d
+
+
+@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "rope_fp32", "blocks", "interpret"))
+def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  offset: jax.Array | int, write_mask: jax.Array | None = None, *, q_heads: int, kv_heads: int,
+                  rope_fp32: bool, blocks: RopeBlocks | None = None, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Rotated q [B, n, Hq, D] and the caches with the window's rotated k and its v written at `offset` (see the
+  module docstring). Under an outer jit whose caches are not used after this call (a layer loop's carry) XLA
+  updates them in place; called on its own it writes into copies (nothing is donated)."""
+  b, n, s_len, d = _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads)
+  bs = blocks or RopeBlocks()
+  total = q_heads + 2 * kv_heads
+  offset = jnp.clip(jnp.asarray(offset, jnp.int32), 0, s_len - n).reshape(1)
+  mask = (jnp.ones((b * n,), jnp.int32) if write_mask is None else write_mask.reshape(b * n).astype(jnp.int32))
+  kc = k_cache.reshape(b * s_len, kv_heads * d)   # row-major: free reshapes, the aliasing holds through them
+  vc = v_cache.reshape(b * s_len, kv_heads * d)
+  kernel = functools.partial(_kernel, n=n, s_len=s_len, q_heads=q_heads, kv_heads=kv_heads, d=d,
+                             block_h=bs.block_h, rope_fp32=rope_fp32)
+
+  def whole(shape):
+    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+
+  q, kc, vc = pl.pallas_call(
+      kernel,
+      grid=(b * n, pl.cdiv(total, bs.block_h)),
+      in_specs=[whole((1,)), whole((b * n, total * d)), whole((b * n, d)), whole((b * n, d)), whole((b * n,)),
+                whole(kc.shape), whole(vc.shape)],
+      out_specs=[whole((b * n, q_heads * d)), whole(kc.shape), whole(vc.shape)],
+      out_shape=[jax.ShapeDtypeStruct((b * n, q_heads * d), qkv.dtype),
+                 jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)],
+      input_output_aliases={5: 1, 6: 2},
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
+      interpret=interpret,
+      name="rope_kv_write",
+  )(offset, qkv.reshape(b * n, total * d), cos.reshape(b * n, d).astype(jnp.float32),
+    sin.reshape(b * n, d).astype(jnp.float32), mask, kc, vc)
+  return q.reshape(b, n, q_heads, d), kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

@@ -1,0 +1,102 @@
+"""The forward on fused norm/RoPE kernels (norm_rope_backend="pallas", dllm_jax/fused_layers.py) against the
+plain XLA forward, and generate's tokens with it (issue 7: the fast path by default on GPU, identical tokens to
+the reference path in fp32). Kernels interpreted on the CPU."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax.generate import GenerationConfig, generate, resolve_norm_rope_backend
+from dllm_jax.loading import Model
+from dllm_jax.modeling import KVCache, forward, init_params, unstack_layers
+from test_layer_loop import CONFIGS, PROMPTS, _close
+
+
+@pytest.fixture(scope="module")
+def unrolled():
+    return {k: Model(c, unstack_layers(init_params(c, jax.random.key(i), std=0.2)))
+            for i, (k, c) in enumerate(CONFIGS.items())}
+
+
+def _random_cache(config, params, b, s, seed):
+    zeros = KVCache.for_params(params, config, b, s)
+    keys = jax.random.split(jax.random.key(seed), 2 * config.n_layers)
+    return KVCache(tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, zeros.k)),
+                   tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys[config.n_layers:], zeros.v)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_forward_equals_xla_forward(name, unrolled):
+    """Logits, the written cache and the fresh K/V, with and without a cache (masked keys, a masked write)."""
+    m = unrolled[name]
+    b, n, s = 2, 8, 16
+    tokens = jax.random.randint(jax.random.key(1), (b, n), 0, m.config.vocab_size - 3)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) + 5, (b, n))
+    plain = forward(m.params, m.config, tokens, positions, return_kv=True)
+    fused = forward(m.params, m.config, tokens, positions, return_kv=True, norm_rope_backend="pallas")
+    for got, ref in ((fused.logits, plain.logits), (fused.kv[0], plain.kv[0]), (fused.kv[1], plain.kv[1])):
+        _close(got, ref)
+    cache = _random_cache(m.config, m.params, b, s, seed=2)
+    kw = dict(cache=cache, cache_offset=5, write_mask=jax.random.bernoulli(jax.random.key(3), 0.7, (b, n)),
+              key_mask=jax.random.bernoulli(jax.random.key(4), 0.8, (b, s)).at[:, 5].set(True), return_kv=True)
+    plain = forward(m.params, m.config, tokens, positions, **kw)
+    fused = forward(m.params, m.config, tokens, positions, norm_rope_backend="pallas", **kw)
+    _close(fused.logits, plain.logits)
+    for got, ref in ((fused.cache.stacked().k, plain.cache.stacked().k),
+                     (fused.cache.stacked().v, plain.cache.stacked().v), (fused.kv[0], plain.kv[0])):
+        _close(got, ref)
+    untouched = np.ones(s, bool)
+    untouched[5:5 + n] = False  # outside the window the cache keeps its bits
+    np.testing.assert_array_equal(np.asarray(fused.cache.stacked().k)[:, :, untouched],
+                                  np.asarray(cache.stacked().k)[:, :, untouched])
+
+
+def test_fused_forward_with_the_fp8_ffn():
+    """The FP8 FFN (which adds both residuals in its own kernels) inside the fused loop."""
+    c = dataclasses.replace(CONFIGS["llada"], d_model=128, mlp_hidden=256, n_heads=8, n_kv_heads=8, fp8_ffn=True)
+    params = unstack_layers(init_params(c, jax.random.key(0), std=0.2))
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, c.vocab_size - 3)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    cache = _random_cache(c, params, 2, 12, seed=5)
+    plain = forward(params, c, tokens, positions, cache=cache, cache_offset=4)
+    fused = forward(params, c, tokens, positions, cache=cache, cache_offset=4, norm_rope_backend="pallas")
+    _close(fused.logits, plain.logits)
+    _close(fused.cache.stacked().k, plain.cache.stacked().k)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("cache", ["dual", "prefix", "none"])
+def test_generate_tokens_identical_with_fused_kernels(name, cache, unrolled):
+    m = unrolled[name]
+    gc = GenerationConfig(gen_length=16, block_length=8, steps=8, cache=cache, stop_at_eos=False,
+                          norm_rope_backend="xla")
+    ref = generate(m, PROMPTS, gc)
+    out = generate(m, PROMPTS, dataclasses.replace(gc, norm_rope_backend="pallas"))
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert out.nfe == ref.nfe
+
+
+def test_fused_kernels_need_per_layer_params_and_auto_picks_them_on_gpu(unrolled):
+    m = unrolled["llada"]
+    stacked = init_params(m.config, jax.random.key(0))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    positions = jnp.arange(4, dtype=jnp.int32)[None]
+    with pytest.raises(ValueError, match="per-layer params"):
+        forward(stacked, m.config, tokens, positions, norm_rope_backend="pallas")
+    with pytest.raises(ValueError, match="per-layer KVCache"):
+        forward(m.params, m.config, tokens, positions, cache=KVCache.zeros(m.config, 1, 8), norm_rope_backend="pallas")
+    with pytest.raises(ValueError, match="unknown norm_rope_backend"):
+        forward(m.params, m.config, tokens, positions, norm_rope_backend="triton")
+    with pytest.raises(ValueError, match="norm_rope_backend"):
+        GenerationConfig(norm_rope_backend="fused").validate()
+    gc = GenerationConfig()
+    bf16 = m.config.replace(dtype="bfloat16")
+    on_gpu = jax.default_backend() == "gpu"
+    assert resolve_norm_rope_backend(gc, bf16, m.params) == ("pallas" if on_gpu else "xla")
+    assert resolve_norm_rope_backend(gc, bf16, {"layers": stacked["layers"]}) == "xla"  # stacked: never
+    assert resolve_norm_rope_backend(gc, m.config, m.params) == "xla"  # fp32: the measured case is bf16
+    assert resolve_norm_rope_backend(dataclasses.replace(gc, norm_rope_backend="pallas"), m.config,
+                                     {"layers": stacked["layers"]}) == "pallas"  # an explicit choice is kept

@@ -1,0 +1,146 @@
+"""The per-layer fusion kernels of issue 7 against their references: residual add + RMSNorm
+(pallas_kernels/residual_rmsnorm.py) and RoPE + K/V cache write (pallas_kernels/rope_kv_write.py).
+
+On the CPU the Triton kernels run interpreted; on a GPU compiled (the same tests, both ways)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax.layers import RMSNorm, apply_rope, rope_cos_sin
+from pallas_kernels import residual_rmsnorm as R
+from pallas_kernels import rope_kv_write as K
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def _f32(a):
+  return np.asarray(a, np.float32)
+
+
+def _assert_rounding_close(got, ref, dtype):
+  """Equal up to one rounding of the output dtype where the fp32 summation order flips it."""
+  got, ref = _f32(got), _f32(ref)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+    return
+  assert np.mean(got == ref) > 0.99
+  np.testing.assert_allclose(got, ref, rtol=2.0**-7, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------- residual + RMSNorm
+NORM_CASES = [(1, 128, jnp.bfloat16), (33, 384, jnp.bfloat16), (5, 100, jnp.float32), (70, 3584, jnp.bfloat16),
+              (1030, 64, jnp.bfloat16)]  # one row; ragged width; fp32; Dream's width; > 1024 rows (4 per program)
+
+
+@pytest.mark.parametrize("m,d,dtype", NORM_CASES)
+def test_residual_rmsnorm_matches_add_then_the_models_rmsnorm(m, d, dtype):
+  x = (jax.random.normal(jax.random.key(m), (m, d)) * jnp.exp(jnp.linspace(-2, 2, d))).astype(dtype)
+  delta = (3 * jax.random.normal(jax.random.key(m + 1), (m, d))).astype(dtype)
+  w = (1 + 0.3 * jax.random.normal(jax.random.key(7), (d,))).astype(dtype)
+  s, h = R.residual_rmsnorm(x, delta, w, eps=1e-5, interpret=INTERPRET)
+  assert s.dtype == h.dtype == dtype and s.shape == h.shape == (m, d)
+  np.testing.assert_array_equal(_f32(s), _f32(x + delta))  # the residual stream: one rounding, exactly XLA's
+  model_h = RMSNorm(1e-5, dtype).apply({"params": {"scale": w}}, x + delta)
+  _assert_rounding_close(h, model_h, dtype)
+  sr, hr = R.residual_rmsnorm_reference(x, delta, w, 1e-5)
+  np.testing.assert_array_equal(_f32(sr), _f32(s))
+  _assert_rounding_close(h, hr, dtype)
+
+
+def test_residual_rmsnorm_without_delta_only_normalises():
+  x = jax.random.normal(jax.random.key(0), (9, 256)).astype(jnp.bfloat16)
+  x = x.at[3].set(0.0)  # an all-zero row: h = 0 (rsqrt(eps) * 0), never NaN
+  w = jnp.linspace(0.5, 1.5, 256).astype(jnp.bfloat16)
+  s, h = R.residual_rmsnorm(x, None, w, eps=1e-6, interpret=INTERPRET)
+  np.testing.assert_array_equal(_f32(s), _f32(x))
+  _assert_rounding_close(h, RMSNorm(1e-6, jnp.bfloat16).apply({"params": {"scale": w}}, x), jnp.bfloat16)
+  assert np.all(_f32(h)[3] == 0)
+
+
+def test_residual_rmsnorm_rejects_bad_shapes():
+  x = jnp.zeros((4, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="weight"):
+    R.residual_rmsnorm(x, None, jnp.ones((32,), jnp.bfloat16), eps=1e-5, interpret=True)
+  with pytest.raises(ValueError, match="delta must match"):
+    R.residual_rmsnorm(x, jnp.zeros((4, 64), jnp.float32), jnp.ones((64,), jnp.bfloat16), eps=1e-5, interpret=True)
+  with pytest.raises(ValueError, match="d <= 8192"):
+    R.residual_rmsnorm(jnp.zeros((1, 9000)), None, jnp.ones((9000,)), eps=1e-5, interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    R.NormBlocks(block_m=3)
+
+
+# --------------------------------------------------------------------------------- RoPE + K/V write
+# (batch, n, cache S, q heads, kv heads, head_dim, dtype, rope in fp32, write mask, offset)
+ROPE_CASES = [
+    (2, 5, 12, 4, 4, 64, jnp.bfloat16, True, True, 3),      # MHA, LLaDA's fp32 rotation, a masked write
+    (1, 32, 64, 28, 4, 128, jnp.bfloat16, False, False, 20),  # Dream's heads (7:1), bf16 rotation, block step
+    (3, 4, 8, 2, 2, 16, jnp.float32, True, True, 9),         # offset past S - n: clamped as dynamic_update_slice
+    (2, 8, 8, 6, 3, 32, jnp.float32, False, False, 0),       # the window is the whole cache (a block start)
+    (1, 1, 5, 8, 1, 64, jnp.bfloat16, True, True, 4),        # one token, 8 q heads per kv head, the last slot
+]
+
+
+def _rope_inputs(b, n, s, hq, hkv, d, dtype, masked, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  qkv = jax.random.normal(ks[0], (b, n, (hq + 2 * hkv) * d)).astype(dtype)
+  cos, sin = rope_cos_sin(jax.random.randint(ks[1], (b, n), 0, 4000), d, 10000.0)
+  kc = jax.random.normal(ks[2], (b, s, hkv, d)).astype(dtype)
+  vc = jax.random.normal(ks[3], (b, s, hkv, d)).astype(dtype)
+  mask = None
+  if masked:  # at least one token kept out and one written
+    mask = jax.random.bernoulli(ks[4], 0.6, (b, n)).at[0, -1].set(True)
+    mask = mask.at[0, 0].set(False) if n > 1 else mask.at[-1, 0].set(b == 1)
+  return qkv, cos, sin, kc, vc, mask
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"b{c[0]}n{c[1]}s{c[2]}h{c[3]}-{c[4]}d{c[5]}")
+def test_rope_kv_write_matches_reference(case):
+  b, n, s, hq, hkv, d, dtype, fp32, masked, offset = case
+  qkv, cos, sin, kc, vc, mask = _rope_inputs(b, n, s, hq, hkv, d, dtype, masked)
+  kw = dict(q_heads=hq, kv_heads=hkv, rope_fp32=fp32)
+  q, k_new, v_new = K.rope_kv_write(qkv, cos, sin, kc, vc, offset, mask, interpret=INTERPRET, **kw)
+  qr, kr, vr = K.rope_kv_write_reference(qkv, cos, sin, kc, vc, offset, mask, **kw)
+  assert q.shape == (b, n, hq, d) and k_new.shape == kc.shape and k_new.dtype == kc.dtype
+  _assert_rounding_close(q, qr, dtype)
+  _assert_rounding_close(k_new, kr, dtype)
+  np.testing.assert_array_equal(_f32(v_new), _f32(vr))  # v is copied, never rounded
+  # every slot outside the written window, and every masked-out token's slot, keeps its old bits
+  start = min(offset, s - n)
+  written = np.zeros((b, s), bool)
+  written[:, start:start + n] = True if mask is None else np.asarray(mask)
+  for new, old in ((k_new, kc), (v_new, vc)):
+    np.testing.assert_array_equal(_f32(new)[~written], _f32(old)[~written])
+  assert not np.array_equal(_f32(k_new)[written], _f32(kc)[written])
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+def test_rope_reference_is_the_models_rotation(fp32):
+  """The reference rotates exactly as the model's `apply_rope` (so the kernel is tested against the model)."""
+  b, n, hq, hkv, d = 2, 6, 4, 2, 32
+  qkv, cos, sin, kc, vc, _ = _rope_inputs(b, n, n, hq, hkv, d, jnp.bfloat16, False, seed=3)
+  q, k_new, v_new = K.rope_kv_write_reference(qkv, cos, sin, kc, vc, 0, None, q_heads=hq, kv_heads=hkv,
+                                              rope_fp32=fp32)
+  qm, km, vm = jnp.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
+  np.testing.assert_array_equal(_f32(q), _f32(apply_rope(qm.reshape(b, n, hq, d), cos, sin, fp32)))
+  np.testing.assert_array_equal(_f32(k_new), _f32(apply_rope(km.reshape(b, n, hkv, d), cos, sin, fp32)))
+  np.testing.assert_array_equal(_f32(v_new), _f32(vm.reshape(b, n, hkv, d)))
+
+
+def test_rope_kv_write_rejects_bad_shapes():
+  qkv, cos, sin, kc, vc, _ = _rope_inputs(1, 4, 8, 4, 2, 16, jnp.bfloat16, False)
+  kw = dict(q_heads=4, kv_heads=2, rope_fp32=True, interpret=True)
+  with pytest.raises(ValueError, match="qkv must be"):
+    K.rope_kv_write(qkv[..., :-16], cos, sin, kc, vc, 0, **kw)
+  with pytest.raises(ValueError, match="cos must be"):
+    K.rope_kv_write(qkv, cos[:, :2], sin, kc, vc, 0, **kw)
+  with pytest.raises(ValueError, match="must fit the cache"):
+    K.rope_kv_write(jnp.concatenate([qkv] * 3, axis=1), jnp.concatenate([cos] * 3, 1),
+                    jnp.concatenate([sin] * 3, 1), kc, vc, 0, **kw)
+  with pytest.raises(ValueError, match="kv_heads"):
+    K.rope_kv_write(qkv, cos, sin, kc, vc, 0, q_heads=4, kv_heads=4, rope_fp32=True, interpret=True)
+  with pytest.raises(ValueError, match="write_mask"):
+    K.rope_kv_write(qkv, cos, sin, kc, vc, 0, jnp.ones((1, 3), bool), **kw)
+  with pytest.raises(ValueError, match="two equal"):
+    K.rope_kv_write(qkv, cos, sin, kc, vc[:, :4], 0, **kw)
