@@ -67,6 +67,8 @@ VARIANTS = {
     "xla_norm_rope": "residual adds, RMSNorms, RoPE and the K/V cache writes as XLA ops (norm_rope_backend='xla': "
                      "the default before v12) instead of the fused kernels of dllm_jax/fused_layers.py",
     "fp8_ffn_xla_norm_rope": "the FP8 FFN variant with norm_rope_backend='xla' (v12's change, measured on it)",
+    "pallas_attn_fine_split": "attention on the Pallas slot kernel with KV splits of one tile where the grid is "
+                              "under a wave (slot_attention.MIN_TILES_PER_SPLIT=1; default 4)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -120,6 +122,10 @@ def variant(name: str):
                     (Block, "ffn", lambda self, h: jnp.zeros_like(h))]
     elif name == "fp8_ffn_v5":
         patches.append((fp8, "fp8_ffn_pallas", _v5_ffn))
+    elif name == "pallas_attn_fine_split":
+        from pallas_kernels import slot_attention
+
+        patches.append((slot_attention, "MIN_TILES_PER_SPLIT", 1))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:
@@ -434,6 +440,9 @@ def main() -> None:
                             row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
+                elif v.startswith("pallas_attn"):
+                    with variant(v):
+                        row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, "pallas"), row, v)
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
                     row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
             timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k.removeprefix("ms_") in VARIANTS)

@@ -52,6 +52,9 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite start value of the running max inside the kernel (base-2 domain)
 _NUM_SMS = 132   # H200; only used by the split heuristic
+# The split heuristic keeps at least this many KV tiles per split (read when a call is traced; a benchmark
+# variant lowers it to see whether more, shorter splits pay at block-step shapes).
+MIN_TILES_PER_SPLIT = 4
 
 
 class AttentionState(NamedTuple):
@@ -128,7 +131,8 @@ class BlockSizes:
                kv_splits=None)
 
 
-def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len) -> tuple[int, int]:
+def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
+                   min_tiles: int = MIN_TILES_PER_SPLIT) -> tuple[int, int]:
   """Returns (kv_splits, tiles_per_split)."""
   n_tiles = max(1, pl.cdiv(kv_len, bs.block_k))
   if bs.kv_splits is not None:
@@ -136,8 +140,8 @@ def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len) -> 
   else:
     base = batch * kv_heads * num_q_blocks
     splits = 1
-    if base < _NUM_SMS:  # under one wave: split KV up to ~2 waves, keeping >= 4 tiles a split
-      splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles // 4, 16))
+    if base < _NUM_SMS:  # under one wave: split KV up to ~2 waves, keeping >= min_tiles tiles a split
+      splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles // min_tiles, 16))
   tiles_per_split = pl.cdiv(n_tiles, splits)
   splits = pl.cdiv(n_tiles, tiles_per_split)
   return splits, tiles_per_split
@@ -335,9 +339,10 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # --------------------------------------------------------------------------------------------
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
+                                             "min_tiles_per_split"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret):
+                           return_state, block_sizes, interpret, min_tiles_per_split):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
@@ -348,7 +353,8 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
     raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got "
                      f"{bs.block_q} * {group_pad}")
   nq = pl.cdiv(Tq, bs.block_q)
-  splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
+  splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S,
+                               min_tiles=min_tiles_per_split)
   state_out = return_state or init_state is not None or splits > 1
 
   q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
@@ -497,7 +503,9 @@ def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None
     init_state = AttentionState(*init_state)
   return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
                                 scale=float(scale), return_state=bool(return_state),
-                                block_sizes=block_sizes, interpret=bool(interpret))
+                                block_sizes=block_sizes, interpret=bool(interpret),
+                                # read here, not in the cached trace, so a changed value is a new program
+                                min_tiles_per_split=MIN_TILES_PER_SPLIT)
 
 
 def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",

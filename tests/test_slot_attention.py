@@ -231,3 +231,34 @@ def test_validation_errors():
     sa.BlockSizes(block_q=16, block_k=48)
   with pytest.raises(ValueError, match="block_q"):
     sa.BlockSizes(block_q=0)
+
+
+def _pallas_calls(jaxpr) -> list:
+  """The pallas_call equations of a jaxpr, inside nested jits too."""
+  found = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      found.append(e)
+    sub = e.params.get("jaxpr")
+    if sub is not None:
+      found += _pallas_calls(getattr(sub, "jaxpr", sub))
+  return found
+
+
+def test_split_rule_is_read_per_call_not_from_a_cached_trace(monkeypatch):
+  """MIN_TILES_PER_SPLIT (the heuristic's tiles per KV split) changes the program even after a call with the old
+  value was traced, and the result stays the reference's."""
+  B, Tq, S, Hq, Hkv, D = 1, 16, 256, 2, 2, 64
+  q, kp, vp, tbl, ql, kl = _make_problem(31, B, Tq, S, Hq, Hkv, D, (16,), (256,))
+  bs = sa.BlockSizes(block_q=16, block_k=32, kv_splits=None)  # 8 tiles; 2 programs: far under a wave
+
+  def splits() -> int:
+    jaxpr = jax.make_jaxpr(lambda *a: sa.slot_attention(*a, block_sizes=bs, interpret=True))(q, kp, vp, tbl, ql, kl)
+    (eqn,) = _pallas_calls(jaxpr.jaxpr)
+    return eqn.outvars[0].aval.shape[0]  # the state outputs are [splits, B, ...]
+
+  assert splits() == 8 // sa.MIN_TILES_PER_SPLIT == 2
+  monkeypatch.setattr(sa, "MIN_TILES_PER_SPLIT", 1)
+  assert splits() == 8
+  out = sa.slot_attention(q, kp, vp, tbl, ql, kl, block_sizes=bs, interpret=INTERPRET)
+  _check_out(out, sa.slot_attention_reference(q, kp, vp, tbl, ql, kl), (16,), (256,))
