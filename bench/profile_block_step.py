@@ -69,6 +69,7 @@ VARIANTS = {
     "fp8_ffn_xla_norm_rope": "the FP8 FFN variant with norm_rope_backend='xla' (v12's change, measured on it)",
     "pallas_attn_fine_split": "attention on the Pallas slot kernel with KV splits of one tile where the grid is "
                               "under a wave (slot_attention.MIN_TILES_PER_SPLIT=1; default 4)",
+    "pallas_attn_no_split": "attention on the Pallas slot kernel without KV splits (MIN_TILES_PER_SPLIT=10**6)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -126,6 +127,10 @@ def variant(name: str):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "MIN_TILES_PER_SPLIT", 1))
+    elif name == "pallas_attn_no_split":
+        from pallas_kernels import slot_attention
+
+        patches.append((slot_attention, "MIN_TILES_PER_SPLIT", 10**6))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:

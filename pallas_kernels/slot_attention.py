@@ -234,9 +234,9 @@ def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, g
     o_ref, m_ref, l_ref = out_refs
     seen = row_ok & (l > 0.0)
     plgpu.store(o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0), mask=st_mask)
-    ml_rows = jnp.where(in_bounds, h * q_len_max + t, oob)  # row in the [Hq*Tq] view
-    plgpu.store(m_ref.at[ml_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
-    plgpu.store(l_ref.at[ml_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
+    # m and l in o's row order (t * Hq + h): merging the splits is then elementwise over one layout
+    plgpu.store(m_ref.at[q_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
+    plgpu.store(l_ref.at[q_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
   else:
     (o_ref,) = out_refs
     ok = row_ok & (l > 0.0)
@@ -269,6 +269,19 @@ def _merge_split_states(m, l, o) -> AttentionState:
   l_out = jnp.sum(w * l, axis=0)
   o_out = jnp.sum(jnp.swapaxes(w, 2, 3)[..., None] * o, axis=0)
   return AttentionState(mx, l_out, o_out)
+
+
+def _merge_splits_to_output(m, l, o, dtype) -> jax.Array:
+  """m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D] (the kernel's row order) -> the normalised output over all N
+  splits. In one layout the merge is a reduction over N plus elementwise ops (the state layout cost two
+  transposes and two more small kernels per call: ~6 us of a block step's attention, bench/NOTES.md v12)."""
+  mx = jnp.max(m, axis=0)
+  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+  w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
+  l_out = jnp.sum(w * l, axis=0)[..., None]
+  o_out = jnp.sum(w[..., None] * o, axis=0)
+  ok = l_out > 0
+  return jnp.where(ok, o_out / jnp.where(ok, l_out, 1.0), 0.0).astype(dtype)
 
 
 def finalize_state(state: AttentionState, dtype=jnp.float32) -> jax.Array:
@@ -385,11 +398,11 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   args += [q2, k2, v2]
   if state_out:
     out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, B, Hq * Tq), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, B, Hq * Tq), jnp.float32)]
+                 jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
-                 pl.BlockSpec((None, None, Hq * Tq), lambda i, s, h, b: (s, b, 0)),
-                 pl.BlockSpec((None, None, Hq * Tq), lambda i, s, h, b: (s, b, 0))]
+                 pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0)),
+                 pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0))]
   else:
     out_shape = [jax.ShapeDtypeStruct((B, Tq * Hq, D), q.dtype)]
     out_specs = [pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0))]
@@ -409,8 +422,11 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
     return outs[0].reshape(B, Tq, Hq, D)
   o, m, l = outs
   o = o.reshape(splits, B, Tq, Hq, D)
-  m = m.reshape(splits, B, Hq, Tq)
-  l = l.reshape(splits, B, Hq, Tq)
+  m = m.reshape(splits, B, Tq, Hq)
+  l = l.reshape(splits, B, Tq, Hq)
+  if not return_state and init_state is None:  # split-K partials straight to the output: no state layout
+    return _merge_splits_to_output(m, l, o, q.dtype)
+  m, l = jnp.swapaxes(m, 2, 3), jnp.swapaxes(l, 2, 3)  # the state's [B, Hq, Tq] layout
   if splits == 1:
     state = AttentionState(m[0], l[0], o[0])
   else:
