@@ -25,8 +25,7 @@ import common  # noqa: E402
 
 from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
-from dllm_jax.generate import (GenerationConfig, generate, layout, resolve_backend,  # noqa: E402
-                               resolve_norm_rope_backend)
+from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
 from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
 from dllm_jax.modeling import is_unrolled, stack_layers, unstack_layers  # noqa: E402
 
@@ -41,7 +40,7 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
     x, pos, km, frozen, P = layout(prompts, cfg, gc)
     inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), P, gc.block_length,
                        1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
-                       ffn_backend=gc.ffn_backend, norm_rope_backend=resolve_norm_rope_backend(gc, cfg, model.params))
+                       ffn_backend=gc.ffn_backend, norm_rope_backend=gc.norm_rope_backend)
     strat = STRATEGIES[gc.cache]
     x = jnp.asarray(x)
     bs = jnp.int32(P + 2 * gc.block_length)  # a block in the middle of the generation region
@@ -72,9 +71,9 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
 
 
 def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: np.random.Generator,
-              reps: int, ffn_backend: str = "xla", norm_rope: str = "auto") -> dict:
+              reps: int, ffn_backend: str = "xla", norm_rope: str = "xla", attention: str = "auto") -> dict:
     gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
-                          ffn_backend=ffn_backend, norm_rope_backend=norm_rope)
+                          ffn_backend=ffn_backend, norm_rope_backend=norm_rope, attention_backend=attention)
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
     tag = f"{name} {mode} b{batch} s{steps}{' fp8' if model.config.fp8_ffn else ''}"
     t0 = time.perf_counter()
@@ -94,7 +93,7 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
             "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
             "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
             "attention": resolve_backend(gc, model.config, False), "ffn_backend": ffn_backend,
-            "norm_rope_backend": resolve_norm_rope_backend(gc, model.config, model.params),
+            "norm_rope_backend": gc.norm_rope_backend,
             "layer_layout": "unrolled" if is_unrolled(model.params["layers"]) else "stacked"}
 
 
@@ -135,8 +134,10 @@ def main() -> None:
     ap.add_argument("--compare-bf16", action="store_true",
                     help="with --fp8-ffn: also time every row with the same weights in bf16, in the same run")
     ap.add_argument("--no-steps256", action="store_true", help="skip the fixed steps-256 batch-1 row per model")
-    ap.add_argument("--norm-rope", choices=["auto", "xla", "pallas"], default="auto",
-                    help="GenerationConfig.norm_rope_backend of every row (auto: the engine's choice)")
+    ap.add_argument("--norm-rope", choices=["xla", "pallas"], default=GenerationConfig.norm_rope_backend,
+                    help="GenerationConfig.norm_rope_backend of every row (default: the engine's)")
+    ap.add_argument("--compare-attention", default=None, metavar="BACKEND",
+                    help="also time every row with this attention backend (e.g. cudnn), same run")
     ap.add_argument("--compare-norm-rope", action="store_true",
                     help="also time every row with norm_rope_backend='xla' (the XLA norms and RoPE), same run")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -217,6 +218,21 @@ def main() -> None:
                 print(f"    bf16 same run: {ref['tokens_per_s']:8.1f} tok/s  step {ref['ms_block_step']:6.2f} ms  "
                       f"-> FP8 {row['speedup_vs_bf16']:.2f}x end to end, {row['block_step_speedup_vs_bf16']:.2f}x "
                       f"block step", flush=True)
+        if args.compare_attention:
+            try:
+                ref = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend, args.norm_rope,
+                                args.compare_attention)
+                ref.update(fp8_ffn=bool(args.fp8_ffn), comparison=f"same-run attention {args.compare_attention}")
+                rows.append(ref)
+                row["speedup_vs_attention_twin"] = ref["seconds"] / row["seconds"]
+                row["block_step_speedup_vs_attention_twin"] = ref["ms_block_step"] / row["ms_block_step"]
+                print(f"    attention {args.compare_attention} same run: {ref['tokens_per_s']:8.1f} tok/s  step "
+                      f"{ref['ms_block_step']:6.2f} ms -> {row['speedup_vs_attention_twin']:.3f}x end to end",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
+                print(f"FAILED attention twin {name} {mode} b{batch}: {type(e).__name__}: {e}", flush=True)
+                skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, comparison="attention",
+                                    error=str(e)[:300]))
         if args.compare_norm_rope:
             try:
                 ref = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend, "xla")

@@ -41,6 +41,7 @@ from dllm_jax import modeling  # noqa: E402
 from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.loading import resolve_layer_layout  # noqa: E402
+from dllm_jax.generate import GenerationConfig  # noqa: E402
 from dllm_jax.modeling import Block  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -64,9 +65,9 @@ VARIANTS = {
                           "48.0 vs 43.7 us)",
     "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
                               "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
-    "xla_norm_rope": "residual adds, RMSNorms, RoPE and the K/V cache writes as XLA ops (norm_rope_backend='xla': "
-                     "the default before v12) instead of the fused kernels of dllm_jax/fused_layers.py",
-    "fp8_ffn_xla_norm_rope": "the FP8 FFN variant with norm_rope_backend='xla' (v12's change, measured on it)",
+    "xla_norm_rope": "residual adds, RMSNorms, RoPE and the K/V cache writes as XLA ops (norm_rope_backend='xla', "
+                     "the default) beside a step run with --norm-rope pallas (dllm_jax/fused_layers.py)",
+    "fp8_ffn_xla_norm_rope": "the FP8 FFN variant with norm_rope_backend='xla' (v12's fused kernels measured on it)",
     "pallas_attn_fine_split": "attention on the Pallas slot kernel with KV splits of one tile where the grid is "
                               "under a wave (slot_attention.MIN_TILES_PER_SPLIT=1; default 4)",
     "pallas_attn_no_split": "attention on the Pallas slot kernel without KV splits (MIN_TILES_PER_SPLIT=10**6)",
@@ -139,17 +140,10 @@ def variant(name: str):
         yield
 
 
-def default_norm_rope(model_cfg, params) -> str:
-    """The norm/RoPE kernels generate's auto choice picks for these params (the engine's default)."""
-    from dllm_jax.generate import GenerationConfig, resolve_norm_rope_backend
-
-    return resolve_norm_rope_backend(GenerationConfig(), model_cfg, params)
-
-
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,
               stacked_cache: bool = False, long_loop: dict | None = None, norm_rope: str | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
-    norm_rope: the norm_rope_backend (None: the engine's default for these params, `default_norm_rope`).
+    norm_rope: the norm_rope_backend (None: the engine's default, GenerationConfig's).
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
     long_loop: {"steps": L} to also time L and (8 + L) // 2 fused steps; filled by `loop_costs` (marginal_ms: the
     slope between the 8- and L-step loops, one more step's cost inside a jitted loop, as in generate, where the
@@ -160,7 +154,7 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
                        0, backend, padded=False, ffn_backend=ffn_backend,
-                       norm_rope_backend=norm_rope or default_norm_rope(model_cfg, params))
+                       norm_rope_backend=norm_rope or GenerationConfig.norm_rope_backend)
     x = jnp.full((batch, t), 7, jnp.int32)
     strat = STRATEGIES["dual"]
     bs = jnp.int32(t - 2 * BLOCK)
@@ -347,7 +341,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llada-8b", "dream-7b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--backends", nargs="+", default=["cudnn", "pallas"],
+    ap.add_argument("--backends", nargs="+", default=["cudnn_pallas", "cudnn"],
                     help="attention backends for the default-layout step (the first is the base of the variants)")
     ap.add_argument("--variants", nargs="*", default=["unfused", "stacked_cache"], choices=list(VARIANTS),
                     help="alternatives to the default step, each timed in the same process: " +
@@ -366,15 +360,15 @@ def main() -> None:
     ap.add_argument("--long-loop", type=int, default=0, metavar="L",
                     help="also time the default step and the fp8 variants with L fused steps (L > 8): the marginal "
                     "ms per step (slope between the two loops) and the per-call overhead of a call of 8")
-    ap.add_argument("--norm-rope", choices=["auto", "xla", "pallas"], default="auto",
-                    help="norm_rope_backend of the default step and the variants (auto: the engine's choice, "
-                    "pallas on a GPU; the CPU smoke test forces pallas)")
+    ap.add_argument("--norm-rope", choices=["xla", "pallas"], default=None,
+                    help="norm_rope_backend of the default step and the variants (default: the engine's; "
+                    "xla_norm_rope variants always use xla)")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.long_loop and args.long_loop <= FUSED:
         ap.error(f"--long-loop must be more than the {FUSED} steps of a timed call, got {args.long_loop}")
     layout = resolve_layer_layout(args.layer_layout)
-    forced = None if args.norm_rope == "auto" else args.norm_rope
+    forced = args.norm_rope
     step = functools.partial(time_step, norm_rope=forced)  # a variant's own norm_rope= overrides it
     rows = []
     for name in args.models:
@@ -396,7 +390,7 @@ def main() -> None:
             row = {"model": name, "batch": b, "cache_slots": CACHE_SLOTS, "block": BLOCK, "layer_layout": timed_layout,
                    "ms_floor_hbm": 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S,
                    "ms_floor_compute": floor_compute_ms(weight_bytes, b),
-                   "norm_rope_backend": forced or default_norm_rope(cfg, params)}
+                   "norm_rope_backend": forced or GenerationConfig.norm_rope_backend}
             base = args.backends[0]
             for backend in args.backends:
                 first = backend == args.backends[0]

@@ -5,6 +5,10 @@
   product, as both the eager and the flash reference paths do). Runs everywhere.
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only, bf16).
 - "pallas": the slot-addressed Pallas kernel (`pallas_kernels.slot_attention`), GPU; interpreted on CPU in tests.
+- "cudnn_pallas": cuDNN for long query windows (full forwards, block starts), the Pallas kernel for short ones
+  (q_len <= SHORT_QUERY: block steps), each where it was measured faster on the H200 (bench/NOTES.md v12: at
+  block steps Pallas 0.02-0.19 ms per step ahead of cuDNN once its split-K merge is one fusion; at full
+  forwards cuDNN is ~1.5x faster, attention_h200.json). The GPU default in bf16.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
-Backend = Literal["xla", "cudnn", "pallas"]
-BACKENDS = ("xla", "cudnn", "pallas")
+Backend = Literal["xla", "cudnn", "pallas", "cudnn_pallas"]
+BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas")
+SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel
 
 
 def attend_reference(q: Array, k: Array, v: Array, key_mask: Array | None) -> Array:
@@ -69,6 +74,8 @@ def _attend_pallas(q: Array, k: Array, v: Array, key_mask: Array | None, interpr
 
 
 def attend(q: Array, k: Array, v: Array, key_mask: Array | None = None, backend: Backend = "xla") -> Array:
+    if backend == "cudnn_pallas":  # q_len is static: the choice is made once per traced forward
+        backend = "pallas" if q.shape[1] <= SHORT_QUERY else "cudnn"
     if backend == "xla":
         return attend_reference(q, k, v, key_mask)
     if backend == "cudnn":

@@ -56,14 +56,15 @@ class GenerationConfig:
     stop_at_eos: bool = True
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
-    attention_backend: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # auto: cuDNN on GPU in bf16, else XLA
+    # auto: on a GPU in bf16, cuDNN for full forwards and the Pallas kernel for block steps ("cudnn_pallas"), else XLA
+    attention_backend: Literal["auto", "xla", "cudnn", "pallas", "cudnn_pallas"] = "auto"
     # "pallas": FFN GEMMs of short windows (batch x window <= 64 tokens: block steps at batch 1-2) with the
     # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).
     ffn_backend: Literal["xla", "pallas", "mgpu"] = "xla"  # "mgpu": the Mosaic GPU kernel (bf16; slower, NOTES v3)
-    # "pallas": residual add + RMSNorm and RoPE + K/V cache write as one kernel each (dllm_jax/fused_layers.py);
-    # auto: on a GPU for bf16 models with per-layer params (the loader's GPU layout), where it was measured faster
-    # (bench/NOTES.md v12), else the plain XLA ops
-    norm_rope_backend: Literal["auto", "xla", "pallas"] = "auto"
+    # "pallas": residual add + RMSNorm and RoPE + K/V cache write as one kernel each (dllm_jax/fused_layers.py;
+    # needs per-layer params, the GPU layout). Opt-in: on the H200 it was no faster (block steps within 0.5%,
+    # block starts 1% slower: XLA already fuses each add into its split-K GEMM's reduction; bench/NOTES.md v12)
+    norm_rope_backend: Literal["xla", "pallas"] = "xla"
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
@@ -118,12 +119,12 @@ class GenerationConfig:
             bad(f"remasking={self.remasking!r}; expected low_confidence or random")
         if not (0.0 < self.eps < 1.0):
             bad(f"eps={self.eps} must be in (0, 1)")
-        if self.attention_backend not in ("auto", "xla", "cudnn", "pallas"):
-            bad(f"attention_backend={self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "xla", "cudnn", "pallas", "cudnn_pallas"):
+            bad(f"attention_backend={self.attention_backend!r}; expected auto, xla, cudnn, pallas or cudnn_pallas")
         if self.ffn_backend not in ("xla", "pallas", "mgpu"):
             bad(f"ffn_backend={self.ffn_backend!r}; expected xla, pallas or mgpu")
-        if self.norm_rope_backend not in ("auto", "xla", "pallas"):
-            bad(f"norm_rope_backend={self.norm_rope_backend!r}; expected auto, xla or pallas")
+        if self.norm_rope_backend not in ("xla", "pallas"):
+            bad(f"norm_rope_backend={self.norm_rope_backend!r}; expected xla or pallas")
         if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
@@ -195,19 +196,12 @@ def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: Generation
 
 
 def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> str:
-    """auto: cuDNN on GPU for unpadded bf16 batches (its masked path is not validated yet), else XLA."""
+    """auto: on a GPU for unpadded bf16 batches (cuDNN's masked path is not validated yet), cuDNN for full
+    forwards and the Pallas kernel for block steps (`attention.attend`'s "cudnn_pallas"); else XLA."""
     if gc.attention_backend != "auto":
         return gc.attention_backend
     gpu = jax.default_backend() == "gpu"
-    return "cudnn" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
-
-
-def resolve_norm_rope_backend(gc: GenerationConfig, config: ModelConfig, params: dict) -> str:
-    """auto: the fused kernels on a GPU for bf16 models with per-layer params (the GPU layout), else XLA."""
-    if gc.norm_rope_backend != "auto":
-        return gc.norm_rope_backend
-    gpu = jax.default_backend() == "gpu"
-    return "pallas" if gpu and config.dtype == "bfloat16" and is_unrolled(params["layers"]) else "xla"
+    return "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
 
 
 @functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len", "padded"))
@@ -217,7 +211,7 @@ def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, pr
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
                        padded=padded, has_frozen=gc.affix != "none", ffn_backend=gc.ffn_backend,
-                       norm_rope_backend=resolve_norm_rope_backend(gc, config, params))
+                       norm_rope_backend=gc.norm_rope_backend)
     if gc.affix == "naive":
         x_cache = _naive_affix_cache(params, config, inp, x, gc)
     else:
@@ -261,6 +255,9 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
         raise ValueError("affix='naive' needs affix_spans (one (start, end) per prompt)")
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
+    if gc.norm_rope_backend == "pallas" and not is_unrolled(model.params["layers"]):
+        raise ValueError("norm_rope_backend='pallas' needs per-layer params: load with dllm_jax.load(..., "
+                         "layer_layout='unrolled') or convert with dllm_jax.modeling.unstack_layers(params)")
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
     toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),

@@ -52,9 +52,12 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite start value of the running max inside the kernel (base-2 domain)
 _NUM_SMS = 132   # H200; only used by the split heuristic
-# The split heuristic keeps at least this many KV tiles per split (read when a call is traced; a benchmark
-# variant lowers it to see whether more, shorter splits pay at block-step shapes).
-MIN_TILES_PER_SPLIT = 4
+# The split heuristic keeps at least this many KV tiles per split (read per call; benchmark variants change it).
+# In a block step on the H200 (bench/NOTES.md v12, calls of 8 steps): one-tile splits beat 4-tile splits at batch
+# 1 (LLaDA-8B 4.98 vs 5.04 ms, Dream-7B 4.45 vs 4.50: more programs in flight), and no split beat 2 at Dream's
+# batch 8 (6.70 vs 6.79: 128 programs already nearly fill the GPU), hence also SPLIT_BELOW_SMS.
+MIN_TILES_PER_SPLIT = 1
+SPLIT_BELOW_SMS = _NUM_SMS // 2  # split the KV length only when the grid has at most this many programs
 
 
 class AttentionState(NamedTuple):
@@ -132,15 +135,16 @@ class BlockSizes:
 
 
 def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
-                   min_tiles: int = MIN_TILES_PER_SPLIT) -> tuple[int, int]:
+                   split_rule: tuple[int, int] = (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)) -> tuple[int, int]:
   """Returns (kv_splits, tiles_per_split)."""
   n_tiles = max(1, pl.cdiv(kv_len, bs.block_k))
   if bs.kv_splits is not None:
     splits = min(bs.kv_splits, n_tiles)
   else:
     base = batch * kv_heads * num_q_blocks
+    min_tiles, split_below = split_rule
     splits = 1
-    if base < _NUM_SMS:  # under one wave: split KV up to ~2 waves, keeping >= min_tiles tiles a split
+    if base <= split_below:  # under half a wave: split KV up to ~2 waves, >= min_tiles tiles a split
       splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles // min_tiles, 16))
   tiles_per_split = pl.cdiv(n_tiles, splits)
   splits = pl.cdiv(n_tiles, tiles_per_split)
@@ -353,9 +357,9 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
-                                             "min_tiles_per_split"))
+                                             "split_rule"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret, min_tiles_per_split):
+                           return_state, block_sizes, interpret, split_rule):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
@@ -367,7 +371,7 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
                      f"{bs.block_q} * {group_pad}")
   nq = pl.cdiv(Tq, bs.block_q)
   splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S,
-                               min_tiles=min_tiles_per_split)
+                               split_rule=split_rule)
   state_out = return_state or init_state is not None or splits > 1
 
   q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
@@ -521,7 +525,7 @@ def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None
                                 scale=float(scale), return_state=bool(return_state),
                                 block_sizes=block_sizes, interpret=bool(interpret),
                                 # read here, not in the cached trace, so a changed value is a new program
-                                min_tiles_per_split=MIN_TILES_PER_SPLIT)
+                                split_rule=(MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS))
 
 
 def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",

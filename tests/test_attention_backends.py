@@ -34,3 +34,34 @@ def test_generate_with_pallas_attention(models_fp32):
     # the kernel's fp32 dots may run at reduced internal precision; tokens agree on this tiny model
     assert (out.tokens == ref.tokens).mean() >= 0.9
     assert out.nfe == ref.nfe
+
+
+def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(monkeypatch):
+    """"cudnn_pallas" (the GPU default in bf16): windows up to SHORT_QUERY tokens run the Pallas kernel, longer
+    ones cuDNN (recorded here through a stand-in, since cuDNN needs a GPU)."""
+    from dllm_jax import attention
+    from dllm_jax.generate import resolve_backend
+    from dllm_jax.config import ModelConfig
+
+    long_calls = []
+
+    def fake_cudnn(q, k, v, key_mask):
+        long_calls.append(q.shape[1])
+        return attention.attend_reference(q, k, v, key_mask)
+
+    monkeypatch.setattr(attention, "_attend_cudnn", fake_cudnn)
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    k = jax.random.normal(k2, (1, 96, 2, 64), jnp.float32)
+    v = jax.random.normal(k3, (1, 96, 2, 64), jnp.float32)
+    for t in (attention.SHORT_QUERY, attention.SHORT_QUERY + 1):
+        q = jax.random.normal(k1, (1, t, 4, 64), jnp.float32)
+        out = attend(q, k, v, None, "cudnn_pallas")
+        np.testing.assert_allclose(np.asarray(out), np.asarray(attend(q, k, v, None, "xla")), rtol=2e-3, atol=2e-3)
+    assert long_calls == [attention.SHORT_QUERY + 1]  # the block-step-sized window never reached cuDNN
+    bf16 = ModelConfig(family="llada", vocab_size=80, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16,
+                       mlp_hidden=96, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
+                       tie_embeddings=False, max_seq_len=64, mask_token_id=79, eos_token_id=78, pad_token_id=78,
+                       dtype="bfloat16")
+    gpu = jax.default_backend() == "gpu"
+    assert resolve_backend(GenerationConfig(), bf16, padded=False) == ("cudnn_pallas" if gpu else "xla")
+    assert resolve_backend(GenerationConfig(), bf16, padded=True) == "xla"

@@ -42,7 +42,7 @@ def test_profile_block_step_smoke(tmp_path):
          "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layer_layout"] == "unrolled" and row["ms_block_step"] > 0 and row["xla_baseline_ms"] > 0
-    # the default step on the fused norm/RoPE kernels, and its XLA-ops twins (bf16 and FP8) in the same process
+    # the step on the fused norm/RoPE kernels (forced), and its XLA-ops twins (bf16 and FP8) in the same process
     assert row["norm_rope_backend"] == "pallas" and row["ms_xla_norm_rope"] > 0 and row["ms_fp8_ffn_xla_norm_rope"] > 0
     assert "marginal_ms" in row["long_loop_xla_norm_rope"]
     assert row["ms_unfused"] > 0 and row["ms_stacked_cache"] > 0  # both v4 choices reverted, same process

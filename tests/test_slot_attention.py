@@ -257,8 +257,8 @@ def test_split_rule_is_read_per_call_not_from_a_cached_trace(monkeypatch):
     (eqn,) = _pallas_calls(jaxpr.jaxpr)
     return eqn.outvars[0].aval.shape[0]  # the state outputs are [splits, B, ...]
 
-  assert splits() == 8 // sa.MIN_TILES_PER_SPLIT == 2
-  monkeypatch.setattr(sa, "MIN_TILES_PER_SPLIT", 1)
-  assert splits() == 8
+  assert sa.MIN_TILES_PER_SPLIT == 1 and splits() == 8  # one tile a split: as many programs as tiles
+  monkeypatch.setattr(sa, "MIN_TILES_PER_SPLIT", 4)
+  assert splits() == 2
   out = sa.slot_attention(q, kp, vp, tbl, ql, kl, block_sizes=bs, interpret=INTERPRET)
   _check_out(out, sa.slot_attention_reference(q, kp, vp, tbl, ql, kl), (16,), (256,))
