@@ -68,8 +68,8 @@ VARIANTS = {
     "xla_norm_rope": "residual adds, RMSNorms, RoPE and the K/V cache writes as XLA ops (norm_rope_backend='xla', "
                      "the default) beside a step run with --norm-rope pallas (dllm_jax/fused_layers.py)",
     "fp8_ffn_xla_norm_rope": "the FP8 FFN variant with norm_rope_backend='xla' (v12's fused kernels measured on it)",
-    "pallas_attn_fine_split": "attention on the Pallas slot kernel with KV splits of one tile where the grid is "
-                              "under a wave (slot_attention.MIN_TILES_PER_SPLIT=1; default 4)",
+    "pallas_attn_fine_split": "attention on the Pallas slot kernel with KV splits of one tile where it splits "
+                              "(slot_attention.MIN_TILES_PER_SPLIT=1: the default since v12, 4 before)",
     "pallas_attn_no_split": "attention on the Pallas slot kernel without KV splits (MIN_TILES_PER_SPLIT=10**6)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
@@ -111,10 +111,8 @@ def _fake_attend(q, k, v, key_mask=None, backend="xla"):
 @contextlib.contextmanager
 def variant(name: str):
     """Temporarily change one stage of the block: attributes patched for the duration (read at trace time)."""
-    from dllm_jax import fp8
+    from dllm_jax import fp8, fused_layers
     from pallas_kernels import fp8_matmul
-
-    from dllm_jax import fused_layers
 
     patches = []
     if name == "no_attention":
@@ -416,8 +414,8 @@ def main() -> None:
                 if v == "unfused" and layout == "unrolled":
                     row["ms_unfused"] = _try(lambda: step(*alternative(v), b, base), row, v)
                 elif v == "stacked_cache":
-                    row["ms_stacked_cache"] = _try(lambda: step(cfg, params, b, base, stacked_cache=True,
-                                                                         norm_rope="xla"), row, v)
+                    row["ms_stacked_cache"] = _try(  # the fused norm/RoPE loop needs per-layer buffers
+                        lambda: step(cfg, params, b, base, stacked_cache=True, norm_rope="xla"), row, v)
                 elif v == "xla_norm_rope":
                     ll0 = {"steps": args.long_loop} if args.long_loop else None
                     row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, long_loop=ll0, norm_rope="xla"),
@@ -430,7 +428,7 @@ def main() -> None:
                     nr = "xla" if v.endswith("_xla_norm_rope") else forced
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(*alternative("fp8_ffn"), b, base, trace=tr8,
-                                                                long_loop=ll8, norm_rope=nr), row, v)
+                                                           long_loop=ll8, norm_rope=nr), row, v)
                     if tr8:
                         row[f"trace_{v}"] = tr8
                     if ll8 and "marginal_ms" in ll8:
@@ -481,9 +479,11 @@ def floor_compute_ms(weight_bytes: int, batch: int) -> float:
 
 KIND_ORDER = ("gemm", "attention", "cache_update", "copy", "other")
 TABLE_LABELS = {"profile_v3": "v3", "after": "v4", "v5_fp8": "v4 (v5 run)", "v6_fp8": "v4 (v6 run)",
-                "v7_fp8": "v4 (v7 run)", "v8_long_loop": "v4 (v8 run)"}  # table -> label
+                "v7_fp8": "v4 (v7 run)", "v8_long_loop": "v4 (v8 run)", "v12_default": "v12 (Pallas attention)",
+                "v12_norm_rope": "v12 fused norm/RoPE"}  # table -> label
 # the traced FP8 variant's bar, by table
-FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6", "v7_fp8": "FP8 v7", "v8_long_loop": "FP8 v7 (v8 run)"}
+FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6", "v7_fp8": "FP8 v7", "v8_long_loop": "FP8 v7 (v8 run)",
+              "v12_default": "FP8 v12"}
 
 
 def plot(rows: list[dict], path: Path) -> bool:

@@ -5,10 +5,12 @@
   product, as both the eager and the flash reference paths do). Runs everywhere.
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only, bf16).
 - "pallas": the slot-addressed Pallas kernel (`pallas_kernels.slot_attention`), GPU; interpreted on CPU in tests.
-- "cudnn_pallas": cuDNN for long query windows (full forwards, block starts), the Pallas kernel for short ones
-  (q_len <= SHORT_QUERY: block steps), each where it was measured faster on the H200 (bench/NOTES.md v12: at
-  block steps Pallas 0.02-0.19 ms per step ahead of cuDNN once its split-K merge is one fusion; at full
-  forwards cuDNN is ~1.5x faster, attention_h200.json). The GPU default in bf16.
+- "cudnn_pallas": the Pallas kernel for short query windows (q_len <= SHORT_QUERY: block steps) over at most
+  PALLAS_MAX_ROWS (batch x kv heads) K/V streams, cuDNN otherwise (full forwards, block starts, large MHA
+  batches): each where it was measured faster on the H200. bench/NOTES.md v12: block steps 1.6-3.9% faster
+  than with cuDNN at LLaDA-8B / Dream-7B batch 1 and Dream batch 8, even (+-1%) at LLaDA batch 8 (256 streams);
+  standalone, cuDNN is 8% faster at LLaDA batch 16 (512 streams) and ~1.5x at full forwards
+  (attention_h200.json). The GPU default in bf16.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 Array = jax.Array
 Backend = Literal["xla", "cudnn", "pallas", "cudnn_pallas"]
 BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas")
-SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel
+SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel ...
+PALLAS_MAX_ROWS = 256  # ... when batch x kv heads is at most this
 
 
 def attend_reference(q: Array, k: Array, v: Array, key_mask: Array | None) -> Array:
@@ -74,8 +77,9 @@ def _attend_pallas(q: Array, k: Array, v: Array, key_mask: Array | None, interpr
 
 
 def attend(q: Array, k: Array, v: Array, key_mask: Array | None = None, backend: Backend = "xla") -> Array:
-    if backend == "cudnn_pallas":  # q_len is static: the choice is made once per traced forward
-        backend = "pallas" if q.shape[1] <= SHORT_QUERY else "cudnn"
+    if backend == "cudnn_pallas":  # shapes are static: the choice is made once per traced forward
+        short = q.shape[1] <= SHORT_QUERY and q.shape[0] * k.shape[2] <= PALLAS_MAX_ROWS
+        backend = "pallas" if short else "cudnn"
     if backend == "xla":
         return attend_reference(q, k, v, key_mask)
     if backend == "cudnn":

@@ -1,7 +1,9 @@
-"""The layer loop on fused kernels: `modeling.forward(..., norm_rope_backend="pallas")`, the GPU default.
+"""The layer loop on fused kernels: `modeling.forward(..., norm_rope_backend="pallas")`, opt-in.
 
-The same layers and arithmetic as the XLA path of `modeling.forward`, in fewer kernels per layer (issue 7: at a
-block step each small kernel costs a few microseconds however little it reads):
+The same layers and arithmetic as the XLA path of `modeling.forward`, meant to run fewer kernels per layer (issue 7:
+at a block step each small kernel costs a few microseconds however little it reads). Measured on the H200 it saves
+nothing (bench/NOTES.md v12): XLA already fuses each residual add into the reduction kernel of its split-K GEMM, and
+that reduction stays a kernel of its own in front of these. Kept, tested, for a GEMM that reduces in-kernel.
   * every residual add is done by the kernel of the RMSNorm that follows it (`pallas_kernels/residual_rmsnorm.py`).
     The residual stream is carried as (x, delta): a sublayer's output `delta` is added by the next norm's kernel,
     the FFN's by the next layer's attention norm (the last layer's by a plain add before the final norm);

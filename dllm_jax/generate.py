@@ -56,7 +56,8 @@ class GenerationConfig:
     stop_at_eos: bool = True
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
-    # auto: on a GPU in bf16, cuDNN for full forwards and the Pallas kernel for block steps ("cudnn_pallas"), else XLA
+    # auto: on a GPU for unpadded bf16 batches "cudnn_pallas" (cuDNN for full forwards, the Pallas kernel for block
+    # steps), else XLA
     attention_backend: Literal["auto", "xla", "cudnn", "pallas", "cudnn_pallas"] = "auto"
     # "pallas": FFN GEMMs of short windows (batch x window <= 64 tokens: block steps at batch 1-2) with the
     # weight-streaming kernel. Off by default until it is measured faster inside the model (bench/NOTES.md).

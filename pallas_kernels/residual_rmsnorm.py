@@ -1,10 +1,10 @@
 """Residual add + RMSNorm as one kernel (Pallas, Triton lowering).
 
 A pre-norm layer adds each sublayer's output to the residual stream and normalises the sum for the next
-sublayer: s = x + delta, h = RMSNorm(s) * weight. XLA runs the add and the norm as two kernels of ~2-5 us each at
-a block step's 32-256 rows (a launch-bound cost: LLaDA-8B reads only 0.25-2 MB per kernel there; on the H200 the
-adds alone were 0.15 ms of a 4.9 ms batch-1 step, bench/NOTES.md v12). Here both are one kernel that reads x and
-delta once and writes s and h.
+sublayer: s = x + delta, h = RMSNorm(s) * weight. Here both are one kernel that reads x and delta once and writes s
+and h (XLA's norm is a kernel of its own, ~2-5 us at a block step's 32-256 rows). It saves nothing in the model
+after XLA's GEMMs (bench/NOTES.md v12): XLA fuses the add into the split-K reduction kernel of the GEMM that made
+delta, which stays a kernel in front of this one. Used by the opt-in `dllm_jax/fused_layers.py`.
 
 Numerics are `dllm_jax.layers.RMSNorm`'s on s = x + delta rounded to x.dtype: fp32 statistics, the normalised
 row rounded to x.dtype, then times the weight in x.dtype. Only the order of the fp32 sum of squares may differ

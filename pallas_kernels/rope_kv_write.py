@@ -2,9 +2,11 @@
 
 After a layer's fused q/k/v projection, XLA runs three kernels per layer at a cached block step: the rotation of
 q and k (one concatenate fusion) and one dynamic-update-slice each for K and V into the layer's cache buffer
-(~6 us together per LLaDA-8B layer at batch 1 on the H200, bench/NOTES.md v12). Here one kernel reads the
-projection output once, writes the rotated q, and stores the rotated k and the v of every written token straight
-into the cache buffers, which are aliased to its outputs (updated in place; nothing else of them is touched).
+(~6 us together per LLaDA-8B layer at batch 1 on the H200). Here one kernel reads the projection output once,
+writes the rotated q, and stores the rotated k and the v of every written token straight into the cache buffers,
+which are aliased to its outputs (updated in place; nothing else of them is touched). Measured (bench/NOTES.md
+v12): 6.5 vs 7.6 us per layer at LLaDA-8B batch 8, but no gain at batch 1 (XLA had fused RoPE into the q/k/v
+GEMM's split-K reduction) and slower over a block start's 4096 tokens; used by the opt-in `dllm_jax/fused_layers.py`.
 
 Layout and semantics
 --------------------

@@ -37,8 +37,8 @@ def test_generate_with_pallas_attention(models_fp32):
 
 
 def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(monkeypatch):
-    """"cudnn_pallas" (the GPU default in bf16): windows up to SHORT_QUERY tokens run the Pallas kernel, longer
-    ones cuDNN (recorded here through a stand-in, since cuDNN needs a GPU)."""
+    """"cudnn_pallas" (the GPU default in bf16): windows up to SHORT_QUERY tokens over at most PALLAS_MAX_ROWS K/V
+    streams run the Pallas kernel, the rest cuDNN (recorded here through a stand-in, since cuDNN needs a GPU)."""
     from dllm_jax import attention
     from dllm_jax.generate import resolve_backend
     from dllm_jax.config import ModelConfig
@@ -58,6 +58,9 @@ def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(mon
         out = attend(q, k, v, None, "cudnn_pallas")
         np.testing.assert_allclose(np.asarray(out), np.asarray(attend(q, k, v, None, "xla")), rtol=2e-3, atol=2e-3)
     assert long_calls == [attention.SHORT_QUERY + 1]  # the block-step-sized window never reached cuDNN
+    monkeypatch.setattr(attention, "PALLAS_MAX_ROWS", 1)  # 1 row x 2 kv heads: now too many streams for Pallas
+    attend(jax.random.normal(k1, (1, 8, 4, 64), jnp.float32), k, v, None, "cudnn_pallas")
+    assert long_calls == [attention.SHORT_QUERY + 1, 8]
     bf16 = ModelConfig(family="llada", vocab_size=80, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16,
                        mlp_hidden=96, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
                        tie_embeddings=False, max_seq_len=64, mask_token_id=79, eos_token_id=78, pad_token_id=78,
@@ -65,3 +68,22 @@ def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(mon
     gpu = jax.default_backend() == "gpu"
     assert resolve_backend(GenerationConfig(), bf16, padded=False) == ("cudnn_pallas" if gpu else "xla")
     assert resolve_backend(GenerationConfig(), bf16, padded=True) == "xla"
+
+
+def test_block_steps_on_the_pallas_kernel_give_the_reference_tokens():
+    """The GPU default runs block steps on the Pallas kernel: in fp32 its tokens are the XLA reference's (on the
+    CPU the kernel is interpreted with fp32 dots; a GPU's TF32 dots may flip a near tie, hence >= 0.9 there)."""
+    from dllm_jax.loading import Model
+    from dllm_jax.modeling import init_params, unstack_layers
+    from test_layer_loop import CONFIGS, PROMPTS
+
+    for i, (name, c) in enumerate(CONFIGS.items()):
+        m = Model(c, unstack_layers(init_params(c, jax.random.key(i), std=0.2)))
+        gc = GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual", stop_at_eos=False,
+                              attention_backend="xla")
+        ref = generate(m, PROMPTS, gc).tokens
+        out = generate(m, PROMPTS, dataclasses.replace(gc, attention_backend="pallas")).tokens
+        if jax.default_backend() == "gpu":
+            assert (out == ref).mean() >= 0.9, name
+        else:
+            np.testing.assert_array_equal(out, ref, err_msg=name)
