@@ -67,7 +67,7 @@ def test_fused_forward_with_the_fp8_ffn():
     _close(fused.cache.stacked().k, plain.cache.stacked().k)
 
 
-@pytest.mark.parametrize("name,cache", [("llada", "dual"), ("llada", "prefix"), ("llada", "none"), ("dream", "dual")])
+@pytest.mark.parametrize("name,cache", [("llada", "dual"), ("dream", "prefix")])  # no cache: the forward test
 def test_generate_tokens_identical_with_fused_kernels(name, cache, unrolled):
     m = unrolled[name]
     gc = GenerationConfig(gen_length=16, block_length=8, steps=8, cache=cache, stop_at_eos=False,
