@@ -202,50 +202,31 @@ def main() -> None:
             continue
         row["fp8_ffn"] = bool(args.fp8_ffn)
         rows.append(row)
+        def twin(model: Model, kind: str, key: str, label: str, fp8: bool, **kernels) -> None:
+            """The same row timed with one choice changed, in this process: a comparison row, and the row's
+            speedup_vs_<key> / block_step_speedup_vs_<key> over it."""
+            try:
+                ref = bench_one(model, name, mode, batch, steps, rng, reps, args.ffn_backend, **kernels)
+            except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
+                print(f"FAILED {kind} twin {name} {mode} b{batch} s{steps}: {type(e).__name__}: {e}", flush=True)
+                skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, comparison=kind,
+                                    error=str(e)[:300]))
+                return
+            ref.update(fp8_ffn=fp8, comparison=label)
+            rows.append(ref)
+            row[f"speedup_vs_{key}"] = ref["seconds"] / row["seconds"]
+            row[f"block_step_speedup_vs_{key}"] = ref["ms_block_step"] / row["ms_block_step"]
+            print(f"    {label}: {ref['tokens_per_s']:8.1f} tok/s  step {ref['ms_block_step']:6.2f} ms -> "
+                  f"{row[f'speedup_vs_{key}']:.3f}x end to end, {row[f'block_step_speedup_vs_{key}']:.3f}x block "
+                  f"step", flush=True)
+
         if bf16 is not None:
-            try:
-                ref = bench_one(bf16, name, mode, batch, steps, rng, reps, args.ffn_backend, args.norm_rope)
-            except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
-                print(f"FAILED bf16 twin {name} {mode} b{batch} s{steps}: {type(e).__name__}: {e}", flush=True)
-                skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, comparison="bf16",
-                                    error=str(e)[:300]))
-                ref = None
-            if ref is not None:
-                ref.update(fp8_ffn=False, comparison="same-run bf16 baseline")
-                rows.append(ref)
-                row["speedup_vs_bf16"] = ref["seconds"] / row["seconds"]
-                row["block_step_speedup_vs_bf16"] = ref["ms_block_step"] / row["ms_block_step"]
-                print(f"    bf16 same run: {ref['tokens_per_s']:8.1f} tok/s  step {ref['ms_block_step']:6.2f} ms  "
-                      f"-> FP8 {row['speedup_vs_bf16']:.2f}x end to end, {row['block_step_speedup_vs_bf16']:.2f}x "
-                      f"block step", flush=True)
+            twin(bf16, "bf16", "bf16", "same-run bf16 baseline", False, norm_rope=args.norm_rope)
         if args.compare_attention:
-            try:
-                ref = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend, args.norm_rope,
-                                args.compare_attention)
-                ref.update(fp8_ffn=bool(args.fp8_ffn), comparison=f"same-run attention {args.compare_attention}")
-                rows.append(ref)
-                row["speedup_vs_attention_twin"] = ref["seconds"] / row["seconds"]
-                row["block_step_speedup_vs_attention_twin"] = ref["ms_block_step"] / row["ms_block_step"]
-                print(f"    attention {args.compare_attention} same run: {ref['tokens_per_s']:8.1f} tok/s  step "
-                      f"{ref['ms_block_step']:6.2f} ms -> {row['speedup_vs_attention_twin']:.3f}x end to end",
-                      flush=True)
-            except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
-                print(f"FAILED attention twin {name} {mode} b{batch}: {type(e).__name__}: {e}", flush=True)
-                skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, comparison="attention",
-                                    error=str(e)[:300]))
+            twin(current, "attention", "attention_twin", f"same-run attention {args.compare_attention}",
+                 bool(args.fp8_ffn), norm_rope=args.norm_rope, attention=args.compare_attention)
         if args.compare_norm_rope:
-            try:
-                ref = bench_one(current, name, mode, batch, steps, rng, reps, args.ffn_backend, "xla")
-                ref.update(fp8_ffn=bool(args.fp8_ffn), comparison="same-run norm_rope xla")
-                rows.append(ref)
-                row["speedup_vs_xla_norm_rope"] = ref["seconds"] / row["seconds"]
-                row["block_step_speedup_vs_xla_norm_rope"] = ref["ms_block_step"] / row["ms_block_step"]
-                print(f"    norm_rope xla same run: {ref['tokens_per_s']:8.1f} tok/s  step "
-                      f"{ref['ms_block_step']:6.2f} ms -> {row['speedup_vs_xla_norm_rope']:.3f}x end to end", flush=True)
-            except Exception as e:  # noqa: BLE001  (the comparison must not lose the run)
-                print(f"FAILED norm_rope twin {name} {mode} b{batch}: {type(e).__name__}: {e}", flush=True)
-                skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, comparison="norm_rope",
-                                    error=str(e)[:300]))
+            twin(current, "norm_rope", "xla_norm_rope", "same-run norm_rope xla", bool(args.fp8_ffn), norm_rope="xla")
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.gpu_info import H200_SMS
+
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -51,7 +53,7 @@ BACKENDS = ("xla", "pallas")
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite start value of the running max inside the kernel (base-2 domain)
-_NUM_SMS = 132   # H200; only used by the split heuristic
+_NUM_SMS = H200_SMS  # only used by the split heuristic
 # The split heuristic keeps at least this many KV tiles per split (read per call; benchmark variants change it).
 # In a block step on the H200 (bench/NOTES.md v12, calls of 8 steps): one-tile splits beat 4-tile splits at batch
 # 1 (LLaDA-8B 4.98 vs 5.04 ms, Dream-7B 4.45 vs 4.50: more programs in flight), and no split beat 2 at Dream's
@@ -265,34 +267,26 @@ def merge_states(a: AttentionState, b: AttentionState) -> AttentionState:
   return AttentionState(m, l, o)
 
 
-def _merge_split_states(m, l, o) -> AttentionState:
-  """m, l [N, B, Hq, Tq]; o [N, B, Tq, Hq, D] -> merged state."""
+def _merge_split_rows(m, l, o):
+  """m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D] (the kernel's row order) -> (m, l, o) over all N splits, in that
+  order. In one layout the merge is a reduction over N plus elementwise ops (the state's [B, Hq, Tq] layout cost
+  two transposes and two more small kernels per call: ~6 us of a block step's attention, bench/NOTES.md v12)."""
   mx = jnp.max(m, axis=0)
   m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
   w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
-  l_out = jnp.sum(w * l, axis=0)
-  o_out = jnp.sum(jnp.swapaxes(w, 2, 3)[..., None] * o, axis=0)
-  return AttentionState(mx, l_out, o_out)
+  return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
 
 
-def _merge_splits_to_output(m, l, o, dtype) -> jax.Array:
-  """m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D] (the kernel's row order) -> the normalised output over all N
-  splits. In one layout the merge is a reduction over N plus elementwise ops (the state layout cost two
-  transposes and two more small kernels per call: ~6 us of a block step's attention, bench/NOTES.md v12)."""
-  mx = jnp.max(m, axis=0)
-  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-  w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
-  l_out = jnp.sum(w * l, axis=0)[..., None]
-  o_out = jnp.sum(w[..., None] * o, axis=0)
-  ok = l_out > 0
-  return jnp.where(ok, o_out / jnp.where(ok, l_out, 1.0), 0.0).astype(dtype)
+def _normalise(l_rows, o, dtype) -> jax.Array:
+  """o [B, Tq, Hq, D] / l_rows [B, Tq, Hq], with rows whose l == 0 (no key seen) giving zeros."""
+  l = l_rows[..., None]
+  ok = l > 0
+  return jnp.where(ok, o / jnp.where(ok, l, 1.0), 0.0).astype(dtype)
 
 
 def finalize_state(state: AttentionState, dtype=jnp.float32) -> jax.Array:
   """o / l, with rows whose l == 0 (no key seen) giving zeros."""
-  l = jnp.swapaxes(state.l, 1, 2)[..., None]  # [B, Tq, Hq, 1]
-  ok = l > 0
-  return jnp.where(ok, state.o / jnp.where(ok, l, 1.0), 0.0).astype(dtype)
+  return _normalise(jnp.swapaxes(state.l, 1, 2), state.o, dtype)
 
 
 def empty_state(batch: int, q_len: int, q_heads: int, head_dim: int) -> AttentionState:
@@ -428,13 +422,10 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   o = o.reshape(splits, B, Tq, Hq, D)
   m = m.reshape(splits, B, Tq, Hq)
   l = l.reshape(splits, B, Tq, Hq)
-  if not return_state and init_state is None:  # split-K partials straight to the output: no state layout
-    return _merge_splits_to_output(m, l, o, q.dtype)
-  m, l = jnp.swapaxes(m, 2, 3), jnp.swapaxes(l, 2, 3)  # the state's [B, Hq, Tq] layout
-  if splits == 1:
-    state = AttentionState(m[0], l[0], o[0])
-  else:
-    state = _merge_split_states(m, l, o)
+  m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
+  if not return_state and init_state is None:  # straight to the output: no state layout
+    return _normalise(l, o, q.dtype)
+  state = AttentionState(jnp.swapaxes(m, 1, 2), jnp.swapaxes(l, 1, 2), o)  # the state's [B, Hq, Tq] layout
   if init_state is not None:
     state = merge_states(AttentionState(*init_state), state)
   if return_state:
