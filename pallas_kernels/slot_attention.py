@@ -159,7 +159,8 @@ def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
 def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, group: int,
                            group_pad: int, block_q: int, block_k: int, tiles_per_split: int,
                            q_len_max: int, kv_len_max: int, q_heads: int, kv_heads: int,
-                           qk_scale: float):
+                           qk_scale: float, kv_head_major: bool = False,
+                           normalised_partials: bool = False):
   if contiguous:
     tbl_ref = None
     q_ref, k_ref, v_ref, *out_refs = refs
@@ -203,14 +204,16 @@ def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, g
     o_prev, m_prev, l_prev = carry
     kpos = j * block_k + kidx
     kmask = kpos < kv_len if masked else None
-    if contiguous:
+    if contiguous and kv_head_major:  # probe only: [B, Hkv, S, D] memory
+      slots = None
+    elif contiguous:
       slots = b * kv_len_max + kpos
     elif masked or kv_len_max % block_k:  # (a static-size slice must fit the table's block)
       tmask = kmask if masked else kpos < kv_len_max
       slots = plgpu.load(tbl_ref.at[pl.ds(j * block_k, block_k)], mask=tmask, other=0)
     else:
       slots = tbl_ref[pl.ds(j * block_k, block_k)]
-    k_rows = slots * kv_heads + kvh
+    k_rows = (b * kv_heads + kvh) * kv_len_max + kpos if slots is None else slots * kv_heads + kvh
     if masked:
       k = plgpu.load(k_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
     else:
@@ -239,7 +242,10 @@ def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, g
   if state_out:
     o_ref, m_ref, l_ref = out_refs
     seen = row_ok & (l > 0.0)
-    plgpu.store(o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0), mask=st_mask)
+    if normalised_partials:  # o / l in o_ref's dtype (bf16): half the partials' bytes
+      o = o * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)[:, None]
+    plgpu.store(o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0).astype(o_ref.dtype),
+                mask=st_mask)
     # m and l in o's row order (t * Hq + h): merging the splits is then elementwise over one layout
     plgpu.store(m_ref.at[q_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
     plgpu.store(l_ref.at[q_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
@@ -275,6 +281,18 @@ def _merge_split_rows(m, l, o):
   m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
   w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
   return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
+
+
+def _merge_normalised_rows(m, l, o_hat, dtype) -> jax.Array:
+  """Like _merge_split_rows then _normalise, for partials stored normalised (o_hat = o / l, any dtype):
+  out = sum_i w_i o_hat_i / sum_i w_i with w_i = l_i exp(m_i - max m); rows that saw no key give zeros."""
+  mx = jnp.max(m, axis=0)
+  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+  w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]) * l)
+  total = jnp.sum(w, axis=0)
+  ok = total > 0
+  out = jnp.sum(w[..., None] * o_hat.astype(jnp.float32), axis=0)
+  return jnp.where(ok[..., None], out / jnp.where(ok, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
 def _normalise(l_rows, o, dtype) -> jax.Array:
@@ -351,9 +369,10 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
-                                             "split_rule"))
+                                             "split_rule", "kv_head_major", "normalised_partials"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret, split_rule):
+                           return_state, block_sizes, interpret, split_rule, kv_head_major=False,
+                           normalised_partials=False):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
@@ -367,6 +386,9 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S,
                                split_rule=split_rule)
   state_out = return_state or init_state is not None or splits > 1
+  normalised_partials = normalised_partials and state_out and not return_state and init_state is None
+  if kv_head_major and not contiguous:
+    raise ValueError("kv_head_major applies to the contiguous path (read_table=None) only")
 
   q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
   kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
@@ -380,7 +402,8 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
       _slot_attention_kernel, contiguous=contiguous, state_out=state_out, group=group,
       group_pad=group_pad, block_q=bs.block_q, block_k=bs.block_k, tiles_per_split=tps,
       q_len_max=Tq, kv_len_max=S, q_heads=Hq, kv_heads=Hkv,
-      qk_scale=float(scale) * _LOG2E)
+      qk_scale=float(scale) * _LOG2E, kv_head_major=kv_head_major,
+      normalised_partials=normalised_partials)
 
   grid = (nq, splits, Hkv, B)
   in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
@@ -395,7 +418,8 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   ]
   args += [q2, k2, v2]
   if state_out:
-    out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D),
+                                      q.dtype if normalised_partials else jnp.float32),
                  jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
                  jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
@@ -422,6 +446,8 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   o = o.reshape(splits, B, Tq, Hq, D)
   m = m.reshape(splits, B, Tq, Hq)
   l = l.reshape(splits, B, Tq, Hq)
+  if normalised_partials:
+    return _merge_normalised_rows(m, l, o, q.dtype)
   m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
   if not return_state and init_state is None:  # straight to the output: no state layout
     return _normalise(l, o, q.dtype)
