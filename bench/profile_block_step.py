@@ -71,6 +71,10 @@ VARIANTS = {
     "pallas_attn_fine_split": "attention on the Pallas slot kernel with KV splits of one tile where it splits "
                               "(slot_attention.MIN_TILES_PER_SPLIT=1: the default since v12, 4 before)",
     "pallas_attn_no_split": "attention on the Pallas slot kernel without KV splits (MIN_TILES_PER_SPLIT=10**6)",
+    "pallas_attn_v12_tiles": "attention on the Pallas slot kernel with v12's default tiling (BlockSizes.get_default "
+                             "before the v13 sweep: 64-key tiles on 2 stages for MHA block steps, 128 from a wave)",
+    "pallas_attn_bf16_partials": "attention on the Pallas slot kernel with split-K partials stored as o / l in bf16 "
+                                 "(slot_attention.BF16_PARTIALS=True)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -108,6 +112,26 @@ def _fake_attend(q, k, v, key_mask=None, backend="xla"):
     return jnp.repeat(v[:, :1], q.shape[1], axis=1).repeat(g, axis=2).astype(q.dtype)
 
 
+def _v12_tiles(cls, *, batch, q_len, kv_len, q_heads, kv_heads, head_dim, split_rule=None):
+    """slot_attention.BlockSizes.get_default as it was in v12 (the same-run twin of the v13 tiling)."""
+    from pallas_kernels.slot_attention import _NUM_SMS, _next_pow2
+
+    gp = _next_pow2(q_heads // kv_heads)
+    small_q = q_len <= 64
+    rows = (32 if gp == 1 else 64) if small_q else 128
+    block_q = max(1, min(rows // gp, _next_pow2(q_len)))
+    while block_q * gp < 16:
+        block_q *= 2
+    nq = -(-q_len // block_q)
+    block_k, num_warps, num_stages = 64, 4, 3
+    if small_q and gp == 1:
+        num_stages = 2
+        if batch * kv_heads * nq >= _NUM_SMS:
+            block_k = 128
+    block_k = min(block_k, max(16, _next_pow2(kv_len)))
+    return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, kv_splits=None)
+
+
 @contextlib.contextmanager
 def variant(name: str):
     """Temporarily change one stage of the block: attributes patched for the duration (read at trace time)."""
@@ -130,6 +154,14 @@ def variant(name: str):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "MIN_TILES_PER_SPLIT", 10**6))
+    elif name == "pallas_attn_v12_tiles":
+        from pallas_kernels import slot_attention
+
+        patches.append((slot_attention.BlockSizes, "get_default", classmethod(_v12_tiles)))
+    elif name == "pallas_attn_bf16_partials":
+        from pallas_kernels import slot_attention
+
+        patches.append((slot_attention, "BF16_PARTIALS", True))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:

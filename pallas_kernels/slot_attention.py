@@ -60,6 +60,9 @@ _NUM_SMS = H200_SMS  # only used by the split heuristic
 # batch 8 (6.70 vs 6.79: 128 programs already nearly fill the GPU), hence also SPLIT_BELOW_SMS.
 MIN_TILES_PER_SPLIT = 1
 SPLIT_BELOW_SMS = _NUM_SMS // 2  # split the KV length only when the grid has at most this many programs
+# Split-K partials of the plain output path stored as o / l in q's dtype (bf16 in the model) and merged by weight
+# l * exp(m - max m): half the partials' bytes. The state path always keeps fp32 o. Read per call like the split rule.
+BF16_PARTIALS = False
 
 
 class AttentionState(NamedTuple):
@@ -110,12 +113,15 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, *, batch: int, q_len: int, kv_len: int, q_heads: int, kv_heads: int,
-                  head_dim: int) -> "BlockSizes":
-    """Heuristic defaults, from the H200 sweep in bench/NOTES.md (Triton lowering).
+                  head_dim: int, split_rule: tuple[int, int] | None = None) -> "BlockSizes":
+    """Heuristic defaults, from the H200 sweeps in bench/NOTES.md (Triton lowering).
 
     Full forward (q_len > 64): 128 rows x 64 keys, 4 warps, 3 stages (8 warps was 15-35% slower).
-    Block step, MHA: 32 rows (the 32 tokens), 128-key tiles when the grid fills the GPU
-    (memory bound), else 64-key tiles and a KV split.  Block step, GQA: 64 rows.
+    Block step (q_len <= 64; device times of `sweep_block_attention.py`, NOTES v13): 32 rows for MHA (the 32
+    tokens), 64 for GQA. MHA: when the grid is small enough to be split over the KV length, 128-key tiles (fewer
+    programs and partials to merge) with no software pipelining when each split is one tile; at 2-3 waves of
+    programs 64-key tiles on 3 stages; beyond, 32-key tiles on 3 stages. GQA: 64-key tiles on 3 stages, 128-key
+    tiles while the grid is under one wave.
     """
     del head_dim
     gp = _next_pow2(q_heads // kv_heads)
@@ -124,16 +130,24 @@ class BlockSizes:
     block_q = max(1, min(rows // gp, _next_pow2(q_len)))
     while block_q * gp < 16:
       block_q *= 2
+    rule = split_rule or (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)
     nq = pl.cdiv(q_len, block_q)
-    block_k = 64
-    num_warps, num_stages = 4, 3
+    base = batch * kv_heads * nq  # programs before any KV split
+    block_k, num_warps, num_stages = 64, 4, 3
     if small_q and gp == 1:
-      num_stages = 2
-      if batch * kv_heads * nq >= _NUM_SMS:
+      if base <= rule[1]:
         block_k = 128
+      elif base >= 3 * _NUM_SMS:
+        block_k = 32
+    elif small_q and rule[1] < base < _NUM_SMS:
+      block_k = 128
     block_k = min(block_k, max(16, _next_pow2(kv_len)))
-    return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-               kv_splits=None)
+    bs = cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, kv_splits=None)
+    if small_q and gp == 1 and base <= rule[1]:  # split over the KV length: pipeline only multi-tile splits
+      _, tiles_per_split = _choose_splits(bs, batch=batch, kv_heads=kv_heads, num_q_blocks=nq, kv_len=kv_len,
+                                          split_rule=rule)
+      bs = dataclasses.replace(bs, num_stages=1 if tiles_per_split == 1 else 2)
+    return bs
 
 
 def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
@@ -159,8 +173,7 @@ def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
 def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, group: int,
                            group_pad: int, block_q: int, block_k: int, tiles_per_split: int,
                            q_len_max: int, kv_len_max: int, q_heads: int, kv_heads: int,
-                           qk_scale: float, kv_head_major: bool = False,
-                           normalised_partials: bool = False):
+                           qk_scale: float, normalised_partials: bool = False):
   if contiguous:
     tbl_ref = None
     q_ref, k_ref, v_ref, *out_refs = refs
@@ -204,16 +217,14 @@ def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, g
     o_prev, m_prev, l_prev = carry
     kpos = j * block_k + kidx
     kmask = kpos < kv_len if masked else None
-    if contiguous and kv_head_major:  # probe only: [B, Hkv, S, D] memory
-      slots = None
-    elif contiguous:
+    if contiguous:
       slots = b * kv_len_max + kpos
     elif masked or kv_len_max % block_k:  # (a static-size slice must fit the table's block)
       tmask = kmask if masked else kpos < kv_len_max
       slots = plgpu.load(tbl_ref.at[pl.ds(j * block_k, block_k)], mask=tmask, other=0)
     else:
       slots = tbl_ref[pl.ds(j * block_k, block_k)]
-    k_rows = (b * kv_heads + kvh) * kv_len_max + kpos if slots is None else slots * kv_heads + kvh
+    k_rows = slots * kv_heads + kvh
     if masked:
       k = plgpu.load(k_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
     else:
@@ -369,16 +380,15 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
-                                             "split_rule", "kv_head_major", "normalised_partials"))
+                                             "split_rule", "normalised_partials"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret, split_rule, kv_head_major=False,
-                           normalised_partials=False):
+                           return_state, block_sizes, interpret, split_rule, normalised_partials=False):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
   group_pad = _next_pow2(group)
-  bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq,
-                                             kv_heads=Hkv, head_dim=D)
+  bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                                             split_rule=split_rule)
   if bs.block_q * group_pad < 16:
     raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got "
                      f"{bs.block_q} * {group_pad}")
@@ -387,8 +397,6 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
                                split_rule=split_rule)
   state_out = return_state or init_state is not None or splits > 1
   normalised_partials = normalised_partials and state_out and not return_state and init_state is None
-  if kv_head_major and not contiguous:
-    raise ValueError("kv_head_major applies to the contiguous path (read_table=None) only")
 
   q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
   kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
@@ -402,8 +410,7 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
       _slot_attention_kernel, contiguous=contiguous, state_out=state_out, group=group,
       group_pad=group_pad, block_q=bs.block_q, block_k=bs.block_k, tiles_per_split=tps,
       q_len_max=Tq, kv_len_max=S, q_heads=Hq, kv_heads=Hkv,
-      qk_scale=float(scale) * _LOG2E, kv_head_major=kv_head_major,
-      normalised_partials=normalised_partials)
+      qk_scale=float(scale) * _LOG2E, normalised_partials=normalised_partials)
 
   grid = (nq, splits, Hkv, B)
   in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
@@ -538,11 +545,16 @@ def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None
     raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
   if init_state is not None:
     init_state = AttentionState(*init_state)
+  B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+  # module switches and the default tiling are read here, not in the cached trace: a changed value is a new program
+  split_rule = (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                                         split_rule=split_rule)
   return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
                                 scale=float(scale), return_state=bool(return_state),
-                                block_sizes=block_sizes, interpret=bool(interpret),
-                                # read here, not in the cached trace, so a changed value is a new program
-                                split_rule=(MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS))
+                                block_sizes=block_sizes, interpret=bool(interpret), split_rule=split_rule,
+                                normalised_partials=BF16_PARTIALS)
 
 
 def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",
