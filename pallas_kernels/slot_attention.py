@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 __all__ = [
-    "AttentionState", "BlockSizes", "L2Prefetch", "slot_attention", "slot_attention_reference",
+    "AttentionState", "BlockSizes", "slot_attention", "slot_attention_reference",
     "finalize_state", "merge_states", "write_kv", "attention", "contiguous_read_table",
     "BACKENDS",
 ]
@@ -167,87 +167,22 @@ def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
   return splits, tiles_per_split
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class L2Prefetch:
-  """Extra programs of the attention grid that read an unrelated array (the next GEMM's weights) while the
-  attention programs run, so that it is in L2 when the GEMM starts (a block step's attention at batch 1 is latency
-  bound and leaves HBM mostly idle).
-
-  Attributes:
-    blocks: extra q-block rows of the grid that prefetch (each as many programs as one q block has).
-    tile_rows: rows of the [R, 256] view loaded per load.
-    unroll: loads in flight per loop iteration.
-  """
-  blocks: int = 1
-  tile_rows: int = 16
-  unroll: int = 4
-
-  def __post_init__(self):
-    for name in ("blocks", "tile_rows", "unroll"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"L2Prefetch.{name} must be a positive int, got {v!r}")
-    if not _is_pow2(self.tile_rows):
-      raise ValueError(f"L2Prefetch.tile_rows must be a power of two, got {self.tile_rows}")
-
-
-PREFETCH_COLS = 256  # the prefetched array is viewed [-1, 256] (512-byte rows in bf16)
-
-
-def _prefetch_rows(pf_ref, pf_out_ref, plan: L2Prefetch, iq, isplit, kvh, b, num_q_blocks):
-  """Programs with iq >= num_q_blocks read their share of pf_ref (evict_last) and store a checksum, so that the
-  loads are kept; their attention part has no rows and does nothing."""
-  n_rows = pf_ref.shape[0]
-  splits, kv_heads, batch = pl.num_programs(1), pl.num_programs(2), pl.num_programs(3)
-  per_block = splits * kv_heads * batch
-  n_programs = plan.blocks * per_block
-  rows_pp = pl.cdiv(n_rows, n_programs)  # static: every grid size is static
-  pid = (iq - num_q_blocks) * per_block + (b * kv_heads + kvh) * splits + isplit
-  step = plan.tile_rows * plan.unroll
-  cols = jnp.arange(PREFETCH_COLS, dtype=jnp.int32)[None, :]
-
-  @pl.when(iq >= num_q_blocks)
-  def _():
-    r0 = pid * rows_pp
-    r_end = jnp.minimum(r0 + rows_pp, n_rows)
-
-    def body(j, acc):
-      for u in range(plan.unroll):
-        rows = r0 + j * step + u * plan.tile_rows + jnp.arange(plan.tile_rows, dtype=jnp.int32)
-        ok = rows < r_end
-        tile = plgpu.load(pf_ref.at[jnp.where(ok, rows, 0)[:, None], cols], mask=ok[:, None], other=0,
-                          eviction_policy="evict_last")
-        acc = acc + tile.astype(jnp.float32)
-      return acc
-
-    acc = lax.fori_loop(0, pl.cdiv(rows_pp, step), body,
-                        jnp.zeros((plan.tile_rows, PREFETCH_COLS), jnp.float32))
-    total = jnp.sum(acc)
-    idx = jnp.full((16,), pid, jnp.int32)
-    plgpu.store(pf_out_ref.at[idx], jnp.full((16,), total), mask=jnp.arange(16) == 0)
-
-
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
 def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, group: int,
                            group_pad: int, block_q: int, block_k: int, tiles_per_split: int,
                            q_len_max: int, kv_len_max: int, q_heads: int, kv_heads: int,
-                           qk_scale: float, normalised_partials: bool = False,
-                           prefetch: "L2Prefetch | None" = None, num_q_blocks: int = 0):
-  refs = list(refs)
-  tbl_ref = None if contiguous else refs.pop(0)
-  q_ref, k_ref, v_ref = refs[:3]
-  if prefetch is None:
-    out_refs = refs[3:]
+                           qk_scale: float, normalised_partials: bool = False):
+  if contiguous:
+    tbl_ref = None
+    q_ref, k_ref, v_ref, *out_refs = refs
   else:
-    pf_ref, *out_refs, pf_out_ref = refs[3:]
+    tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
   iq = pl.program_id(0)
   isplit = pl.program_id(1)
   kvh = pl.program_id(2)
   b = pl.program_id(3)
-  if prefetch is not None:
-    _prefetch_rows(pf_ref, pf_out_ref, prefetch, iq, isplit, kvh, b, num_q_blocks)
   head_dim = q_ref.shape[-1]
   rows = block_q * group_pad
 
@@ -445,10 +380,9 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
-                                             "split_rule", "normalised_partials", "prefetch_plan"))
+                                             "split_rule", "normalised_partials"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret, split_rule, normalised_partials=False,
-                           prefetch=None, prefetch_plan=None):
+                           return_state, block_sizes, interpret, split_rule, normalised_partials=False):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
@@ -476,10 +410,9 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
       _slot_attention_kernel, contiguous=contiguous, state_out=state_out, group=group,
       group_pad=group_pad, block_q=bs.block_q, block_k=bs.block_k, tiles_per_split=tps,
       q_len_max=Tq, kv_len_max=S, q_heads=Hq, kv_heads=Hkv,
-      qk_scale=float(scale) * _LOG2E, normalised_partials=normalised_partials,
-      prefetch=prefetch_plan if prefetch is not None else None, num_q_blocks=nq)
+      qk_scale=float(scale) * _LOG2E, normalised_partials=normalised_partials)
 
-  grid = (nq + (prefetch_plan.blocks if prefetch is not None else 0), splits, Hkv, B)
+  grid = (nq, splits, Hkv, B)
   in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
   args = [lens]
   if not contiguous:
@@ -491,10 +424,6 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
       pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
   ]
   args += [q2, k2, v2]
-  if prefetch is not None:
-    pf = prefetch.reshape(-1, PREFETCH_COLS)
-    in_specs.append(pl.BlockSpec(pf.shape, lambda i, s, h, b: (0, 0)))
-    args.append(pf)
   if state_out:
     out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D),
                                       q.dtype if normalised_partials else jnp.float32),
@@ -506,10 +435,6 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   else:
     out_shape = [jax.ShapeDtypeStruct((B, Tq * Hq, D), q.dtype)]
     out_specs = [pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0))]
-  if prefetch is not None:
-    n_pf = prefetch_plan.blocks * splits * Hkv * B
-    out_shape.append(jax.ShapeDtypeStruct((n_pf,), jnp.float32))
-    out_specs.append(pl.BlockSpec((n_pf,), lambda i, s, h, b: (0,)))
 
   outs = pl.pallas_call(
       kernel,
@@ -521,8 +446,6 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
       interpret=interpret,
       name="slot_attention",
   )(*args)
-  if prefetch is not None:
-    outs = outs[:-1]  # the checksums only keep the prefetching loads alive
 
   if not state_out:
     return outs[0].reshape(B, Tq, Hq, D)
@@ -605,14 +528,11 @@ def slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, 
 # --------------------------------------------------------------------------------------------
 def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None, init_state=None,
                    return_state=False, block_sizes: BlockSizes | None = None, interpret=False,
-                   backend: str = "pallas", prefetch: jax.Array | None = None,
-                   prefetch_plan: L2Prefetch | None = None):
+                   backend: str = "pallas"):
   """Bidirectional attention of q over the K/V slots listed in read_table.
 
   Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
-  return_state=True.  See the module docstring for the layout.  ``prefetch`` (Pallas only; any array whose size is
-  a multiple of 256) is read into L2 by extra programs of the same launch (``L2Prefetch``): the weights of the GEMM
-  that consumes the output.  It does not change the result.
+  return_state=True.  See the module docstring for the layout.
   """
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -631,14 +551,10 @@ def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D,
                                          split_rule=split_rule)
-  if prefetch is not None:
-    if prefetch.size % PREFETCH_COLS:
-      raise ValueError(f"prefetch must have a multiple of {PREFETCH_COLS} elements, got {_shape_str(prefetch)}")
-    prefetch_plan = prefetch_plan or L2Prefetch()
   return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
                                 scale=float(scale), return_state=bool(return_state),
                                 block_sizes=block_sizes, interpret=bool(interpret), split_rule=split_rule,
-                                normalised_partials=BF16_PARTIALS, prefetch=prefetch, prefetch_plan=prefetch_plan)
+                                normalised_partials=BF16_PARTIALS)
 
 
 def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",
