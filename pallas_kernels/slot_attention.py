@@ -119,9 +119,9 @@ class BlockSizes:
     Full forward (q_len > 64): 128 rows x 64 keys, 4 warps, 3 stages (8 warps was 15-35% slower).
     Block step (q_len <= 64; device times of `sweep_block_attention.py`, NOTES v13): 32 rows for MHA (the 32
     tokens), 64 for GQA. MHA: when the grid is small enough to be split over the KV length, 128-key tiles (fewer
-    programs and partials to merge) with no software pipelining when each split is one tile; at 2-3 waves of
-    programs 64-key tiles on 3 stages; beyond, 32-key tiles on 3 stages. GQA: 64-key tiles on 3 stages, 128-key
-    tiles while the grid is under one wave.
+    programs and partials to merge) with no software pipelining when each split is one tile; up to 3 waves of
+    programs 64-key tiles on 3 stages; beyond, 128-key tiles on 2 stages (v12's choice). GQA: 64-key tiles on 3
+    stages, 128-key tiles while the grid is under one wave.
     """
     del head_dim
     gp = _next_pow2(q_heads // kv_heads)
@@ -137,8 +137,8 @@ class BlockSizes:
     if small_q and gp == 1:
       if base <= rule[1]:
         block_k = 128
-      elif base >= 3 * _NUM_SMS:
-        block_k = 32
+      elif base >= 3 * _NUM_SMS:  # (32-key tiles on 3 stages won 7% here at kv 512 but lost 19% at kv 2048)
+        block_k, num_stages = 128, 2
     elif small_q and rule[1] < base < _NUM_SMS:
       block_k = 128
     block_k = min(block_k, max(16, _next_pow2(kv_len)))

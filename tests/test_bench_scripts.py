@@ -309,3 +309,36 @@ def test_probe_fp8_harness_rows_and_tilings(monkeypatch, tmp_path):
     assert [r["variant"] for r in rows] == list(probe.tiling_variants(256, 512, 256))
     assert all(r["rel_err"] < 1e-2 and r["kernel_us"] == 3.0 for r in rows), rows
     assert len(set(calls)) == len(rows)  # each tiling ran (once for rel_err, once per timed set)
+
+
+def test_sweep_block_attention_smoke(tmp_path, monkeypatch):
+    """The block-step attention sweep at a tiny interpreted GQA shape: the default tiling among the timed rows, the
+    split rows and the bf16-partials twin, each with the kernel's error against the fp32 reference."""
+    monkeypatch.setenv("BENCH_SMOKE", "1")  # read at import: tiny shapes, interpreted kernel
+    out = tmp_path / "sweep.json"
+    _run("sweep_block_attention", "--out", str(out), "--shapes", "tiny_gqa")
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["case"] for r in rows} == {"tiny_gqa_b2"}
+    assert sum(1 for r in rows if r.get("is_default")) == 1
+    assert {"tiles", "splits", "bf16_partials"} <= {r["kind"] for r in rows}
+    for r in rows:
+        assert "error" not in r and r["wall_us"] > 0 and r["rel_err"] < 1e-2
+
+
+def test_profile_attention_tiling_variants_patch_the_heuristic():
+    """pallas_attn_v12_tiles puts v12's tiling back for the duration (LLaDA batch 1: 64-key tiles on 2 stages, against
+    the default's unpipelined 128-key one-tile splits) and pallas_attn_bf16_partials turns the bf16 partials on."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import profile_block_step as pbs
+    from pallas_kernels import slot_attention as sa
+
+    shape = dict(batch=1, q_len=32, kv_len=512, q_heads=32, kv_heads=32, head_dim=128)
+    now = sa.BlockSizes.get_default(**shape)
+    assert (now.block_k, now.num_stages) == (128, 1)
+    with pbs.variant("pallas_attn_v12_tiles"):
+        old = sa.BlockSizes.get_default(**shape)
+    assert (old.block_k, old.num_stages) == (64, 2)
+    assert sa.BlockSizes.get_default(**shape) == now
+    with pbs.variant("pallas_attn_bf16_partials"):
+        assert sa.BF16_PARTIALS is True
+    assert sa.BF16_PARTIALS is False
