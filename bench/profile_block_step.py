@@ -114,14 +114,11 @@ def _fake_attend(q, k, v, key_mask=None, backend="xla"):
 
 def _v12_tiles(cls, *, batch, q_len, kv_len, q_heads, kv_heads, head_dim, split_rule=None):
     """slot_attention.BlockSizes.get_default as it was in v12 (the same-run twin of the v13 tiling)."""
-    from pallas_kernels.slot_attention import _NUM_SMS, _next_pow2
+    from pallas_kernels.slot_attention import _NUM_SMS, _next_pow2, default_block_q
 
     gp = _next_pow2(q_heads // kv_heads)
     small_q = q_len <= 64
-    rows = (32 if gp == 1 else 64) if small_q else 128
-    block_q = max(1, min(rows // gp, _next_pow2(q_len)))
-    while block_q * gp < 16:
-        block_q *= 2
+    block_q = default_block_q(q_len, q_heads, kv_heads)  # unchanged since v12
     nq = -(-q_len // block_q)
     block_k, num_warps, num_stages = 64, 4, 3
     if small_q and gp == 1:

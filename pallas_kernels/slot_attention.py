@@ -80,6 +80,17 @@ def _is_pow2(x: int) -> bool:
   return x >= 1 and (x & (x - 1)) == 0
 
 
+def default_block_q(q_len: int, q_heads: int, kv_heads: int) -> int:
+  """Query tokens per program: rows = block_q x next_pow2(G) of 32 (MHA) / 64 (GQA) at block steps, 128 in full
+  forwards, and at least the 16 rows a dot needs."""
+  gp = _next_pow2(q_heads // kv_heads)
+  rows = (32 if gp == 1 else 64) if q_len <= 64 else 128
+  block_q = max(1, min(rows // gp, _next_pow2(q_len)))
+  while block_q * gp < 16:
+    block_q *= 2
+  return block_q
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockSizes:
   """Tile sizes of the slot attention kernel.
@@ -126,10 +137,7 @@ class BlockSizes:
     del head_dim
     gp = _next_pow2(q_heads // kv_heads)
     small_q = q_len <= 64
-    rows = (32 if gp == 1 else 64) if small_q else 128
-    block_q = max(1, min(rows // gp, _next_pow2(q_len)))
-    while block_q * gp < 16:
-      block_q *= 2
+    block_q = default_block_q(q_len, q_heads, kv_heads)
     rule = split_rule or (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)
     nq = pl.cdiv(q_len, block_q)
     base = batch * kv_heads * nq  # programs before any KV split
