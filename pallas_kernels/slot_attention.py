@@ -302,18 +302,6 @@ def _merge_split_rows(m, l, o):
   return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
 
 
-def _merge_normalised_rows(m, l, o_hat, dtype) -> jax.Array:
-  """Like _merge_split_rows then _normalise, for partials stored normalised (o_hat = o / l, any dtype):
-  out = sum_i w_i o_hat_i / sum_i w_i with w_i = l_i exp(m_i - max m); rows that saw no key give zeros."""
-  mx = jnp.max(m, axis=0)
-  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-  w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]) * l)
-  total = jnp.sum(w, axis=0)
-  ok = total > 0
-  out = jnp.sum(w[..., None] * o_hat.astype(jnp.float32), axis=0)
-  return jnp.where(ok[..., None], out / jnp.where(ok, total, 1.0)[..., None], 0.0).astype(dtype)
-
-
 def _normalise(l_rows, o, dtype) -> jax.Array:
   """o [B, Tq, Hq, D] / l_rows [B, Tq, Hq], with rows whose l == 0 (no key seen) giving zeros."""
   l = l_rows[..., None]
@@ -461,8 +449,8 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   o = o.reshape(splits, B, Tq, Hq, D)
   m = m.reshape(splits, B, Tq, Hq)
   l = l.reshape(splits, B, Tq, Hq)
-  if normalised_partials:
-    return _merge_normalised_rows(m, l, o, q.dtype)
+  if normalised_partials:  # back to o = o_hat * l in fp32: then the merge is the fp32 partials' one
+    o = o.astype(jnp.float32) * l[..., None]
   m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
   if not return_state and init_state is None:  # straight to the output: no state layout
     return _normalise(l, o, q.dtype)
