@@ -168,7 +168,8 @@ def variant(name: str):
 
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,
-              stacked_cache: bool = False, long_loop: dict | None = None, norm_rope: str | None = None) -> float:
+              stacked_cache: bool = False, long_loop: dict | None = None, norm_rope: str | None = None,
+              hlo_path: Path | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
     norm_rope: the norm_rope_backend (None: the engine's default, GenerationConfig's).
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
@@ -176,7 +177,9 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     slope between the 8- and L-step loops, one more step's cost inside a jitted loop, as in generate, where the
     whole generation is one call; the middle length checks that it is linear;
     call_overhead_ms: what a call of 8 costs beyond 8 such steps, host and device: NOTES v8) and dispatch_ms (a
-    jitted call that only passes the same arguments through: the host's share of argument handling)."""
+    jitted call that only passes the same arguments through: the host's share of argument handling).
+    hlo_path: also write XLA's optimised HLO of the call (gzip text) there: which GEMMs split K, what each fusion
+    holds (the trace names kernels by fusion)."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
@@ -205,6 +208,12 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         state[0] = st
 
     med, _ = common.time_call(call, reps=5)
+    if hlo_path is not None:
+        import gzip
+
+        Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(hlo_path, "wt") as f:
+            f.write(run.lower(params, state[0], FUSED).compile().as_text())
     if long_loop is not None:
         steps = long_loop["steps"]
         mid = (FUSED + steps) // 2
@@ -390,6 +399,8 @@ def main() -> None:
     ap.add_argument("--norm-rope", choices=["xla", "pallas"], default=None,
                     help="norm_rope_backend of the default step and the variants (default: the engine's; "
                     "xla_norm_rope variants always use xla)")
+    ap.add_argument("--hlo-dir", default=None,
+                    help="write the optimised HLO of each default step there (<model>_b<batch>.hlo.txt.gz)")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.long_loop and args.long_loop <= FUSED:
@@ -423,8 +434,9 @@ def main() -> None:
                 first = backend == args.backends[0]
                 tr = {} if args.trace and first else None
                 ll = {"steps": args.long_loop} if args.long_loop and first else None
-                row[f"ms_attn_{backend}"] = _try(lambda: step(cfg, params, b, backend, trace=tr, long_loop=ll),
-                                                 row, backend)
+                hlo = Path(args.hlo_dir) / f"{name}_b{b}.hlo.txt.gz" if args.hlo_dir and first else None
+                row[f"ms_attn_{backend}"] = _try(lambda: step(cfg, params, b, backend, trace=tr, long_loop=ll,
+                                                              hlo_path=hlo), row, backend)
                 if tr:
                     row["trace_per_step"] = tr
                 if ll and "marginal_ms" in ll:

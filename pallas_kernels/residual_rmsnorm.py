@@ -12,6 +12,11 @@ from XLA's reduction (a last-bit difference that can flip a rounding of h).
 
 Layout: x, delta [M, d] (bf16 or fp32), weight [d]. One program per `block_m` rows, each row held whole as a
 [block_m, next_pow2(d)] tile (d up to 8192).
+
+delta may also be a GEMM's split-K partials, [S, M, d] fp32 (`linear_partials`): the kernel sums them in fp32 and
+rounds once to x.dtype (what the GEMM's own split-K reduction would have written), then adds. XLA's split-K GEMMs
+at a block step's M (32 rows) reduce their partials in a kernel of their own; taking the partials here folds that
+reduction, the residual add and the norm into one kernel (bench/NOTES.md v14).
 """
 from __future__ import annotations
 
@@ -54,16 +59,35 @@ class NormBlocks:
     return cls(block_m=1 if m <= 1024 else 4, num_warps=4 if d <= 4096 else 8)
 
 
+def linear_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+  """x [M, K] @ w [K, N] as `splits` fp32 partial products [splits, M, N] over consecutive K chunks (one batched
+  GEMM; their sum is x @ w with fp32 accumulation). K must be a multiple of splits."""
+  m, k = x.shape
+  if w.ndim != 2 or w.shape[0] != k or splits < 1 or k % splits:
+    raise ValueError(f"linear_partials: need x [M, K], w [K, N] and K % splits == 0, got x {x.shape}, w {w.shape}, "
+                     f"splits={splits}")
+  return jnp.einsum("msk,skn->smn", x.reshape(m, splits, k // splits), w.reshape(splits, k // splits, w.shape[1]),
+                    preferred_element_type=jnp.float32,
+                    precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
+
+
+def sum_partials(delta: jax.Array, dtype) -> jax.Array:
+  """[S, M, N] fp32 partials -> their fp32 sum rounded once to dtype (a [M, N] delta passes through as dtype)."""
+  return (delta.sum(axis=0) if delta.ndim == 3 else delta).astype(dtype)
+
+
 def residual_rmsnorm_reference(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float
                                ) -> tuple[jax.Array, jax.Array]:
-  """(s, h): s = x + delta in x.dtype (x itself when delta is None), h = RMSNorm(s) * weight."""
-  s = x if delta is None else x + delta.astype(x.dtype)
+  """(s, h): s = x + delta in x.dtype (x itself when delta is None), h = RMSNorm(s) * weight. delta [S, M, d]:
+  split-K partials, summed in fp32 and rounded to x.dtype first."""
+  s = x if delta is None else x + sum_partials(delta, x.dtype)
   sf = s.astype(jnp.float32)
   h = (sf * lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + eps)).astype(x.dtype) * weight.astype(x.dtype)
   return s, h
 
 
-def _kernel(x_ref, w_ref, *refs, m: int, d: int, block_m: int, width: int, eps: float, with_delta: bool):
+def _kernel(x_ref, w_ref, *refs, m: int, d: int, block_m: int, width: int, eps: float, with_delta: bool,
+            parts: int):
   i = pl.program_id(0)
   rows = i * block_m + jnp.arange(block_m, dtype=jnp.int32)[:, None]
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -76,7 +100,13 @@ def _kernel(x_ref, w_ref, *refs, m: int, d: int, block_m: int, width: int, eps: 
   x = plgpu.load(x_ref.at[rows_b, cols_b], mask=live, other=0.0)
   if with_delta:
     delta_ref, s_ref, h_ref = refs
-    delta = plgpu.load(delta_ref.at[rows_b, cols_b], mask=live, other=0.0)
+    if parts:  # split-K partials [S, M, d] fp32: summed in fp32, rounded once to x.dtype (the GEMM's output)
+      delta = plgpu.load(delta_ref.at[0, rows_b, cols_b], mask=live, other=0.0)
+      for p in range(1, parts):
+        delta = delta + plgpu.load(delta_ref.at[p, rows_b, cols_b], mask=live, other=0.0)
+      delta = delta.astype(x_ref.dtype)
+    else:
+      delta = plgpu.load(delta_ref.at[rows_b, cols_b], mask=live, other=0.0)
     s = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x_ref.dtype)
     plgpu.store(s_ref.at[rows_b, cols_b], s, mask=live)
   else:
@@ -93,8 +123,13 @@ def _check(x, delta, weight):
   if x.ndim != 2 or weight.shape != (x.shape[-1],):
     raise ValueError(f"residual_rmsnorm: expected x [M, d] and weight [d], got x {x.dtype}{x.shape} and weight "
                      f"{weight.dtype}{weight.shape}")
-  if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
-    raise ValueError(f"residual_rmsnorm: delta must match x {x.dtype}{x.shape}, got {delta.dtype}{delta.shape}")
+  if delta is not None and delta.ndim == 3:
+    if delta.shape[1:] != x.shape or delta.dtype != jnp.float32 or delta.shape[0] < 1:
+      raise ValueError(f"residual_rmsnorm: split-K partials must be float32 [S, *x.shape] = [S, {x.shape[0]}, "
+                       f"{x.shape[1]}], got {delta.dtype}{delta.shape}")
+  elif delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+    raise ValueError(f"residual_rmsnorm: delta must match x {x.dtype}{x.shape} (or be float32 split-K partials "
+                     f"[S, M, d]), got {delta.dtype}{delta.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"residual_rmsnorm: x must be floating point, got {x.dtype}")
   if x.shape[0] < 1 or not 1 <= x.shape[1] <= MAX_WIDTH:
@@ -104,20 +139,23 @@ def _check(x, delta, weight):
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
 def residual_rmsnorm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float,
                      blocks: NormBlocks | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """x [M, d], delta [M, d] or None, weight [d] -> (s [M, d], h [M, d]) in x.dtype: s = x + delta (x itself
-  when delta is None: the kernel then only normalises), h = RMSNorm(s) * weight. One kernel."""
+  """x [M, d], delta [M, d] (or split-K partials [S, M, d] fp32) or None, weight [d] -> (s [M, d], h [M, d]) in
+  x.dtype: s = x + delta (x itself when delta is None: the kernel then only normalises), h = RMSNorm(s) * weight.
+  One kernel."""
   _check(x, delta, weight)
   m, d = x.shape
   bs = blocks or NormBlocks.get_default(m, d)
   width = 1 << (d - 1).bit_length()
   with_delta = delta is not None
+  parts = delta.shape[0] if with_delta and delta.ndim == 3 else 0
   whole = pl.BlockSpec((m, d), lambda i: (0, 0))
+  delta_spec = pl.BlockSpec((parts, m, d), lambda i: (0, 0, 0)) if parts else whole
   kernel = functools.partial(_kernel, m=m, d=d, block_m=bs.block_m, width=width, eps=float(eps),
-                             with_delta=with_delta)
+                             with_delta=with_delta, parts=parts)
   outs = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(m, bs.block_m),),
-      in_specs=[whole, pl.BlockSpec((d,), lambda i: (0,))] + [whole] * with_delta,
+      in_specs=[whole, pl.BlockSpec((d,), lambda i: (0,))] + [delta_spec] * with_delta,
       out_specs=[whole] * (1 + with_delta),
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype)] * (1 + with_delta),
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),

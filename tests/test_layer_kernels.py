@@ -49,6 +49,42 @@ def test_residual_rmsnorm_matches_add_then_the_models_rmsnorm(m, d, dtype):
   _assert_rounding_close(h, hr, dtype)
 
 
+@pytest.mark.parametrize("parts,m,d,dtype", [(1, 3, 128, jnp.bfloat16), (4, 33, 384, jnp.bfloat16),
+                                               (3, 5, 100, jnp.float32)])
+def test_residual_rmsnorm_sums_split_k_partials_first(parts, m, d, dtype):
+  """delta as a GEMM's split-K partials [S, M, d] fp32: s = x + round(sum of the partials), as if the GEMM had
+  reduced them itself; the partials come from `linear_partials`, whose sum is the plain product."""
+  k = 64 * parts
+  a = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+  w = (0.1 * jax.random.normal(jax.random.key(m + 1), (k, d))).astype(dtype)
+  p = R.linear_partials(a, w, parts)
+  assert p.shape == (parts, m, d) and p.dtype == jnp.float32
+  full = jnp.dot(a.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(_f32(p.sum(0)), _f32(full), rtol=1e-4, atol=1e-4)
+  x = jax.random.normal(jax.random.key(m + 2), (m, d)).astype(dtype)
+  scale = (1 + 0.3 * jax.random.normal(jax.random.key(7), (d,))).astype(dtype)
+  s, h = R.residual_rmsnorm(x, p, scale, eps=1e-5, interpret=INTERPRET)
+  delta = R.sum_partials(p, dtype)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(_f32(s), _f32(x + delta), rtol=1e-6, atol=1e-6)
+  else:  # the partials' fp32 sum rounds to the same bf16 nearly always, whatever the order
+    assert np.mean(_f32(s) == _f32(x + delta)) > 0.99
+  _assert_rounding_close(h, RMSNorm(1e-5, dtype).apply({"params": {"scale": scale}}, s), dtype)
+  sr, hr = R.residual_rmsnorm_reference(x, p, scale, 1e-5)
+  np.testing.assert_allclose(_f32(sr), _f32(s), rtol=2.0**-7, atol=1e-6)
+
+
+def test_residual_rmsnorm_rejects_misshapen_partials():
+  x = jnp.zeros((4, 64), jnp.bfloat16)
+  w = jnp.ones((64,), jnp.bfloat16)
+  with pytest.raises(ValueError, match="split-K partials"):
+    R.residual_rmsnorm(x, jnp.zeros((2, 4, 32), jnp.float32), w, eps=1e-5, interpret=True)
+  with pytest.raises(ValueError, match="split-K partials"):
+    R.residual_rmsnorm(x, jnp.zeros((2, 4, 64), jnp.bfloat16), w, eps=1e-5, interpret=True)
+  with pytest.raises(ValueError, match="K % splits"):
+    R.linear_partials(jnp.zeros((4, 96)), jnp.zeros((96, 8)), 5)
+
+
 def test_residual_rmsnorm_without_delta_only_normalises():
   x = jax.random.normal(jax.random.key(0), (9, 256)).astype(jnp.bfloat16)
   x = x.at[3].set(0.0)  # an all-zero row: h = 0 (rsqrt(eps) * 0), never NaN
