@@ -27,6 +27,7 @@ import contextlib
 import functools
 import sys
 import time
+from typing import Any
 from pathlib import Path
 from unittest import mock
 
@@ -169,7 +170,7 @@ def variant(name: str):
 
 def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "xla", trace: dict | None = None,
               stacked_cache: bool = False, long_loop: dict | None = None, norm_rope: str | None = None,
-              hlo_path: Path | None = None) -> float:
+              hlo_path: Path | None = None, compiler_options: dict | None = None) -> float:
     """ms per dual-cache block step (8 fused). trace: a dict to fill with the per-step kernel breakdown.
     norm_rope: the norm_rope_backend (None: the engine's default, GenerationConfig's).
     stacked_cache: one [L, ...] K/V buffer even for per-layer params (the engine's layout before v4).
@@ -179,7 +180,9 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     call_overhead_ms: what a call of 8 costs beyond 8 such steps, host and device: NOTES v8) and dispatch_ms (a
     jitted call that only passes the same arguments through: the host's share of argument handling).
     hlo_path: also write XLA's optimised HLO of the call (gzip text) there: which GEMMs split K, what each fusion
-    holds (the trace names kernels by fusion)."""
+    holds (the trace names kernels by fusion).
+    compiler_options: XLA debug options for this step's compilations only (`Lowered.compile(compiler_options=)`),
+    so several XLA settings are compared in one process on the same weights."""
     t = CACHE_SLOTS
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     inp = DecodeInputs(pos, jnp.ones((batch, t), bool), jnp.zeros((batch, t), bool), t - 4 * BLOCK, BLOCK,
@@ -202,8 +205,17 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
     if stacked_cache:
         state[0] = state[0].stacked()
 
+    executables: dict[int, Any] = {}
+
+    def executable(steps: int):
+        if not compiler_options:
+            return lambda p, st: run(p, st, steps)
+        if steps not in executables:
+            executables[steps] = run.lower(params, state[0], steps).compile(compiler_options=compiler_options)
+        return executables[steps]
+
     def call(steps: int = FUSED):
-        st, acc = run(params, state[0], steps)
+        st, acc = executable(steps)(params, state[0])
         acc.block_until_ready()
         state[0] = st
 
@@ -213,7 +225,7 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
 
         Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(hlo_path, "wt") as f:
-            f.write(run.lower(params, state[0], FUSED).compile().as_text())
+            f.write(run.lower(params, state[0], FUSED).compile(compiler_options=compiler_options).as_text())
     if long_loop is not None:
         steps = long_loop["steps"]
         mid = (FUSED + steps) // 2
@@ -399,6 +411,13 @@ def main() -> None:
     ap.add_argument("--norm-rope", choices=["xla", "pallas"], default=None,
                     help="norm_rope_backend of the default step and the variants (default: the engine's; "
                     "xla_norm_rope variants always use xla)")
+    ap.add_argument("--xla-options", nargs="*", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="XLA debug-option settings to time as variants of the default step in the same process "
+                    "(compiled with Lowered.compile(compiler_options=...)); each argument is one variant, recorded as "
+                    "ms_xla[<argument>] (and its trace with --trace). A setting that changes GEMM autotuning can reuse "
+                    "the in-process autotuning results of an earlier compile: time those in a process of their own")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N layers of each model (cheaper screening; the floors follow the weights)")
     ap.add_argument("--hlo-dir", default=None,
                     help="write the optimised HLO of each default step there (<model>_b<batch>.hlo.txt.gz)")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -406,11 +425,16 @@ def main() -> None:
     if args.long_loop and args.long_loop <= FUSED:
         ap.error(f"--long-loop must be more than the {FUSED} steps of a timed call, got {args.long_loop}")
     layout = resolve_layer_layout(args.layer_layout)
+    xla_variants = {arg: parse_compiler_options(arg) for arg in args.xla_options}  # bad settings fail up front
     forced = args.norm_rope
     step = functools.partial(time_step, norm_rope=forced)  # a variant's own norm_rope= overrides it
     rows = []
     for name in args.models:
         cfg = common.MODELS[name]
+        if args.layers:
+            if not 1 <= args.layers <= cfg.n_layers:
+                ap.error(f"--layers must be in [1, {cfg.n_layers}] for {name}, got {args.layers}")
+            cfg = cfg.replace(n_layers=args.layers)
         stacked = common.random_params(cfg)
         weight_bytes = common.param_bytes(stacked) - stacked["embed"].size * 2  # the embedding is gathered
         params = modeling.unstack_layers(stacked) if layout == "unrolled" else stacked
@@ -442,6 +466,14 @@ def main() -> None:
                 if ll and "marginal_ms" in ll:
                     row["long_loop"] = ll
             row["ms_block_step"] = row[f"ms_attn_{base}"]
+            if args.layers:
+                row["layers"] = args.layers
+            for arg, opts in xla_variants.items():
+                trx = {} if args.trace else None
+                row[f"ms_xla[{arg}]"] = _try(lambda: step(cfg, params, b, base, trace=trx, compiler_options=opts), row,
+                                             f"xla[{arg}]")
+                if trx:
+                    row[f"trace_xla[{arg}]"] = trx
             # the plain-XLA baseline: stacked weights under lax.scan, cuDNN attention on a GPU (the v2 engine)
             ref_attn = "cudnn" if jax.default_backend() == "gpu" else "xla"
             row["xla_baseline_ms"] = (None if args.no_baseline else
@@ -483,7 +515,7 @@ def main() -> None:
                         row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, "pallas"), row, v)
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
                     row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
-            timed = [x for k, x in row.items() if (k.startswith("ms_attn_") or k.removeprefix("ms_") in VARIANTS)
+            timed = [x for k, x in row.items() if (k.startswith(("ms_attn_", "ms_xla[")) or k.removeprefix("ms_") in VARIANTS)
                      and x]
             row["ms_best_variant"] = min(timed) if timed else None
             rows.append(row)
@@ -510,6 +542,20 @@ def main() -> None:
     if plot(rows, path.with_suffix(".png")):
         print(f"wrote {path.with_suffix('.png')}")
     print(f"wrote {path}")
+
+
+def parse_compiler_options(arg: str) -> dict:
+    """"name=value[,name=value]" -> {name: value} for Lowered.compile(compiler_options=): true/false as bools,
+    integers as ints, anything else as a string. Names must be XLA debug options (xla_...)."""
+    opts: dict[str, Any] = {}
+    for item in filter(None, arg.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise SystemExit(f"--xla-options: expected xla_NAME=VALUE items, got {item!r} in {arg!r}")
+        low = value.strip().lower()
+        opts[name.strip()] = (low == "true" if low in ("true", "false") else
+                              int(low) if low.lstrip("-").isdigit() else value.strip())
+    return opts
 
 
 def floor_compute_ms(weight_bytes: int, batch: int) -> float:
