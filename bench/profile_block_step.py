@@ -76,6 +76,11 @@ VARIANTS = {
                              "before the v13 sweep: 64-key tiles on 2 stages for MHA block steps, 128 from a wave)",
     "pallas_attn_bf16_partials": "attention on the Pallas slot kernel with split-K partials stored as o / l in bf16 "
                                  "(slot_attention.BF16_PARTIALS=True)",
+    "pallas_rope": "RoPE + the K/V write as one kernel fed by the q/k/v GEMM's split-K partials at block steps "
+                   "(norm_rope_backend='pallas_rope': one kernel instead of XLA's three per layer)",
+    "merge_kernel": "the slot kernel's split-K merge as one Pallas kernel (slot_attention.MERGE_KERNEL=True) instead "
+                    "of XLA's two fusions",
+    "pallas_rope_merge": "pallas_rope and merge_kernel together",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -160,6 +165,10 @@ def variant(name: str):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "BF16_PARTIALS", True))
+    elif name in ("merge_kernel", "pallas_rope_merge"):
+        from pallas_kernels import slot_attention
+
+        patches.append((slot_attention, "MERGE_KERNEL", True))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:
@@ -510,6 +519,17 @@ def main() -> None:
                             row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
+                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge"):
+                    llv = {"steps": args.long_loop} if args.long_loop else None
+                    trv = {} if args.trace else None
+                    nr = "pallas_rope" if v.startswith("pallas_rope") else forced
+                    with variant(v):
+                        row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, trace=trv, long_loop=llv,
+                                                           norm_rope=nr), row, v)
+                    if trv:
+                        row[f"trace_{v}"] = trv
+                    if llv and "marginal_ms" in llv:
+                        row[f"long_loop_{v}"] = llv
                 elif v.startswith("pallas_attn"):
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, "pallas"), row, v)

@@ -1,4 +1,5 @@
-"""The layer loop on fused kernels: `modeling.forward(..., norm_rope_backend="pallas")`, opt-in.
+"""The layer loop on fused kernels: `modeling.forward(..., norm_rope_backend="pallas")`, opt-in, and the RoPE + K/V
+write step that `norm_rope_backend="pallas_rope"` puts into the XLA layer loop.
 
 The same layers and arithmetic as the XLA path of `modeling.forward`, meant to run fewer kernels per layer (issue 7:
 at a block step each small kernel costs a few microseconds however little it reads). Measured on the H200 it saves
@@ -9,6 +10,9 @@ that reduction stays a kernel of its own in front of these. Kept, tested, for a 
     the FFN's by the next layer's attention norm (the last layer's by a plain add before the final norm);
   * RoPE of q and k and the K/V cache write are one kernel (`pallas_kernels/rope_kv_write.py`) that writes the
     layer's cache buffer in place.
+At a block step's few tokens (<= PARTIALS_MAX_TOKENS) the q/k/v projection reaches the RoPE kernel as split-K
+partials (`linear_partials`: one batched GEMM), which the kernel sums itself: XLA's own split-K GEMM reduced them in
+the three kernels that rotate q and write K and V, so one kernel replaces three (`rope_write`; bench/NOTES.md v14).
 Roundings are those of the XLA path (bf16 sums, fp32 norm statistics, the same RoPE roundings); only the fp32
 summation order inside a norm differs. Needs per-layer params (`unstack_layers`, the GPU layout) and, with a cache,
 per-layer cache buffers (`KVCache.for_params`): the deferred residual changes the loop carry's structure, which a
@@ -25,10 +29,39 @@ import jax.numpy as jnp
 from dllm_jax.attention import Backend, attend
 from dllm_jax.config import ModelConfig
 from dllm_jax.modeling import Block, KVCache, is_unrolled, pallas_mlp, use_pallas_ffn
-from pallas_kernels.residual_rmsnorm import residual_rmsnorm
+from pallas_kernels.residual_rmsnorm import linear_partials, residual_rmsnorm
 from pallas_kernels.rope_kv_write import rope_kv_write
 
 Array = jax.Array
+# The q/k/v GEMM as QKV_SPLITS split-K partials up to this many tokens per forward (a block step: 32 per row): XLA
+# splits LLaDA-8B's q/k/v GEMM 4 ways at M = 32 on the H200 (its optimised HLO, bench/NOTES.md v14), and a batched
+# GEMM over 4 K chunks streams the weights as fast (bench/results/splitk_norm_probe_h200.json).
+PARTIALS_MAX_TOKENS = 64
+QKV_SPLITS = 4
+
+
+def rope_write(block: Block, config: ModelConfig, layer_params: dict, h: Array, cos: Array, sin: Array,
+               k_buf: Array, v_buf: Array, offset: Array | int, write_mask: Array | None, interpret: bool
+               ) -> tuple[Array, Array, Array]:
+    """The q/k/v projection of the normalised input h [B, n, d], RoPE of q and k and the window's K/V written into
+    one layer's buffers [B, S, Hkv, D] at `offset` (in place under jit): (q [B, n, Hq, D], k_buf, v_buf)."""
+    c = config
+    b, n, d = h.shape
+    proj = layer_params.get("qkv_proj")  # the fused projection (unstack_layers' GPU layout)
+    if proj is not None and b * n <= PARTIALS_MAX_TOKENS and d % QKV_SPLITS == 0:
+        qkv = linear_partials(h.reshape(b * n, d), proj["kernel"], QKV_SPLITS).reshape(QKV_SPLITS, b, n, -1)
+        extra = dict(bias=proj.get("bias"), out_dtype=h.dtype)
+    else:
+        qkv, extra = block.apply({"params": layer_params}, h, method=Block.qkv_projection), {}
+    return rope_kv_write(qkv, cos, sin, k_buf, v_buf, jnp.asarray(offset, jnp.int32), write_mask, q_heads=c.n_heads,
+                         kv_heads=c.n_kv_heads, rope_fp32=c.rope_fp32, interpret=interpret, **extra)
+
+
+def written_window(k_buf: Array, v_buf: Array, offset: Array | int, n: int) -> tuple[Array, Array]:
+    """What a window of n tokens left in its slots of one layer's buffers (the old K/V where write_mask was False)."""
+    offset = jnp.asarray(offset, jnp.int32)
+    return (jax.lax.dynamic_slice_in_dim(k_buf, offset, n, axis=1),
+            jax.lax.dynamic_slice_in_dim(v_buf, offset, n, axis=1))
 
 
 def run_layers(params: dict, config: ModelConfig, block: Block, x: Array, cos: Array, sin: Array, *,
@@ -62,18 +95,15 @@ def run_layers(params: dict, config: ModelConfig, block: Block, x: Array, cos: A
     delta: Array | None = None  # the last sublayer's output, not yet added to x
     for i, lp in enumerate(params["layers"]):
         x, h = add_norm(x, delta, lp["attn_norm"]["scale"])
-        qkv = block.apply({"params": lp}, h, method=Block.qkv_projection)
         if cache is None:
+            qkv = block.apply({"params": lp}, h, method=Block.qkv_projection)
             q, k, v = block.apply({"params": lp}, qkv, cos, sin, method=Block.split_rotate)
             attn = attend(q, k, v, key_mask, attention_backend)
         else:
-            q, ck[i], cv[i] = rope_kv_write(qkv, cos, sin, ck[i], cv[i], cache_offset, write_mask,
-                                            q_heads=c.n_heads, kv_heads=c.n_kv_heads, rope_fp32=c.rope_fp32,
-                                            interpret=interpret)
-            if return_kv:  # what the window left in its slots (the old K/V where write_mask is False)
-                offset = jnp.asarray(cache_offset, jnp.int32)
-                k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
-                v = jax.lax.dynamic_slice_in_dim(cv[i], offset, n, axis=1)
+            q, ck[i], cv[i] = rope_write(block, c, lp, h, cos, sin, ck[i], cv[i], cache_offset, write_mask,
+                                         interpret)
+            if return_kv:
+                k, v = written_window(ck[i], cv[i], cache_offset, n)
             attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
         if return_kv:
             fresh.append((k, v))

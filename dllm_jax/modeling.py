@@ -59,7 +59,10 @@ class Block(nn.Module):
 
     def qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """Rotated q [B,n,Hq,D], k [B,n,Hkv,D] and v [B,n,Hkv,D] of the block input x [B,n,d]."""
-        return self.split_rotate(self.qkv_projection(self.attn_norm(x)), cos, sin)
+        return self.split_rotate(self.qkv_projection(self.qkv_in(x)), cos, sin)
+
+    def qkv_in(self, x: Array) -> Array:
+        return self.attn_norm(x)
 
     def qkv_projection(self, h: Array) -> Array:
         """The normalised input's q, k and v as one [B, n, (Hq + 2 Hkv) * D] array (q heads, k heads, v heads):
@@ -213,7 +216,8 @@ def forward(
     unrolled: bench/NOTES.md v3). Interpreted off the GPU.
     norm_rope_backend: "pallas" runs each residual add with the RMSNorm after it as one kernel, and RoPE with the
     K/V cache write as one kernel (`dllm_jax.fused_layers`; per-layer params and cache only; interpreted off the
-    GPU); "xla" the plain-jnp ops.
+    GPU); "pallas_rope" only the latter, in this layer loop, when there is a per-layer cache (at a block step's few
+    tokens fed by the q/k/v GEMM's split-K partials: `fused_layers.rope_write`); "xla" the plain-jnp ops.
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """
@@ -264,9 +268,23 @@ def forward(
         raise ValueError("a per-layer KVCache needs per-layer (unrolled) params: the scanned loop indexes the "
                          "cache with a traced layer index; use KVCache.for_params(params, ...)")
 
+    if norm_rope_backend == "pallas_rope" and not cache.per_layer:
+        raise ValueError("norm_rope_backend='pallas_rope' needs a per-layer KVCache (KVCache.for_params with "
+                         "per-layer params): its kernel writes one layer's buffer in place")
+
     def layer_cached(carry, inputs):
         x, ck, cv = carry
         layer_params, i = inputs
+        if norm_rope_backend == "pallas_rope":  # one kernel: the projection's reduction, RoPE and the K/V write
+            from dllm_jax.fused_layers import rope_write, written_window
+
+            h = block.apply({"params": layer_params}, x, method=Block.qkv_in)
+            q, kb, vb = rope_write(block, config, layer_params, h, cos, sin, ck[i], cv[i], offset, write_mask,
+                                   interpret=jax.default_backend() != "gpu")
+            ck, cv = ck[:i] + (kb,) + ck[i + 1:], cv[:i] + (vb,) + cv[i + 1:]
+            attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
+            x = finish(layer_params, i, x, attn)
+            return (x, ck, cv), (written_window(ck[i], cv[i], offset, n) if return_kv else None)
         q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
         if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
             old_k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
@@ -433,8 +451,8 @@ def split_projections(layers: Params, config: ModelConfig) -> Params:
 
 FfnBackend = str  # "xla" | "pallas" (Triton-lowered skinny GEMM) | "mgpu" (Mosaic GPU streaming GEMM)
 FFN_BACKENDS = ("xla", "pallas", "mgpu")
-NormRopeBackend = str  # "xla" | "pallas" (dllm_jax.fused_layers)
-NORM_ROPE_BACKENDS = ("xla", "pallas")
+NormRopeBackend = str  # "xla" | "pallas" | "pallas_rope" (dllm_jax.fused_layers)
+NORM_ROPE_BACKENDS = ("xla", "pallas", "pallas_rope")
 
 
 def use_pallas_ffn(config: ModelConfig, ffn_backend: FfnBackend, tokens: int) -> bool:

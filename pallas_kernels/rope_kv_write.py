@@ -19,6 +19,13 @@ Layout and semantics
   activation dtype (Dream), as `dllm_jax.layers.apply_rope` does.
 Returns (q [B, n, Hq, D] rotated, k_cache, v_cache).
 
+``qkv`` may also be the projection's split-K partials, [S, B, n, (Hq + 2 Hkv) * D] fp32
+(`pallas_kernels.residual_rmsnorm.linear_partials`), with the projection's ``bias`` [(Hq + 2 Hkv) * D] or None:
+the kernel then forms the projection output itself, round(sum of the partials + bias) in the activation dtype
+(``out_dtype``), exactly what the GEMM's epilogue would have written. At a block step's 32 rows XLA splits the q/k/v
+GEMM's K and reduces the partials in the kernels that rotate and write (three per layer); taking the partials here
+leaves one (bench/NOTES.md v14).
+
 Grid: one program per (token, block of heads); heads are tile rows, so any head count works (rows past the last
 head are masked).
 """
@@ -69,9 +76,22 @@ def _rotate_half(x: jax.Array) -> jax.Array:
   return jnp.concatenate([-x2, x1], axis=-1)
 
 
+def projection_from_partials(partials: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+  """[S, ..., W] fp32 split-K partials (+ bias [W]) -> the projection output in dtype: one rounding of the fp32 sum,
+  as `dllm_jax.layers.Linear` rounds (bias added in fp32 before it)."""
+  y = partials.sum(axis=0)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(dtype)
+
+
 def rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, offset, write_mask=None, *, q_heads: int,
-                            kv_heads: int, rope_fp32: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Plain jnp: split, rotate q and k, keep the old K/V where write_mask is False, dynamic_update_slice."""
+                            kv_heads: int, rope_fp32: bool, bias=None, out_dtype=None
+                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Plain jnp: split, rotate q and k, keep the old K/V where write_mask is False, dynamic_update_slice. qkv [S, B,
+  n, W] fp32: split-K partials, summed (+ bias) and rounded to out_dtype first."""
+  if qkv.ndim == 4:
+    qkv = projection_from_partials(qkv, bias, out_dtype)
   b, n, _ = qkv.shape
   d = k_cache.shape[-1]
   q, k, v = jnp.split(qkv, [q_heads * d, (q_heads + kv_heads) * d], axis=-1)
@@ -91,8 +111,10 @@ def rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, offset, write_mask=
   return q, k_cache, v_cache
 
 
-def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, kc_in, vc_in, q_ref, kc_ref, vc_ref, *, n: int,
-            s_len: int, q_heads: int, kv_heads: int, d: int, block_h: int, rope_fp32: bool):
+def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, *refs, n: int, s_len: int, q_heads: int, kv_heads: int,
+            d: int, block_h: int, rope_fp32: bool, parts: int, with_bias: bool, dtype):
+  bias_ref = refs[0] if with_bias else None
+  kc_in, vc_in, q_ref, kc_ref, vc_ref = refs[with_bias:]
   del kc_in, vc_in  # aliased to kc_ref / vc_ref: only the written slots change
   token = pl.program_id(0)      # b * n + t
   hb = pl.program_id(1)
@@ -109,13 +131,23 @@ def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, kc_in, vc_in, q_ref, 
   heads, lane, partner = heads + full, lane + full, partner + full
   live = heads < total
   tok = full + token
-  x = plgpu.load(qkv_ref.at[tok, heads * d + lane], mask=live, other=0.0)
+  def projection(col):
+    if not parts:
+      return plgpu.load(qkv_ref.at[tok, col], mask=live, other=0.0)
+    y = plgpu.load(qkv_ref.at[0, tok, col], mask=live, other=0.0)   # split-K partials: the GEMM's epilogue here
+    for p in range(1, parts):
+      y = y + plgpu.load(qkv_ref.at[p, tok, col], mask=live, other=0.0)
+    if with_bias:
+      y = y + plgpu.load(bias_ref.at[col], mask=live, other=0.0).astype(jnp.float32)
+    return y.astype(dtype)
+
+  x = projection(heads * d + lane)
   # rotate_half(x)[j] = -x[j + D/2] for j < D/2, x[j - D/2] after: the same row read through a permuted index
-  rot = plgpu.load(qkv_ref.at[tok, heads * d + partner], mask=live, other=0.0)
-  rot = (rot.astype(jnp.float32) * sign).astype(qkv_ref.dtype)  # an exact negation
+  rot = projection(heads * d + partner)
+  rot = (rot.astype(jnp.float32) * sign).astype(dtype)  # an exact negation
   cos = plgpu.load(cos_ref.at[tok, lane])   # the token's row, the same for every head
   sin = plgpu.load(sin_ref.at[tok, lane])
-  rotated = _rotate(x, rot, cos, sin, rope_fp32, qkv_ref.dtype)
+  rotated = _rotate(x, rot, cos, sin, rope_fp32, dtype)
   is_q = heads < q_heads
   is_k = (heads >= q_heads) & (heads < q_heads + kv_heads)
   is_v = (heads >= q_heads + kv_heads) & (heads < total)
@@ -134,9 +166,21 @@ def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, kc_in, vc_in, q_ref, 
               mask=is_v)
 
 
-def _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads):
+def _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads, bias=None, out_dtype=None):
   def shape(a):
     return f"{a.dtype}{tuple(a.shape)}"
+
+  width = (q_heads + 2 * kv_heads) * (k_cache.shape[-1] if k_cache.ndim == 4 else 0)
+  if qkv.ndim == 4:  # split-K partials
+    if qkv.dtype != jnp.float32 or out_dtype is None:
+      raise ValueError(f"rope_kv_write: split-K partials must be float32 [S, B, n, W] with an out_dtype, got "
+                       f"{shape(qkv)}, out_dtype={out_dtype}")
+    if bias is not None and bias.shape != (width,):
+      raise ValueError(f"rope_kv_write: bias must be [(Hq + 2 Hkv) * D] = [{width}], got {shape(bias)}")
+    qkv = jax.ShapeDtypeStruct(qkv.shape[1:], out_dtype)
+  elif bias is not None or out_dtype is not None:
+    raise ValueError("rope_kv_write: bias and out_dtype apply to split-K partials [S, B, n, W] only (a bf16 "
+                     "projection output already has its bias)")
 
   if k_cache.ndim != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
     raise ValueError(f"rope_kv_write: caches must be two equal [B, S, Hkv, D] arrays, got k_cache "
@@ -161,15 +205,18 @@ def _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads):
   return b, n, s_len, d
 
 
-@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "rope_fp32", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "rope_fp32", "out_dtype", "blocks", "interpret"))
 def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                   offset: jax.Array | int, write_mask: jax.Array | None = None, *, q_heads: int, kv_heads: int,
-                  rope_fp32: bool, blocks: RopeBlocks | None = None, interpret: bool = False
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  rope_fp32: bool, bias: jax.Array | None = None, out_dtype=None, blocks: RopeBlocks | None = None,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Rotated q [B, n, Hq, D] and the caches with the window's rotated k and its v written at `offset` (see the
-  module docstring). Under an outer jit whose caches are not used after this call (a layer loop's carry) XLA
+  module docstring). qkv [S, B, n, W] fp32: the projection's split-K partials (bias: its bias or None; out_dtype:
+  the activation dtype). Under an outer jit whose caches are not used after this call (a layer loop's carry) XLA
   updates them in place; called on its own it writes into copies (nothing is donated)."""
-  b, n, s_len, d = _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads)
+  b, n, s_len, d = _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads, bias, out_dtype)
+  parts = qkv.shape[0] if qkv.ndim == 4 else 0
+  dtype = jnp.dtype(out_dtype) if parts else qkv.dtype
   bs = blocks or RopeBlocks()
   total = q_heads + 2 * kv_heads
   offset = jnp.clip(jnp.asarray(offset, jnp.int32), 0, s_len - n).reshape(1)
@@ -177,7 +224,10 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.A
   kc = k_cache.reshape(b * s_len, kv_heads * d)   # row-major: free reshapes, the aliasing holds through them
   vc = v_cache.reshape(b * s_len, kv_heads * d)
   kernel = functools.partial(_kernel, n=n, s_len=s_len, q_heads=q_heads, kv_heads=kv_heads, d=d,
-                             block_h=bs.block_h, rope_fp32=rope_fp32)
+                             block_h=bs.block_h, rope_fp32=rope_fp32, parts=parts, with_bias=bias is not None,
+                             dtype=dtype)
+  qkv_rows = qkv.reshape(parts, b * n, total * d) if parts else qkv.reshape(b * n, total * d)
+  bias_args = [] if bias is None else [bias]
 
   def whole(shape):
     return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
@@ -185,15 +235,15 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.A
   q, kc, vc = pl.pallas_call(
       kernel,
       grid=(b * n, pl.cdiv(total, bs.block_h)),
-      in_specs=[whole((1,)), whole((b * n, total * d)), whole((b * n, d)), whole((b * n, d)), whole((b * n,)),
-                whole(kc.shape), whole(vc.shape)],
+      in_specs=[whole((1,)), whole(qkv_rows.shape), whole((b * n, d)), whole((b * n, d)), whole((b * n,))]
+               + [whole((total * d,))] * len(bias_args) + [whole(kc.shape), whole(vc.shape)],
       out_specs=[whole((b * n, q_heads * d)), whole(kc.shape), whole(vc.shape)],
-      out_shape=[jax.ShapeDtypeStruct((b * n, q_heads * d), qkv.dtype),
+      out_shape=[jax.ShapeDtypeStruct((b * n, q_heads * d), dtype),
                  jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)],
-      input_output_aliases={5: 1, 6: 2},
+      input_output_aliases={5 + len(bias_args): 1, 6 + len(bias_args): 2},
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
       interpret=interpret,
       name="rope_kv_write",
-  )(offset, qkv.reshape(b * n, total * d), cos.reshape(b * n, d).astype(jnp.float32),
-    sin.reshape(b * n, d).astype(jnp.float32), mask, kc, vc)
+  )(offset, qkv_rows, cos.reshape(b * n, d).astype(jnp.float32),
+    sin.reshape(b * n, d).astype(jnp.float32), mask, *bias_args, kc, vc)
   return q.reshape(b, n, q_heads, d), kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

@@ -63,6 +63,11 @@ SPLIT_BELOW_SMS = _NUM_SMS // 2  # split the KV length only when the grid has at
 # Split-K partials of the plain output path stored as o / l in q's dtype (bf16 in the model) and merged by weight
 # l * exp(m - max m): half the partials' bytes. The state path always keeps fp32 o. Read per call like the split rule.
 BF16_PARTIALS = False
+# The split-K merge of the plain output path (weights exp(m - max m), the weighted sums over the splits, o / l) as one
+# Pallas kernel instead of XLA's two fusions (a reduction for the weights, then the weighted sum): one launch fewer
+# per layer of a block step (bench/NOTES.md v14). Read per call like the split rule.
+MERGE_KERNEL = False
+MERGE_BLOCK_ROWS = 8  # (token, head) rows per merge program: a block step's 1024 rows make 128 programs
 
 
 class AttentionState(NamedTuple):
@@ -302,6 +307,50 @@ def _merge_split_rows(m, l, o):
   return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
 
 
+def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, splits: int, rows: int, block_r: int, normalised: bool):
+  i = pl.program_id(0)
+  r = i * block_r + jnp.arange(block_r, dtype=jnp.int32)
+  live = r < rows
+  cols = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
+  ms = [plgpu.load(m_ref.at[s, r], mask=live, other=-jnp.inf) for s in range(splits)]
+  mx = functools.reduce(jnp.maximum, ms)
+  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+  l_sum = jnp.zeros((block_r,), jnp.float32)
+  o_sum = jnp.zeros((block_r, o_ref.shape[-1]), jnp.float32)
+  for s in range(splits):  # the order of _merge_split_rows: weight, then l and o accumulated split by split
+    w = jnp.where(jnp.isneginf(ms[s]), 0.0, jnp.exp(ms[s] - m_safe))
+    l_s = plgpu.load(l_ref.at[s, r], mask=live, other=0.0)
+    o_s = plgpu.load(o_ref.at[s, r[:, None], cols], mask=live[:, None], other=0.0).astype(jnp.float32)
+    if normalised:  # bf16 partials hold o / l
+      o_s = o_s * l_s[:, None]
+    l_sum = l_sum + w * l_s
+    o_sum = o_sum + w[:, None] * o_s
+  ok = l_sum > 0
+  out = jnp.where(ok[:, None], o_sum / jnp.where(ok, l_sum, 1.0)[:, None], 0.0)
+  plgpu.store(out_ref.at[r[:, None], cols], out.astype(out_ref.dtype), mask=live[:, None])
+
+
+def _merge_normalise_pallas(m, l, o, dtype, *, normalised: bool, interpret: bool) -> jax.Array:
+  """The split-K partials (m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D]) -> the normalised output [B, Tq, Hq, D] in
+  dtype, as `_normalise(*_merge_split_rows(...)[1:], dtype)` computes it, in one kernel. normalised: o holds o / l
+  (BF16_PARTIALS)."""
+  splits, b, tq, hq, d = o.shape
+  rows = b * tq * hq
+  block_r = MERGE_BLOCK_ROWS
+  out = pl.pallas_call(
+      functools.partial(_merge_kernel, splits=splits, rows=rows, block_r=block_r, normalised=normalised),
+      grid=(pl.cdiv(rows, block_r),),
+      in_specs=[pl.BlockSpec((splits, rows), lambda i: (0, 0)), pl.BlockSpec((splits, rows), lambda i: (0, 0)),
+                pl.BlockSpec((splits, rows, d), lambda i: (0, 0, 0))],
+      out_specs=pl.BlockSpec((rows, d), lambda i: (0, 0)),
+      out_shape=jax.ShapeDtypeStruct((rows, d), dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="slot_attention_merge",
+  )(m.reshape(splits, rows), l.reshape(splits, rows), o.reshape(splits, rows, d))
+  return out.reshape(b, tq, hq, d)
+
+
 def _normalise(l_rows, o, dtype) -> jax.Array:
   """o [B, Tq, Hq, D] / l_rows [B, Tq, Hq], with rows whose l == 0 (no key seen) giving zeros."""
   l = l_rows[..., None]
@@ -376,9 +425,10 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
-                                             "split_rule", "normalised_partials"))
+                                             "split_rule", "normalised_partials", "merge_kernel"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret, split_rule, normalised_partials=False):
+                           return_state, block_sizes, interpret, split_rule, normalised_partials=False,
+                           merge_kernel=False):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
@@ -449,6 +499,8 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   o = o.reshape(splits, B, Tq, Hq, D)
   m = m.reshape(splits, B, Tq, Hq)
   l = l.reshape(splits, B, Tq, Hq)
+  if merge_kernel and splits > 1 and not return_state and init_state is None:
+    return _merge_normalise_pallas(m, l, o, q.dtype, normalised=normalised_partials, interpret=interpret)
   if normalised_partials:  # back to o = o_hat * l in fp32: then the merge is the fp32 partials' one
     o = o.astype(jnp.float32) * l[..., None]
   m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
@@ -550,7 +602,7 @@ def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None
   return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
                                 scale=float(scale), return_state=bool(return_state),
                                 block_sizes=block_sizes, interpret=bool(interpret), split_rule=split_rule,
-                                normalised_partials=BF16_PARTIALS)
+                                normalised_partials=BF16_PARTIALS, merge_kernel=MERGE_KERNEL)
 
 
 def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",

@@ -151,6 +151,45 @@ def test_rope_kv_write_matches_reference(case):
   assert not np.array_equal(_f32(k_new)[written], _f32(kc)[written])
 
 
+# (parts, bias, case index in ROPE_CASES): LLaDA-like without a bias, Dream-like with one, fp32, one token
+PARTIAL_CASES = [(4, False, 0), (3, True, 1), (2, True, 2), (1, False, 4)]
+
+
+@pytest.mark.parametrize("parts,with_bias,idx", PARTIAL_CASES)
+def test_rope_kv_write_from_split_k_partials(parts, with_bias, idx):
+  """qkv as the projection's split-K partials [S, B, n, W] fp32 (+ bias): the kernel's projection output is
+  round(sum + bias) in out_dtype, then everything as from that bf16 projection."""
+  b, n, s, hq, hkv, d, dtype, fp32, masked, offset = ROPE_CASES[idx]
+  _, cos, sin, kc, vc, mask = _rope_inputs(b, n, s, hq, hkv, d, dtype, masked)
+  w = (hq + 2 * hkv) * d
+  parts_arr = jax.random.normal(jax.random.key(parts), (parts, b, n, w), jnp.float32)
+  bias = (0.5 * jax.random.normal(jax.random.key(9), (w,))).astype(dtype) if with_bias else None
+  kw = dict(q_heads=hq, kv_heads=hkv, rope_fp32=fp32)
+  q, k_new, v_new = K.rope_kv_write(parts_arr, cos, sin, kc, vc, offset, mask, bias=bias, out_dtype=dtype,
+                                    interpret=INTERPRET, **kw)
+  assert q.dtype == dtype and q.shape == (b, n, hq, d)
+  qkv = K.projection_from_partials(parts_arr, bias, dtype)
+  if with_bias and dtype == jnp.bfloat16:  # the bias is part of the one rounding (fp32 sum + bias), as Linear
+    assert not np.array_equal(_f32(qkv), _f32(K.projection_from_partials(parts_arr, None, dtype) + bias))  # adds it
+  qr, kr, vr = K.rope_kv_write_reference(qkv, cos, sin, kc, vc, offset, mask, **kw)
+  q2, k2, v2 = K.rope_kv_write_reference(parts_arr, cos, sin, kc, vc, offset, mask, bias=bias, out_dtype=dtype,
+                                         **kw)
+  for got, ref in ((q, qr), (k_new, kr), (v_new, vr), (q2, qr), (k2, kr), (v2, vr)):
+    _assert_rounding_close(got, ref, dtype)
+
+
+def test_rope_kv_write_rejects_misshapen_partials():
+  _, cos, sin, kc, vc, _ = _rope_inputs(1, 4, 8, 4, 2, 16, jnp.bfloat16, False)
+  kw = dict(q_heads=4, kv_heads=2, rope_fp32=True, interpret=True)
+  p = jnp.zeros((2, 1, 4, 128), jnp.float32)
+  with pytest.raises(ValueError, match="out_dtype"):
+    K.rope_kv_write(p, cos, sin, kc, vc, 0, **kw)
+  with pytest.raises(ValueError, match="bias must be"):
+    K.rope_kv_write(p, cos, sin, kc, vc, 0, bias=jnp.zeros((64,), jnp.bfloat16), out_dtype=jnp.bfloat16, **kw)
+  with pytest.raises(ValueError, match="partials"):
+    K.rope_kv_write(p[0].astype(jnp.bfloat16), cos, sin, kc, vc, 0, out_dtype=jnp.bfloat16, **kw)
+
+
 @pytest.mark.parametrize("fp32", [True, False])
 def test_rope_reference_is_the_models_rotation(fp32):
   """The reference rotates exactly as the model's `apply_rope` (so the kernel is tested against the model)."""

@@ -282,6 +282,32 @@ def test_bf16_partials_match_reference(case, monkeypatch):
   _check_state(st, sa.slot_attention_reference(*args, return_state=True), case.q_lens, case.kv_lens)
 
 
+@pytest.mark.parametrize("bf16_partials", [False, True])
+@pytest.mark.parametrize("case", [c for c in ATTENTION_TEST_SHAPES if (c.kv_splits or 1) > 1], ids=lambda c: c.name)
+def test_merge_kernel_matches_reference(case, bf16_partials, monkeypatch):
+  """MERGE_KERNEL: the split-K merge and the normalisation as one Pallas kernel (a second pallas_call in place of
+  XLA's fusions) give the reference's output, zeros for rows without keys or past q_len, with fp32 or bf16
+  partials; the state path is untouched (no merge kernel)."""
+  args = _make_problem(8, case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads, case.head_dim,
+                       case.q_lens, case.kv_lens)
+  bs = sa.BlockSizes(block_q=case.block_q, block_k=case.block_k, kv_splits=case.kv_splits)
+  monkeypatch.setattr(sa, "MERGE_KERNEL", True)
+  monkeypatch.setattr(sa, "BF16_PARTIALS", bf16_partials)
+
+  def kernels(**kw) -> list[str]:
+    jaxpr = jax.make_jaxpr(lambda *a: sa.slot_attention(*a, block_sizes=bs, interpret=True, **kw))(*args)
+    return [e.params["name"] for e in _pallas_calls(jaxpr.jaxpr)]
+
+  assert kernels() == ["slot_attention", "slot_attention_merge"]
+  assert kernels(return_state=True) == ["slot_attention"]
+  out = sa.slot_attention(*args, block_sizes=bs, interpret=INTERPRET)
+  ref = sa.slot_attention_reference(*args)
+  _check_out(out, ref, case.q_lens, case.kv_lens)
+  monkeypatch.setattr(sa, "MERGE_KERNEL", False)  # the same partials merged by XLA: equal to rounding
+  xla = sa.slot_attention(*args, block_sizes=bs, interpret=INTERPRET)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_default_tiling_is_read_per_call_not_from_a_cached_trace(monkeypatch):
   """The default BlockSizes is resolved outside the jitted body: a patched heuristic (what a benchmark's same-run
   twin does) is a new program even after the old one was traced."""
