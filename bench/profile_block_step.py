@@ -81,6 +81,8 @@ VARIANTS = {
     "merge_kernel": "the slot kernel's split-K merge as one Pallas kernel (slot_attention.MERGE_KERNEL=True) instead "
                     "of XLA's two fusions",
     "pallas_rope_merge": "pallas_rope and merge_kernel together",
+    "pallas_rope_merge_s2": "pallas_rope_merge with the q/k/v GEMM split 2 ways instead of 4 (fused_layers.QKV_SPLITS)",
+    "fp8_ffn_pallas_rope_merge": "the FP8 FFN variant with pallas_rope and merge_kernel",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -165,10 +167,12 @@ def variant(name: str):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "BF16_PARTIALS", True))
-    elif name in ("merge_kernel", "pallas_rope_merge"):
+    if name in ("merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s2", "fp8_ffn_pallas_rope_merge"):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "MERGE_KERNEL", True))
+    if name == "pallas_rope_merge_s2":
+        patches.append((fused_layers, "QKV_SPLITS", 2))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:
@@ -507,7 +511,8 @@ def main() -> None:
                 elif v.startswith("fp8_ffn"):
                     tr8 = {} if args.trace else None
                     ll8 = {"steps": args.long_loop} if args.long_loop else None
-                    nr = "xla" if v.endswith("_xla_norm_rope") else forced
+                    nr = ("xla" if v.endswith("_xla_norm_rope") else "pallas_rope" if v.endswith("_pallas_rope_merge")
+                          else forced)
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(*alternative("fp8_ffn"), b, base, trace=tr8,
                                                            long_loop=ll8, norm_rope=nr), row, v)
@@ -519,7 +524,7 @@ def main() -> None:
                             row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
-                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge"):
+                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s2"):
                     llv = {"steps": args.long_loop} if args.long_loop else None
                     trv = {} if args.trace else None
                     nr = "pallas_rope" if v.startswith("pallas_rope") else forced

@@ -122,15 +122,14 @@ def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, *refs, n: int, s_len:
   t = token - row * n
   offset = meta_ref[0]
   heads = hb * block_h + jnp.arange(block_h, dtype=jnp.int32)[:, None]   # [block_h, 1]
-  lane = jnp.arange(d, dtype=jnp.int32)[None, :]                        # [1, D]
   half = d // 2
-  partner = jnp.where(lane < half, lane + half, lane - half)
-  sign = jnp.where(lane < half, -1.0, 1.0)
+  lane = jnp.arange(half, dtype=jnp.int32)[None, :]                     # [1, D/2]: one half of a head
   total = q_heads + 2 * kv_heads
-  full = jnp.zeros((block_h, d), jnp.int32)   # index and mask arrays all get the tile's full shape
-  heads, lane, partner = heads + full, lane + full, partner + full
+  full = jnp.zeros((block_h, half), jnp.int32)   # index and mask arrays all get the tile's full shape
+  heads, lane = heads + full, lane + full
   live = heads < total
   tok = full + token
+
   def projection(col):
     if not parts:
       return plgpu.load(qkv_ref.at[tok, col], mask=live, other=0.0)
@@ -141,29 +140,33 @@ def _kernel(meta_ref, qkv_ref, cos_ref, sin_ref, mask_ref, *refs, n: int, s_len:
       y = y + plgpu.load(bias_ref.at[col], mask=live, other=0.0).astype(jnp.float32)
     return y.astype(dtype)
 
-  x = projection(heads * d + lane)
-  # rotate_half(x)[j] = -x[j + D/2] for j < D/2, x[j - D/2] after: the same row read through a permuted index
-  rot = projection(heads * d + partner)
-  rot = (rot.astype(jnp.float32) * sign).astype(dtype)  # an exact negation
-  cos = plgpu.load(cos_ref.at[tok, lane])   # the token's row, the same for every head
-  sin = plgpu.load(sin_ref.at[tok, lane])
-  rotated = _rotate(x, rot, cos, sin, rope_fp32, dtype)
+  # Each head as its two halves, each read once: rotate_half([x1, x2]) = [-x2, x1], so the rotated head is
+  # [x1 cos1 - x2 sin1, x2 cos2 + x1 sin2] with apply_rope's roundings (-x2 is an exact negation).
+  x1 = projection(heads * d + lane)
+  x2 = projection(heads * d + half + lane)
+  cos1, cos2 = plgpu.load(cos_ref.at[tok, lane]), plgpu.load(cos_ref.at[tok, lane + half])  # the token's row
+  sin1, sin2 = plgpu.load(sin_ref.at[tok, lane]), plgpu.load(sin_ref.at[tok, lane + half])
+  neg_x2 = (-x2.astype(jnp.float32)).astype(dtype)
+  rot1 = _rotate(x1, neg_x2, cos1, sin1, rope_fp32, dtype)
+  rot2 = _rotate(x2, x1, cos2, sin2, rope_fp32, dtype)
   is_q = heads < q_heads
   is_k = (heads >= q_heads) & (heads < q_heads + kv_heads)
   is_v = (heads >= q_heads + kv_heads) & (heads < total)
   written = mask_ref[token] != 0
   slot = full + (row * s_len + offset + t)
 
-  def column(first_head, ok, width):
+  def column(first_head, ok, width, second: bool):
     # a masked lane's column goes past the row (never a negative one, which the interpreter would wrap onto
     # a live column of the same store)
-    return jnp.where(ok, (heads - first_head) * d + lane, width)
+    return jnp.where(ok, (heads - first_head) * d + lane + (half if second else 0), width)
 
-  plgpu.store(q_ref.at[tok, column(0, is_q, q_heads * d)], rotated, mask=is_q)
   is_k, is_v = is_k & written, is_v & written
-  plgpu.store(kc_ref.at[slot, column(q_heads, is_k, kv_heads * d)], rotated.astype(kc_ref.dtype), mask=is_k)
-  plgpu.store(vc_ref.at[slot, column(q_heads + kv_heads, is_v, kv_heads * d)], x.astype(vc_ref.dtype),
-              mask=is_v)
+  for second, rotated, raw in ((False, rot1, x1), (True, rot2, x2)):
+    plgpu.store(q_ref.at[tok, column(0, is_q, q_heads * d, second)], rotated, mask=is_q)
+    plgpu.store(kc_ref.at[slot, column(q_heads, is_k, kv_heads * d, second)], rotated.astype(kc_ref.dtype),
+                mask=is_k)
+    plgpu.store(vc_ref.at[slot, column(q_heads + kv_heads, is_v, kv_heads * d, second)], raw.astype(vc_ref.dtype),
+                mask=is_v)
 
 
 def _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads, bias=None, out_dtype=None):
