@@ -15,6 +15,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -134,10 +135,14 @@ def main() -> None:
     ap.add_argument("--compare-bf16", action="store_true",
                     help="with --fp8-ffn: also time every row with the same weights in bf16, in the same run")
     ap.add_argument("--no-steps256", action="store_true", help="skip the fixed steps-256 batch-1 row per model")
-    ap.add_argument("--norm-rope", choices=["xla", "pallas"], default=GenerationConfig.norm_rope_backend,
+    ap.add_argument("--norm-rope", choices=["auto", "xla", "pallas", "pallas_rope"],
+                    default=GenerationConfig.norm_rope_backend,
                     help="GenerationConfig.norm_rope_backend of every row (default: the engine's)")
     ap.add_argument("--compare-attention", default=None, metavar="BACKEND",
                     help="also time every row with this attention backend (e.g. cudnn), same run")
+    ap.add_argument("--compare-v13", action="store_true",
+                    help="also time every row with session 13's default kernels (XLA's RoPE and K/V writes, XLA's "
+                    "split-K merge of the block-step attention: norm_rope_backend='xla', MERGE_KERNEL off), same run")
     ap.add_argument("--compare-norm-rope", action="store_true",
                     help="also time every row with norm_rope_backend='xla' (the XLA norms and RoPE), same run")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -225,6 +230,12 @@ def main() -> None:
         if args.compare_attention:
             twin(current, "attention", "attention_twin", f"same-run attention {args.compare_attention}",
                  bool(args.fp8_ffn), norm_rope=args.norm_rope, attention=args.compare_attention)
+        if args.compare_v13:  # norm_rope="xla" is a new static config, so the patched merge switch is traced anew
+            from pallas_kernels import slot_attention
+
+            with mock.patch.object(slot_attention, "MERGE_KERNEL", False):
+                twin(current, "v13", "v13_default", "same-run v13 default kernels", bool(args.fp8_ffn),
+                     norm_rope="xla")
         if args.compare_norm_rope:
             twin(current, "norm_rope", "xla_norm_rope", "same-run norm_rope xla", bool(args.fp8_ffn), norm_rope="xla")
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "

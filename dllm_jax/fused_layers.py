@@ -33,11 +33,13 @@ from pallas_kernels.residual_rmsnorm import linear_partials, residual_rmsnorm
 from pallas_kernels.rope_kv_write import rope_kv_write
 
 Array = jax.Array
-# The q/k/v GEMM as QKV_SPLITS split-K partials up to this many tokens per forward (a block step: 32 per row): XLA
-# splits LLaDA-8B's q/k/v GEMM 4 ways at M = 32 on the H200 (its optimised HLO, bench/NOTES.md v14), and a batched
-# GEMM over 4 K chunks streams the weights as fast (bench/results/splitk_norm_probe_h200.json).
+# The q/k/v GEMM as QKV_SPLITS split-K partials up to this many tokens per forward (a block step at batch 1-2: 32
+# per row). XLA splits LLaDA-8B's q/k/v GEMM 4 ways at M = 32 on the H200 (its optimised HLO); as a batched GEMM
+# 2 ways was faster in the step (half the partials' bytes for the RoPE kernel to read): LLaDA-8B batch 1, 4.564 vs
+# 4.607 ms per step in a loop with 4 (bench/NOTES.md v14). At batch 8 (256 tokens) the kernel on the rounded
+# projection lost to XLA's three kernels (7.28 vs 7.23 ms per call of 8), so "pallas_rope" stops here.
 PARTIALS_MAX_TOKENS = 64
-QKV_SPLITS = 4
+QKV_SPLITS = 2
 
 
 def rope_write(block: Block, config: ModelConfig, layer_params: dict, h: Array, cos: Array, sin: Array,

@@ -66,8 +66,9 @@ class GenerationConfig:
     # needs per-layer params, the GPU layout). Opt-in: on the H200 it was no faster (block steps within 0.5%,
     # block starts 1% slower: XLA already fuses each add into its split-K GEMM's reduction; bench/NOTES.md v12)
     # "pallas_rope": only RoPE + the K/V write as one kernel, fed at block steps by the q/k/v GEMM's split-K partials
-    # (one kernel instead of three per layer; bench/NOTES.md v14)
-    norm_rope_backend: Literal["xla", "pallas", "pallas_rope"] = "xla"
+    # (one kernel instead of three per layer; LLaDA-8B batch-1 block step 3.0% faster, bench/NOTES.md v14). "auto":
+    # that on a GPU in bf16 with per-layer params and cache, XLA's ops everywhere else (CPU, fp32, stacked layers)
+    norm_rope_backend: Literal["auto", "xla", "pallas", "pallas_rope"] = "auto"
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
@@ -126,8 +127,8 @@ class GenerationConfig:
             bad(f"attention_backend={self.attention_backend!r}; expected auto, xla, cudnn, pallas or cudnn_pallas")
         if self.ffn_backend not in ("xla", "pallas", "mgpu"):
             bad(f"ffn_backend={self.ffn_backend!r}; expected xla, pallas or mgpu")
-        if self.norm_rope_backend not in ("xla", "pallas", "pallas_rope"):
-            bad(f"norm_rope_backend={self.norm_rope_backend!r}; expected xla, pallas or pallas_rope")
+        if self.norm_rope_backend not in ("auto", "xla", "pallas", "pallas_rope"):
+            bad(f"norm_rope_backend={self.norm_rope_backend!r}; expected auto, xla, pallas or pallas_rope")
         if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
@@ -258,7 +259,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
         raise ValueError("affix='naive' needs affix_spans (one (start, end) per prompt)")
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
-    if gc.norm_rope_backend != "xla" and not is_unrolled(model.params["layers"]):
+    if gc.norm_rope_backend in ("pallas", "pallas_rope") and not is_unrolled(model.params["layers"]):
         raise ValueError(f"norm_rope_backend={gc.norm_rope_backend!r} needs per-layer params: load with dllm_jax.load(..., "
                          "layer_layout='unrolled') or convert with dllm_jax.modeling.unstack_layers(params)")
     warn_if_slow_layer_layout(model.params)

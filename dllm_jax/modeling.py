@@ -216,8 +216,10 @@ def forward(
     unrolled: bench/NOTES.md v3). Interpreted off the GPU.
     norm_rope_backend: "pallas" runs each residual add with the RMSNorm after it as one kernel, and RoPE with the
     K/V cache write as one kernel (`dllm_jax.fused_layers`; per-layer params and cache only; interpreted off the
-    GPU); "pallas_rope" only the latter, in this layer loop, when there is a per-layer cache (at a block step's few
-    tokens fed by the q/k/v GEMM's split-K partials: `fused_layers.rope_write`); "xla" the plain-jnp ops.
+    GPU); "pallas_rope" only the latter, in this layer loop, for windows of at most `fused_layers.PARTIALS_MAX_TOKENS`
+    tokens (block steps) over a per-layer cache, fed by the q/k/v GEMM's split-K partials (`fused_layers.rope_write`;
+    larger windows run the XLA ops, which were faster there); "xla" the plain-jnp ops; "auto" (generate's default)
+    "pallas_rope" where it applies on a GPU in bf16 (a per-layer cache, a block step's window), else "xla".
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """
@@ -271,11 +273,17 @@ def forward(
     if norm_rope_backend == "pallas_rope" and not cache.per_layer:
         raise ValueError("norm_rope_backend='pallas_rope' needs a per-layer KVCache (KVCache.for_params with "
                          "per-layer params): its kernel writes one layer's buffer in place")
+    from dllm_jax.fused_layers import PARTIALS_MAX_TOKENS  # the RoPE kernel: block-step windows only (NOTES v14)
+
+    rope_kernel = b * n <= PARTIALS_MAX_TOKENS and (
+        norm_rope_backend == "pallas_rope"
+        or (norm_rope_backend == "auto" and cache.per_layer and jax.default_backend() == "gpu"
+            and config.dtype == "bfloat16"))
 
     def layer_cached(carry, inputs):
         x, ck, cv = carry
         layer_params, i = inputs
-        if norm_rope_backend == "pallas_rope":  # one kernel: the projection's reduction, RoPE and the K/V write
+        if rope_kernel:  # one kernel: the projection's split-K reduction, RoPE and the K/V write
             from dllm_jax.fused_layers import rope_write, written_window
 
             h = block.apply({"params": layer_params}, x, method=Block.qkv_in)
@@ -451,8 +459,8 @@ def split_projections(layers: Params, config: ModelConfig) -> Params:
 
 FfnBackend = str  # "xla" | "pallas" (Triton-lowered skinny GEMM) | "mgpu" (Mosaic GPU streaming GEMM)
 FFN_BACKENDS = ("xla", "pallas", "mgpu")
-NormRopeBackend = str  # "xla" | "pallas" | "pallas_rope" (dllm_jax.fused_layers)
-NORM_ROPE_BACKENDS = ("xla", "pallas", "pallas_rope")
+NormRopeBackend = str  # "xla" | "pallas" | "pallas_rope" (dllm_jax.fused_layers) | "auto"
+NORM_ROPE_BACKENDS = ("xla", "pallas", "pallas_rope", "auto")
 
 
 def use_pallas_ffn(config: ModelConfig, ffn_backend: FfnBackend, tokens: int) -> bool:

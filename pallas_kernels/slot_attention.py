@@ -65,8 +65,9 @@ SPLIT_BELOW_SMS = _NUM_SMS // 2  # split the KV length only when the grid has at
 BF16_PARTIALS = False
 # The split-K merge of the plain output path (weights exp(m - max m), the weighted sums over the splits, o / l) as one
 # Pallas kernel instead of XLA's two fusions (a reduction for the weights, then the weighted sum): one launch fewer
-# per layer of a block step (bench/NOTES.md v14). Read per call like the split rule.
-MERGE_KERNEL = False
+# per layer of a block step. On the H200 (bench/NOTES.md v14, per step in a loop): LLaDA-8B batch 1 4.585 vs 4.639
+# ms, Dream-7B batch 1 4.201 vs 4.217; batch 8 does not split. Read per call like the split rule.
+MERGE_KERNEL = True
 MERGE_BLOCK_ROWS = 8  # (token, head) rows per merge program: a block step's 1024 rows make 128 programs
 
 

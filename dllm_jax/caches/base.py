@@ -36,7 +36,7 @@ class DecodeInputs:
     padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
     has_frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))  # any frozen position?
     ffn_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas" | "mgpu"
-    norm_rope_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas" | "pallas_rope"
+    norm_rope_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # modeling.NORM_ROPE_BACKENDS
 
     @property
     def kernels(self) -> dict:
