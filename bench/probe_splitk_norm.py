@@ -93,7 +93,8 @@ def main() -> None:
                 ref = last if ref is None else ref
                 med, _ = common.time_call(lambda: jax.block_until_ready(f(x, r, ws, scale)), reps=10)
                 bd = kernel_breakdown(lambda: jax.block_until_ready(f(x, r, ws, scale)), calls=4)
-                row = {"shape": name, "M": m, "K": k, "N": n, "variant": v, "us_wall_per_layer": 1e6 * med / args.layers,
+                row = {"shape": name, "M": m, "K": k, "N": n, "variant": v,
+                       "us_wall_per_layer": 1e6 * med / args.layers,
                        "max_abs_diff_vs_xla": float(jnp.max(jnp.abs(last - ref)))}
                 if bd.get("kernels_per_call"):
                     row.update(us_busy_per_layer=1e3 * bd["busy_ms"] / args.layers,

@@ -430,7 +430,8 @@ def main() -> None:
                     "ms_xla[<argument>] (and its trace with --trace). A setting that changes GEMM autotuning can reuse "
                     "the in-process autotuning results of an earlier compile: time those in a process of their own")
     ap.add_argument("--layers", type=int, default=None,
-                    help="keep only the first N layers of each model (cheaper screening; the floors follow the weights)")
+                    help="keep only the first N layers of each model (cheaper screening; the floors follow the "
+                    "weights)")
     ap.add_argument("--hlo-dir", default=None,
                     help="write the optimised HLO of each default step there (<model>_b<batch>.hlo.txt.gz)")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -540,8 +541,8 @@ def main() -> None:
                         row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, "pallas"), row, v)
                 elif v.endswith("_ffn"):  # weight-streaming FFN kernels: Triton ("pallas") / Mosaic GPU ("mgpu")
                     row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, v.removesuffix("_ffn")), row, v)
-            timed = [x for k, x in row.items() if (k.startswith(("ms_attn_", "ms_xla[")) or k.removeprefix("ms_") in VARIANTS)
-                     and x]
+            timed = [x for k, x in row.items()
+                     if (k.startswith(("ms_attn_", "ms_xla[")) or k.removeprefix("ms_") in VARIANTS) and x]
             row["ms_best_variant"] = min(timed) if timed else None
             rows.append(row)
             save(rows, args.out)  # after every row: a run cut short by a time limit keeps what it measured

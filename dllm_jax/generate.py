@@ -260,8 +260,9 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
     if gc.norm_rope_backend in ("pallas", "pallas_rope") and not is_unrolled(model.params["layers"]):
-        raise ValueError(f"norm_rope_backend={gc.norm_rope_backend!r} needs per-layer params: load with dllm_jax.load(..., "
-                         "layer_layout='unrolled') or convert with dllm_jax.modeling.unstack_layers(params)")
+        raise ValueError(f"norm_rope_backend={gc.norm_rope_backend!r} needs per-layer params: load with "
+                         "dllm_jax.load(..., layer_layout='unrolled') or convert with "
+                         "dllm_jax.modeling.unstack_layers(params)")
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
     toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),

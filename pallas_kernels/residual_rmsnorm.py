@@ -14,9 +14,9 @@ Layout: x, delta [M, d] (bf16 or fp32), weight [d]. One program per `block_m` ro
 [block_m, next_pow2(d)] tile (d up to 8192).
 
 delta may also be a GEMM's split-K partials, [S, M, d] fp32 (`linear_partials`): the kernel sums them in fp32 and
-rounds once to x.dtype (what the GEMM's own split-K reduction would have written), then adds. XLA's split-K GEMMs
-at a block step's M (32 rows) reduce their partials in a kernel of their own; taking the partials here folds that
-reduction, the residual add and the norm into one kernel (bench/NOTES.md v14).
+rounds once to x.dtype (what the GEMM's own split-K reduction would have written), then adds: the reduction, the
+residual add and the norm in one kernel. Measured slower than XLA's reduce + add and norm fusions at a block step's
+M = 32 and 256 (bench/NOTES.md v14 item 3: 4.8-7.7 vs 3.1 us after LLaDA-8B's o_proj), so no default path uses it.
 """
 from __future__ import annotations
 
