@@ -27,8 +27,8 @@ import contextlib
 import functools
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import jax
@@ -81,7 +81,9 @@ VARIANTS = {
     "merge_kernel": "the slot kernel's split-K merge as one Pallas kernel (slot_attention.MERGE_KERNEL=True) instead "
                     "of XLA's two fusions",
     "pallas_rope_merge": "pallas_rope and merge_kernel together",
-    "pallas_rope_merge_s2": "pallas_rope_merge with the q/k/v GEMM split 2 ways instead of 4 (fused_layers.QKV_SPLITS)",
+    "pallas_rope_merge_s4": "pallas_rope_merge with the q/k/v GEMM split 4 ways (fused_layers.QKV_SPLITS; XLA's own "
+                            "split at LLaDA-8B's M = 32; 2 since v14. Runs v14d/v14e, at commit f193222, had 4 as the "
+                            "default and timed 2 as pallas_rope_merge_s2)",
     "fp8_ffn_pallas_rope_merge": "the FP8 FFN variant with pallas_rope and merge_kernel",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
@@ -167,12 +169,12 @@ def variant(name: str):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "BF16_PARTIALS", True))
-    if name in ("merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s2", "fp8_ffn_pallas_rope_merge"):
+    if name in ("merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s4", "fp8_ffn_pallas_rope_merge"):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "MERGE_KERNEL", True))
-    if name == "pallas_rope_merge_s2":
-        patches.append((fused_layers, "QKV_SPLITS", 2))
+    if name == "pallas_rope_merge_s4":
+        patches.append((fused_layers, "QKV_SPLITS", 4))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:
@@ -421,7 +423,7 @@ def main() -> None:
     ap.add_argument("--long-loop", type=int, default=0, metavar="L",
                     help="also time the default step and the fp8 variants with L fused steps (L > 8): the marginal "
                     "ms per step (slope between the two loops) and the per-call overhead of a call of 8")
-    ap.add_argument("--norm-rope", choices=["xla", "pallas"], default=None,
+    ap.add_argument("--norm-rope", choices=["auto", "xla", "pallas", "pallas_rope"], default=None,
                     help="norm_rope_backend of the default step and the variants (default: the engine's; "
                     "xla_norm_rope variants always use xla)")
     ap.add_argument("--xla-options", nargs="*", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
@@ -525,7 +527,7 @@ def main() -> None:
                             row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
-                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s2"):
+                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s4"):
                     llv = {"steps": args.long_loop} if args.long_loop else None
                     trv = {} if args.trace else None
                     nr = "pallas_rope" if v.startswith("pallas_rope") else forced

@@ -23,8 +23,12 @@ def _run(script: str, *args: str) -> None:
 
 def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
     _run("bench_generate", "--models", "tiny", "--batches", "1", "--modes", "dual", "--layer-layout", "unrolled",
-         "--compare-stacked", "--fp8-ffn", "--compare-bf16", "--no-steps256", "--out", str(tmp_path))
+         "--compare-stacked", "--fp8-ffn", "--compare-bf16", "--compare-v13", "--no-steps256", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "generate_fp8_h200.json").read_text())["rows"]
+    v13 = [r for r in rows if r.get("comparison") == "same-run v13 default kernels"]
+    assert len(v13) == 1 and v13[0]["norm_rope_backend"] == "xla"
+    rows = [r for r in rows if r not in v13]
+    assert rows[1]["speedup_vs_v13_default"] == v13[0]["seconds"] / rows[1]["seconds"]
     # the same-run stacked comparison, the FP8 row on the layout asked for, and its same-run bf16 twin
     assert [(r["layer_layout"], r["fp8_ffn"], r.get("comparison")) for r in rows] == [
         ("stacked", True, "same-run stacked baseline"), ("unrolled", True, None),
@@ -56,6 +60,26 @@ def test_profile_block_step_smoke(tmp_path):
         assert ll["steps"] == 10 and ll["ms_long"] > 0 and ll["dispatch_ms"] > 0 and "marginal_ms" in ll
         assert ll["mid_steps"] == 9 and isinstance(ll["linear"], bool)
     assert row["fp8_ffn_marginal_speedup"] == row["long_loop"]["marginal_ms"] / row["long_loop_fp8_ffn"]["marginal_ms"]
+
+
+def test_profile_block_step_v14_options(tmp_path):
+    """The RoPE/merge-kernel variants, XLA options per compile (one process), --layers and the HLO dump."""
+    hlo = tmp_path / "hlo"
+    _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "pallas", "--variants",
+         "pallas_rope_merge", "--xla-options", "xla_gpu_autotune_level=1", "--layers", "1", "--layer-layout",
+         "unrolled", "--no-stages", "--no-gemms", "--no-baseline", "--hlo-dir", str(hlo), "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
+    assert row["layers"] == 1 and row["ms_pallas_rope_merge"] > 0 and row["ms_xla[xla_gpu_autotune_level=1]"] > 0
+    assert not any(k.startswith("error") for k in row)
+    import gzip
+
+    assert "HloModule" in gzip.open(hlo / "tiny_b1.hlo.txt.gz", "rt").read()
+    import profile_block_step
+
+    assert profile_block_step.parse_compiler_options("xla_a=true,xla_b=3,xla_c=x") == {"xla_a": True, "xla_b": 3,
+                                                                                        "xla_c": "x"}
+    with pytest.raises(SystemExit, match="xla_NAME=VALUE"):
+        profile_block_step.parse_compiler_options("autotune=1")
 
 
 def test_loop_costs_split_a_call_into_steps_and_overhead():
