@@ -85,6 +85,8 @@ VARIANTS = {
                             "split at LLaDA-8B's M = 32; 2 since v14. Runs v14d/v14e, at commit f193222, had 4 as the "
                             "default and timed 2 as pallas_rope_merge_s2)",
     "fp8_ffn_pallas_rope_merge": "the FP8 FFN variant with pallas_rope and merge_kernel",
+    "v13_kernels": "session 13's default kernels: XLA's RoPE and K/V writes (norm_rope_backend='xla') and XLA's "
+                   "split-K merge of the attention (slot_attention.MERGE_KERNEL=False)",
     "pallas_ffn": "the FFN on the Triton weight-streaming GEMM (a session-3 dead end)",
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
@@ -173,6 +175,10 @@ def variant(name: str):
         from pallas_kernels import slot_attention
 
         patches.append((slot_attention, "MERGE_KERNEL", True))
+    if name == "v13_kernels":
+        from pallas_kernels import slot_attention
+
+        patches.append((slot_attention, "MERGE_KERNEL", False))
     if name == "pallas_rope_merge_s4":
         patches.append((fused_layers, "QKV_SPLITS", 4))
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
@@ -527,10 +533,10 @@ def main() -> None:
                             row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
-                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s4"):
+                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s4", "v13_kernels"):
                     llv = {"steps": args.long_loop} if args.long_loop else None
                     trv = {} if args.trace else None
-                    nr = "pallas_rope" if v.startswith("pallas_rope") else forced
+                    nr = "pallas_rope" if v.startswith("pallas_rope") else "xla" if v == "v13_kernels" else forced
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, trace=trv, long_loop=llv,
                                                            norm_rope=nr), row, v)

@@ -23,7 +23,8 @@ def _run(script: str, *args: str) -> None:
 
 def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
     _run("bench_generate", "--models", "tiny", "--batches", "1", "--modes", "dual", "--layer-layout", "unrolled",
-         "--compare-stacked", "--fp8-ffn", "--compare-bf16", "--compare-v13", "--no-steps256", "--out", str(tmp_path))
+         "--compare-stacked", "--fp8-ffn", "--compare-bf16", "--compare-v13", "--no-steps256",
+         "--out", str(tmp_path))
     rows = json.loads((tmp_path / "generate_fp8_h200.json").read_text())["rows"]
     v13 = [r for r in rows if r.get("comparison") == "same-run v13 default kernels"]
     assert len(v13) == 1 and v13[0]["norm_rope_backend"] == "xla"
@@ -66,10 +67,11 @@ def test_profile_block_step_v14_options(tmp_path):
     """The RoPE/merge-kernel variants, XLA options per compile (one process), --layers and the HLO dump."""
     hlo = tmp_path / "hlo"
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "pallas", "--variants",
-         "pallas_rope_merge", "--xla-options", "xla_gpu_autotune_level=1", "--layers", "1", "--layer-layout",
-         "unrolled", "--no-stages", "--no-gemms", "--no-baseline", "--hlo-dir", str(hlo), "--out", str(tmp_path))
+         "pallas_rope_merge", "v13_kernels", "--xla-options", "xla_gpu_autotune_level=1", "--layers", "1",
+         "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--no-baseline", "--hlo-dir", str(hlo), "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
-    assert row["layers"] == 1 and row["ms_pallas_rope_merge"] > 0 and row["ms_xla[xla_gpu_autotune_level=1]"] > 0
+    assert row["layers"] == 1 and row["ms_pallas_rope_merge"] > 0 and row["ms_v13_kernels"] > 0
+    assert row["ms_xla[xla_gpu_autotune_level=1]"] > 0
     assert not any(k.startswith("error") for k in row)
     import gzip
 
