@@ -273,26 +273,22 @@ def forward(
     if norm_rope_backend == "pallas_rope" and not cache.per_layer:
         raise ValueError("norm_rope_backend='pallas_rope' needs a per-layer KVCache (KVCache.for_params with "
                          "per-layer params): its kernel writes one layer's buffer in place")
-    from dllm_jax.fused_layers import PARTIALS_MAX_TOKENS  # the RoPE kernel: block-step windows only (NOTES v14)
+    from dllm_jax.fused_layers import PARTIALS_MAX_TOKENS, rope_write, written_window  # (imports modeling)
 
-    rope_kernel = b * n <= PARTIALS_MAX_TOKENS and (
+    rope_kernel = b * n <= PARTIALS_MAX_TOKENS and (  # the RoPE kernel: block-step windows only (NOTES v14)
         norm_rope_backend == "pallas_rope"
         or (norm_rope_backend == "auto" and cache.per_layer and jax.default_backend() == "gpu"
             and config.dtype == "bfloat16"))
 
-    def layer_cached(carry, inputs):
-        x, ck, cv = carry
-        layer_params, i = inputs
+    def rotate_and_write(layer_params, i, x, ck, cv):
+        """Rotated q, the carried buffers with layer i's window written (in place under jit) and, with return_kv,
+        what the window left in its slots (the old K/V where write_mask is False)."""
         if rope_kernel:  # one kernel: the projection's split-K reduction, RoPE and the K/V write
-            from dllm_jax.fused_layers import rope_write, written_window
-
             h = block.apply({"params": layer_params}, x, method=Block.qkv_in)
             q, kb, vb = rope_write(block, config, layer_params, h, cos, sin, ck[i], cv[i], offset, write_mask,
                                    interpret=jax.default_backend() != "gpu")
-            ck, cv = ck[:i] + (kb,) + ck[i + 1:], cv[:i] + (vb,) + cv[i + 1:]
-            attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
-            x = finish(layer_params, i, x, attn)
-            return (x, ck, cv), (written_window(ck[i], cv[i], offset, n) if return_kv else None)
+            fresh = written_window(kb, vb, offset, n) if return_kv else None
+            return q, ck[:i] + (kb,) + ck[i + 1:], cv[:i] + (vb,) + cv[i + 1:], fresh
         q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
         if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
             old_k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
@@ -300,10 +296,15 @@ def forward(
             wm = write_mask[:, :, None, None]
             k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
         # In-place update of layer i's window in the carried buffers (no copy of the whole cache per layer).
-        ck, cv = _cache_write(ck, i, offset, k), _cache_write(cv, i, offset, v)
+        return q, _cache_write(ck, i, offset, k), _cache_write(cv, i, offset, v), ((k, v) if return_kv else None)
+
+    def layer_cached(carry, inputs):
+        x, ck, cv = carry
+        layer_params, i = inputs
+        q, ck, cv, fresh = rotate_and_write(layer_params, i, x, ck, cv)
         attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
         x = finish(layer_params, i, x, attn)
-        return (x, ck, cv), ((k, v) if return_kv else None)
+        return (x, ck, cv), fresh
 
     (x, ck, cv), kv = layer_loop(layer_cached, (x, tuple(cache.k) if cache.per_layer else cache.k,
                                                  tuple(cache.v) if cache.per_layer else cache.v),

@@ -71,16 +71,23 @@ def linear_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
                     precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
 
 
-def sum_partials(delta: jax.Array, dtype) -> jax.Array:
-  """[S, M, N] fp32 partials -> their fp32 sum rounded once to dtype (a [M, N] delta passes through as dtype)."""
-  return (delta.sum(axis=0) if delta.ndim == 3 else delta).astype(dtype)
+def projection_from_partials(partials: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+  """[S, ..., N] fp32 split-K partials (+ bias [N]) -> the projection output in dtype: one rounding of the fp32 sum,
+  as `dllm_jax.layers.Linear` rounds (bias added in fp32 before it). The reference of both kernels that take
+  partials (this one and `rope_kv_write`)."""
+  y = partials.sum(axis=0)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(dtype)
 
 
 def residual_rmsnorm_reference(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float
                                ) -> tuple[jax.Array, jax.Array]:
   """(s, h): s = x + delta in x.dtype (x itself when delta is None), h = RMSNorm(s) * weight. delta [S, M, d]:
   split-K partials, summed in fp32 and rounded to x.dtype first."""
-  s = x if delta is None else x + sum_partials(delta, x.dtype)
+  if delta is not None:
+    delta = projection_from_partials(delta, None, x.dtype) if delta.ndim == 3 else delta.astype(x.dtype)
+  s = x if delta is None else x + delta
   sf = s.astype(jnp.float32)
   h = (sf * lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + eps)).astype(x.dtype) * weight.astype(x.dtype)
   return s, h

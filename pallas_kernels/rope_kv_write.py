@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.residual_rmsnorm import projection_from_partials
+
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -74,15 +76,6 @@ def _rotate(x: jax.Array, rot: jax.Array, cos: jax.Array, sin: jax.Array, rope_f
 def _rotate_half(x: jax.Array) -> jax.Array:
   x1, x2 = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([-x2, x1], axis=-1)
-
-
-def projection_from_partials(partials: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
-  """[S, ..., W] fp32 split-K partials (+ bias [W]) -> the projection output in dtype: one rounding of the fp32 sum,
-  as `dllm_jax.layers.Linear` rounds (bias added in fp32 before it)."""
-  y = partials.sum(axis=0)
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
-  return y.astype(dtype)
 
 
 def rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, offset, write_mask=None, *, q_heads: int,

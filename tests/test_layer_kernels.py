@@ -64,7 +64,7 @@ def test_residual_rmsnorm_sums_split_k_partials_first(parts, m, d, dtype):
   x = jax.random.normal(jax.random.key(m + 2), (m, d)).astype(dtype)
   scale = (1 + 0.3 * jax.random.normal(jax.random.key(7), (d,))).astype(dtype)
   s, h = R.residual_rmsnorm(x, p, scale, eps=1e-5, interpret=INTERPRET)
-  delta = R.sum_partials(p, dtype)
+  delta = R.projection_from_partials(p, None, dtype)
   if dtype == jnp.float32:
     np.testing.assert_allclose(_f32(s), _f32(x + delta), rtol=1e-6, atol=1e-6)
   else:  # the partials' fp32 sum rounds to the same bf16 nearly always, whatever the order
