@@ -59,6 +59,9 @@ VARIANTS = {
     "fp8_ffn_xla_sum": "the FP8 FFN with XLA's split-K sum and residual add (FP8_SPLITK_RESIDUAL_KERNEL=0)",
     "fp8_ffn_overlap": "the FP8 FFN with each stage's last K group promoted in the next step (FP8_OVERLAP_STEPS=1, "
                        "where 3 stages fit; v10: 1.02-3.6x slower per GEMM)",
+    "fp8_ffn_pingpong": "the FP8 FFN with the two compute warpgroups of every FP8 GEMM taking turns at the tensor "
+                        "cores (fp8_matmul.PINGPONG_FROM_M = 1, FP8_PINGPONG=1; v15)",
+    "fp8_ffn_pingpong_256": "the FP8 FFN with pingpong from M = 256 on (FP8_PINGPONG=256: not at batch-1 block steps)",
     "fp8_ffn_two_slots": "the FP8 FFN without v10's one-slot epilogue for split-K at M = 65-256 (FP8_ONE_SLOT=0: "
                          "one K group per stage on 4 stages there, the v9 default)",
     "fp8_ffn_tail_split": "the FP8 FFN with the gate/up GEMM's last partial wave as a split-K second kernel where "
@@ -104,6 +107,8 @@ FP8_FLAG_OVERRIDES = {
     "fp8_ffn_g4": {"GROUPS_PER_STEP": 4},
     "fp8_ffn_overlap": {"OVERLAP_STEPS": True},
     "fp8_ffn_two_slots": {"ONE_SLOT_EPILOGUE": False},
+    "fp8_ffn_pingpong": {"PINGPONG_FROM_M": 1},
+    "fp8_ffn_pingpong_256": {"PINGPONG_FROM_M": 256},
     "fp8_ffn_tail_split": {"TAIL_SPLIT": True},
 }
 

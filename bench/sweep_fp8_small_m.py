@@ -41,13 +41,17 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
     return {"gate_up": (2 * c.mlp_hidden, c.d_model), "down": (c.d_model, c.mlp_hidden)}
 
 
-def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, overlap: bool = not INTERPRET) -> list:
+def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, overlap: bool = not INTERPRET,
+               focus: bool = False, pingpong: bool = not INTERPRET) -> list:
     """The default tiling, the same with 1, 2 or 4 K groups per stage, then with and without two-CTA clusters
     (along M and N at M >= 1024, along M at M >= 256), each grouped tiling with the other epilogue width where that
     changes its stage count, the one-slot epilogue where only it fits 3 stages, (M <= 64) every stage that fits and
     the other tile width; sweep=True adds every split-K count of both widths (runs v6a/v6b); grid=False drops the
     split-K x tile-width grid above M = 64 (timed in v6a/v8a, never a winner); overlap: the overlap_steps twins
-    (not on the CPU: the simulator cannot run them)."""
+    (not on the CPU: the simulator cannot run them); pingpong: every candidate's twin with the other
+    `Fp8MatmulConfig.pingpong` schedule (v15); focus: only the default and its twins with 1 or 2 K groups per
+    stage (and their pingpong twins). Neither twin set on the CPU by default (the smoke test's time; the
+    kernel tests run both schedules in the simulator)."""
     kg = k // F.GROUP
     default = F.default_config(m, n, k)
     out = [default]
@@ -55,6 +59,19 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
     def add(cfg):
         if cfg not in out and not n % cfg.cta_tile_n and not kg % cfg.split_k:
             out.append(cfg)
+
+    def with_pingpong_twins(configs):
+        for cfg in list(configs) if pingpong else []:
+            if not cfg.overlap_steps:
+                add(dataclasses.replace(cfg, pingpong=not cfg.pingpong))
+        return out
+
+    if focus:
+        for g in (1, 2):
+            grouped = dataclasses.replace(default, groups_per_step=g)
+            if not (kg // default.split_k) % g and F.stages_that_fit(grouped, F.model_epilogue_dtype(grouped)) >= 2:
+                add(grouped)
+        return with_pingpong_twins(out)
 
     for g in (1, 2, 4):  # K groups per stage (wgmmas in flight during the promotions; v7), where they fit
         grouped = dataclasses.replace(default, groups_per_step=g)
@@ -119,7 +136,7 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
                 if units > 900 or units < 48:
                     continue
                 add(cfg)
-    return out
+    return with_pingpong_twins(out)
 
 
 def _trace(fn, args_list) -> dict:
@@ -150,12 +167,12 @@ def device_us(fn, args_list, name_part: str) -> float | None:
 
 
 def gemm_rows(model: str, name: str, n: int, k: int, m: int, sweep: bool = False, grid: bool = True,
-              overlap: bool = not INTERPRET) -> list[dict]:
+              overlap: bool = not INTERPRET, focus: bool = False, pingpong: bool = not INTERPRET) -> list[dict]:
     rows = []
     ws_, xs_ = operands(n, k, m)
     default = F.default_config(m, n, k)
     ref = F.fp8_matmul_reference(*xs_[0], *ws_[0], out_dtype=jnp.float32)
-    for cfg in candidates(m, n, k, sweep, grid, overlap):
+    for cfg in candidates(m, n, k, sweep, grid, overlap, focus, pingpong):
         mp = F.padded_rows(m, cfg)
         args = []
         for (xq, xs), (wq, ws) in zip(xs_, ws_):
@@ -246,6 +263,11 @@ def main() -> None:
                     help="above M = 64, skip the split-K x tile-width grid (runs v6a/v8a: never a winner)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="skip the overlap_steps twins (e.g. when their GPU bit-identity test has not passed)")
+    ap.add_argument("--focus", action="store_true",
+                    help="only the default tiling, its 1- and 2-group twins and their pingpong twins")
+    ap.add_argument("--no-pingpong", action="store_true", help="skip the pingpong twins (v15)")
+    ap.add_argument("--gemms", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"])
+    ap.add_argument("--no-quantizers", action="store_true", help="skip the quantiser rows")
     ap.add_argument("--out", default=str(common.RESULTS / "fp8_small_m_h200.json"))
     args = ap.parse_args()
     rows: list[dict] = []
@@ -253,13 +275,16 @@ def main() -> None:
     meta = common.meta(what="FP8 FFN kernels at block-step M: device time per GEMM tiling and of the quantisers")
     for model in args.models:
         for m in args.ms:
-            for r in quantizer_rows(model, m):
+            for r in [] if args.no_quantizers else quantizer_rows(model, m):
                 rows.append(r)
                 print(r, flush=True)
             for name, (n, k) in gemms(model).items():
-                overlap = not args.no_overlap and not INTERPRET
-                rows += gemm_rows(model, name, n, k, m, args.sweep, not args.no_grid, overlap)
-                rows += tail_split_rows(model, name, n, k, m)
+                if name not in args.gemms:
+                    continue
+                overlap = not args.no_overlap and not INTERPRET and not args.focus
+                rows += gemm_rows(model, name, n, k, m, args.sweep, not args.no_grid, overlap, args.focus,
+                                  not args.no_pingpong and not INTERPRET)
+                rows += [] if args.focus else tail_split_rows(model, name, n, k, m)
                 common.write_results(out.name, meta, rows, out.parent)
     path = common.write_results(out.name, meta, rows, out.parent)
     print(f"wrote {path}")

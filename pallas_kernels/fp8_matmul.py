@@ -159,6 +159,12 @@ class Fp8MatmulConfig:
   across the stage boundary (its barrier waits included). The stage is then released one step late
   (BlockSpec delay_release=1), which costs one prefetched stage. Exact, but slower on the H200: ptxas serialises
   the wgmmas once an in-flight accumulator is read across the step (bench/NOTES.md v10); kept for experiments.
+  ``pingpong``: the two compute warpgroups take turns at the tensor cores (FA3's schedule): after issuing a
+  stage's wgmmas a warpgroup meets the other at a shared barrier before it waits for and promotes them, and
+  warpgroup 1 starts each work unit one meeting behind. So one warpgroup's promotion and barrier waits run while
+  the other's wgmmas keep the tensor cores busy, instead of both promoting at once with the tensor cores idle.
+  No accumulator is read across the meeting, so ptxas has nothing to serialise (unlike ``overlap_steps``); the
+  partials are added in the same order as without it (bit-identical output).
   ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
   previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
   for one more pipeline stage).
@@ -177,6 +183,7 @@ class Fp8MatmulConfig:
   cluster_dimension: Dim | None = None
   out_slots: int = 2
   overlap_steps: bool = False
+  pingpong: bool = False
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -199,6 +206,8 @@ class Fp8MatmulConfig:
     if self.overlap_steps and self.max_concurrent_steps < 3:
       raise ValueError("overlap_steps releases each stage one step late: it needs max_concurrent_steps >= 3, got "
                        f"{self.max_concurrent_steps}")
+    if self.pingpong and self.overlap_steps:
+      raise ValueError("pingpong and overlap_steps are two schedules of the same pipeline body: choose one")
     if self.out_slots not in (1, 2):
       raise ValueError(f"out_slots must be 1 or 2, got {self.out_slots}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
@@ -251,7 +260,8 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
   if wide is None:
-    return _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n), k)
+    return _with_default_pingpong(
+        _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n), k), m)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -260,7 +270,8 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
     units = _units(m, n, c)
     return (units / (-(-units // TUNED_SMS) * TUNED_SMS), -c.split_k, c is wide)
 
-  return _with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k), k)  # M <= 64: no clusters
+  # M <= 64: no clusters
+  return _with_default_pingpong(_with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k), k), m)
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
@@ -336,6 +347,20 @@ def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConf
 # (bench/results/ptxas_fp8_h200.json); see bench/NOTES.md v10. FP8_OVERLAP_STEPS=1 turns it on
 # (benchmarks compare in one process by setting this attribute).
 OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
+
+
+# pingpong (the two compute warpgroups take turns at the tensor cores, Fp8MatmulConfig.pingpong) on the default
+# configs from this M on; None: nowhere. FP8_PINGPONG=<M> sets it, FP8_PINGPONG=0 turns it off (benchmarks compare
+# in one process by setting this attribute).
+PINGPONG_FROM_M: int | None = None
+if os.environ.get("FP8_PINGPONG"):
+  PINGPONG_FROM_M = int(os.environ["FP8_PINGPONG"]) or None
+
+
+def _with_default_pingpong(cfg: Fp8MatmulConfig, m: int) -> Fp8MatmulConfig:
+  if PINGPONG_FROM_M is None or m < PINGPONG_FROM_M or cfg.overlap_steps:
+    return cfg
+  return dataclasses.replace(cfg, pingpong=True)
 
 
 def _with_default_overlap(cfg: Fp8MatmulConfig, k: int) -> Fp8MatmulConfig:
@@ -498,7 +523,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                     plgpu.SwizzleTransform(out_swz))
 
   def fp8_matmul_kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, *outs, out_smem, up_smem=None, q_smem=None, s_smem=None,
-                        handover=None):
+                        handover=None, turns=None):
     if swiglu:
       aq_gmem, as_gmem = outs
       up_ready, up_free = handover.at[0], handover.at[1]
@@ -616,7 +641,15 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           zeros = zero_tile()
           finish = swiglu_epilogue if swiglu else epilogue
           if not overlap:
-            finish(eval_pipeline(zeros))
+            # pingpong: warpgroup 1 meets warpgroup 0 once more at the start of a unit (so it issues each stage after
+            # warpgroup 0 has), warpgroup 0 once more at its end, before its epilogue (so neither waits on the
+            # other's epilogue, the fused SwiGLU's hand-over included)
+            if cfg.pingpong:
+              pl.when(wg_idx == 1)(take_turn)
+            out = eval_pipeline(zeros)
+            if cfg.pingpong:
+              pl.when(wg_idx == 0)(take_turn)
+            finish(out)
             return
 
           def run(*acc_refs):  # zeroed at allocation: the first step promotes the "previous" last group as 0 * 0
@@ -626,6 +659,13 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             finish(out + last * lax.broadcast_in_dim(pending, (tm, tn), [0]))
 
           pl.run_scoped(run, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
+
+        def take_turn():
+          """pingpong: meet the other compute warpgroup (both arrive, then wait for the phase)."""
+          if cfg.pingpong:
+            with jax.named_scope("turn"):
+              plgpu.barrier_arrive(turns)
+              plgpu.barrier_wait(turns)
 
         def row_scale(idx, j, xs_smem, ws_smem):
           """x_scale[rows] * w_scale of K group j of this pipeline step: [tm]."""
@@ -685,6 +725,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             with jax.named_scope("issue"):
               for j, acc_ref in enumerate(acc_refs):
                 issue(acc_ref, j, a_smem, b_smem)
+            take_turn()  # pingpong: the other warpgroup issues its stage while this one waits and promotes
             out = acc
             for j, acc_ref in enumerate(acc_refs):
               # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
@@ -713,6 +754,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   out_shape = (split, mp, n) if split > 1 else (mp, n)
   scratch = dict(out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms))
   out_type = jax.ShapeDtypeStruct(out_shape, acc_dtype)
+  if cfg.pingpong:
+    scratch.update(turns=plgpu.Barrier(num_arrivals=2))  # one arrival per compute warpgroup
   if swiglu:
     f_ = n // 2
     b16_swz = plgpu.find_swizzle(tn * 16, "up tile")

@@ -154,6 +154,12 @@ KERNEL_CASES = [
     (300, 256, 512, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2, cluster_dimension=D.M)),
     (70, 512, 1024, C(wg_dimension=D.N, wg_tile_n=64, max_concurrent_steps=3, split_k=2, groups_per_step=2,
                       cluster_dimension=D.N)),
+    # the pingpong schedule (the two compute warpgroups meet at a barrier after each stage's issue): 8 split-K units
+    # on 4 SMs (the turns carried across a CTA's units and its epilogues), two groups per stage; and one group per
+    # stage on 2 stages (barrier wrap every step)
+    (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2,
+                      epi_tile_n=32, out_slots=1, pingpong=True)),
+    (130, 256, 384, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2, pingpong=True)),
 ]
 
 
@@ -300,11 +306,53 @@ def test_overlap_is_opt_in(monkeypatch):
   assert F.default_config(256, 24576, 4096).overlap_steps
 
 
+# pingpong at the real shapes of the FFN GEMMs (block step, batch-8 block step, compute bound)
+PINGPONG_SHAPES = [(m, n, k) for m in (32, 256, 4096) for n, k in ((24576, 4096), (4096, 12288), (37888, 3584),
+                                                                   (3584, 18944))]
+
+
+def test_pingpong_is_bit_identical_to_the_same_tiling():
+  """pingpong only reorders the two warpgroups' turns at the tensor cores: the same partials are promoted in the same
+  order, so the output equals the plain schedule's bit for bit (simulator: several units per CTA, split-K)."""
+  m, n, k = 70, 512, 2048
+  x, w = _data(m, n, k, seed=5)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  cfg = C(wg_dimension=D.N, wg_tile_n=64, split_k=2, max_concurrent_steps=4, groups_per_step=2, pingpong=True)
+  y = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET, config=cfg)
+  y0 = F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET,
+                    config=dataclasses.replace(cfg, pingpong=False))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+  with pytest.raises(ValueError, match="pingpong and overlap_steps"):
+    C(pingpong=True, overlap_steps=True, max_concurrent_steps=3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel needs a Hopper GPU")
+@pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES)
+def test_pingpong_is_bit_identical_on_gpu(m, n, k):
+  """On the H200: the default tiling with and without pingpong, bit for bit (bf16 out), at the FFN's shapes."""
+  x, w = _data(m, n, k, seed=2)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  cfg = F.default_config(m, n, k)
+  y = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, pingpong=True))
+  y0 = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, pingpong=False))
+  np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y0.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
+def test_pingpong_lowers_for_cuda(m, n, k):
+  """pingpong lowers for CUDA at the real shapes: one more barrier, no other shared memory."""
+  cfg = dataclasses.replace(F.default_config(m, n, k), pingpong=True)
+  assert "mosaic_gpu" in _lower_for_cuda(m, n, k, cfg)
+
+
 SWIGLU_CASES = [
     # (M, F, K, groups_per_step): one unit per CTA; 4x4 units on the simulator's 4 SMs (the hand-over barrier
     # reused) with two K groups per stage
     (33, 256, 512, 1),
     (200, 512, 1024, 2),
+    (200, 512, 1024, "2-pingpong"),  # the turns meet before warpgroup 0's epilogue waits for the up tile
 ]
 
 
@@ -317,7 +365,9 @@ def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups):
   x, w = _data(m, 2 * f, k, seed=m + f)
   xq, xs = F.quantize_activations(x)
   wq, ws = F.quantize_weights(w)
-  cfg = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4, groups_per_step=groups)
+  pingpong = isinstance(groups, str)
+  cfg = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4,
+          groups_per_step=int(str(groups).split("-")[0]), pingpong=pingpong)
   mp = F.padded_rows(m, cfg)
   xq_p, xs_t = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs.T, ((0, 0), (0, mp - m)))
   ws_k = F.kernel_weight_scales(ws, 2 * f, cfg)
