@@ -236,6 +236,51 @@ def tail_split_rows(model: str, name: str, n: int, k: int, m: int) -> list[dict]
     return [row]
 
 
+def swiglu_block_candidates(mp: int, f: int) -> list:
+    """(v15) QuantizeBlocks for the SwiGLU quantiser at mp padded rows: the default first, then rows per program x
+    warps x 128-wide groups per program."""
+    out = [Q.QuantizeBlocks.for_swiglu(mp)]
+    for bm in (4, 8, 16, 32, 64):
+        for warps in (2, 4, 8):
+            for groups in (1, 2, 4):
+                b = Q.QuantizeBlocks(block_m=bm, num_warps=warps, groups=groups)
+                if bm <= mp and not mp % bm and not (f // F.GROUP) % groups and b not in out:
+                    out.append(b)
+    return out
+
+
+def quantizer_block_rows(model: str, m: int) -> list[dict]:
+    """(v15) Device time of the SwiGLU quantiser for every `swiglu_block_candidates` tiling and of the RMSNorm
+    quantiser (with the attention residual, as the FFN runs it) for 1-16 warps, at M rows."""
+    cfg = common.MODELS[model]
+    d, f = cfg.d_model, cfg.mlp_hidden
+    mp = F.padded_rows(m, F.default_config(m, 2 * f, d), F.default_config(m, d, f))
+    split = F.default_config(m, 2 * f, d).split_k
+    shape = (split, mp, 2 * f) if split > 1 else (mp, 2 * f)
+    gus = [(jax.random.normal(jax.random.key(10 + j), shape, jnp.float32 if split > 1 else jnp.bfloat16),)
+           for j in range(4)]
+    rows = []
+    default = Q.QuantizeBlocks.for_swiglu(mp)
+    for b in swiglu_block_candidates(mp, f):
+        fn = lambda gu, b=b: Q.swiglu_quantize_t(gu, live_rows=m, blocks=b, interpret=INTERPRET)
+        row = {"model": model, "kernel": "swiglu_quantize", "M": m, "F": f, "splits": split,
+               "blocks": dataclasses.asdict(b), "is_default": b == default}
+        row["us_kernel"] = device_us(fn, gus, "swiglu_quantize")
+        rows.append(row)
+        print(row, flush=True)
+    xs_ = [(jax.random.normal(jax.random.key(j), (m, d), jnp.bfloat16), jnp.ones((d,), jnp.bfloat16),
+            jax.random.normal(jax.random.key(40 + j), (m, d), jnp.bfloat16)) for j in range(4)]
+    for warps in (1, 2, 4, 8, 16):
+        b = Q.QuantizeBlocks(num_warps=warps)
+        fn = lambda x, w, r, b=b: Q.rmsnorm_quantize(x, w, eps=cfg.rms_eps, m_pad=mp, residual=r, blocks=b,
+                                                      interpret=INTERPRET)
+        row = {"model": model, "kernel": "rmsnorm_quantize", "M": m, "K": d, "blocks": dataclasses.asdict(b),
+               "is_default": b == Q.QuantizeBlocks(), "us_kernel": device_us(fn, xs_, "rmsnorm_quantize")}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def quantizer_rows(model: str, m: int) -> list[dict]:
     cfg = common.MODELS[model]
     d, f = cfg.d_model, cfg.mlp_hidden
@@ -268,6 +313,8 @@ def main() -> None:
     ap.add_argument("--no-pingpong", action="store_true", help="skip the pingpong twins (v15)")
     ap.add_argument("--gemms", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"])
     ap.add_argument("--no-quantizers", action="store_true", help="skip the quantiser rows")
+    ap.add_argument("--quantizer-blocks", action="store_true",
+                    help="(v15) only the quantisers, over their tilings (swiglu_block_candidates, 1-16 warps)")
     ap.add_argument("--out", default=str(common.RESULTS / "fp8_small_m_h200.json"))
     args = ap.parse_args()
     rows: list[dict] = []
@@ -275,6 +322,10 @@ def main() -> None:
     meta = common.meta(what="FP8 FFN kernels at block-step M: device time per GEMM tiling and of the quantisers")
     for model in args.models:
         for m in args.ms:
+            if args.quantizer_blocks:
+                rows += quantizer_block_rows(model, m)
+                common.write_results(out.name, meta, rows, out.parent)
+                continue
             for r in [] if args.no_quantizers else quantizer_rows(model, m):
                 rows.append(r)
                 print(r, flush=True)

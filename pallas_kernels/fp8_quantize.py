@@ -40,15 +40,19 @@ def _is_pow2(x: int) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantizeBlocks:
-  """block_m: rows per program (a power of two; the padded row count must be a multiple of it)."""
+  """block_m: rows per program (a power of two; the padded row count must be a multiple of it). groups (SwiGLU
+  only): 128-wide quantisation groups per program, one after the other (F/128 must be a multiple of it)."""
   block_m: int = 1
   num_warps: int = 4
+  groups: int = 1
 
   def __post_init__(self):
     if not _is_pow2(self.block_m) or self.block_m > 128:
       raise ValueError(f"QuantizeBlocks.block_m must be a power of two <= 128, got {self.block_m!r}")
     if not _is_pow2(self.num_warps) or self.num_warps > 16:
       raise ValueError(f"QuantizeBlocks.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+    if not isinstance(self.groups, int) or not 1 <= self.groups <= 16:
+      raise ValueError(f"QuantizeBlocks.groups must be an int in [1, 16], got {self.groups!r}")
 
   @classmethod
   def for_swiglu(cls, m_pad: int) -> "QuantizeBlocks":
@@ -164,7 +168,8 @@ def swiglu_quantize_t_reference(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _layout(*swiglu_quantize(summed))
 
 
-def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int, block_m: int, live_rows: int):
+def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int, block_m: int, live_rows: int,
+                            groups: int):
   i, g = pl.program_id(0), pl.program_id(1)
   lrows = jnp.arange(block_m, dtype=jnp.int32)[:, None]
   lane = jnp.arange(GROUP, dtype=jnp.int32)[None, :]
@@ -173,17 +178,19 @@ def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int, block_m
   def part(j, col0):
     return plgpu.load(p_ref.at[j, lrows, col0 + lane], mask=live, other=0.0).astype(jnp.float32)
 
-  gate = part(0, g * GROUP)
-  up = part(0, f + g * GROUP)
-  for j in range(1, splits):  # split-K partials: summed in fp32 in order, as XLA's sum over the split axis
-    gate = gate + part(j, g * GROUP)
-    up = up + part(j, f + g * GROUP)
-  gate = gate.astype(jnp.bfloat16).astype(jnp.float32)  # the GEMM's bf16 output
-  up = up.astype(jnp.bfloat16).astype(jnp.float32)
-  a = gate * jax.nn.sigmoid(gate) * up
-  q, scale = quantize_rows(a)
-  q_ref[...] = q
-  s_ref[...] = scale[None, :]
+  for t in range(groups):  # this program's quantisation groups, independent of each other
+    c0 = (g * groups + t) * GROUP
+    gate = part(0, c0)
+    up = part(0, f + c0)
+    for j in range(1, splits):  # split-K partials: summed in fp32 in order, as XLA's sum over the split axis
+      gate = gate + part(j, c0)
+      up = up + part(j, f + c0)
+    gate = gate.astype(jnp.bfloat16).astype(jnp.float32)  # the GEMM's bf16 output
+    up = up.astype(jnp.bfloat16).astype(jnp.float32)
+    a = gate * jax.nn.sigmoid(gate) * up
+    q, scale = quantize_rows(a)
+    q_ref[:, pl.ds(t * GROUP, GROUP)] = q
+    s_ref[pl.ds(t, 1), :] = scale[None, :]
 
 
 @functools.partial(jax.jit, static_argnames=("live_rows", "blocks", "interpret"))
@@ -204,13 +211,17 @@ def swiglu_quantize_t(gu: jax.Array, *, live_rows: int | None = None, blocks: Qu
   live = mp if live_rows is None else live_rows
   if not 0 <= live <= mp:
     raise ValueError(f"swiglu_quantize_t: live_rows={live_rows} must be in [0, {mp}]")
-  kernel = functools.partial(_swiglu_quantize_kernel, splits=splits, f=f, block_m=bs.block_m, live_rows=live)
+  gpp = bs.groups
+  if (f // GROUP) % gpp:
+    raise ValueError(f"swiglu_quantize_t: F/128={f // GROUP} must be a multiple of groups={gpp}")
+  kernel = functools.partial(_swiglu_quantize_kernel, splits=splits, f=f, block_m=bs.block_m, live_rows=live,
+                             groups=gpp)
   return pl.pallas_call(
       kernel,
-      grid=(mp // bs.block_m, f // GROUP),
+      grid=(mp // bs.block_m, f // GROUP // gpp),
       in_specs=[pl.BlockSpec((splits, bs.block_m, f2), lambda i, g: (0, i, 0))],
-      out_specs=[pl.BlockSpec((bs.block_m, GROUP), lambda i, g: (i, g)),
-                 pl.BlockSpec((1, bs.block_m), lambda i, g: (g, i))],
+      out_specs=[pl.BlockSpec((bs.block_m, gpp * GROUP), lambda i, g: (i, g)),
+                 pl.BlockSpec((gpp, bs.block_m), lambda i, g: (g, i))],
       out_shape=[jax.ShapeDtypeStruct((mp, f), FP8), jax.ShapeDtypeStruct((f // GROUP, mp), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
       interpret=interpret,
