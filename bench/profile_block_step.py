@@ -61,6 +61,8 @@ VARIANTS = {
                        "where 3 stages fit; v10: 1.02-3.6x slower per GEMM)",
     "fp8_ffn_pingpong": "the FP8 FFN with the two compute warpgroups of every FP8 GEMM taking turns at the tensor "
                         "cores (fp8_matmul.PINGPONG_FROM_M = 1, FP8_PINGPONG=1; v15)",
+    "fp8_ffn_v14_quantizers": "the FP8 FFN with session 14's quantiser tilings (SwiGLU 16 rows per program, RMSNorm "
+                              "4 warps: QuantizeBlocks.for_swiglu / for_rmsnorm before v15)",
     "fp8_ffn_pingpong_256": "the FP8 FFN with pingpong from M = 256 on (FP8_PINGPONG=256: not at batch-1 block steps)",
     "fp8_ffn_two_slots": "the FP8 FFN without v10's one-slot epilogue for split-K at M = 65-256 (FP8_ONE_SLOT=0: "
                          "one K group per stage on 4 stages there, the v9 default)",
@@ -186,6 +188,12 @@ def variant(name: str):
         patches.append((slot_attention, "MERGE_KERNEL", False))
     if name == "pallas_rope_merge_s4":
         patches.append((fused_layers, "QKV_SPLITS", 4))
+    if name == "fp8_ffn_v14_quantizers":
+        from pallas_kernels import fp8_quantize
+
+        qb = fp8_quantize.QuantizeBlocks
+        patches += [(qb, "for_swiglu", classmethod(lambda cls, mp: cls(block_m=min(16 if mp <= 256 else 64, mp & -mp)))),
+                    (qb, "for_rmsnorm", classmethod(lambda cls, k: cls()))]
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:

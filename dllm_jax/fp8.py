@@ -165,19 +165,25 @@ class FfnPlan(NamedTuple):
     tail: Any  # TailSplit of the gate/up GEMM, or None
     down: Any  # Fp8MatmulConfig of the down GEMM
     splitk_residual_kernel: bool  # the down GEMM's split-K partials summed into the residual by one kernel
+    norm_blocks: Any = None  # QuantizeBlocks of the RMSNorm quantiser
+    swiglu_blocks: Any = None  # QuantizeBlocks of the SwiGLU quantiser (unfused gate/up)
 
 
 def ffn_plan(m: int, f2: int, d: int, gate_up: tuple | None = None) -> FfnPlan:
     """Every tiling choice of the FFN for m rows, made here, outside the jitted kernels, so the module switches
-    (FUSE_SWIGLU, TAIL_SPLIT, GROUPS_PER_STEP, ...) are read when the model is traced and a benchmark that flips
+    (FUSE_SWIGLU, TAIL_SPLIT, GROUPS_PER_STEP, ...) and the quantisers' tilings are read when the model is traced and a benchmark that flips
     one between traces gets a new program, never a cached trace of the old one."""
-    from pallas_kernels.fp8_matmul import default_config, tail_split_plan
+    from pallas_kernels.fp8_matmul import default_config, padded_rows, tail_split_plan
+    from pallas_kernels.fp8_quantize import QuantizeBlocks
 
     cfg_gu, fused = gate_up or gate_up_plan(m, f2, d)
     # the last wave's tiles as a split-K second kernel where that is on (TAIL_SPLIT; at the real shapes only
     # Dream-7B's gate/up at block-step M); its main tiling is cfg_gu's default
     tail = tail_split_plan(m, f2, d) if gate_up is None and not fused else None
-    return FfnPlan(cfg_gu, fused, tail, default_config(m, d, f2 // 2), SPLITK_RESIDUAL_KERNEL)
+    down = default_config(m, d, f2 // 2)
+    mp = padded_rows(m, cfg_gu, down)
+    return FfnPlan(cfg_gu, fused, tail, down, SPLITK_RESIDUAL_KERNEL, QuantizeBlocks.for_rmsnorm(d),
+                   None if fused else QuantizeBlocks.for_swiglu(mp))
 
 
 def fp8_ffn_pallas(x: jax.Array, norm_scale: jax.Array, eps: float, mlp_fp8: dict, interpret: bool = False,
@@ -209,9 +215,10 @@ def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret,
     m, d = x.shape
     mp = padded_rows(m, plan.gate_up, plan.down)
     if residual is None:
-        xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
+        xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, blocks=plan.norm_blocks, interpret=interpret)
     else:
-        xq, xs_t, x = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, residual=residual, interpret=interpret)
+        xq, xs_t, x = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, residual=residual, blocks=plan.norm_blocks,
+                                       interpret=interpret)
     ws_gu = _kernel_scales(mlp_fp8, "s_gu", plan.gate_up)
     if plan.fused:
         aq, as_t = fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, interpret=interpret)
@@ -222,7 +229,7 @@ def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret,
         else:
             gu = fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, out_dtype=jnp.bfloat16,
                                    interpret=interpret)
-        aq, as_t = swiglu_quantize_t(gu, live_rows=m, interpret=interpret)
+        aq, as_t = swiglu_quantize_t(gu, live_rows=m, blocks=plan.swiglu_blocks, interpret=interpret)
     y = fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", plan.down), cfg=plan.down,
                           out_dtype=x.dtype, interpret=interpret)
     if y.ndim == 3 and plan.splitk_residual_kernel:  # split-K partials: summed and added in one kernel

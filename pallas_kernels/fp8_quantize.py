@@ -56,9 +56,18 @@ class QuantizeBlocks:
 
   @classmethod
   def for_swiglu(cls, m_pad: int) -> "QuantizeBlocks":
-    # 16-row tiles at block-step sizes: 4x the programs of 64-row tiles (5.2 us per LLaDA-8B layer at M = 32 on
-    # the H200 with 64), and pad-row tiles skip their loads; 64 rows once M is large.
-    return cls(block_m=min(16 if m_pad <= 256 else 64, m_pad & -m_pad), num_warps=4)
+    # 8-row tiles at block-step sizes (pad-row tiles skip their loads), 64 rows once M is large. Swept on the H200
+    # (bench/results/fp8_small_m_h200.json run v15b: rows x warps x groups per program, 45 tilings): 8 rows on 4
+    # warps was the fastest or within noise of it at every block-step shape, against session 6's 16 rows: LLaDA-8B
+    # 6.48 vs 7.80 us at M = 256 (2.25 vs 2.62 at 32), Dream-7B 9.19 vs 11.26 (2.87 vs 3.08); several groups per
+    # program never won. (Session 6: 64-row tiles took 5.2 us per LLaDA-8B layer at M = 32.)
+    return cls(block_m=min(8 if m_pad <= 256 else 64, m_pad & -m_pad), num_warps=4)
+
+  @classmethod
+  def for_rmsnorm(cls, k: int) -> "QuantizeBlocks":
+    # one row per program, 16 warps for a row of >= 2048 (run v15b: 2.74 vs 3.04 us with 4 warps for LLaDA-8B's
+    # 256 rows of 4096, 1.78 vs 1.97 at 32 rows; Dream-7B 2.63 vs 2.86 and 1.74 vs 1.93; 8 warps in between)
+    return cls(block_m=1, num_warps=16 if k >= 2048 else 4)
 
 
 def _check_pad(m: int, m_pad: int, what: str):
@@ -132,7 +141,7 @@ def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
   if k % GROUP:
     raise ValueError(f"rmsnorm_quantize: K={k} must be a multiple of {GROUP}")
   _check_pad(m, m_pad, "rmsnorm_quantize")
-  bs = blocks or QuantizeBlocks()  # one row per program: a block step's 32-256 rows are that many programs
+  bs = blocks or QuantizeBlocks.for_rmsnorm(k)  # one row per program: a block step's 32-256 rows are that many
   if bs.block_m != 1:
     raise ValueError(f"rmsnorm_quantize: one row per program (block_m=1), got block_m={bs.block_m}")
   with_residual = residual is not None

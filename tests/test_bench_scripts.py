@@ -1,5 +1,6 @@
 """GPU benchmark scripts end to end on the CPU with the tiny model: the GPU runs' code paths, their JSON and plots."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -255,6 +256,29 @@ def test_fp8_sweep_candidates_by_regime(monkeypatch):
     assert default.cluster_dimension == F.Dim.N and no_cluster.cluster_dimension is None
     assert (default.epi_tile_n, no_cluster.epi_tile_n, v8.epi_tile_n) == (32, 32, 64)
     assert (v8.groups_per_step, one_group.groups_per_step) == (2, 1)
+
+
+def test_fp8_sweep_v15_candidates():
+    """(v15) The sweep's pingpong twins (every tiling with the other schedule, none of overlap_steps'), its --focus
+    set (the default and its 1/2-group twins) and the SwiGLU quantiser's tilings (the default first, each dividing
+    the padded rows and the groups)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sweep_fp8_small_m
+    from pallas_kernels import fp8_matmul as F
+    from pallas_kernels import fp8_quantize as Q
+
+    plain = sweep_fp8_small_m.candidates(256, 24576, 4096, grid=False, overlap=True, pingpong=False)
+    both = sweep_fp8_small_m.candidates(256, 24576, 4096, grid=False, overlap=True, pingpong=True)
+    assert not any(c.pingpong for c in plain)
+    twins = {c for c in both if c.pingpong}
+    assert twins == {dataclasses.replace(c, pingpong=True) for c in plain if not c.overlap_steps}
+    focus = sweep_fp8_small_m.candidates(256, 24576, 4096, focus=True, pingpong=True)
+    assert focus[0] == F.default_config(256, 24576, 4096)
+    assert {(c.groups_per_step, c.pingpong) for c in focus} == {(1, False), (2, False), (1, True), (2, True)}
+    blocks = sweep_fp8_small_m.swiglu_block_candidates(256, 12288)
+    assert blocks[0] == Q.QuantizeBlocks.for_swiglu(256) and len(set(blocks)) == len(blocks) > 20
+    assert all(256 % b.block_m == 0 and 96 % b.groups == 0 for b in blocks)
+    assert all(b.block_m <= 16 for b in sweep_fp8_small_m.swiglu_block_candidates(16, 12288))
 
 
 def test_bench_fp8_matmul_row_on_cpu(monkeypatch):

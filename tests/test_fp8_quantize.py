@@ -108,6 +108,35 @@ def test_swiglu_quantize_sums_partials_then_quantises(splits, m_pad, f):
   _check_quantised(q2, s2, exact[:live], live)
 
 
+@pytest.mark.parametrize("blocks", [Q.QuantizeBlocks(block_m=8, groups=2), Q.QuantizeBlocks(block_m=4, num_warps=2,
+                                                                                       groups=4)],
+                         ids=["8rows-2groups", "4rows-4groups"])
+def test_swiglu_quantize_tilings_agree(blocks):
+  """Every tiling of the SwiGLU quantiser (rows per program, several 128-wide groups per program) writes the same
+  codes and scales as the default one, pad rows included."""
+  gu = jax.random.normal(jax.random.key(3), (2, 16, 2 * 512), jnp.float32) * 3
+  q0, s0 = Q.swiglu_quantize_t(gu, live_rows=13, interpret=INTERPRET)
+  q1, s1 = Q.swiglu_quantize_t(gu, live_rows=13, blocks=blocks, interpret=INTERPRET)
+  np.testing.assert_array_equal(_codes(q1), _codes(q0))
+  np.testing.assert_array_equal(np.asarray(s1), np.asarray(s0))
+  with pytest.raises(ValueError, match="groups=3"):
+    Q.swiglu_quantize_t(gu, blocks=Q.QuantizeBlocks(groups=3), interpret=INTERPRET)
+
+
+def test_quantizer_default_tilings():
+  """The block-step tilings swept in v15 (8 rows per SwiGLU program up to 256 padded rows, 16 warps per RMSNorm row
+  of >= 2048), and the FFN plan carries them (read when the model is traced, not inside a cached kernel trace)."""
+  from dllm_jax import fp8
+
+  assert Q.QuantizeBlocks.for_swiglu(256) == Q.QuantizeBlocks(block_m=8, num_warps=4)
+  assert Q.QuantizeBlocks.for_swiglu(4096).block_m == 64 and Q.QuantizeBlocks.for_swiglu(4).block_m == 4
+  assert Q.QuantizeBlocks.for_rmsnorm(4096).num_warps == 16 and Q.QuantizeBlocks.for_rmsnorm(128).num_warps == 4
+  plan = fp8.ffn_plan(256, 2 * 12288, 4096)
+  assert not plan.fused and plan.swiglu_blocks == Q.QuantizeBlocks.for_swiglu(256)
+  assert plan.norm_blocks == Q.QuantizeBlocks.for_rmsnorm(4096)
+  assert fp8.ffn_plan(32, 2 * 12288, 4096).swiglu_blocks is None  # fused into the gate/up GEMM's epilogue
+
+
 def test_quantizer_errors():
   x = jnp.ones((4, 256), jnp.bfloat16)
   with pytest.raises(ValueError, match="weight"):
