@@ -61,6 +61,14 @@ VARIANTS = {
                        "where 3 stages fit; v10: 1.02-3.6x slower per GEMM)",
     "fp8_ffn_pingpong": "the FP8 FFN with the two compute warpgroups of every FP8 GEMM taking turns at the tensor "
                         "cores (fp8_matmul.PINGPONG_FROM_M = 1, FP8_PINGPONG=1; v15)",
+    "o_proj_partials": "o_proj as 2 split-K partials (residual_rmsnorm.linear_partials: one batched GEMM, 128 CTA "
+                       "tiles at M = 256 where cuBLAS runs the plain GEMM on 64) summed by XLA into the next add (v15)",
+    "o_proj_partials_cublas": "o_proj_partials compiled with xla_gpu_enable_triton_gemm=false (the batched GEMM on "
+                              "cuBLAS instead of a Triton fusion)",
+    "fp8_ffn_o_proj_partials": "the FP8 FFN variant with o_proj_partials",
+    "fp8_ffn_o_proj_partials_cublas": "the FP8 FFN variant with o_proj_partials_cublas",
+    "fp8_ffn_cublas": "the FP8 FFN variant compiled with xla_gpu_enable_triton_gemm=false (the twin of "
+                      "fp8_ffn_o_proj_partials_cublas)",
     "fp8_ffn_v14_quantizers": "the FP8 FFN with session 14's quantiser tilings (SwiGLU 16 rows per program, RMSNorm "
                               "4 warps: QuantizeBlocks.for_swiglu / for_rmsnorm before v15)",
     "fp8_ffn_pingpong_256": "the FP8 FFN with pingpong from M = 256 on (FP8_PINGPONG=256: not at batch-1 block steps)",
@@ -96,6 +104,19 @@ VARIANTS = {
     "mgpu_ffn": "the FFN on the Mosaic GPU streaming GEMM (a session-3 dead end)",
 }
 CACHE_SLOTS, BLOCK, FUSED = 512, 32, 8
+# variants compiled with XLA options (Lowered.compile(compiler_options=)) on top of their module patches
+VARIANT_COMPILER_OPTIONS = {v: {"xla_gpu_enable_triton_gemm": False}
+                            for v in ("o_proj_partials_cublas", "fp8_ffn_o_proj_partials_cublas", "fp8_ffn_cublas")}
+
+
+def _o_proj_partials(self, attn):
+    """Block.attn_projection as 2 split-K partials summed in fp32 and rounded once (the o_proj_partials variants)."""
+    from pallas_kernels.residual_rmsnorm import linear_partials, projection_from_partials
+
+    b, n = attn.shape[:2]
+    kernel = self.o_proj.variables["params"]["kernel"]
+    flat = attn.reshape(b * n, -1)
+    return projection_from_partials(linear_partials(flat, kernel, 2), None, attn.dtype).reshape(b, n, -1)
 
 
 # The FP8 variants as module-attribute overrides (default_config and the FFN read them at trace time).
@@ -188,6 +209,9 @@ def variant(name: str):
         patches.append((slot_attention, "MERGE_KERNEL", False))
     if name == "pallas_rope_merge_s4":
         patches.append((fused_layers, "QKV_SPLITS", 4))
+    if name in ("o_proj_partials", "o_proj_partials_cublas", "fp8_ffn_o_proj_partials",
+                "fp8_ffn_o_proj_partials_cublas"):
+        patches.append((Block, "attn_projection", _o_proj_partials))
     if name == "fp8_ffn_v14_quantizers":
         from pallas_kernels import fp8_quantize
 
@@ -537,7 +561,8 @@ def main() -> None:
                           else forced)
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(*alternative("fp8_ffn"), b, base, trace=tr8,
-                                                           long_loop=ll8, norm_rope=nr), row, v)
+                                                           long_loop=ll8, norm_rope=nr,
+                                                           compiler_options=VARIANT_COMPILER_OPTIONS.get(v)), row, v)
                     if tr8:
                         row[f"trace_{v}"] = tr8
                     if ll8 and "marginal_ms" in ll8:
@@ -546,13 +571,15 @@ def main() -> None:
                             row[f"{v}_marginal_speedup"] = row["long_loop"]["marginal_ms"] / ll8["marginal_ms"]
                     if row[f"ms_{v}"] and row["ms_block_step"]:
                         row[f"{v}_speedup"] = row["ms_block_step"] / row[f"ms_{v}"]
-                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s4", "v13_kernels"):
+                elif v in ("pallas_rope", "merge_kernel", "pallas_rope_merge", "pallas_rope_merge_s4", "v13_kernels",
+                           "o_proj_partials", "o_proj_partials_cublas"):
                     llv = {"steps": args.long_loop} if args.long_loop else None
                     trv = {} if args.trace else None
                     nr = "pallas_rope" if v.startswith("pallas_rope") else "xla" if v == "v13_kernels" else forced
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(cfg, params, b, base, trace=trv, long_loop=llv,
-                                                           norm_rope=nr), row, v)
+                                                           norm_rope=nr,
+                                                           compiler_options=VARIANT_COMPILER_OPTIONS.get(v)), row, v)
                     if trv:
                         row[f"trace_{v}"] = trv
                     if llv and "marginal_ms" in llv:
