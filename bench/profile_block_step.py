@@ -559,9 +559,10 @@ def main() -> None:
                     ll8 = {"steps": args.long_loop} if args.long_loop else None
                     nr = ("xla" if v.endswith("_xla_norm_rope") else "pallas_rope" if v.endswith("_pallas_rope_merge")
                           else forced)
+                    hlo8 = Path(args.hlo_dir) / f"{name}_b{b}_{v}.hlo.txt.gz" if args.hlo_dir else None
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(*alternative("fp8_ffn"), b, base, trace=tr8,
-                                                           long_loop=ll8, norm_rope=nr,
+                                                           long_loop=ll8, norm_rope=nr, hlo_path=hlo8,
                                                            compiler_options=VARIANT_COMPILER_OPTIONS.get(v)), row, v)
                     if tr8:
                         row[f"trace_{v}"] = tr8
