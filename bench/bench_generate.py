@@ -26,7 +26,7 @@ import common  # noqa: E402
 
 from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
-from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
+from dllm_jax.generate import GenerationConfig, compiler_options, generate, layout, resolve_backend  # noqa: E402
 from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
 from dllm_jax.modeling import is_unrolled, stack_layers, unstack_layers  # noqa: E402
 
@@ -54,7 +54,8 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
                 logits, st = fn(params, cfg, inp, st, x, bs)
                 return st, acc + logits[0, 0, 0].astype(jnp.float32)
             return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
-        return jax.jit(run, donate_argnums=1)
+        # the XLA options generate compiles this batch's program with (v15: Triton GEMMs off for FP8 at batch 8+)
+        return jax.jit(run, donate_argnums=1, compiler_options=compiler_options(cfg, gc, batch))
 
     out = []
     for kind in ("start", "step"):
@@ -145,6 +146,9 @@ def main() -> None:
                     "split-K merge of the block-step attention: norm_rope_backend='xla', MERGE_KERNEL off), same run")
     ap.add_argument("--compare-norm-rope", action="store_true",
                     help="also time every row with norm_rope_backend='xla' (the XLA norms and RoPE), same run")
+    ap.add_argument("--compare-triton-gemm", action="store_true",
+                    help="(v15) also time every FP8 row compiled with XLA's default options (Triton GEMMs on: "
+                    "generate turns them off for FP8 above 64 tokens a block step), same run")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.compare_bf16 and not args.fp8_ffn:
@@ -238,6 +242,12 @@ def main() -> None:
                      norm_rope="xla")
         if args.compare_norm_rope:
             twin(current, "norm_rope", "xla_norm_rope", "same-run norm_rope xla", bool(args.fp8_ffn), norm_rope="xla")
+        if args.compare_triton_gemm and args.fp8_ffn:
+            from dllm_jax import generate as generate_module
+
+            with mock.patch.object(generate_module, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None):
+                twin(current, "triton_gemm", "triton_gemm_on", "same-run XLA default options (Triton GEMMs on)",
+                     True, norm_rope=args.norm_rope)
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "

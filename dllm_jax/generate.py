@@ -208,8 +208,27 @@ def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> 
     return "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
 
 
-@functools.partial(jax.jit, static_argnames=("config", "gc", "prompt_len", "padded"))
-def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
+# XLA's Triton GEMMs off for FP8-FFN programs whose block steps have more than this many tokens (batch x block):
+# there every GEMM XLA keeps (q/k/v, o_proj, the head, layer 1's FFN) runs on cuBLAS anyway, but with Triton GEMMs
+# on, XLA's autotuner splits o_proj's K into fp32 partials (its GEMM alone was faster) whose separate reduction
+# kernel costs more than the split saved, and writes the head's logits in fp32 before a separate convert. Measured
+# on the H200 (bench/NOTES.md v15, LLaDA-8B batch 8, per step in a loop): 6.143 vs 6.287 ms and 6.203 vs 6.314 in
+# two runs. At a batch-1 block step (32 tokens) XLA's split-K Triton GEMMs are the fast path (v14), so it stays on.
+# None: never. bf16 programs are not affected (not measured without their own Triton GEMMs).
+NO_TRITON_GEMM_FP8_ABOVE_TOKENS: int | None = 64
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) -> dict | None:
+    """The XLA options the decode program of `batch` rows is compiled with (None: XLA's defaults)."""
+    limit = NO_TRITON_GEMM_FP8_ABOVE_TOKENS
+    if (limit is None or jax.default_backend() != "gpu" or not config.fp8_ffn
+            or batch * gc.block_length <= limit):
+        return None
+    return NO_TRITON_GEMM
+
+
+def _generate_impl(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
@@ -222,6 +241,11 @@ def _generate_jit(params, x, positions, key_mask, frozen, key, *, config, gc, pr
         x_cache = None
     s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache)
     return s.x[:, prompt_len:], s.nfe, s.steps_per_block, s.committed_per_step
+
+
+_STATIC = ("config", "gc", "prompt_len", "padded")
+_generate_jit = jax.jit(_generate_impl, static_argnames=_STATIC)
+_generate_jit_no_triton_gemm = jax.jit(_generate_impl, static_argnames=_STATIC, compiler_options=NO_TRITON_GEMM)
 
 
 def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
@@ -265,7 +289,9 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
                          "dllm_jax.modeling.unstack_layers(params)")
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
-    toks, nfe, spb, cps = _generate_jit(model.params, jnp.asarray(x), jnp.asarray(positions),
+    opts = compiler_options(mc, gc, len(prompts))
+    run = _generate_jit if opts is None else _generate_jit_no_triton_gemm
+    toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
                                         config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
     toks = np.asarray(jax.block_until_ready(toks))

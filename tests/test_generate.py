@@ -318,3 +318,22 @@ def test_dream_cache_needs_two_steps_per_block(models_fp32):
         generate(models_fp32["dream"], PROMPTS, gc)
     generate(models_fp32["llada"], PROMPTS, gc)  # LLaDA has no first-token rule: fine
     assert GenerationConfig(extra_stop_ids=[3, 4]).extra_stop_ids == (3, 4)
+
+
+def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monkeypatch):
+    """XLA's Triton GEMMs are turned off (v15) only on a GPU, for FP8-FFN models, when a block step has more than
+    NO_TRITON_GEMM_FP8_ABOVE_TOKENS tokens (batch x block); never for bf16, never on the CPU; None disables it."""
+    from dllm_jax import generate as G
+    from dllm_jax.config import ModelConfig
+
+    fp8 = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
+                      mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False, tie_embeddings=False,
+                      max_seq_len=512, mask_token_id=299, eos_token_id=298, pad_token_id=297, fp8_ffn=True)
+    bf16 = dataclasses.replace(fp8, fp8_ffn=False)
+    gc = GenerationConfig(block_length=32)
+    assert G.compiler_options(fp8, gc, 8) is None  # this machine has no GPU
+    monkeypatch.setattr(G.jax, "default_backend", lambda: "gpu")
+    assert G.compiler_options(fp8, gc, 8) == {"xla_gpu_enable_triton_gemm": False}
+    assert G.compiler_options(fp8, gc, 2) is None and G.compiler_options(bf16, gc, 8) is None  # 64 tokens; bf16
+    monkeypatch.setattr(G, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None)
+    assert G.compiler_options(fp8, gc, 8) is None
