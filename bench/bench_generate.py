@@ -243,7 +243,9 @@ def main() -> None:
         if args.compare_norm_rope:
             twin(current, "norm_rope", "xla_norm_rope", "same-run norm_rope xla", bool(args.fp8_ffn), norm_rope="xla")
         if args.compare_triton_gemm and args.fp8_ffn:
-            from dllm_jax import generate as generate_module
+            import importlib
+
+            generate_module = importlib.import_module("dllm_jax.generate")  # the module, not the function
 
             with mock.patch.object(generate_module, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None):
                 twin(current, "triton_gemm", "triton_gemm_on", "same-run XLA default options (Triton GEMMs on)",

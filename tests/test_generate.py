@@ -323,7 +323,9 @@ def test_dream_cache_needs_two_steps_per_block(models_fp32):
 def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monkeypatch):
     """XLA's Triton GEMMs are turned off (v15) only on a GPU, for FP8-FFN models, when a block step has more than
     NO_TRITON_GEMM_FP8_ABOVE_TOKENS tokens (batch x block); never for bf16, never on the CPU; None disables it."""
-    from dllm_jax import generate as G
+    import importlib
+
+    G = importlib.import_module("dllm_jax.generate")  # the module (dllm_jax.generate is also the function)
     from dllm_jax.config import ModelConfig
 
     fp8 = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
