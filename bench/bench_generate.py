@@ -99,21 +99,30 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
             "layer_layout": "unrolled" if is_unrolled(model.params["layers"]) else "stacked"}
 
 
+def newest_rows(rows: list[dict], steps: int = 64) -> dict:
+    """{(model, mode, batch): the newest row (by date) of the fixed-`steps` schedule}, comparison twins left out:
+    the plotted bars (the file keeps every run's rows, oldest first; primaries carry comparison=None)."""
+    sel = [r for r in rows if r["steps"] == steps and not r.get("comparison")]
+    return {(r["model"], r["mode"], r["batch"]): r for r in sorted(sel, key=lambda r: r.get("date") or "")}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sel = [r for r in rows if r["steps"] == 64 and "comparison" not in r]
-    models = sorted({r["model"] for r in sel})
+    latest = newest_rows(rows)
+    models = sorted({m for m, _, _ in latest})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
-        batches = sorted({r["batch"] for r in sel if r["model"] == m})
-        series = [(mode, [next((r["tokens_per_s"] for r in sel if r["model"] == m and r["batch"] == b
-                                and r["mode"] == mode), 0) for b in batches]) for mode in ("none", "prefix", "dual")]
+        batches = sorted({b for mm, _, b in latest if mm == m})
+        series = [(mode, [latest[(m, mode, b)]["tokens_per_s"] if (m, mode, b) in latest else 0 for b in batches])
+                  for mode in ("none", "prefix", "dual")]
+        runs = sorted({str(r.get("run")) for (mm, _, _), r in latest.items() if mm == m and r.get("run")})
         common.grouped_bars(ax, [f"batch {b}" for b in batches], series, (113, "Fast-dLLM PyTorch (batch 1)"),
-                            "tokens / s", f"{m}: gen 256, block 32, 64 steps (H200)", log=True)
+                            "tokens / s", f"{m}: gen 256, block 32, 64 steps (H200)"
+                            + (f"\nnewest row per bar (runs {', '.join(runs)})" if runs else ""), log=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

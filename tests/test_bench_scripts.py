@@ -258,6 +258,20 @@ def test_fp8_sweep_candidates_by_regime(monkeypatch):
     assert (v8.groups_per_step, one_group.groups_per_step) == (2, 1)
 
 
+def test_generate_plot_takes_the_newest_row_per_bar():
+    """The tokens/s plot shows each (model, mode, batch)'s newest row by date, never a comparison twin (the committed
+    file keeps every run; before v15 the plot showed the first, session 4's, rows)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_generate
+
+    base = dict(model="m", mode="dual", batch=1, steps=64)
+    rows = [dict(base, run="old", date="2026-11-30T00:00:00+00:00", tokens_per_s=1.0),
+            dict(base, run="new", date="2026-12-01T00:00:00+00:00", tokens_per_s=2.0, comparison=None),
+            dict(base, run="new", date="2026-12-01T00:00:00+00:00", tokens_per_s=9.0, comparison="same-run twin"),
+            dict(base, run="other", date="2026-12-02T00:00:00+00:00", tokens_per_s=5.0, steps=256)]
+    assert bench_generate.newest_rows(rows) == {("m", "dual", 1): rows[1]}
+
+
 def test_fp8_sweep_v15_candidates():
     """(v15) The sweep's pingpong twins (every tiling with the other schedule, none of overlap_steps'), its --focus
     set (the default and its 1/2-group twins) and the SwiGLU quantiser's tilings (the default first, each dividing
