@@ -54,7 +54,8 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
                 logits, st = fn(params, cfg, inp, st, x, bs)
                 return st, acc + logits[0, 0, 0].astype(jnp.float32)
             return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
-        # the XLA options generate compiles this batch's program with (v15: Triton GEMMs off for FP8 at batch 8+)
+        # the XLA options generate compiles this batch's program with (v15: Triton GEMMs off for FP8 dual-cache
+        # programs over 64 tokens a block step)
         return jax.jit(run, donate_argnums=1, compiler_options=compiler_options(cfg, gc, batch))
 
     out = []
@@ -251,7 +252,9 @@ def main() -> None:
                      norm_rope="xla")
         if args.compare_norm_rope:
             twin(current, "norm_rope", "xla_norm_rope", "same-run norm_rope xla", bool(args.fp8_ffn), norm_rope="xla")
-        if args.compare_triton_gemm and args.fp8_ffn:
+        # only where generate changes the options (else the twin would be the same program)
+        if args.compare_triton_gemm and compiler_options(current.config, GenerationConfig(block_length=BLOCK,
+                                                                                          cache=mode), batch):
             import importlib
 
             generate_module = importlib.import_module("dllm_jax.generate")  # the module, not the function

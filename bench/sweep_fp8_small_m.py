@@ -66,17 +66,12 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
                 add(dataclasses.replace(cfg, pingpong=not cfg.pingpong))
         return out
 
-    if focus:
-        for g in (1, 2):
-            grouped = dataclasses.replace(default, groups_per_step=g)
-            if not (kg // default.split_k) % g and F.stages_that_fit(grouped, F.model_epilogue_dtype(grouped)) >= 2:
-                add(grouped)
-        return with_pingpong_twins(out)
-
-    for g in (1, 2, 4):  # K groups per stage (wgmmas in flight during the promotions; v7), where they fit
+    for g in (1, 2) if focus else (1, 2, 4):  # K groups per stage (wgmmas in flight during promotions; v7)
         grouped = dataclasses.replace(default, groups_per_step=g)
         if not (kg // default.split_k) % g and F.stages_that_fit(grouped, jnp.float32) >= 2:
             add(grouped)
+    if focus:
+        return with_pingpong_twins(out)
     # two-CTA clusters multicasting the weight (M) or activation (N) tile (v8): compute bound (M >= 1024) both
     # axes; at M = 256 along M (its two 128-row tiles of a weight tile in one cluster: the weights read once)
     if m >= 256:
@@ -249,16 +244,27 @@ def swiglu_block_candidates(mp: int, f: int) -> list:
     return out
 
 
-def quantizer_block_rows(model: str, m: int) -> list[dict]:
-    """(v15) Device time of the SwiGLU quantiser for every `swiglu_block_candidates` tiling and of the RMSNorm
-    quantiser (with the attention residual, as the FFN runs it) for 1-16 warps, at M rows."""
+def _quantizer_inputs(model: str, m: int):
+    """(config, padded rows, gate/up split count, 4 gate/up outputs [S, Mp, 2F] / [Mp, 2F]) of the FFN's quantisers
+    at M rows, with the padding and split-K count of the model's FFN plan (`dllm_jax.fp8.ffn_plan`)."""
+    from dllm_jax import fp8
+
     cfg = common.MODELS[model]
     d, f = cfg.d_model, cfg.mlp_hidden
-    mp = F.padded_rows(m, F.default_config(m, 2 * f, d), F.default_config(m, d, f))
-    split = F.default_config(m, 2 * f, d).split_k
+    plan = fp8.ffn_plan(m, 2 * f, d)
+    mp = F.padded_rows(m, plan.gate_up, plan.down)
+    split = plan.gate_up.split_k
     shape = (split, mp, 2 * f) if split > 1 else (mp, 2 * f)
     gus = [(jax.random.normal(jax.random.key(10 + j), shape, jnp.float32 if split > 1 else jnp.bfloat16),)
            for j in range(4)]
+    return cfg, mp, split, gus
+
+
+def quantizer_block_rows(model: str, m: int) -> list[dict]:
+    """(v15) Device time of the SwiGLU quantiser for every `swiglu_block_candidates` tiling and of the RMSNorm
+    quantiser (with the attention residual, as the FFN runs it) for 1-16 warps, at M rows."""
+    cfg, mp, split, gus = _quantizer_inputs(model, m)
+    d, f = cfg.d_model, cfg.mlp_hidden
     rows = []
     default = Q.QuantizeBlocks.for_swiglu(mp)
     for b in swiglu_block_candidates(mp, f):
@@ -282,14 +288,9 @@ def quantizer_block_rows(model: str, m: int) -> list[dict]:
 
 
 def quantizer_rows(model: str, m: int) -> list[dict]:
-    cfg = common.MODELS[model]
+    cfg, mp, split, gus = _quantizer_inputs(model, m)
     d, f = cfg.d_model, cfg.mlp_hidden
-    mp = F.padded_rows(m, F.default_config(m, 2 * f, d), F.default_config(m, d, f))
     xs_ = [(jax.random.normal(jax.random.key(j), (m, d), jnp.bfloat16), jnp.ones((d,), jnp.bfloat16))
-           for j in range(4)]
-    split = F.default_config(m, 2 * f, d).split_k
-    shape = (split, mp, 2 * f) if split > 1 else (mp, 2 * f)
-    gus = [(jax.random.normal(jax.random.key(10 + j), shape, jnp.float32 if split > 1 else jnp.bfloat16),)
            for j in range(4)]
     norm = lambda x, w: Q.rmsnorm_quantize(x, w, eps=cfg.rms_eps, m_pad=mp, interpret=INTERPRET)
     swiglu = lambda gu: Q.swiglu_quantize_t(gu, interpret=INTERPRET)

@@ -208,24 +208,26 @@ def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> 
     return "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
 
 
-# XLA's Triton GEMMs off for FP8-FFN programs whose block steps have more than this many tokens (batch x block):
-# there every GEMM XLA keeps (q/k/v, o_proj, the head, layer 1's FFN) runs on cuBLAS anyway, but with Triton GEMMs
-# on, XLA's autotuner splits o_proj's K into fp32 partials (its GEMM alone was faster) whose separate reduction
-# kernel costs more than the split saved, and writes the head's logits in fp32 before a separate convert. Measured
-# on the H200 (bench/NOTES.md v15, LLaDA-8B batch 8, per step in a loop): 6.143 vs 6.287 ms and 6.203 vs 6.314 in
-# two runs. At a batch-1 block step (32 tokens) XLA's split-K Triton GEMMs are the fast path (v14), so it stays on.
-# None: never. bf16 programs are not affected (not measured without their own Triton GEMMs).
+# XLA's Triton GEMMs off for FP8-FFN programs with the dual cache whose block steps have more than this many tokens
+# (batch x block_length). There every GEMM XLA keeps (q/k/v, o_proj, the head, layer 1's FFN) runs on cuBLAS anyway,
+# but with Triton GEMMs on, XLA's autotuner splits o_proj's K into fp32 partials (its GEMM alone was faster) whose
+# separate reduction kernel costs more than the split saved. Measured on the H200 (bench/NOTES.md v15, batch 8, per
+# step in a loop): LLaDA-8B 6.143 vs 6.287 ms and 6.203 vs 6.314 in two runs, Dream-7B 5.448 vs 5.572; the block
+# starts of the same program within 0.4% (71.53 vs 71.25 ms), end to end 1.003x. Limited to what was measured: the
+# dual cache (prefix / none forwards are a whole window: not timed this way), FP8 (bf16 programs were not timed with
+# Triton GEMMs off), and more than 64 tokens (at a batch-1 block step XLA's split-K Triton GEMMs are the fast path,
+# v14; batches 3-7 at block 32 follow the rule untimed). None: never.
 NO_TRITON_GEMM_FP8_ABOVE_TOKENS: int | None = 64
-NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+NO_TRITON_GEMM = (("xla_gpu_enable_triton_gemm", False),)
 
 
 def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) -> dict | None:
     """The XLA options the decode program of `batch` rows is compiled with (None: XLA's defaults)."""
     limit = NO_TRITON_GEMM_FP8_ABOVE_TOKENS
-    if (limit is None or jax.default_backend() != "gpu" or not config.fp8_ffn
+    if (limit is None or jax.default_backend() != "gpu" or not config.fp8_ffn or gc.cache != "dual"
             or batch * gc.block_length <= limit):
         return None
-    return NO_TRITON_GEMM
+    return dict(NO_TRITON_GEMM)
 
 
 def _generate_impl(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
@@ -243,9 +245,12 @@ def _generate_impl(params, x, positions, key_mask, frozen, key, *, config, gc, p
     return s.x[:, prompt_len:], s.nfe, s.steps_per_block, s.committed_per_step
 
 
-_STATIC = ("config", "gc", "prompt_len", "padded")
-_generate_jit = jax.jit(_generate_impl, static_argnames=_STATIC)
-_generate_jit_no_triton_gemm = jax.jit(_generate_impl, static_argnames=_STATIC, compiler_options=NO_TRITON_GEMM)
+@functools.lru_cache(maxsize=None)
+def _generate_jit(options: tuple = ()):
+    """The jitted decode program compiled with these XLA options ((name, value) pairs; () = XLA's defaults): one
+    jit object, hence one compilation cache, per set of options."""
+    return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded"),
+                   compiler_options=dict(options) or None)
 
 
 def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
@@ -289,8 +294,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
                          "dllm_jax.modeling.unstack_layers(params)")
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
-    opts = compiler_options(mc, gc, len(prompts))
-    run = _generate_jit if opts is None else _generate_jit_no_triton_gemm
+    run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
     toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
                                         config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))

@@ -164,7 +164,8 @@ class Fp8MatmulConfig:
   warpgroup 1 starts each work unit one meeting behind. So one warpgroup's promotion and barrier waits run while
   the other's wgmmas keep the tensor cores busy, instead of both promoting at once with the tensor cores idle.
   No accumulator is read across the meeting, so ptxas has nothing to serialise (unlike ``overlap_steps``); the
-  partials are added in the same order as without it (bit-identical output).
+  partials are added in the same order as without it (bit-identical output). Slower on the H200: 1.17-1.20x at
+  M = 256 against the default tiling without it (bench/NOTES.md v15); kept for experiments.
   ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
   previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
   for one more pipeline stage).
@@ -350,8 +351,9 @@ OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
 
 
 # pingpong (the two compute warpgroups take turns at the tensor cores, Fp8MatmulConfig.pingpong) on the default
-# configs from this M on; None: nowhere. FP8_PINGPONG=<M> sets it, FP8_PINGPONG=0 turns it off (benchmarks compare
-# in one process by setting this attribute).
+# configs from this M on (not where overlap_steps is on: the two exclude each other); None: nowhere, the default,
+# because it lost everywhere it was timed (fp8_small_m_h200.json run v15a, M = 256: 1.17-1.20x slower).
+# FP8_PINGPONG=<M> sets it, FP8_PINGPONG=0 turns it off (benchmarks compare in one process by setting this attribute).
 PINGPONG_FROM_M: int | None = None
 if os.environ.get("FP8_PINGPONG"):
   PINGPONG_FROM_M = int(os.environ["FP8_PINGPONG"]) or None

@@ -57,10 +57,11 @@ class QuantizeBlocks:
   @classmethod
   def for_swiglu(cls, m_pad: int) -> "QuantizeBlocks":
     # 8-row tiles at block-step sizes (pad-row tiles skip their loads), 64 rows once M is large. Swept on the H200
-    # (bench/results/fp8_small_m_h200.json run v15b: rows x warps x groups per program, 45 tilings): 8 rows on 4
-    # warps was the fastest or within noise of it at every block-step shape, against session 6's 16 rows: LLaDA-8B
-    # 6.48 vs 7.80 us at M = 256 (2.25 vs 2.62 at 32), Dream-7B 9.19 vs 11.26 (2.87 vs 3.08); several groups per
-    # program never won. (Session 6: 64-row tiles took 5.2 us per LLaDA-8B layer at M = 32.)
+    # (bench/results/fp8_small_m_h200.json run v15b: rows x warps x groups per program, 45 tilings), against session
+    # 6's 16 rows on 4 warps: at M = 256 (batch 8) 8 rows on 4 warps was the fastest, LLaDA-8B 6.48 vs 7.80 us,
+    # Dream-7B 9.19 vs 11.26; at M = 32 (64 padded rows; only Dream runs this kernel there, LLaDA's GEMM fuses it)
+    # 2.87 vs 3.08, where 64 rows on 8 warps took 2.69 (not adopted: ~5 us a Dream step, untimed in the step).
+    # Several groups per program never won.
     return cls(block_m=min(8 if m_pad <= 256 else 64, m_pad & -m_pad), num_warps=4)
 
   @classmethod
@@ -124,14 +125,20 @@ def _rmsnorm_quantize_kernel(x_ref, w_ref, *refs, m: int, k: int, eps: float, wi
   plgpu.store(s_ref.at[g, jnp.zeros_like(g)], scale[:, None], mask=ok)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "m_pad", "blocks", "interpret"))
 def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int, residual: jax.Array | None = None,
                      blocks: QuantizeBlocks | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
   """RMSNorm then 1x128 e4m3 quantisation, in the FP8 GEMM's layout.
 
   x [M, K] (bf16/fp32), weight [K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32). With residual [M, K]
   (the attention output projection): of s = x + residual in x.dtype, returned third (one kernel instead of an
-  XLA add before this one)."""
+  XLA add before this one). blocks None: `QuantizeBlocks.for_rmsnorm`, resolved here, outside the jitted body (a
+  patched default is a new program, never a cached trace of the old one)."""
+  bs = blocks or QuantizeBlocks.for_rmsnorm(x.shape[-1])  # one row per program: a block step's rows are that many
+  return _rmsnorm_quantize(x, weight, eps=eps, m_pad=m_pad, residual=residual, blocks=bs, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "m_pad", "blocks", "interpret"))
+def _rmsnorm_quantize(x, weight, *, eps: float, m_pad: int, residual, blocks: QuantizeBlocks, interpret: bool):
   if x.ndim != 2 or weight.shape != (x.shape[-1],):
     raise ValueError(f"rmsnorm_quantize: expected x [M, K] and weight [K], got {x.shape} and {weight.shape}")
   if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
@@ -141,7 +148,7 @@ def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
   if k % GROUP:
     raise ValueError(f"rmsnorm_quantize: K={k} must be a multiple of {GROUP}")
   _check_pad(m, m_pad, "rmsnorm_quantize")
-  bs = blocks or QuantizeBlocks.for_rmsnorm(k)  # one row per program: a block step's 32-256 rows are that many
+  bs = blocks
   if bs.block_m != 1:
     raise ValueError(f"rmsnorm_quantize: one row per program (block_m=1), got block_m={bs.block_m}")
   with_residual = residual is not None
@@ -202,19 +209,25 @@ def _swiglu_quantize_kernel(p_ref, q_ref, s_ref, *, splits: int, f: int, block_m
     s_ref[pl.ds(t, 1), :] = scale[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("live_rows", "blocks", "interpret"))
 def swiglu_quantize_t(gu: jax.Array, *, live_rows: int | None = None, blocks: QuantizeBlocks | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """silu(gate) * up of the gate/up GEMM's output, quantised 1x128 in the FP8 GEMM's layout.
 
   gu: [Mp, 2F] (bf16) or split-K partials [S, Mp, 2F] (fp32) -> (aq [Mp, F] e4m3, as_t [F/128, Mp] fp32).
-  live_rows: rows [live_rows, Mp) are the GEMM's pad rows: not read, written as zeros with scale 1."""
+  live_rows: rows [live_rows, Mp) are the GEMM's pad rows: not read, written as zeros with scale 1. blocks None:
+  `QuantizeBlocks.for_swiglu`, resolved here, outside the jitted body."""
+  bs = blocks or QuantizeBlocks.for_swiglu(gu.shape[-2] if gu.ndim in (2, 3) else 1)  # bad shapes: refused inside
+  return _swiglu_quantize_t(gu, live_rows=live_rows, blocks=bs, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("live_rows", "blocks", "interpret"))
+def _swiglu_quantize_t(gu, *, live_rows: int | None, blocks: QuantizeBlocks, interpret: bool):
   p = _as_partials(gu)
   splits, mp, f2 = p.shape
   if f2 % (2 * GROUP):
     raise ValueError(f"swiglu_quantize_t: 2F={f2} must be a multiple of {2 * GROUP}")
   f = f2 // 2
-  bs = blocks or QuantizeBlocks.for_swiglu(mp)
+  bs = blocks
   if mp % bs.block_m:
     raise ValueError(f"swiglu_quantize_t: rows={mp} must be a multiple of block_m={bs.block_m}")
   live = mp if live_rows is None else live_rows

@@ -342,7 +342,7 @@ def test_pingpong_is_bit_identical_on_gpu(m, n, k):
 
 @pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
 def test_pingpong_lowers_for_cuda(m, n, k):
-  """pingpong lowers for CUDA at the real shapes: one more barrier, no other shared memory."""
+  """pingpong lowers for CUDA within shared memory at the batch-8 shapes (M = 256) of the four FFN GEMMs."""
   cfg = dataclasses.replace(F.default_config(m, n, k), pingpong=True)
   assert "mosaic_gpu" in _lower_for_cuda(m, n, k, cfg)
 
@@ -352,12 +352,15 @@ SWIGLU_CASES = [
     # reused) with two K groups per stage
     (33, 256, 512, 1),
     (200, 512, 1024, 2),
-    (200, 512, 1024, "2-pingpong"),  # the turns meet before warpgroup 0's epilogue waits for the up tile
+]
+SWIGLU_CASES = [(*case, False) for case in SWIGLU_CASES] + [
+    (200, 512, 1024, 2, True),  # pingpong: the turns meet before warpgroup 0's epilogue waits for the up tile
 ]
 
 
-@pytest.mark.parametrize("m,f,k,groups", SWIGLU_CASES + ([(32, 12288, 4096, 2), (64, 18944, 3584, 1)] if ON_GPU else []))
-def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups):
+@pytest.mark.parametrize("m,f,k,groups,pingpong", SWIGLU_CASES + ([(32, 12288, 4096, 2, False),
+                                                                   (64, 18944, 3584, 1, False)] if ON_GPU else []))
+def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups, pingpong):
   """The fused SwiGLU epilogue (gate block j paired with up block j in one CTA tile) equals the GEMM's bf16
   output followed by swiglu_quantize_t's reference, pad rows zeros with scale 1."""
   from pallas_kernels import fp8_quantize as Q
@@ -365,9 +368,8 @@ def test_gate_up_swiglu_matches_gemm_then_swiglu_quantise(m, f, k, groups):
   x, w = _data(m, 2 * f, k, seed=m + f)
   xq, xs = F.quantize_activations(x)
   wq, ws = F.quantize_weights(w)
-  pingpong = isinstance(groups, str)
-  cfg = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4,
-          groups_per_step=int(str(groups).split("-")[0]), pingpong=pingpong)
+  cfg = C(wg_dimension=D.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=4, groups_per_step=groups,
+          pingpong=pingpong)
   mp = F.padded_rows(m, cfg)
   xq_p, xs_t = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs.T, ((0, 0), (0, mp - m)))
   ws_k = F.kernel_weight_scales(ws, 2 * f, cfg)

@@ -123,10 +123,18 @@ def test_swiglu_quantize_tilings_agree(blocks):
     Q.swiglu_quantize_t(gu, blocks=Q.QuantizeBlocks(groups=3), interpret=INTERPRET)
 
 
-def test_quantizer_default_tilings():
+def test_quantizer_default_tilings(monkeypatch):
   """The block-step tilings swept in v15 (8 rows per SwiGLU program up to 256 padded rows, 16 warps per RMSNorm row
-  of >= 2048), and the FFN plan carries them (read when the model is traced, not inside a cached kernel trace)."""
+  of >= 2048); the FFN plan carries them, and a default is read per call, outside the jitted body (a patched one
+  applies to the next call with the same shapes instead of a cached trace)."""
   from dllm_jax import fp8
+
+  gu = jnp.ones((16, 2 * 256), jnp.bfloat16)
+  Q.swiglu_quantize_t(gu, interpret=INTERPRET)  # traced and cached with the default tiling
+  monkeypatch.setattr(Q.QuantizeBlocks, "for_swiglu", classmethod(lambda cls, mp: cls(block_m=32)))
+  with pytest.raises(ValueError, match="block_m=32"):  # 16 rows: the patched tiling is refused, so it was read
+    Q.swiglu_quantize_t(gu, interpret=INTERPRET)
+  monkeypatch.undo()
 
   assert Q.QuantizeBlocks.for_swiglu(256) == Q.QuantizeBlocks(block_m=8, num_warps=4)
   assert Q.QuantizeBlocks.for_swiglu(4096).block_m == 64 and Q.QuantizeBlocks.for_swiglu(4).block_m == 4

@@ -332,10 +332,36 @@ def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monk
                       mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False, tie_embeddings=False,
                       max_seq_len=512, mask_token_id=299, eos_token_id=298, pad_token_id=297, fp8_ffn=True)
     bf16 = dataclasses.replace(fp8, fp8_ffn=False)
-    gc = GenerationConfig(block_length=32)
-    assert G.compiler_options(fp8, gc, 8) is None  # this machine has no GPU
+    gc = GenerationConfig(block_length=32, cache="dual")
+    monkeypatch.setattr(G.jax, "default_backend", lambda: "cpu")
+    assert G.compiler_options(fp8, gc, 8) is None
     monkeypatch.setattr(G.jax, "default_backend", lambda: "gpu")
     assert G.compiler_options(fp8, gc, 8) == {"xla_gpu_enable_triton_gemm": False}
     assert G.compiler_options(fp8, gc, 2) is None and G.compiler_options(bf16, gc, 8) is None  # 64 tokens; bf16
+    assert G.compiler_options(fp8, dataclasses.replace(gc, cache="prefix"), 8) is None  # only what was measured
     monkeypatch.setattr(G, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None)
     assert G.compiler_options(fp8, gc, 8) is None
+
+
+def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
+    """generate compiles its program with what compiler_options returns: one jit (and compilation cache) per set of
+    options, XLA's defaults when it returns None."""
+    import importlib
+
+    G = importlib.import_module("dllm_jax.generate")
+    seen = []
+    real = G._generate_jit
+
+    def spy(options=()):
+        seen.append(options)
+        return real(options)
+
+    monkeypatch.setattr(G, "_generate_jit", spy)
+    model = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=8, block_length=8, steps=2, cache="dual")
+    out0 = generate(model, [[1, 2, 3]], gc)
+    monkeypatch.setattr(G, "compiler_options", lambda *a: {"xla_cpu_enable_fast_math": False})
+    out1 = generate(model, [[1, 2, 3]], gc)
+    assert seen == [(), (("xla_cpu_enable_fast_math", False),)]
+    assert real(()) is not real(seen[1]) and real(()) is real(())
+    np.testing.assert_array_equal(out0.tokens, out1.tokens)
