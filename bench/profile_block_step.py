@@ -217,7 +217,7 @@ def variant(name: str):
 
         qb = fp8_quantize.QuantizeBlocks
         patches += [(qb, "for_swiglu", classmethod(lambda cls, mp: cls(block_m=min(16 if mp <= 256 else 64, mp & -mp)))),
-                    (qb, "for_rmsnorm", classmethod(lambda cls, k: cls()))]
+                    (qb, "for_rmsnorm", classmethod(lambda cls, k, m: cls()))]
     for attr, value in FP8_FLAG_OVERRIDES.get(name, {}).items():
         patches.append((fp8_matmul if hasattr(fp8_matmul, attr) else fp8, attr, value))
     with contextlib.ExitStack() as stack:

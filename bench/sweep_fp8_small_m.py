@@ -281,7 +281,7 @@ def quantizer_block_rows(model: str, m: int) -> list[dict]:
         fn = lambda x, w, r, b=b: Q.rmsnorm_quantize(x, w, eps=cfg.rms_eps, m_pad=mp, residual=r, blocks=b,
                                                       interpret=INTERPRET)
         row = {"model": model, "kernel": "rmsnorm_quantize", "M": m, "K": d, "blocks": dataclasses.asdict(b),
-               "is_default": b == Q.QuantizeBlocks.for_rmsnorm(d), "us_kernel": device_us(fn, xs_, "rmsnorm_quantize")}
+               "is_default": b == Q.QuantizeBlocks.for_rmsnorm(d, m), "us_kernel": device_us(fn, xs_, "rmsnorm_quantize")}
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -182,7 +182,7 @@ def ffn_plan(m: int, f2: int, d: int, gate_up: tuple | None = None) -> FfnPlan:
     tail = tail_split_plan(m, f2, d) if gate_up is None and not fused else None
     down = default_config(m, d, f2 // 2)
     mp = padded_rows(m, cfg_gu, down)
-    return FfnPlan(cfg_gu, fused, tail, down, SPLITK_RESIDUAL_KERNEL, QuantizeBlocks.for_rmsnorm(d),
+    return FfnPlan(cfg_gu, fused, tail, down, SPLITK_RESIDUAL_KERNEL, QuantizeBlocks.for_rmsnorm(d, m),
                    None if fused else QuantizeBlocks.for_swiglu(mp))
 
 

@@ -65,10 +65,11 @@ class QuantizeBlocks:
     return cls(block_m=min(8 if m_pad <= 256 else 64, m_pad & -m_pad), num_warps=4)
 
   @classmethod
-  def for_rmsnorm(cls, k: int) -> "QuantizeBlocks":
-    # one row per program, 16 warps for a row of >= 2048 (run v15b: 2.74 vs 3.04 us with 4 warps for LLaDA-8B's
-    # 256 rows of 4096, 1.78 vs 1.97 at 32 rows; Dream-7B 2.63 vs 2.86 and 1.74 vs 1.93; 8 warps in between)
-    return cls(block_m=1, num_warps=16 if k >= 2048 else 4)
+  def for_rmsnorm(cls, k: int, m: int) -> "QuantizeBlocks":
+    # one row per program; at block-step sizes (<= 256 rows) 16 warps for a row of >= 2048 (run v15b: 2.74 vs 3.04 us
+    # with 4 warps for LLaDA-8B's 256 rows of 4096, 1.78 vs 1.97 at 32 rows; Dream-7B 2.63 vs 2.86 and 1.74 vs 1.93;
+    # 8 warps in between). Block starts (thousands of rows) keep 4 warps: not swept.
+    return cls(block_m=1, num_warps=16 if k >= 2048 and m <= 256 else 4)
 
 
 def _check_pad(m: int, m_pad: int, what: str):
@@ -133,7 +134,7 @@ def rmsnorm_quantize(x: jax.Array, weight: jax.Array, *, eps: float, m_pad: int,
   (the attention output projection): of s = x + residual in x.dtype, returned third (one kernel instead of an
   XLA add before this one). blocks None: `QuantizeBlocks.for_rmsnorm`, resolved here, outside the jitted body (a
   patched default is a new program, never a cached trace of the old one)."""
-  bs = blocks or QuantizeBlocks.for_rmsnorm(x.shape[-1])  # one row per program: a block step's rows are that many
+  bs = blocks or QuantizeBlocks.for_rmsnorm(x.shape[-1], x.shape[0])  # one row per program
   return _rmsnorm_quantize(x, weight, eps=eps, m_pad=m_pad, residual=residual, blocks=bs, interpret=interpret)
 
 

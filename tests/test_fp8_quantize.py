@@ -138,10 +138,12 @@ def test_quantizer_default_tilings(monkeypatch):
 
   assert Q.QuantizeBlocks.for_swiglu(256) == Q.QuantizeBlocks(block_m=8, num_warps=4)
   assert Q.QuantizeBlocks.for_swiglu(4096).block_m == 64 and Q.QuantizeBlocks.for_swiglu(4).block_m == 4
-  assert Q.QuantizeBlocks.for_rmsnorm(4096).num_warps == 16 and Q.QuantizeBlocks.for_rmsnorm(128).num_warps == 4
+  assert Q.QuantizeBlocks.for_rmsnorm(4096, 256).num_warps == 16
+  assert Q.QuantizeBlocks.for_rmsnorm(128, 32).num_warps == 4
+  assert Q.QuantizeBlocks.for_rmsnorm(4096, 4096).num_warps == 4  # block starts: not swept, unchanged
   plan = fp8.ffn_plan(256, 2 * 12288, 4096)
   assert not plan.fused and plan.swiglu_blocks == Q.QuantizeBlocks.for_swiglu(256)
-  assert plan.norm_blocks == Q.QuantizeBlocks.for_rmsnorm(4096)
+  assert plan.norm_blocks == Q.QuantizeBlocks.for_rmsnorm(4096, 256)
   assert fp8.ffn_plan(32, 2 * 12288, 4096).swiglu_blocks is None  # fused into the gate/up GEMM's epilogue
 
 
