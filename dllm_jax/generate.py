@@ -214,9 +214,9 @@ def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> 
 # separate reduction kernel costs more than the split saved. Measured on the H200 (bench/NOTES.md v15, batch 8, per
 # step in a loop): LLaDA-8B 6.143 vs 6.287 ms and 6.203 vs 6.314 in two runs, Dream-7B 5.448 vs 5.572; the block
 # starts of the same program within 0.4% (71.53 vs 71.25 ms), end to end 1.003x. Limited to what was measured: the
-# dual cache (prefix / none forwards are a whole window: not timed this way), FP8 (bf16 programs were not timed with
-# Triton GEMMs off), and more than 64 tokens (at a batch-1 block step XLA's split-K Triton GEMMs are the fast path,
-# v14; batches 3-7 at block 32 follow the rule untimed). None: never.
+# dual cache (prefix / none forwards are a whole window: not timed this way), FP8 (bf16 with Triton GEMMs off: one
+# call-of-8 comparison so far, 1.016x, v15h), and more than 64 tokens (at a batch-1 block step XLA's split-K
+# Triton GEMMs are the fast path, v14; batches 3-7 at block 32 follow the rule untimed). None: never.
 NO_TRITON_GEMM_FP8_ABOVE_TOKENS: int | None = 64
 NO_TRITON_GEMM = (("xla_gpu_enable_triton_gemm", False),)
 
