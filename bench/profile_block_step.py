@@ -529,10 +529,13 @@ def main() -> None:
                 row["layers"] = args.layers
             for arg, opts in xla_variants.items():
                 trx = {} if args.trace else None
-                row[f"ms_xla[{arg}]"] = _try(lambda: step(cfg, params, b, base, trace=trx, compiler_options=opts), row,
-                                             f"xla[{arg}]")
+                llx = {"steps": args.long_loop} if args.long_loop else None
+                row[f"ms_xla[{arg}]"] = _try(lambda: step(cfg, params, b, base, trace=trx, long_loop=llx,
+                                                          compiler_options=opts), row, f"xla[{arg}]")
                 if trx:
                     row[f"trace_xla[{arg}]"] = trx
+                if llx and "marginal_ms" in llx:
+                    row[f"long_loop_xla[{arg}]"] = llx
             # the plain-XLA baseline: stacked weights under lax.scan, cuDNN attention on a GPU (the v2 engine)
             ref_attn = "cudnn" if jax.default_backend() == "gpu" else "xla"
             row["xla_baseline_ms"] = (None if args.no_baseline else

@@ -70,10 +70,11 @@ def test_profile_block_step_v14_options(tmp_path):
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "pallas", "--variants",
          "pallas_rope_merge", "v13_kernels", "--xla-options", "xla_gpu_autotune_level=1", "--layers", "1",
          "--layer-layout", "unrolled", "--no-stages", "--no-gemms", "--no-baseline", "--hlo-dir", str(hlo),
-         "--out", str(tmp_path))
+         "--long-loop", "10", "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "block_step_h200.json").read_text())["rows"]
     assert row["layers"] == 1 and row["ms_pallas_rope_merge"] > 0 and row["ms_v13_kernels"] > 0
     assert row["ms_xla[xla_gpu_autotune_level=1]"] > 0
+    assert "marginal_ms" in row["long_loop_xla[xla_gpu_autotune_level=1]"]  # the option's own loop slope (v15)
     assert not any(k.startswith("error") for k in row)
     import gzip
 
