@@ -105,8 +105,7 @@ VARIANTS = {
 }
 CACHE_SLOTS, BLOCK, FUSED = 512, 32, 8
 # variants compiled with XLA options (Lowered.compile(compiler_options=)) on top of their module patches
-VARIANT_COMPILER_OPTIONS = {v: {"xla_gpu_enable_triton_gemm": False}
-                            for v in ("o_proj_partials_cublas", "fp8_ffn_o_proj_partials_cublas", "fp8_ffn_cublas")}
+VARIANT_COMPILER_OPTIONS = {v: {"xla_gpu_enable_triton_gemm": False} for v in VARIANTS if v.endswith("_cublas")}
 
 
 def _o_proj_partials(self, attn):
@@ -209,8 +208,7 @@ def variant(name: str):
         patches.append((slot_attention, "MERGE_KERNEL", False))
     if name == "pallas_rope_merge_s4":
         patches.append((fused_layers, "QKV_SPLITS", 4))
-    if name in ("o_proj_partials", "o_proj_partials_cublas", "fp8_ffn_o_proj_partials",
-                "fp8_ffn_o_proj_partials_cublas"):
+    if "o_proj_partials" in name:
         patches.append((Block, "attn_projection", _o_proj_partials))
     if name == "fp8_ffn_v14_quantizers":
         from pallas_kernels import fp8_quantize

@@ -291,8 +291,7 @@ def forward(
             return q, ck[:i] + (kb,) + ck[i + 1:], cv[:i] + (vb,) + cv[i + 1:], fresh
         q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
         if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
-            old_k = jax.lax.dynamic_slice_in_dim(ck[i], offset, n, axis=1)
-            old_v = jax.lax.dynamic_slice_in_dim(cv[i], offset, n, axis=1)
+            old_k, old_v = written_window(ck[i], cv[i], offset, n)
             wm = write_mask[:, :, None, None]
             k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
         # In-place update of layer i's window in the carried buffers (no copy of the whole cache per layer).
