@@ -302,9 +302,11 @@ def time_step(model_cfg, params, batch: int, backend: str, ffn_backend: str = "x
         from kernel_trace import kernel_breakdown
 
         bd = kernel_breakdown(call)
-        trace.update({k: (v / FUSED if k in ("kernels_per_call", "busy_ms", "span_ms") else v) for k, v in bd.items()})
+        trace.update({k: (v / FUSED if k in ("kernels_per_call", "busy_ms", "span_ms", "idle_ms") else v)
+                      for k, v in bd.items()})
         trace["by_kind_ms"] = {k: v / FUSED for k, v in bd.get("by_kind_ms", {}).items()}
-        trace["top"] = [{**t, "ms": t["ms"] / FUSED, "count": t["count"] / FUSED} for t in bd.get("top", [])]
+        for key in ("top", "gaps_before"):
+            trace[key] = [{**t, "ms": t["ms"] / FUSED, "count": t["count"] / FUSED} for t in bd.get(key, [])]
     return 1e3 * med / FUSED
 
 

@@ -41,6 +41,24 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
     assert (tmp_path / "generate_fp8_h200.png").stat().st_size > 0
 
 
+def test_bench_generate_sampling_twin(tmp_path):
+    _run("bench_generate", "--models", "tiny", "--batches", "2", "--modes", "dual", "--compare-sampling",
+         "--no-steps256", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "generate_h200.json").read_text())["rows"]
+    main, twin = rows
+    assert twin["comparison"] == "same-run v15 sampling" and main.get("comparison") is None
+    assert main["speedup_vs_v15_sampling"] == twin["seconds"] / main["seconds"] and twin["nfe"] == main["nfe"]
+
+
+def test_bench_sampling_smoke(tmp_path):
+    _run("bench_sampling", "--cases", "tiny:2", "tiny:3", "--reps", "2", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "sampling_h200.json").read_text())["rows"]
+    assert [(r["model"], r["batch"]) for r in rows] == [("tiny", 2), ("tiny", 3)]
+    for r in rows:  # the engine's formulation picks what session 15's did
+        assert r["same_tokens"] and r["same_commits"] and r["conf_max_abs_diff"] < 1e-6
+        assert r["us_engine"] > 0 and r["us_v15"] > 0
+
+
 def test_profile_block_step_smoke(tmp_path):
     _run("profile_block_step", "--models", "tiny", "--batches", "1", "--backends", "xla", "--variants", "unfused",
          "stacked_cache", "fp8_ffn", "fp8_ffn_v5", "xla_norm_rope", "--layer-layout",
@@ -180,6 +198,9 @@ def test_kernel_kinds_and_trace_plot(tmp_path):
              "loop_add_fusion_61": "other", "input_concatenate_fusion_31": "other",
              "fp8_matmul_kernel_mosaic_gpu_kernel": "gemm"}  # Pallas Mosaic GPU kernels carry their function's name
     assert {n: kernel_trace.kind_of(n) for n in names} == names
+    # idle time before each kernel on one stream: overlapping kernels leave none; any order of events
+    gaps = kernel_trace.stream_gaps([("b", 3_000, 5_000), ("a", 0, 2_000), ("c", 4_500, 6_000), ("b", 9_000, 9_500)])
+    assert gaps == {"b": [pytest.approx(1e-3 + 3e-3), 2]}
     row = {"model": "m", "batch": 1, "table": "v4", "ms_floor_hbm": 3.5, "ms_floor_compute": 0.6,
            "trace_per_step": {"by_kind_ms": {"gemm": 4.0, "attention": 0.3, "other": 0.4}}}
     assert not profile_block_step.plot([{**row, "trace_per_step": {}}], tmp_path / "none.png")
