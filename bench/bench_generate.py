@@ -159,9 +159,6 @@ def main() -> None:
     ap.add_argument("--compare-triton-gemm", action="store_true",
                     help="(v15) also time every FP8 row compiled with XLA's default options (Triton GEMMs on: "
                     "generate turns them off for FP8 above 64 tokens a block step), same run")
-    ap.add_argument("--compare-sampling", action="store_true",
-                    help="also time every row with session 15's sampling formulation (bench_sampling.v15_*: the "
-                    "[MASK] exclusion as a scatter, a full softmax gathered at x0), same run")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.compare_bf16 and not args.fp8_ffn:
@@ -265,9 +262,6 @@ def main() -> None:
             with mock.patch.object(generate_module, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None):
                 twin(current, "triton_gemm", "triton_gemm_on", "same-run XLA default options (Triton GEMMs on)",
                      True, norm_rope=args.norm_rope)
-        if args.compare_sampling:
-            twin_sampling(lambda: twin(current, "sampling", "v15_sampling", "same-run v15 sampling",
-                                       bool(args.fp8_ffn), norm_rope=args.norm_rope))
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "
@@ -276,40 +270,6 @@ def main() -> None:
     path = save(args, layer_layout, rows, skipped)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path}")
-
-
-def twin_sampling(run) -> None:
-    """run() with decode_loop's sampling functions replaced by session 15's (bench_sampling.v15_*). The decode
-    program's jit objects are dropped before and after, so the twin is traced anew and the rows after it are
-    traced with the engine's functions again."""
-    import importlib
-
-    import bench_sampling
-    from dllm_jax import sampling
-
-    generate_module = importlib.import_module("dllm_jax.generate")  # the module, not the function
-    traced = []
-
-    def counted(fn):
-        def wrapper(*a, **k):
-            traced.append(fn.__name__)
-            return fn(*a, **k)
-        return wrapper
-
-    def drop_traces():  # jax's trace caches too: a new jit object over the same function may reuse a trace
-        generate_module._generate_jit.cache_clear()
-        jax.clear_caches()
-
-    drop_traces()
-    try:
-        with mock.patch.object(sampling, "exclude_token", counted(bench_sampling.v15_exclude_token)), \
-                mock.patch.object(sampling, "llada_candidates", counted(bench_sampling.v15_llada_candidates)), \
-                mock.patch.object(sampling, "dream_candidates", counted(bench_sampling.v15_dream_candidates)):
-            run()
-    finally:
-        drop_traces()
-    if "v15_exclude_token" not in traced:
-        raise RuntimeError("the v15 sampling twin was not traced with the v15 functions (a cached trace ran)")
 
 
 def save(args, layer_layout: str, rows: list[dict], skipped: list[dict]) -> Path:

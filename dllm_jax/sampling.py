@@ -15,25 +15,6 @@ NEG_INF = -jnp.inf
 
 
 # --------------------------------------------------------------------------------------- candidates
-# The logits of a block step are [B, block, V]: 65 MB in bf16 for LLaDA-8B at batch 8 (V = 126464), 260 MB at
-# batch 32. Every function here is written so that XLA reads them in a few fused reductions and never writes an
-# fp32 copy or the probabilities back to memory (bench/NOTES.md, the sampling section).
-def exclude_token(logits: Array, token_id: int) -> Array:
-    """logits with one vocabulary entry at -inf. A select on the vocabulary index, which XLA fuses into the
-    reductions that read the logits; `logits.at[..., token_id].set(-inf)` is a scatter into a materialised copy."""
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.where(vocab == token_id, NEG_INF, logits)
-
-
-def prob_of(logits: Array, index: Array) -> Array:
-    """softmax(logits)[..., index] for logits [..., V], index [...]: exp(l[index] - max) / sum(exp(l - max)), the
-    operations of jax.nn.softmax at one entry, without a [..., V] array of probabilities to gather from."""
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    total = jnp.sum(jnp.exp(logits - top), axis=-1)
-    picked = jnp.take_along_axis(logits, index[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.exp(picked - top[..., 0]) / total
-
-
 def llada_candidates(logits: Array, masked: Array, key: Array, temperature: float, remasking: str):
     """LLaDA: x0 = argmax of Gumbel-perturbed logits (exp(l)/(-log u)^T == argmax(l + T*gumbel)).
 
@@ -47,7 +28,8 @@ def llada_candidates(logits: Array, masked: Array, key: Array, temperature: floa
     else:
         x0 = jnp.argmax(logits, axis=-1)
     if remasking == "low_confidence":
-        conf = prob_of(logits, x0)
+        probs = jax.nn.softmax(logits, axis=-1)
+        conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
     elif remasking == "random":
         conf = jax.random.uniform(k_rand, masked.shape, jnp.float32)
     else:
@@ -79,12 +61,13 @@ def dream_candidates(logits: Array, masked: Array, key: Array, temperature: floa
         logits = _top_p_filter(logits, top_p)
     if top_k is not None:
         logits = _top_k_filter(logits, top_k)
-    probs = jax.nn.softmax(logits, axis=-1)  # an expression: XLA fuses it into each reduction below
+    probs = jax.nn.softmax(logits, axis=-1)
     if temperature > 0:
         x0 = jax.random.categorical(key, logits, axis=-1)
+        conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
     else:
-        x0 = jnp.argmax(probs, axis=-1)  # over probs, as Dream's probs.max(-1): the same index save for ties
-    conf = prob_of(logits, x0)  # probs[x0], and max(probs) when x0 is its argmax: the same value
+        x0 = jnp.argmax(probs, axis=-1)
+        conf = jnp.max(probs, axis=-1)
     if alg == "topk_margin":
         top2 = jax.lax.top_k(probs, 2)[0]
         conf = top2[..., 0] - top2[..., 1]

@@ -365,22 +365,3 @@ def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
     assert seen == [(), (("xla_cpu_enable_fast_math", False),)]
     assert real(()) is not real(seen[1]) and real(()) is real(())
     np.testing.assert_array_equal(out0.tokens, out1.tokens)
-
-
-def test_fused_sampling_helpers_equal_the_plain_formulas():
-    """exclude_token and prob_of (written so XLA keeps the logits in fused reductions) compute what the scatter
-    and a gathered softmax compute, including rows with -inf entries and the excluded token itself: the exclusion
-    exactly, the probability to an ulp (XLA may evaluate exp inside a fused reduction with another routine)."""
-    from dllm_jax import sampling
-
-    rng = np.random.default_rng(3)
-    logits = jnp.asarray(rng.standard_normal((3, 5, 97)) * 4, jnp.float32).at[1, 2, :40].set(-jnp.inf)
-    excluded = sampling.exclude_token(logits, 96)
-    np.testing.assert_array_equal(np.asarray(excluded), np.asarray(logits.at[..., 96].set(-jnp.inf)))
-    idx = jnp.asarray(rng.integers(40, 96, (3, 5)), jnp.int32).at[0, 0].set(jnp.argmax(excluded[0, 0]))
-    got = np.asarray(sampling.prob_of(excluded, idx))
-    want = np.asarray(jnp.take_along_axis(jax.nn.softmax(excluded, axis=-1), idx[..., None], axis=-1)[..., 0])
-    np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
-    # at the argmax: the max prob
-    np.testing.assert_allclose(got[0, 0], np.asarray(jax.nn.softmax(excluded, axis=-1)).max(-1)[0, 0], rtol=3e-7)
-    assert np.all(np.asarray(sampling.prob_of(excluded, jnp.full((3, 5), 96))) == 0)  # the excluded token: 0
