@@ -42,7 +42,7 @@ from dllm_jax import modeling  # noqa: E402
 from dllm_jax.caches import STRATEGIES  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.loading import resolve_layer_layout  # noqa: E402
-from dllm_jax.generate import GenerationConfig  # noqa: E402
+from dllm_jax.generate import GenerationConfig, compiler_options as engine_options  # noqa: E402
 from dllm_jax.modeling import Block  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -50,7 +50,9 @@ BF16_FLOPS_PER_S = 790e12  # achievable dense bf16 on an H200 (HOPPER.md / ancho
 VARIANTS = {
     "unfused": "per-layer weights with separate q/k/v and gate/up GEMMs (unstack_layers(fuse=False))",
     "stacked_cache": "one stacked [L, ...] K/V buffer instead of per-layer buffers",
-    "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything else)",
+    "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything else), "
+               "compiled with generate's XLA options for that program (v16; fp8_ffn* variants without options of "
+               "their own too)",
     "fp8_ffn_v5": "the FP8 FFN on session 5's wrapper (jnp quantisation and pads, weight scales expanded per call)",
     "fp8_ffn_narrow": "the FP8 FFN with 128-wide CTA N tiles at M <= 64 (FP8_WIDE_SMALL_M=0: the tiling before v6)",
     "fp8_ffn_g1": "the FP8 FFN with one 128-K group per pipeline stage (FP8_GROUPS_PER_STEP=1)",
@@ -563,10 +565,15 @@ def main() -> None:
                     nr = ("xla" if v.endswith("_xla_norm_rope") else "pallas_rope" if v.endswith("_pallas_rope_merge")
                           else forced)
                     hlo8 = Path(args.hlo_dir) / f"{name}_b{b}_{v}.hlo.txt.gz" if args.hlo_dir else None
+                    # a variant's own options, else the ones generate compiles this FP8 program with (v15: Triton
+                    # GEMMs off past 64 tokens a block step), so that fp8_ffn is the engine's FP8 step
+                    opts8 = VARIANT_COMPILER_OPTIONS.get(v) or engine_options(
+                        alternative("fp8_ffn")[0], GenerationConfig(block_length=BLOCK, cache="dual"), b)
+                    row[f"options_{v}"] = opts8
                     with variant(v):
                         row[f"ms_{v}"] = _try(lambda: step(*alternative("fp8_ffn"), b, base, trace=tr8,
                                                            long_loop=ll8, norm_rope=nr, hlo_path=hlo8,
-                                                           compiler_options=VARIANT_COMPILER_OPTIONS.get(v)), row, v)
+                                                           compiler_options=opts8), row, v)
                     if tr8:
                         row[f"trace_{v}"] = tr8
                     if ll8 and "marginal_ms" in ll8:
