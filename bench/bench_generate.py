@@ -74,9 +74,11 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int) -> tuple[float
 
 
 def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: np.random.Generator,
-              reps: int, ffn_backend: str = "xla", norm_rope: str = "xla", attention: str = "auto") -> dict:
+              reps: int, ffn_backend: str = "xla", norm_rope: str = "xla", attention: str = "auto",
+              step_loop: str = "auto") -> dict:
     gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
-                          ffn_backend=ffn_backend, norm_rope_backend=norm_rope, attention_backend=attention)
+                          ffn_backend=ffn_backend, norm_rope_backend=norm_rope, attention_backend=attention,
+                          step_loop=step_loop)
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
     tag = f"{name} {mode} b{batch} s{steps}{' fp8' if model.config.fp8_ffn else ''}"
     t0 = time.perf_counter()
@@ -96,7 +98,7 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
             "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_step": ms_step, "ms_block_start": ms_start,
             "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
             "attention": resolve_backend(gc, model.config, False), "ffn_backend": ffn_backend,
-            "norm_rope_backend": gc.norm_rope_backend,
+            "norm_rope_backend": gc.norm_rope_backend, "step_loop": gc.step_loop,
             "layer_layout": "unrolled" if is_unrolled(model.params["layers"]) else "stacked"}
 
 
@@ -159,6 +161,9 @@ def main() -> None:
     ap.add_argument("--compare-triton-gemm", action="store_true",
                     help="(v15) also time every FP8 row compiled with XLA's default options (Triton GEMMs on: "
                     "generate turns them off for FP8 above 64 tokens a block step), same run")
+    ap.add_argument("--compare-step-loop", action="store_true",
+                    help="(v16) also time every row with GenerationConfig.step_loop='while' (the in-block steps as a "
+                    "while loop that checks the block on the host at every step), same run")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.compare_bf16 and not args.fp8_ffn:
@@ -262,6 +267,9 @@ def main() -> None:
             with mock.patch.object(generate_module, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None):
                 twin(current, "triton_gemm", "triton_gemm_on", "same-run XLA default options (Triton GEMMs on)",
                      True, norm_rope=args.norm_rope)
+        if args.compare_step_loop:
+            twin(current, "step_loop", "while_step_loop", "same-run step_loop while", bool(args.fp8_ffn),
+                 norm_rope=args.norm_rope, step_loop="while")
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "

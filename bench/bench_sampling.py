@@ -136,9 +136,10 @@ def main() -> None:
         row = bench_case(name, batch, args.reps, rng)
         rows.append(row)
         dev = (f", device {row['device_us_engine']:.1f} vs {row['device_us_select']:.1f} us "
-               f"({row['kernels_engine']:.0f} vs {row['kernels_select']:.0f} kernels)" if "device_us_engine" in row else "")
-        print(f"[{i + 1}/{len(cases)}] {name} b{batch}: engine {row['us_engine']:.1f} vs select {row['us_select']:.1f} us"
-              f"{dev}; same tokens {row['same_tokens']}", flush=True)
+               f"({row['kernels_engine']:.0f} vs {row['kernels_select']:.0f} kernels)"
+               if "device_us_engine" in row else "")
+        print(f"[{i + 1}/{len(cases)}] {name} b{batch}: engine {row['us_engine']:.1f} vs select "
+              f"{row['us_select']:.1f} us{dev}; same tokens {row['same_tokens']}", flush=True)
         common.write_results("sampling_h200.json", common.meta(block=BLOCK, reps=args.reps), rows, args.out)
     print(f"wrote {Path(args.out) / 'sampling_h200.json'}")
 

@@ -50,9 +50,9 @@ BF16_FLOPS_PER_S = 790e12  # achievable dense bf16 on an H200 (HOPPER.md / ancho
 VARIANTS = {
     "unfused": "per-layer weights with separate q/k/v and gate/up GEMMs (unstack_layers(fuse=False))",
     "stacked_cache": "one stacked [L, ...] K/V buffer instead of per-layer buffers",
-    "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything else), "
-               "compiled with generate's XLA options for that program (v16; fp8_ffn* variants without options of "
-               "their own too)",
+    "fp8_ffn": "the same weights with LaCache's FP8 FFN in layers >= 2 (issue 5: its speedup at equal everything "
+               "else), compiled with generate's XLA options for that program (v16; fp8_ffn* variants without options "
+               "of their own too)",
     "fp8_ffn_v5": "the FP8 FFN on session 5's wrapper (jnp quantisation and pads, weight scales expanded per call)",
     "fp8_ffn_narrow": "the FP8 FFN with 128-wide CTA N tiles at M <= 64 (FP8_WIDE_SMALL_M=0: the tiling before v6)",
     "fp8_ffn_g1": "the FP8 FFN with one 128-K group per pipeline stage (FP8_GROUPS_PER_STEP=1)",
@@ -652,10 +652,10 @@ def floor_compute_ms(weight_bytes: int, batch: int) -> float:
 KIND_ORDER = ("gemm", "attention", "cache_update", "copy", "other")
 TABLE_LABELS = {"profile_v3": "v3", "after": "v4", "v5_fp8": "v4 (v5 run)", "v6_fp8": "v4 (v6 run)",
                 "v7_fp8": "v4 (v7 run)", "v8_long_loop": "v4 (v8 run)", "v12_default": "v12 (Pallas attention)",
-                "v12_norm_rope": "v12 fused norm/RoPE"}  # table -> label
+                "v12_norm_rope": "v12 fused norm/RoPE", "v16": "v16"}  # table -> label
 # the traced FP8 variant's bar, by table
 FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6", "v7_fp8": "FP8 v7", "v8_long_loop": "FP8 v7 (v8 run)",
-              "v12_default": "FP8 v12"}
+              "v12_default": "FP8 v12", "v16": "FP8 v16"}
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -669,8 +669,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         label = TABLE_LABELS.get(r.get("table"), r.get("table", ""))
         if r.get("trace_per_step", {}).get("by_kind_ms"):
             traced.append({**r, "label": label})
-        if r.get("trace_fp8_ffn", {}).get("by_kind_ms"):  # the FP8 variant of the same process: its own bar
-            traced.append({**r, "label": FP8_LABELS.get(r.get("table"), "FP8 FFN"), "trace_per_step": r["trace_fp8_ffn"]})
+        # the FP8 variant of the same process (fp8_ffn_cublas: the engine's FP8 step at batch 8 before v16): its own bar
+        fp8_trace = r.get("trace_fp8_ffn") or r.get("trace_fp8_ffn_cublas") or {}
+        if fp8_trace.get("by_kind_ms"):
+            traced.append({**r, "label": FP8_LABELS.get(r.get("table"), "FP8 FFN"), "trace_per_step": fp8_trace})
     if not traced:
         return False
     import matplotlib

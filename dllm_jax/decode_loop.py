@@ -44,6 +44,26 @@ def max_steps_per_block(gc) -> int:
     return gc.steps // n_blocks
 
 
+def fixed_step_count(gc, config: ModelConfig) -> bool:
+    """Whether every block provably takes exactly max_steps_per_block(gc) steps, so that the in-block loop can run
+    a known number of times (GenerationConfig.step_loop="auto").
+
+    At a block start each live row's block is fully masked (a finished row's is all EOS, and a block starts only
+    while some row is live). The while loop runs step j (1 <= j < spb) when some position is still masked, so the
+    counts agree when every step before the last leaves a live row at least one mask:
+      * LLaDA's schedule with block_length >= spb: every entry is >= 1, so the masks run out exactly at the last
+        step (the Dream-style first-token commit at a cached block start commits 1 <= schedule[0], never more);
+      * Dream's counts (maskgit_plus / topk_margin / entropy, with or without alg_temp): floor(n * p) with p < 1
+        leaves >= 1 of n >= 1 masks until the last step reveals all; the first-token commit needs block_length >= 2.
+    Threshold / factor rules and Dream's random "origin" reveals finish blocks after a data-dependent count."""
+    if gc.threshold is not None or gc.factor is not None:
+        return False
+    spb = max_steps_per_block(gc)
+    if gc.resolved_sampler(config) == "llada":
+        return gc.block_length >= spb
+    return gc.alg != "origin" and gc.block_length >= 2
+
+
 def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key: Array,
         init_cache: Any = None) -> LoopState:
     """gc: a GenerationConfig (static). x: [B, T] with [MASK] in the generation region.
@@ -57,6 +77,7 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
     mask_id = config.mask_token_id
     sampler = gc.resolved_sampler(config)
     use_cfg = gc.cfg_scale > 0
+    static_steps = gc.step_loop == "auto" and fixed_step_count(gc, config)
 
     if use_cfg:  # unconditional rows: every prompt token masked (LLaDA's classifier-free guidance)
         prompt_region = (jnp.arange(t) < p)[None, :] & inp.key_mask
@@ -144,7 +165,10 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
         # The block-start step runs unconditionally: block_cond guarantees a row that is still decoding, and
         # such a row's block starts fully masked.
         s = step_body(s, first_of_block=True)
-        s = jax.lax.while_loop(step_cond, lambda s: step_body(s, first_of_block=False), s)
+        if static_steps:  # a known trip count: no predicate copied to the host and waited for at each step
+            s = jax.lax.fori_loop(1, spb, lambda _, s: step_body(s, first_of_block=False), s)
+        else:
+            s = jax.lax.while_loop(step_cond, lambda s: step_body(s, first_of_block=False), s)
         s = dataclasses.replace(s, steps_per_block=s.steps_per_block.at[s.block].set(s.step))
         if gc.stop_at_eos:
             s = _fill_after_eos(s, config, p, block_start + bl, gc)

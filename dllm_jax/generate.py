@@ -69,6 +69,13 @@ class GenerationConfig:
     # (one kernel instead of three per layer; LLaDA-8B batch-1 block step 3.0% faster, bench/NOTES.md v14). "auto":
     # that on a GPU in bf16 with per-layer params and cache, XLA's ops everywhere else (CPU, fp32, stacked layers)
     norm_rope_backend: Literal["auto", "xla", "pallas", "pallas_rope"] = "auto"
+    # "auto": where every block provably takes exactly steps / n_blocks steps (a fixed schedule whose every step
+    # commits at least one token; `decode_loop.fixed_step_count`), the in-block steps run as a loop of known trip
+    # count, which XLA's GPU runtime runs without copying a loop predicate to the host and waiting for it at every
+    # step; elsewhere (threshold / factor, Dream's random "origin" reveals, blocks shorter than their step count) a
+    # while loop that stops when the block is done. "while": always the while loop (same tokens and NFEs; the
+    # benchmarks' twin)
+    step_loop: Literal["auto", "while"] = "auto"
 
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
@@ -133,6 +140,8 @@ class GenerationConfig:
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
                 f"per block, got steps={self.steps} for {self.n_blocks} blocks")
+        if self.step_loop not in ("auto", "while"):
+            bad(f"step_loop={self.step_loop!r}; expected auto or while")
         if self.prompt_bucket <= 0:
             bad(f"prompt_bucket={self.prompt_bucket} must be positive")
         if config is not None and self.sampler not in (None, "llada", "dream"):

@@ -41,6 +41,15 @@ def test_bench_generate_smoke_layouts_and_fp8(tmp_path):
     assert (tmp_path / "generate_fp8_h200.png").stat().st_size > 0
 
 
+def test_bench_generate_step_loop_twin(tmp_path):
+    _run("bench_generate", "--models", "tiny", "--batches", "2", "--modes", "dual", "--compare-step-loop",
+         "--no-steps256", "--out", str(tmp_path))
+    main, twin = json.loads((tmp_path / "generate_h200.json").read_text())["rows"]
+    assert (main["step_loop"], twin["step_loop"]) == ("auto", "while")
+    assert twin["comparison"] == "same-run step_loop while"
+    assert main["speedup_vs_while_step_loop"] == twin["seconds"] / main["seconds"] and twin["nfe"] == main["nfe"] == 64
+
+
 def test_bench_sampling_smoke(tmp_path):
     _run("bench_sampling", "--cases", "tiny:2", "tiny:3", "--reps", "2", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "sampling_h200.json").read_text())["rows"]

@@ -365,3 +365,79 @@ def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
     assert seen == [(), (("xla_cpu_enable_fast_math", False),)]
     assert real(()) is not real(seen[1]) and real(()) is real(())
     np.testing.assert_array_equal(out0.tokens, out1.tokens)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("llada", dict(gen_length=12, block_length=4, steps=12, cache="dual")),
+    ("llada", dict(gen_length=8, block_length=8, steps=4, cfg_scale=1.0)),
+    ("llada", dict(gen_length=8, block_length=4, steps=4, temperature=1.0, remasking="random", cache="prefix")),
+    ("dream", dict(gen_length=8, block_length=4, steps=4, cache="dual")),  # the first-token commit
+    ("dream", dict(gen_length=8, block_length=8, steps=4, alg="entropy", alg_temp=0.1, temperature=0.5)),
+    ("dream", dict(gen_length=8, block_length=4, steps=8, sampler="llada", cache="dual")),
+])
+def test_fixed_step_loop_equals_the_while_loop(name, kw, models_fp32):
+    """step_loop="auto" runs the in-block steps as a loop of known trip count where every block provably takes
+    steps / n_blocks steps: the same tokens, NFEs and per-step commits as the while loop that checks each step."""
+    from dllm_jax.decode_loop import fixed_step_count
+
+    m = models_fp32[name]
+    gc = GenerationConfig(stop_at_eos=False, **kw)
+    assert fixed_step_count(gc, m.config)  # the case exercises the fixed loop
+    fixed = generate(m, PROMPTS, gc, seed=3)
+    ref = generate(m, PROMPTS, dataclasses.replace(gc, step_loop="while"), seed=3)
+    np.testing.assert_array_equal(fixed.tokens, ref.tokens)
+    assert fixed.nfe == ref.nfe and list(fixed.steps_per_block) == list(ref.steps_per_block)
+    np.testing.assert_array_equal(fixed.committed_per_step, ref.committed_per_step)
+
+
+def test_fixed_step_loop_with_a_finished_row(models_fp32):
+    """A row that stops early (EOS-filled blocks) and one that does not: both loops agree, and the blocks after
+    every row has finished still cost nothing."""
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False)
+    stop = int(generate(m, PROMPTS[:1], gc).tokens[0, 0])
+    gc = dataclasses.replace(gc, stop_at_eos=True, extra_stop_ids=(stop,))
+    fixed = generate(m, PROMPTS[:2], gc)
+    ref = generate(m, PROMPTS[:2], dataclasses.replace(gc, step_loop="while"))
+    np.testing.assert_array_equal(fixed.tokens, ref.tokens)
+    assert fixed.nfe == ref.nfe and list(fixed.steps_per_block) == list(ref.steps_per_block)
+    alone = generate(m, PROMPTS[:1], gc)
+    assert alone.nfe == 4 and list(alone.steps_per_block) == [4, 0, 0]
+
+
+def test_fixed_step_count_rule(models_fp32):
+    from dllm_jax.decode_loop import fixed_step_count
+
+    llada, dream = models_fp32["llada"].config, models_fp32["dream"].config
+    g = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    assert fixed_step_count(g, llada) and fixed_step_count(g, dream)
+    assert not fixed_step_count(dataclasses.replace(g, threshold=0.9), llada)
+    assert not fixed_step_count(dataclasses.replace(g, factor=1.0), dream)
+    assert not fixed_step_count(dataclasses.replace(g, alg="origin"), dream)  # random reveals
+    assert fixed_step_count(dataclasses.replace(g, alg="origin"), llada)  # Dream's alg is not LLaDA's rule
+    assert not fixed_step_count(GenerationConfig(gen_length=4, block_length=1, steps=4), dream)
+
+
+def test_fixed_step_loop_has_a_known_trip_count(models_fp32):
+    """The point of the fixed loop: XLA sees the in-block loop's trip count (steps / n_blocks - 1), so its GPU
+    runtime runs it without a predicate copied to the host per step; step_loop="while" has no such loop."""
+    import re
+
+    from dllm_jax.generate import _generate_jit
+
+    m = models_fp32["llada"]
+    counts = {}
+    for loop in ("auto", "while"):
+        gc = GenerationConfig(gen_length=24, block_length=12, steps=22, cache="dual", stop_at_eos=False,
+                              step_loop=loop)
+        x, pos, km, fr, P = layout([PROMPTS[0]], m.config, gc)
+        txt = _generate_jit(()).lower(m.params, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
+                                      jnp.asarray(fr), jax.random.key(0), config=m.config, gc=gc, prompt_len=P,
+                                      padded=False).compile().as_text()
+        counts[loop] = len(re.findall(r'known_trip_count":\{"n":"10"\}', txt))
+    assert counts["auto"] >= 1 and counts["while"] == 0
+
+
+def test_bad_step_loop(models_fp32):
+    with pytest.raises(ValueError, match="step_loop="):
+        generate(models_fp32["llada"], PROMPTS, GenerationConfig(step_loop="scan"))
