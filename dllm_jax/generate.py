@@ -74,7 +74,8 @@ class GenerationConfig:
     # count, which XLA's GPU runtime runs without copying a loop predicate to the host and waiting for it at every
     # step; elsewhere (threshold / factor, Dream's random "origin" reveals, blocks shorter than their step count) a
     # while loop that stops when the block is done. "while": always the while loop (same tokens and NFEs; the
-    # benchmarks' twin)
+    # benchmarks' twin). On the H200 both run at the same speed (bench/NOTES.md v16 item 7); "auto" keeps the host
+    # off the step-to-step path where the schedule allows it
     step_loop: Literal["auto", "while"] = "auto"
 
     def __post_init__(self) -> None:

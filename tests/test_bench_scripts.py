@@ -47,7 +47,8 @@ def test_bench_generate_step_loop_twin(tmp_path):
     main, twin = json.loads((tmp_path / "generate_h200.json").read_text())["rows"]
     assert (main["step_loop"], twin["step_loop"]) == ("auto", "while")
     assert twin["comparison"] == "same-run step_loop while"
-    assert main["speedup_vs_while_step_loop"] == twin["seconds"] / main["seconds"] and twin["nfe"] == main["nfe"] == 64
+    assert main["speedup_vs_while_step_loop"] == twin["seconds"] / main["seconds"]
+    assert twin["nfe"] == main["nfe"] == 64
 
 
 def test_bench_sampling_smoke(tmp_path):
@@ -429,3 +430,18 @@ def test_profile_attention_tiling_variants_patch_the_heuristic():
     with pbs.variant("pallas_attn_bf16_partials"):
         assert sa.BF16_PARTIALS is True
     assert sa.BF16_PARTIALS is False
+
+
+def test_trace_generate_smoke_and_copy_search(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import trace_generate
+
+    hlo = ("ENTRY %main {\n  %copy.1 = bf16[2,64,4,32]{3,2,1,0} copy(%p), metadata={}\n"
+           "  %copy.2 = bf16[2,4,64,32]{3,2,1,0} copy(%q)\n}\n"
+           "%body.3 {\n  %copy.4 = bf16[2,64,4,32]{3,2,1,0} copy(%r)\n}\n")
+    found = trace_generate.cache_copies(hlo, "[2,64,4,32]")
+    assert sorted((c["computation"], c["n"]) for c in found) == [("%body.3", 1), ("ENTRY", 1)]
+    _run("trace_generate", "--model", "tiny", "--batch", "2", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "generate_trace_h200.json").read_text())["rows"]
+    assert row["model"] == "tiny" and row["seconds"] > 0 and row["cache_shape"].startswith("[2,")
+    assert row["cache_copies"] == []  # the cache is updated in place (on the CPU's compile, as on the H200's)
