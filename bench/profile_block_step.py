@@ -658,13 +658,13 @@ FP8_LABELS = {"v5_fp8": "FP8 v5", "v6_fp8": "FP8 v6", "v7_fp8": "FP8 v7", "v8_lo
               "v12_default": "FP8 v12", "v16": "FP8 v16"}
 
 
-def plot(rows: list[dict], path: Path) -> bool:
-    """Stacked bars of device ms per kernel kind for every traced row (grouped by model and batch; rows of
-    several tables, e.g. before/after, side by side; a row's traced FP8 variant as a bar of its own; experiment rows
-    left out), with each row's HBM floor as a tick. False if no traces."""
+def plotted_bars(rows: list[dict]) -> list[dict]:
+    """The bars of `plot`: per model and batch, the traced rows of the first table that traced it (the before) and
+    of the newest one (rows are appended in run order), a row's traced FP8 variant as a bar of its own; experiment
+    rows and comparison rows left out."""
     traced = []
     for r in rows:
-        if r.get("table") == "experiment":
+        if r.get("table") == "experiment" or r.get("comparison"):
             continue
         label = TABLE_LABELS.get(r.get("table"), r.get("table", ""))
         if r.get("trace_per_step", {}).get("by_kind_ms"):
@@ -673,6 +673,19 @@ def plot(rows: list[dict], path: Path) -> bool:
         fp8_trace = r.get("trace_fp8_ffn") or r.get("trace_fp8_ffn_cublas") or {}
         if fp8_trace.get("by_kind_ms"):
             traced.append({**r, "label": FP8_LABELS.get(r.get("table"), "FP8 FFN"), "trace_per_step": fp8_trace})
+    tables: dict[tuple, list] = {}
+    for r in traced:
+        seen = tables.setdefault((r["model"], r["batch"]), [])
+        if r.get("table") not in seen:
+            seen.append(r.get("table"))
+    keep = {key: {t[0], t[-1]} for key, t in tables.items()}
+    return [r for r in traced if r.get("table") in keep[(r["model"], r["batch"])]]
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Stacked bars of device ms per kernel kind (`plotted_bars`: per model and batch the first and the newest
+    traced table side by side), with each row's HBM floor as a tick. False if no traces."""
+    traced = plotted_bars(rows)
     if not traced:
         return False
     import matplotlib

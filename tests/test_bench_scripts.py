@@ -205,6 +205,9 @@ def test_kernel_kinds_and_trace_plot(tmp_path):
     row = {"model": "m", "batch": 1, "table": "v4", "ms_floor_hbm": 3.5, "ms_floor_compute": 0.6,
            "trace_per_step": {"by_kind_ms": {"gemm": 4.0, "attention": 0.3, "other": 0.4}}}
     assert not profile_block_step.plot([{**row, "trace_per_step": {}}], tmp_path / "none.png")
+    # per model and batch: the first and the newest traced tables only (a middle one and comparison twins dropped)
+    tabled = [{**row, "table": t} for t in ("v4", "v12_default", "v16")] + [{**row, "table": "v16", "comparison": "x"}]
+    assert [b["label"] for b in profile_block_step.plotted_bars(tabled)] == ["v4", "v16"]
     assert profile_block_step.plot([row, {**row, "batch": 8}], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
     (g,) = profile_block_step.gemm_rows(64, 128, ms=(8,), name="o")  # standalone GEMM row (no device time on CPU)
