@@ -67,8 +67,8 @@ def post_forward(family: str, mask_id: int, formulation: str, alg: str = "maskgi
 
     @jax.jit
     def run(logits, masked, k, key):
-        logits = logits.astype(jnp.float32)  # decode_loop.model_logits' two lines
-        logits = logits.at[..., mask_id].set(-jnp.inf) if engine else select_exclude_token(logits, mask_id)
+        logits = logits.astype(jnp.float32)  # as decode_loop.model_logits
+        logits = (sampling.exclude_token if engine else select_exclude_token)(logits, mask_id)
         if family == "llada":
             x0, conf = llada(logits, masked, key, 0.0, "low_confidence")
         else:

@@ -102,7 +102,7 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
             logits = uncond + (gc.cfg_scale + 1.0) * (cond - uncond)
         # [MASK] is never a valid prediction (trained models give it ~0 mass; tiny or random ones may not, and
         # committing it would leave a position masked forever)
-        logits = logits.at[..., mask_id].set(-jnp.inf)
+        logits = sampling.exclude_token(logits, mask_id)
         return logits, cache
 
     def commit_rule(logits, masked, key, step, first_of_block: bool, schedule):

@@ -15,6 +15,12 @@ NEG_INF = -jnp.inf
 
 
 # --------------------------------------------------------------------------------------- candidates
+def exclude_token(logits: Array, token_id: int) -> Array:
+    """logits with one vocabulary entry at -inf (decode_loop: [MASK] is never a prediction). XLA fuses the scatter
+    into the reductions that read the logits (bench/NOTES.md v16: a select on the vocabulary index was slower)."""
+    return logits.at[..., token_id].set(NEG_INF)
+
+
 def llada_candidates(logits: Array, masked: Array, key: Array, temperature: float, remasking: str):
     """LLaDA: x0 = argmax of Gumbel-perturbed logits (exp(l)/(-log u)^T == argmax(l + T*gumbel)).
 
