@@ -124,7 +124,8 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
   cands = [default] + (alt_configs(m, n, k, max_alts) if tune else [])
   tried = []
   for c in cands:
-    if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or n % c.cluster_tile_n:
+    if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or (n % c.cluster_tile_n
+                                                                                  and not c.column_scales):
       continue
     fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=INTERPRET)
     try:

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels.gpu_info import H200_SMS, num_sms
@@ -169,6 +170,14 @@ class Fp8MatmulConfig:
   ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
   previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
   for one more pipeline stage).
+  Column tiles (``wg_tile_n`` a multiple of 16 that neither divides 128 nor is a multiple of it, e.g. 144): a tile
+  spans parts of two 128-wide weight-scale blocks, so the weight scales come per column (`column_scale_table`)
+  and the promotion multiplies by a row vector (x scales) and a column vector (w scales). Such tilings exist to
+  fill the waves of 132 SMs where 128-wide tiles leave a ragged last wave (Dream-7B's 37888 gate/up columns: 296
+  tiles of 128 = 2.24 waves at block-step M, one wave of 132 paired 144-wide tiles). N need not be a multiple of
+  the tile: the last tile starts at N - tile (it recomputes a few columns of its neighbour, bit-identically).
+  With ``wg_dimension`` N the two warpgroups take the two halves of N (warpgroup 0 columns [s, s + 144), warpgroup
+  1 columns N/2 + [s, s + 144)), as the fused SwiGLU pairs gate and up, so no TMA box exceeds 256 rows.
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -189,15 +198,20 @@ class Fp8MatmulConfig:
   def __post_init__(self):
     if self.wg_tile_m != 64:
       raise ValueError(f"wg_tile_m must be 64 (wgmma M; register budget), got {self.wg_tile_m}")
-    if self.wg_tile_n not in (32, 64, 128):
-      raise ValueError(f"wg_tile_n must be 32, 64 or 128, got {self.wg_tile_n}")
-    if GROUP % self.wg_tile_n and self.wg_tile_n % GROUP:
-      raise ValueError("wg_tile_n must divide 128")
+    if self.wg_tile_n not in (32, 64, 128) and not (self.wg_tile_n % 16 == 0 and 128 < self.wg_tile_n <= 192):
+      raise ValueError(f"wg_tile_n must be 32, 64, 128, or a multiple of 16 in (128, 192] (column tiles), got "
+                       f"{self.wg_tile_n}")
+    if self.column_scales:
+      if not self.ws_prefetch or self.cluster_dimension is not None or self.overlap_steps or self.pingpong:
+        raise ValueError(f"column tiles (wg_tile_n={self.wg_tile_n}) need ws_prefetch and no cluster, "
+                         "overlap_steps or pingpong")
+      if self.epi_tile_n not in (16, 32, 64) or self.wg_tile_n % self.epi_tile_n:
+        raise ValueError(f"epi_tile_n={self.epi_tile_n} must be 16, 32 or 64 and divide wg_tile_n={self.wg_tile_n}")
     if not 2 <= self.max_concurrent_steps <= 8:
       raise ValueError(f"max_concurrent_steps must be in [2, 8], got {self.max_concurrent_steps}")
     if self.split_k < 1:
       raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-    if self.epi_tile_n not in (32, 64, 128) or self.epi_tile_n > self.wg_tile_n:
+    if not self.column_scales and (self.epi_tile_n not in (32, 64, 128) or self.epi_tile_n > self.wg_tile_n):
       if self.epi_tile_n != self.wg_tile_n:
         raise ValueError(f"epi_tile_n={self.epi_tile_n} must be <= wg_tile_n={self.wg_tile_n}")
     if self.cta_tile_n < 64:
@@ -224,6 +238,11 @@ class Fp8MatmulConfig:
     for key in ("wg_dimension", "grid_minor_dim", "cluster_dimension"):
       d[key] = None if d[key] is None else Dim(d[key]).name
     return d
+
+  @property
+  def column_scales(self) -> bool:
+    """Whether a warpgroup tile straddles 128-wide weight-scale blocks (per-column weight scales)."""
+    return bool(GROUP % self.wg_tile_n and self.wg_tile_n % GROUP)
 
   @property
   def cta_tile_m(self):
@@ -424,8 +443,10 @@ SMEM_BYTES = 232448  # H100/H200 dynamic shared memory per block
 def stages_that_fit(cfg: Fp8MatmulConfig, acc_dtype, reserve: int = 0) -> int:
   """Pipeline stages of `cfg` that fit in shared memory next to the epilogue buffers and `reserve` bytes."""
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
-  # e4m3 A and B tiles, an xs row, a 128-byte ws row, per 128-K group
-  stage = cfg.groups_per_step * (ctm * GROUP + ctn * GROUP + 4 * ctm + 128)
+  # e4m3 A and B tiles, an xs row, a 128-byte ws row (column tiles: a padded row of floats per warpgroup along N),
+  # per 128-K group
+  ws_row = 4 * column_scale_padded_width(cfg) * (ctn // cfg.wg_tile_n) if cfg.column_scales else 128
+  stage = cfg.groups_per_step * (ctm * GROUP + ctn * GROUP + 4 * ctm + ws_row)
   epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
   epilogue = 2 * cfg.epilogue_slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
   return (SMEM_BYTES - 2048 - reserve - epilogue) // stage  # 2 KB kept for barriers and alignment
@@ -455,6 +476,42 @@ def expand_weight_scales(ws, n, cols, xp=jnp):
   return xp.repeat(ws.T, GROUP // cols, axis=1)[:, : n // cols]
 
 
+def column_span(n: int, cfg: Fp8MatmulConfig) -> int:
+  """Columns one warpgroup's column tiles walk: N, or N/2 when the two warpgroups take the two halves of N."""
+  return n // 2 if cfg.wg_dimension == Dim.N else n
+
+
+def column_tile_count(n: int, cfg: Fp8MatmulConfig) -> int:
+  """CTA tiles along N of a column tiling (the last one starts at span - tile)."""
+  return -(-column_span(n, cfg) // cfg.wg_tile_n)
+
+
+def check_column_tiling(n: int, cfg: Fp8MatmulConfig, what: str) -> None:
+  span = column_span(n, cfg)
+  if (cfg.wg_dimension == Dim.N and n % 16) or span % 8 or span < cfg.wg_tile_n:
+    raise ValueError(f"{what}: N={n} does not fit column tiles of {cfg.wg_tile_n} (each warpgroup walks "
+                     f"{span} columns: needs at least one tile, a multiple of 8{', N even' if cfg.wg_dimension == Dim.N else ''})")
+
+
+def column_scale_padded_width(cfg: Fp8MatmulConfig) -> int:
+  """A warpgroup tile's scale row padded to 32 floats (TMA destinations are 128-byte aligned per stage)."""
+  return -(-cfg.wg_tile_n // 32) * 32
+
+
+def column_scale_table(ws, n: int, cfg: Fp8MatmulConfig, xp=jnp):
+  """ws [N/128, K/128] -> the per-column weight scales of a column tiling, [K/128, tiles, warpgroups along N, width]:
+  entry [g, t, w, c] is the scale of weight column (w * N/2 if paired) + start(t) + c for c < wg_tile_n (start(t) =
+  min(t * wg_tile_n, span - wg_tile_n)), 0 in the padding. xp: the array module (numpy for host-side loading)."""
+  tn, span = cfg.wg_tile_n, column_span(n, cfg)
+  wgs = 2 if cfg.wg_dimension == Dim.N else 1
+  t = np.arange(column_tile_count(n, cfg))
+  starts = np.minimum(t * tn, span - tn)
+  c = np.arange(column_scale_padded_width(cfg))
+  cols = np.arange(wgs)[None, :, None] * span + starts[:, None, None] + np.minimum(c, tn - 1)[None, None, :]
+  table = xp.asarray(ws).T[:, cols // GROUP]  # [K/128, tiles, wgs, width]
+  return xp.where(xp.asarray(c < tn), table, 0.0).astype(xp.float32)
+
+
 def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, profile_dir=None,
                      swiglu: bool = False, columns: tuple[int, int] | None = None):
   """swiglu=True (`fp8_gate_up_swiglu`): wq is [gate | up] (2F rows); CTA tile j pairs gate block j (warpgroup 0)
@@ -467,6 +524,12 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   mp, k = xq_p.shape
   col0, n = columns or (0, wq.shape[0])  # n: the columns this call computes, from weight row col0 on
   assert not swiglu or swiglu_fusable(cfg), cfg  # fp8_gate_up_swiglu checked it
+  column = cfg.column_scales
+  paired = column and cfg.wg_dimension == Dim.N  # the two warpgroups take the two halves of N
+  if column and (swiglu or columns is not None):
+    raise ValueError("fp8 kernel: column tiles run neither the fused SwiGLU epilogue nor a column range")
+  if column:
+    check_column_tiling(n, cfg, "fp8 kernel")
   if columns is not None and (swiglu or col0 < 0 or n <= 0 or col0 % cfg.cta_tile_n or col0 + n > wq.shape[0]
                               or n % cfg.cluster_tile_n):
     raise ValueError(f"fp8 kernel: columns (start, count) = {columns} must lie inside the weights' N = "
@@ -495,12 +558,14 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                      f"(K/128 = {kg}, split_k = {split}, groups_per_step = {gps})")
   if mp % cfg.cluster_tile_m:
     raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
-  if n % cfg.cluster_tile_n:
+  if not column and n % cfg.cluster_tile_n:
     tile = "cluster" if cfg.cluster_dimension is not None else "CTA"
     raise ValueError(f"N={n} must be a multiple of the {tile} N tile {cfg.cluster_tile_n} for this config")
   cluster = 1 if cfg.cluster_dimension is None else 2
   # the persistent loop walks cluster tiles; CTA c of a cluster takes the c-th CTA tile of it
-  m_iters, n_iters = mp // cfg.cluster_tile_m, n // cfg.cluster_tile_n
+  m_iters = mp // cfg.cluster_tile_m
+  n_iters = column_tile_count(n, cfg) if column else n // cfg.cluster_tile_n
+  span = column_span(n, cfg)
   acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
   num_out_slots = cfg.epilogue_slots
@@ -532,8 +597,11 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     else:
       (out_gmem,) = outs
     # swiglu: B is viewed [2 (gate, up), F, K] and its scale table [K/128, 2, F/cols]; a stage holds one block of each
-    b_block = (2, tn, step_k) if swiglu else (ctn, step_k)
-    ws_block = (gps, 2, tn // wsc) if swiglu else (gps, ctn // wsc)
+    b_block = (2, tn, step_k) if swiglu or paired else (ctn, step_k)
+    if column:  # per-column scales: [K group, warpgroup along N, padded tile width] per CTA tile
+      ws_block = (gps, 2 if paired else 1, column_scale_padded_width(cfg))
+    else:
+      ws_block = (gps, 2, tn // wsc) if swiglu else (gps, ctn // wsc)
 
     def get_pipeline(body, compute_context):
       # overlap_steps: a stage's last wgmma is still in flight when its body returns: release the stage a step later
@@ -565,7 +633,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             a_gmem.at[:, pl.ds(0, ksteps * step_k)],
             b_gmem.at[..., pl.ds(0, ksteps * step_k)],
             xs_gmem.at[pl.ds(0, ksteps * gps), :],
-            *([ws_gmem.at[pl.ds(0, ksteps * gps)]] if ws_prefetch else [])),
+            *([ws_gmem.at[pl.ds(0, ksteps * gps), 0] if column else ws_gmem.at[pl.ds(0, ksteps * gps)]]
+              if ws_prefetch else [])),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs):
@@ -592,6 +661,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         wg_ws = 0 if cfg.wg_dimension == Dim.M else wg_idx * (tn // wsc)
         nblk = (w_col + (0 if cfg.wg_dimension == Dim.M else wg_idx * tn)) // GROUP
         g0 = ks * ksteps * gps  # first K group of this work unit
+        # column tiles: the first column of this tile in each warpgroup's span (the last tile ends at the span's end)
+        start = lax.min(n_idx * tn, span - tn) if column else None
 
         def epilogue(acc):
           acc = acc.astype(acc_dtype)
@@ -603,9 +674,12 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             out_smem[wg_idx, slot] = acc[:, sl_n]
             plgpu.commit_smem()
             dst = out_gmem.at[ks] if split > 1 else out_gmem
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg_idx, slot],
-                dst.at[cta_m, cta_n].at[wg_m, wg_n].at[:, sl_n])
+            if column:
+              rows = pl.ds(m_idx * ctm + (wg_idx * tm if cfg.wg_dimension == Dim.M else 0), tm)
+              target = dst.at[rows, pl.ds(start + (wg_idx * span if paired else 0) + ni * epi_n, epi_n)]
+            else:
+              target = dst.at[cta_m, cta_n].at[wg_m, wg_n].at[:, sl_n]
+            plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], target)
 
         def swiglu_epilogue(acc):
           """Warpgroup 1 hands its up tile to warpgroup 0 through shared memory; warpgroup 0 writes
@@ -670,7 +744,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
               plgpu.barrier_wait(turns)
 
         def row_scale(idx, j, xs_smem, ws_smem):
-          """x_scale[rows] * w_scale of K group j of this pipeline step: [tm]."""
+          """x_scale[rows] * w_scale of K group j of this pipeline step: [tm]; column tiles: (x_scale[rows] [tm],
+          w_scale[columns] [tn])."""
+          if column:
+            return xs_smem[j, wg_m], ws_smem[0][j, wg_idx if paired else 0, pl.ds(0, tn)]
           if swiglu:
             w_scale = ws_smem[0][j, wg_idx, 0]
           elif ws_prefetch:
@@ -685,12 +762,15 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           with jax.named_scope(f"wait{name}"):
             part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
           with jax.named_scope(f"promote{name}"):
+            if column:
+              xsc, wsc_ = rows()
+              return out + part * lax.broadcast_in_dim(xsc, (tm, tn), [0]) * lax.broadcast_in_dim(wsc_, (tm, tn), [1])
             return out + part * lax.broadcast_in_dim(rows(), (tm, tn), [0])
 
         # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
         def issue(acc_ref, j, a_smem, b_smem):
           ks_ = pl.ds(j * GROUP, GROUP)
-          b = b_smem.at[wg_idx, :, ks_] if swiglu else b_smem.at[wg_n, ks_]
+          b = b_smem.at[wg_idx, :, ks_] if swiglu or paired else b_smem.at[wg_n, ks_]
           plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b.transpose((1, 0)))
 
         def overlapped_body(idxs, a_smem, b_smem, xs_smem, *rest):
@@ -737,7 +817,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
 
         k_range = pl.ds(g0 * GROUP, ksteps * step_k)
-        if swiglu:
+        if column:
+          b_unit = b_gmem.at[:, pl.ds(start, tn), k_range] if paired else b_gmem.at[pl.ds(start, tn), k_range]
+          ws_unit = [ws_gmem.at[pl.ds(g0, ksteps * gps), n_idx]]
+        elif swiglu:
           b_unit = b_gmem.at[:, pl.ds(n_idx * tn, tn), k_range]
           ws_unit = [ws_gmem.at[pl.ds(g0, ksteps * gps), :, pl.ds(n_idx * (tn // wsc), tn // wsc)]]
         else:
@@ -758,6 +841,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   out_type = jax.ShapeDtypeStruct(out_shape, acc_dtype)
   if cfg.pingpong:
     scratch.update(turns=plgpu.Barrier(num_arrivals=2))  # one arrival per compute warpgroup
+  if paired:
+    wq = wq.reshape(2, n // 2, k)
   if swiglu:
     f_ = n // 2
     b16_swz = plgpu.find_swizzle(tn * 16, "up tile")
@@ -801,8 +886,10 @@ PROFILE_SMEM_BYTES = 3 * 16 * PROFILE_EVENTS  # their shared-memory buffers: 3 w
 
 def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Array:
   """ws [N/128, K/128] -> the kernel's weight-scale operand for `cfg` (an expanded [K/128, N/cols] table with
-  ws_prefetch, else ws.T). Expanding costs a broadcast kernel per call (XLA does not hoist it out of a loop):
+  ws_prefetch, else ws.T; column tiles: `column_scale_table`). Expanding costs a broadcast kernel per call (XLA does not hoist it out of a loop):
   the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes the table in."""
+  if cfg.column_scales:
+    return column_scale_table(ws, n, cfg)
   return expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T
 
 
@@ -829,7 +916,11 @@ def _check_padded_operands(xq_p, xs_t, wq, ws_k, cfg: Fp8MatmulConfig, what: str
                      f"{xq_p.dtype}{xq_p.shape} and {wq.dtype}{wq.shape}")
   if xs_t.shape != (kg, mp):
     raise ValueError(f"{what}: xs_t must be {(kg, mp)}, got {xs_t.shape}")
-  want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
+  if cfg.column_scales:
+    check_column_tiling(n, cfg, what)
+    want = (kg, column_tile_count(n, cfg), 2 if cfg.wg_dimension == Dim.N else 1, column_scale_padded_width(cfg))
+  else:
+    want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
   if ws_k.shape != want:
     raise ValueError(f"{what}: weight scales must be {want} for this config, got {ws_k.shape}")
 
@@ -964,7 +1055,9 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
   cfg = plan = None
   if backend == "pallas":
     cfg = config or default_config(m, n, k)
-    if n % cfg.cluster_tile_n:
+    if cfg.column_scales:
+      check_column_tiling(n, cfg, "fp8_matmul(pallas)")
+    elif n % cfg.cluster_tile_n:
       raise ValueError(
           f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cluster_tile_n} (wq {wq.shape}); "
           "use backend='xla' for ragged N")
