@@ -79,6 +79,8 @@ VARIANTS = {
     "fp8_ffn_tail_split": "the FP8 FFN with the gate/up GEMM's last partial wave as a split-K second kernel where "
                           "that applies (FP8_TAIL_SPLIT=1: Dream-7B at block-step M; v11: slower per GEMM, "
                           "48.0 vs 43.7 us)",
+    "fp8_ffn_no_column": "the FP8 FFN without v17's column tiles (FP8_COLUMN_TILES=0: Dream-7B's gate/up at "
+                         "block-step M on 296 128-wide tiles instead of one wave of 132 paired 144-wide tiles)",
     "fp8_ffn_unfused_swiglu": "the FP8 FFN with the gate/up GEMM's bf16 output and a separate SwiGLU quantiser "
                               "(FP8_FUSE_SWIGLU=0: v6's kernels, tilings by default_config)",
     "xla_norm_rope": "residual adds, RMSNorms, RoPE and the K/V cache writes as XLA ops (norm_rope_backend='xla', "
@@ -134,6 +136,7 @@ FP8_FLAG_OVERRIDES = {
     "fp8_ffn_pingpong": {"PINGPONG_FROM_M": 1},
     "fp8_ffn_pingpong_256": {"PINGPONG_FROM_M": 256},
     "fp8_ffn_tail_split": {"TAIL_SPLIT": True},
+    "fp8_ffn_no_column": {"COLUMN_TILES": False},
 }
 
 

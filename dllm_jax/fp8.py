@@ -110,27 +110,42 @@ def kernel_scale_key(src: str, cols: int) -> str:
     return f"{src}_tma{cols}"
 
 
+def column_scale_key(src: str, cfg) -> str:
+    """The leaf of a column tiling's per-column scale table (block-step M: `column_small_m_config`)."""
+    return f"{src}_col{cfg.wg_tile_n}{cfg.wg_dimension.name}"
+
+
 def with_kernel_scales(mlp_fp8: dict) -> dict:
-    """One layer's mlp_fp8 dict plus the kernel-layout scale tables (numpy stays numpy: host loading)."""
-    from pallas_kernels.fp8_matmul import expand_weight_scales
+    """One layer's mlp_fp8 dict plus the kernel-layout scale tables (numpy stays numpy: host loading): the
+    128-byte-row tables of KERNEL_SCALE_COLS, and the per-column table of the block-step column tiling where that
+    GEMM has one (Dream-7B's gate/up: ~4.7 MB a layer)."""
+    from pallas_kernels.fp8_matmul import column_scale_table, column_small_m_config, expand_weight_scales
 
     out = dict(mlp_fp8)
     for src, w in KERNEL_SCALES.items():
-        ws, n = mlp_fp8[src], np.shape(mlp_fp8[w])[-2]
+        ws, (n, k) = mlp_fp8[src], np.shape(mlp_fp8[w])[-2:]
         xp = np if isinstance(ws, np.ndarray) else jnp
         for cols in KERNEL_SCALE_COLS:
             out[kernel_scale_key(src, cols)] = expand_weight_scales(ws, n, cols, xp)
+        column = column_small_m_config(1, n, k)
+        if column is not None:
+            out[column_scale_key(src, column)] = column_scale_table(ws, n, column, xp)
     return out
 
 
 def without_kernel_scales(mlp_fp8: dict) -> dict:
-    return {k: v for k, v in mlp_fp8.items() if "_tma" not in k}
+    return {k: v for k, v in mlp_fp8.items() if "_tma" not in k and "_col" not in k}
 
 
 def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
-    from pallas_kernels.fp8_matmul import kernel_weight_scales, ws_cols
+    from pallas_kernels.fp8_matmul import column_scale_table_shape, kernel_weight_scales, ws_cols
 
     n, k = mlp_fp8[KERNEL_SCALES[src]].shape
+    if cfg.column_scales:  # the load-time table, else built here (a gather per call)
+        table = mlp_fp8.get(column_scale_key(src, cfg))
+        if table is not None and table.shape == column_scale_table_shape(n, k, cfg):
+            return table
+        return kernel_weight_scales(mlp_fp8[src], n, cfg)
     table = mlp_fp8.get(kernel_scale_key(src, ws_cols(cfg)))
     if table is not None and cfg.ws_prefetch and table.shape == (k // GROUP, n // ws_cols(cfg)):
         return table

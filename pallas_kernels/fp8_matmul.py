@@ -279,19 +279,24 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   tiles (2 warpgroups of 64x128) when compute bound."""
   narrow = _narrow_config(m, n, k)
   wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
-  if wide is None:
+  column = column_small_m_config(m, n, k)
+  if wide is None and column is None:
     return _with_default_pingpong(
         _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n), k), m)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
   # narrow (split 4); Dream gate/up 45.6 wide (148 units) vs 43.0 narrow (296).
+  # Column tiles (`column_small_m_config`) only where they fill the waves better than both.
   def rank(c):
     units = _units(m, n, c)
-    return (units / (-(-units // TUNED_SMS) * TUNED_SMS), -c.split_k, c is wide)
+    return (units / (-(-units // TUNED_SMS) * TUNED_SMS), -c.split_k, c is wide, c is not column)
 
   # M <= 64: no clusters
-  return _with_default_pingpong(_with_default_overlap(_with_default_groups(max((narrow, wide), key=rank), m, k), k), m)
+  best = max((c for c in (narrow, wide, column) if c is not None), key=rank)
+  if best is column:
+    return column  # its K groups per stage: column_small_m_config's
+  return _with_default_pingpong(_with_default_overlap(_with_default_groups(best, m, k), k), m)
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
@@ -392,7 +397,34 @@ def _with_default_overlap(cfg: Fp8MatmulConfig, k: int) -> Fp8MatmulConfig:
 
 
 def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
-  return -(-m // cfg.cta_tile_m) * (n // cfg.cta_tile_n) * cfg.split_k
+  n_tiles = column_tile_count(n, cfg) if cfg.column_scales else n // cfg.cta_tile_n
+  return -(-m // cfg.cta_tile_m) * n_tiles * cfg.split_k
+
+
+# Column tiles at block-step M (<= 64 rows): two 64 x 144 warpgroup tiles side by side, taking the two halves of N
+# (Fp8MatmulConfig's column tiles), where they fill the waves of 132 SMs better than the 128- and 256-wide tiles:
+# Dream-7B's gate/up (37888 x 3584) runs as 132 tiles (one wave) instead of 296 (2.24 waves). Device time of the
+# kernel on the H200 (bench/results/fp8_matmul_h200.json run v17a): 40.1 us against 44.2 for the 128-wide default
+# (1.62x XLA bf16's 64.9 against 1.47x), one K group per stage 41.1. At M = 256 the same tiles along M (528 tiles,
+# exactly 4 waves) were slower than the 128 x 128 default (76.2 vs 68.1 us), and 192-wide tiles for LLaDA-8B's
+# gate/up too (58.4 vs 47.5): ptxas caps the compute warpgroups at 168 registers, and the wider accumulators spill.
+# FP8_COLUMN_TILES=0 turns them off (benchmarks compare in one process by setting COLUMN_TILES).
+COLUMN_TILES = os.environ.get("FP8_COLUMN_TILES", "1") != "0"
+COLUMN_TILE_N = 144
+COLUMN_MIN_FILL = 0.95  # of the last wave
+
+
+def column_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
+  """The column tiling for (m, n, k), m <= 64, where its tiles fill their waves of TUNED_SMS SMs to at least
+  COLUMN_MIN_FILL (no split-K); None elsewhere or with COLUMN_TILES off."""
+  if not COLUMN_TILES or m > 64 or n % 16:
+    return None
+  cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=COLUMN_TILE_N, epi_tile_n=16, max_concurrent_steps=6,
+                        groups_per_step=GROUPS_PER_STEP or 2)
+  if n // 2 < COLUMN_TILE_N or (k // GROUP) % cfg.groups_per_step or stages_that_fit(cfg, jnp.bfloat16) < 2:
+    return None
+  units = _units(m, n, cfg)
+  return cfg if units / (-(-units // TUNED_SMS) * TUNED_SMS) >= COLUMN_MIN_FILL else None
 
 
 def _narrow_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
@@ -496,6 +528,10 @@ def check_column_tiling(n: int, cfg: Fp8MatmulConfig, what: str) -> None:
 def column_scale_padded_width(cfg: Fp8MatmulConfig) -> int:
   """A warpgroup tile's scale row padded to 32 floats (TMA destinations are 128-byte aligned per stage)."""
   return -(-cfg.wg_tile_n // 32) * 32
+
+
+def column_scale_table_shape(n: int, k: int, cfg: Fp8MatmulConfig) -> tuple[int, int, int, int]:
+  return (k // GROUP, column_tile_count(n, cfg), 2 if cfg.wg_dimension == Dim.N else 1, column_scale_padded_width(cfg))
 
 
 def column_scale_table(ws, n: int, cfg: Fp8MatmulConfig, xp=jnp):
@@ -918,7 +954,7 @@ def _check_padded_operands(xq_p, xs_t, wq, ws_k, cfg: Fp8MatmulConfig, what: str
     raise ValueError(f"{what}: xs_t must be {(kg, mp)}, got {xs_t.shape}")
   if cfg.column_scales:
     check_column_tiling(n, cfg, what)
-    want = (kg, column_tile_count(n, cfg), 2 if cfg.wg_dimension == Dim.N else 1, column_scale_padded_width(cfg))
+    want = column_scale_table_shape(n, k, cfg)
   else:
     want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
   if ws_k.shape != want:
@@ -1002,7 +1038,8 @@ def tail_split_plan(m: int, n: int, k: int, force: bool = False) -> TailSplit | 
     return None
   sms = TUNED_SMS
   cfg = default_config(m, n, k)
-  if cfg.split_k > 1 or cfg.cluster_dimension is not None or cfg.overlap_steps or n % cfg.cta_tile_n:
+  if (cfg.split_k > 1 or cfg.cluster_dimension is not None or cfg.overlap_steps or cfg.column_scales
+          or n % cfg.cta_tile_n):
     return None
   m_tiles, n_tiles = -(-m // cfg.cta_tile_m), n // cfg.cta_tile_n
   waves = _units(m, n, cfg) // sms

@@ -116,6 +116,79 @@ def test_value_errors():
     F.Fp8MatmulConfig(split_k=0)
 
 
+@pytest.mark.parametrize("dim,n", [(F.Dim.M, 400), (F.Dim.N, 608), (F.Dim.N, 37888)])
+def test_column_scale_table_holds_each_columns_block_scale(dim, n):
+  """Entry [g, t, w, c] of a column tiling's table is the 128x128 block scale of the weight column that warpgroup w
+  of tile t computes in lane c (the last tile ends at the span's end, warpgroup 1 of a paired tile in N's second
+  half); the padding to 32 floats is 0."""
+  cfg = F.Fp8MatmulConfig(wg_dimension=dim, wg_tile_n=144, epi_tile_n=16)
+  k = 512
+  ws = np.random.default_rng(0).uniform(0.5, 2.0, (-(-n // 128), k // 128)).astype(np.float32)
+  table = np.asarray(F.column_scale_table(jnp.asarray(ws), n, cfg))
+  assert table.shape == F.column_scale_table_shape(n, k, cfg) == np.asarray(
+      F.column_scale_table(ws, n, cfg, xp=np)).shape
+  span = n // 2 if dim == F.Dim.N else n
+  tiles = -(-span // 144)
+  assert table.shape == (k // 128, tiles, 2 if dim == F.Dim.N else 1, 160)
+  for t in range(tiles):
+    start = min(t * 144, span - 144)
+    for w in range(table.shape[2]):
+      cols = w * span + start + np.arange(144)
+      np.testing.assert_array_equal(table[:, t, w, :144], ws[cols // 128].T)
+  assert not table[..., 144:].any()
+  assert start + 144 == span  # the last tile ends at the span's end
+
+
+def test_column_tiles_refuse_what_they_cannot_run():
+  C, D = F.Fp8MatmulConfig, F.Dim
+  for bad in (dict(wg_tile_n=136), dict(wg_tile_n=208), dict(wg_tile_n=144, epi_tile_n=32),
+              dict(wg_tile_n=144, epi_tile_n=16, cluster_dimension=D.M), dict(wg_tile_n=144, epi_tile_n=16,
+                                                                              ws_prefetch=False)):
+    with pytest.raises(ValueError):
+      C(**bad)
+  cfg = C(wg_dimension=D.N, wg_tile_n=144, epi_tile_n=16)
+  assert cfg.column_scales and not C().column_scales
+  xq, xs = jnp.zeros((8, 256), F.FP8), jnp.ones((8, 2), jnp.float32)
+  with pytest.raises(ValueError, match="column tiles"):  # each warpgroup would walk 128 < 144 columns
+    F.fp8_matmul(xq, xs, jnp.zeros((256, 256), F.FP8), jnp.ones((2, 2)), backend="pallas", config=cfg)
+  with pytest.raises(ValueError, match="weight scales must be"):
+    F.fp8_matmul_padded(jnp.zeros((64, 256), F.FP8), jnp.ones((2, 64)), jnp.zeros((608, 256), F.FP8),
+                        jnp.ones((2, 4)), cfg=cfg)
+  assert not F.swiglu_fusable(cfg)  # the fused epilogue quantises whole 128-wide groups
+  with pytest.raises(ValueError, match="swiglu_fusable"):
+    F.fp8_gate_up_swiglu(jnp.zeros((64, 256), F.FP8), jnp.ones((2, 64)), jnp.zeros((608, 256), F.FP8),
+                         jnp.ones((2, 3, 2, 160)), cfg=cfg)
+
+
+def test_column_tiles_rule(monkeypatch):
+  """Block-step M only, where they fill the waves better (Dream-7B's gate/up: 132 tiles, one wave, against 296 of
+  the 128-wide default); never on ties; FP8_COLUMN_TILES off gives the 128-wide tiling back."""
+  cfg = F.default_config(32, 37888, 3584)
+  assert cfg.column_scales and F._units(32, 37888, cfg) == 132 and F.default_config(64, 37888, 3584) == cfg
+  assert not F.default_config(65, 37888, 3584).column_scales
+  assert not F.default_config(32, 24576, 4096).column_scales  # 86 tiles: the 256-wide tiles fill better (96)
+  monkeypatch.setattr(F, "TUNED_SMS", 2)
+  assert F.column_small_m_config(32, 512, 256) is not None  # 2 tiles fill 2 SMs ...
+  assert not F.default_config(32, 512, 256).column_scales  # ... but so do the 4 narrow tiles: a tie
+  monkeypatch.setattr(F, "TUNED_SMS", 132)
+  monkeypatch.setattr(F, "COLUMN_TILES", False)
+  off = F.default_config(32, 37888, 3584)
+  assert not off.column_scales and off.wg_tile_n == 64
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel needs a Hopper GPU")
+@pytest.mark.parametrize("m", [1, 32, 64])
+def test_column_tiles_gpu_real_shape(m):
+  """Dream-7B's gate/up at block-step M on the default (column) tiling, against the reference."""
+  cfg = F.default_config(m, 37888, 3584)
+  assert cfg.column_scales
+  x, w = _data(m, 37888, 3584, seed=2)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  ref = F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+  assert _rel(F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32), ref) < 5e-4
+
+
 def test_xla_backend_is_reference_and_close_to_fp32():
   x, w = _data(33, 256, 512)
   xq, xs = F.quantize_activations(x)
@@ -160,6 +233,14 @@ KERNEL_CASES = [
     (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2,
                       epi_tile_n=32, out_slots=1, pingpong=True)),
     (130, 256, 384, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2, pingpong=True)),
+    # column tiles (per-column weight scales, a last tile ending at N): along M (3 tiles of 144 over N = 400, the
+    # last starting at 256, 3 row tiles); paired along N (each warpgroup walks 304 columns of its half: tiles at 0,
+    # 144, 160), with split-K and two groups per stage too; 192-wide, paired, one tile per half
+    (130, 400, 512, C(wg_dimension=D.M, wg_tile_n=144, epi_tile_n=16, max_concurrent_steps=2)),
+    (70, 608, 384, C(wg_dimension=D.N, wg_tile_n=144, epi_tile_n=16, max_concurrent_steps=3)),
+    (33, 608, 512, C(wg_dimension=D.N, wg_tile_n=144, epi_tile_n=16, max_concurrent_steps=2, split_k=2,
+                     groups_per_step=2)),
+    (64, 384, 256, C(wg_dimension=D.N, wg_tile_n=192, epi_tile_n=64, max_concurrent_steps=2)),
 ]
 
 
@@ -489,6 +570,8 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
       # two-CTA clusters along N where compute bound (M >= 1024), never at block-step sizes
       assert cfg.cluster_dimension == (D.N if m >= 1024 else None), (m, n, k, cfg)
       assert (cfg.cta_tile_n == 256) == (m == 32 and (n, k) == (24576, 4096)), (m, n, k, cfg)
+      # column tiles (one wave of 132 paired 144-wide tiles) only for Dream-7B's gate/up at block-step M
+      assert cfg.column_scales == (m == 32 and (n, k) == (37888, 3584)), (m, n, k, cfg)
       _lower_for_cuda(m, n, k, cfg)
   assert F.default_config(32, 3584, 18944).groups_per_step == 1  # 148 groups / split-K 4: odd
   # ... and only with >= 4 waves of CTA tiles: not for the down GEMMs at M = 1024 (< 2 waves), yes for gate/up

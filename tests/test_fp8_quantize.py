@@ -208,6 +208,34 @@ def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
       np.asarray(x))
 
 
+def test_fp8_ffn_on_column_tiles_reads_their_load_time_table(unrolled_fp8, monkeypatch):
+  """The gate/up GEMM on column tiles (Dream-7B's block-step tiling; here on 2 "SMs" so the tiny FFN's 512 columns
+  fill them): the load-time per-column table is built where the rule picks the tiling, the FFN equals the XLA
+  path, and zeroing that table removes the FFN's contribution (so it is what the kernel reads)."""
+  params, c8 = unrolled_fp8
+  monkeypatch.setattr(F, "TUNED_SMS", 2)
+  monkeypatch.setattr(F, "GROUPS_PER_STEP", 1)  # K = 128: one group per work unit
+  lp = params["layers"][1]
+  mlp = fp8.with_kernel_scales(fp8.without_kernel_scales(lp["mlp_fp8"]))
+  n, k = mlp["w_gu"].shape
+  cfg = F.column_small_m_config(32, n, k)
+  assert cfg is not None and cfg.column_scales
+  key = fp8.column_scale_key("s_gu", cfg)
+  assert key in mlp and "s_down_col" not in " ".join(mlp)  # the down GEMM (128 columns) has no column tiling
+  x = jax.random.normal(jax.random.key(5), (32, CFG.d_model)).astype(jnp.bfloat16)
+  scale = lp["ffn_norm"]["scale"]
+  ref = fp8.ffn_residual(params, c8, lp, 1, x[None], backend="xla")[0]
+  out = fp8.fp8_ffn_pallas(x, scale, CFG.rms_eps, mlp, INTERPRET, gate_up=(cfg, False))
+  d_ref = np.asarray(ref, np.float32) - np.asarray(x, np.float32)
+  d_out = np.asarray(out, np.float32) - np.asarray(x, np.float32)
+  assert float(np.abs(d_ref).max()) > 1e-2
+  assert np.linalg.norm(d_out - d_ref) / np.linalg.norm(d_ref) < 2e-2
+  poisoned = {**mlp, key: jnp.zeros_like(mlp[key])}
+  np.testing.assert_array_equal(
+      np.asarray(fp8.fp8_ffn_pallas(x, scale, CFG.rms_eps, poisoned, INTERPRET, gate_up=(cfg, False))),
+      np.asarray(x))
+
+
 @pytest.mark.parametrize("layer", [0, 1])
 def test_fp8_ffn_takes_the_attention_residual(unrolled_fp8, layer):
   """attn_out= (the model's path): s = x + attn_out then the FFN's residual block, on both backends and for the
