@@ -164,6 +164,9 @@ def main() -> None:
     ap.add_argument("--compare-step-loop", action="store_true",
                     help="(v16) also time every row with GenerationConfig.step_loop='while' (the in-block steps as a "
                     "while loop that checks the block on the host at every step), same run")
+    ap.add_argument("--compare-column-tiles", action="store_true",
+                    help="(v17) with --fp8-ffn: also time every row without the FP8 GEMM's column tiles "
+                    "(fp8_matmul.COLUMN_TILES off: Dream-7B's block-step gate/up on 128-wide tiles), same run")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
     if args.compare_bf16 and not args.fp8_ffn:
@@ -270,6 +273,15 @@ def main() -> None:
         if args.compare_step_loop:
             twin(current, "step_loop", "while_step_loop", "same-run step_loop while", bool(args.fp8_ffn),
                  norm_rope=args.norm_rope, step_loop="while")
+        if args.compare_column_tiles and args.fp8_ffn:
+            from pallas_kernels import fp8_matmul
+
+            # the tiling is chosen when the program is traced: drop the cached traces so the twin is traced anew
+            jax.clear_caches()
+            with mock.patch.object(fp8_matmul, "COLUMN_TILES", False):
+                twin(current, "column_tiles", "no_column_tiles", "same-run FP8 without column tiles", True,
+                     norm_rope=args.norm_rope)
+            jax.clear_caches()
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t_start:5.0f}s] {name:9s} {mode:6s} b{batch:<3d} "
               f"s{steps:<4d} {row['tokens_per_s']:8.1f} tok/s  {row['ms_per_nfe']:6.2f} ms/NFE  "
               f"step {row['ms_block_step']:6.2f} ms  start {row['ms_block_start']:6.2f} ms  "
