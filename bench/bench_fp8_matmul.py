@@ -380,9 +380,12 @@ def meta():
 
 
 def latest_rows(rows):
-  """The last row per (model, N, K, M): later runs are appended after earlier ones in the committed file."""
+  """The last row per (model, N, K, M): later runs are appended after earlier ones in the committed file. Rows
+  marked is_default False (a tiling timed beside the engine's, v17a) are left out."""
   last = {}
   for r in rows:
+    if r.get("is_default") is False:
+      continue
     last[(r["model"], r["N"], r["K"], r["M"])] = r
   return list(last.values())
 

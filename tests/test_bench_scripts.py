@@ -284,6 +284,18 @@ def test_fp8_sweep_candidates_by_regime(monkeypatch):
     assert (v8.groups_per_step, one_group.groups_per_step) == (2, 1)
 
 
+def test_fp8_plot_takes_the_last_row_of_the_engines_tiling():
+    """bench_fp8_matmul's plot: per shape the last row, skipping tilings timed beside the engine's (is_default False,
+    v17a's column-tile rows), so an experiment appended after the default never stands in for it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_fp8_matmul
+
+    base = dict(model="m", N=256, K=128, M=32)
+    rows = [dict(base, run="old"), dict(base, run="new", is_default=True), dict(base, run="new", is_default=False),
+            dict(base, M=64, run="x")]
+    assert bench_fp8_matmul.latest_rows(rows) == [rows[1], rows[3]]
+
+
 def test_generate_plot_takes_the_newest_row_per_bar():
     """The tokens/s plot shows each (model, mode, batch)'s newest row by date, never a comparison twin (the committed
     file keeps every run; before v15 the plot showed the first, session 4's, rows)."""
