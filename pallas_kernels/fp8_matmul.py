@@ -521,8 +521,9 @@ def column_tile_count(n: int, cfg: Fp8MatmulConfig) -> int:
 def check_column_tiling(n: int, cfg: Fp8MatmulConfig, what: str) -> None:
   span = column_span(n, cfg)
   if (cfg.wg_dimension == Dim.N and n % 16) or span % 8 or span < cfg.wg_tile_n:
+    even = ", N a multiple of 16" if cfg.wg_dimension == Dim.N else ""
     raise ValueError(f"{what}: N={n} does not fit column tiles of {cfg.wg_tile_n} (each warpgroup walks "
-                     f"{span} columns: needs at least one tile, a multiple of 8{', N even' if cfg.wg_dimension == Dim.N else ''})")
+                     f"{span} columns: needs at least one tile, a multiple of 8{even})")
 
 
 def column_scale_padded_width(cfg: Fp8MatmulConfig) -> int:
@@ -922,8 +923,9 @@ PROFILE_SMEM_BYTES = 3 * 16 * PROFILE_EVENTS  # their shared-memory buffers: 3 w
 
 def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Array:
   """ws [N/128, K/128] -> the kernel's weight-scale operand for `cfg` (an expanded [K/128, N/cols] table with
-  ws_prefetch, else ws.T; column tiles: `column_scale_table`). Expanding costs a broadcast kernel per call (XLA does not hoist it out of a loop):
-  the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes the table in."""
+  ws_prefetch, else ws.T; column tiles: `column_scale_table`). Expanding costs a broadcast kernel per call (XLA does
+  not hoist it out of a loop): the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes
+  the table in."""
   if cfg.column_scales:
     return column_scale_table(ws, n, cfg)
   return expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T
