@@ -591,8 +591,11 @@ def test_default_configs_fit_and_lower(groups, monkeypatch):
 def test_tail_split_plan_at_the_real_shapes(monkeypatch):
   """The plan applies where the default tiling leaves its last wave at most half full after whole waves, at
   block-step M only: at the real shapes Dream-7B's gate/up (296 tiles = 2 waves of 132 + 32: the 32 split-K 4 =
-  128 units), and only with the switch on (force ignores it)."""
+  128 units), and only with the switch on (force ignores it). It splits the 128-wide tiling: with column tiles on
+  (the default since v17: Dream-7B's gate/up in one wave of 132 tiles) there is no ragged last wave to split."""
   monkeypatch.setattr(F, "TAIL_SPLIT", False)
+  assert F.default_config(32, 37888, 3584).column_scales and F.tail_split_plan(32, 37888, 3584, force=True) is None
+  monkeypatch.setattr(F, "COLUMN_TILES", False)
   assert F.tail_split_plan(32, 37888, 3584) is None
   plan = F.tail_split_plan(32, 37888, 3584, force=True)
   assert plan.main == F.default_config(32, 37888, 3584) and plan.n_main == 264 * 128

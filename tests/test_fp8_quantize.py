@@ -360,7 +360,7 @@ def test_splitk_residual_add_matches_sum_then_add(splits, m, m_pad, d):
 
 def test_gate_up_plan_fuses_where_the_default_tiling_allows(monkeypatch):
   assert fp8.gate_up_plan(32, 24576, 4096)[1]  # LLaDA-8B block step: 256-wide tiles, fused
-  assert not fp8.gate_up_plan(32, 37888, 3584)[1]  # Dream-7B: 128-wide tiles fill the waves better, not fused
+  assert not fp8.gate_up_plan(32, 37888, 3584)[1]  # Dream-7B: column tiles (one wave) fill the waves better
   assert not fp8.gate_up_plan(256, 24576, 4096)[1]  # batch 8: 64-row warpgroup tiles along M
   monkeypatch.setattr(fp8, "FUSE_SWIGLU", False)
   assert not fp8.gate_up_plan(32, 24576, 4096)[1]
