@@ -124,8 +124,8 @@ def bench_shape(model, m, n, k, config=None, baselines=True, tune=False, max_alt
   cands = [default] + (alt_configs(m, n, k, max_alts) if tune else [])
   tried = []
   for c in cands:
-    if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or (n % c.cluster_tile_n
-                                                                                  and not c.column_scales):
+    tiles_n = c.column_scales or not n % c.cluster_tile_n  # column tiles take any N
+    if (k // 128) % c.split_k or (k // 128 // c.split_k) % c.groups_per_step or not tiles_n:
       continue
     fp8 = lambda xq, xs, wq, ws, c=c: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=INTERPRET)
     try:

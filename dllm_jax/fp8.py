@@ -141,13 +141,13 @@ def _kernel_scales(mlp_fp8: dict, src: str, cfg) -> jax.Array:
     from pallas_kernels.fp8_matmul import column_scale_table_shape, kernel_weight_scales, ws_cols
 
     n, k = mlp_fp8[KERNEL_SCALES[src]].shape
-    if cfg.column_scales:  # the load-time table, else built here (a gather per call)
-        table = mlp_fp8.get(column_scale_key(src, cfg))
-        if table is not None and table.shape == column_scale_table_shape(n, k, cfg):
-            return table
-        return kernel_weight_scales(mlp_fp8[src], n, cfg)
-    table = mlp_fp8.get(kernel_scale_key(src, ws_cols(cfg)))
-    if table is not None and cfg.ws_prefetch and table.shape == (k // GROUP, n // ws_cols(cfg)):
+    # the load-time table of this tiling where it exists (and has its shape), else built here (a kernel per call)
+    if cfg.column_scales:
+        key, shape = column_scale_key(src, cfg), column_scale_table_shape(n, k, cfg)
+    else:
+        key, shape = kernel_scale_key(src, ws_cols(cfg)), (k // GROUP, n // ws_cols(cfg)) if cfg.ws_prefetch else None
+    table = mlp_fp8.get(key)
+    if table is not None and table.shape == shape:
         return table
     return kernel_weight_scales(mlp_fp8[src], n, cfg)
 
