@@ -178,10 +178,6 @@ class Fp8MatmulConfig:
   the tile: the last tile starts at N - tile (it recomputes a few columns of its neighbour, bit-identically).
   With ``wg_dimension`` N the two warpgroups take the two halves of N (warpgroup 0 columns [s, s + 144), warpgroup
   1 columns N/2 + [s, s + 144)), as the fused SwiGLU pairs gate and up, so no TMA box exceeds 256 rows.
-  ``l2_prefetch_steps``: 0, or how many pipeline steps ahead warpgroup 0 asks the L2 for the weight tile (one TMA
-  prefetch per step, `cp.async.bulk.prefetch`): the stages in shared memory cap the bytes in flight per SM, and an
-  L2 prefetch does not take shared memory, so the weights' HBM latency can be hidden further ahead than the
-  pipeline reaches. A hint only: the output is bit-identical with and without it.
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -198,7 +194,6 @@ class Fp8MatmulConfig:
   out_slots: int = 2
   overlap_steps: bool = False
   pingpong: bool = False
-  l2_prefetch_steps: int = 0
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -228,10 +223,6 @@ class Fp8MatmulConfig:
                        f"{self.max_concurrent_steps}")
     if self.pingpong and self.overlap_steps:
       raise ValueError("pingpong and overlap_steps are two schedules of the same pipeline body: choose one")
-    if not 0 <= self.l2_prefetch_steps <= 32:
-      raise ValueError(f"l2_prefetch_steps must be in [0, 32], got {self.l2_prefetch_steps}")
-    if self.l2_prefetch_steps and self.overlap_steps:
-      raise ValueError("l2_prefetch_steps runs in the plain pipeline body, not with overlap_steps")
     if self.out_slots not in (1, 2):
       raise ValueError(f"out_slots must be 1 or 2, got {self.out_slots}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
@@ -759,22 +750,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         def zero_tile():
           return plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
 
-        ahead = cfg.l2_prefetch_steps
-
-        def prefetch_weights(step):
-          """Ask the L2 for the weight tile of pipeline step `step` of this unit (one thread of warpgroup 0)."""
-          plgpu.async_prefetch(b_unit.at[(slice(None),) * (len(b_block) - 1) + (pl.ds(step * step_k, step_k),)])
-
         def compute_context(eval_pipeline):
           zeros = zero_tile()
           finish = swiglu_epilogue if swiglu else epilogue
-          if ahead and stages < min(ahead, ksteps):
-            # the pipeline loads steps [0, stages) itself; mma_body asks for step s + ahead at step s
-            @pl.when(wg_idx == 0)
-            def _first_prefetches():
-              for step in range(stages, min(ahead, ksteps)):
-                prefetch_weights(step)
-
           if not overlap:
             # pingpong: warpgroup 1 meets warpgroup 0 once more at the start of a unit (so it issues each stage after
             # warpgroup 0 has), warpgroup 0 once more at its end, before its epilogue (so neither waits on the
@@ -861,10 +839,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
         def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
           *ws_smem, acc = rest
-          if ahead:
-            @pl.when((wg_idx == 0) & (idxs[0] + ahead < ksteps))
-            def _prefetch():
-              prefetch_weights(idxs[0] + ahead)
 
           def mmas(*acc_refs):  # one fresh (zeroed) accumulator per K group of the stage
             with jax.named_scope("issue"):
