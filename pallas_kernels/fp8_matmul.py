@@ -178,6 +178,9 @@ class Fp8MatmulConfig:
   the tile: the last tile starts at N - tile (it recomputes a few columns of its neighbour, bit-identically).
   With ``wg_dimension`` N the two warpgroups take the two halves of N (warpgroup 0 columns [s, s + 144), warpgroup
   1 columns N/2 + [s, s + 144)), as the fused SwiGLU pairs gate and up, so no TMA box exceeds 256 rows.
+  ``early_release``: a warpgroup hands its stage back to the memory warpgroup as soon as the stage's last wgmma is
+  done and the stage's scales are in registers, before it promotes the last group (DeepGEMM's order), instead of
+  after; the refill of that stage then starts one promotion earlier. The same arithmetic in the same order.
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -194,6 +197,7 @@ class Fp8MatmulConfig:
   out_slots: int = 2
   overlap_steps: bool = False
   pingpong: bool = False
+  early_release: bool = False
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -223,6 +227,9 @@ class Fp8MatmulConfig:
                        f"{self.max_concurrent_steps}")
     if self.pingpong and self.overlap_steps:
       raise ValueError("pingpong and overlap_steps are two schedules of the same pipeline body: choose one")
+    if self.early_release and self.overlap_steps:
+      raise ValueError("early_release is a schedule of the plain pipeline body: overlap_steps releases its stages "
+                       "a step late instead")
     if self.out_slots not in (1, 2):
       raise ValueError(f"out_slots must be 1 or 2, got {self.out_slots}")
     if self.ctas_per_sm not in (1, 2, 3, 4):
@@ -660,6 +667,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           num_compute_wgs=2,
           max_concurrent_steps=stages,
           compute_context=compute_context,
+          manual_consumed_barriers=cfg.early_release,  # mma_body arrives on them itself
       )
 
     ignore = lambda *_, **__: None
@@ -793,16 +801,19 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             w_scale = ws_gmem[g0 + idx * gps + j, nblk]
           return xs_smem[j, wg_m] * w_scale
 
-        def promote(out, acc_ref, wait_n, rows, name):
+        def promote(out, acc_ref, wait_n, rows, name, release=None):
           """out + the partial in acc_ref (once at most wait_n later wgmmas are in flight) x rows() [tm], the row
-          scales (read after the wait)."""
+          scales (read after the wait); release(), if given, runs once the scales are read, before the FMAs."""
           with jax.named_scope(f"wait{name}"):
             part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
           with jax.named_scope(f"promote{name}"):
+            scales = rows()
+            if release is not None:
+              release()
             if column:
-              xsc, wsc_ = rows()
+              xsc, wsc_ = scales
               return out + part * lax.broadcast_in_dim(xsc, (tm, tn), [0]) * lax.broadcast_in_dim(wsc_, (tm, tn), [1])
-            return out + part * lax.broadcast_in_dim(rows(), (tm, tn), [0])
+            return out + part * lax.broadcast_in_dim(scales, (tm, tn), [0])
 
         # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
         def issue(acc_ref, j, a_smem, b_smem):
@@ -838,7 +849,13 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           return out, row_scale(idxs[0], gps - 1, xs_smem, ws_smem)
 
         def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
-          *ws_smem, acc = rest
+          *rest, acc = rest
+          # early_release: the pipeline passes one consumed barrier per input after the inputs
+          ws_smem, consumed = rest[:int(ws_prefetch)], rest[int(ws_prefetch):]
+
+          def release():
+            for barrier in consumed:
+              plgpu.barrier_arrive(barrier)
 
           def mmas(*acc_refs):  # one fresh (zeroed) accumulator per K group of the stage
             with jax.named_scope("issue"):
@@ -848,7 +865,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             out = acc
             for j, acc_ref in enumerate(acc_refs):
               # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
-              out = promote(out, acc_ref, gps - 1 - j, lambda j=j: row_scale(idxs[0], j, xs_smem, ws_smem), j)
+              last = j == gps - 1  # its wait is for every wgmma of the stage: A and B are read
+              out = promote(out, acc_ref, gps - 1 - j, lambda j=j: row_scale(idxs[0], j, xs_smem, ws_smem), j,
+                            release=release if consumed and last else None)
             return out
 
           return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)

@@ -414,6 +414,26 @@ def test_probe_fp8_harness_rows_and_tilings(monkeypatch, tmp_path):
     assert len(set(calls)) == len(rows)  # each tiling ran (once for rel_err, once per timed set)
 
 
+
+def test_probe_fp8_m256_variants(monkeypatch, tmp_path):
+    """The M = 256 probe on the simulator at a small shape: early_release's output is bit-identical to the default
+    tiling's, no_mma's differs (the replaced wgmma reached the kernel), and a second run merges into the same JSON
+    (rows appended, both runs in meta.runs). The timer is stubbed; each variant's kernel still runs once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_fp8_matmul
+
+    monkeypatch.setattr(bench_fp8_matmul, "timeit", lambda fn, args, device=False, **kw: (1.0, 2.0, 3.0))
+    _run("probe_fp8_m256", "--shapes", "64x256x256", "--variants", "early", "no_mma", "--run", "a",
+         "--out", str(tmp_path))
+    data = json.loads((tmp_path / "fp8_m256_probe_h200.json").read_text())
+    by_variant = {r["variant"]: r for r in data["rows"]}
+    assert list(by_variant) == ["default", "early", "no_mma"]  # the default is always timed first
+    assert by_variant["early"]["bit_identical"] is True and by_variant["early"]["config"]["early_release"]
+    assert by_variant["no_mma"]["equals_default"] is False and by_variant["default"]["kernel_us"] == 3.0
+    _run("probe_fp8_m256", "--shapes", "64x256x256", "--variants", "default", "--run", "b", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "fp8_m256_probe_h200.json").read_text())
+    assert [r["run"] for r in data["rows"]] == ["a", "a", "a", "b"] and set(data["meta"]["runs"]) == {"a", "b"}
+
 def test_sweep_block_attention_smoke(tmp_path, monkeypatch):
     """The block-step attention sweep at a tiny interpreted GQA shape: the default tiling among the timed rows, the
     split rows and the bf16-partials twin, each with the kernel's error against the fp32 reference."""

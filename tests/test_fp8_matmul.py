@@ -428,6 +428,53 @@ def test_pingpong_lowers_for_cuda(m, n, k):
   assert "mosaic_gpu" in _lower_for_cuda(m, n, k, cfg)
 
 
+EARLY_RELEASE_CASES = [
+    # two groups per stage on 3 stages, 8 split-K units on the simulator's 4 SMs (barrier phases carried across
+    # units); one group per stage on 2 stages (every step wraps the barriers); column tiles, paired, 2 groups
+    (70, 512, 2048, C(wg_dimension=D.M, wg_tile_n=128, split_k=2, max_concurrent_steps=3, groups_per_step=2,
+                      epi_tile_n=32)),
+    (130, 256, 384, C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=2)),
+    (33, 608, 512, C(wg_dimension=D.N, wg_tile_n=144, epi_tile_n=16, max_concurrent_steps=2, split_k=2,
+                     groups_per_step=2)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg", EARLY_RELEASE_CASES)
+def test_early_release_is_bit_identical_to_the_same_tiling(m, n, k, cfg):
+  """early_release only moves each stage's hand-back to the memory warpgroup before the last promotion: the same
+  partials in the same order, so the output equals the plain schedule's bit for bit, and the reference's."""
+  x, w = _data(m, n, k, seed=7)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  run = lambda c: np.asarray(F.fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=INTERPRET, config=c))
+  y = run(dataclasses.replace(cfg, early_release=True))
+  np.testing.assert_array_equal(y, run(cfg))
+  assert _rel(y, F.fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)) < (5e-4 if ON_GPU else 1e-5)
+  with pytest.raises(ValueError, match="early_release"):
+    C(early_release=True, overlap_steps=True, max_concurrent_steps=3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel needs a Hopper GPU")
+@pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES)
+def test_early_release_is_bit_identical_on_gpu(m, n, k):
+  """On the H200, at the FFN's shapes: the default tiling with and without early_release, bit for bit (a stage
+  refilled while a wgmma still read it would change the output)."""
+  x, w = _data(m, n, k, seed=4)
+  xq, xs = F.quantize_activations(x)
+  wq, ws = F.quantize_weights(w)
+  cfg = F.default_config(m, n, k)
+  y = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, early_release=True))
+  y0 = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, early_release=False))
+  np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y0.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
+def test_early_release_lowers_for_cuda(m, n, k):
+  """early_release lowers for CUDA at the batch-8 shapes (M = 256) of the four FFN GEMMs."""
+  cfg = dataclasses.replace(F.default_config(m, n, k), early_release=True)
+  assert "mosaic_gpu" in _lower_for_cuda(m, n, k, cfg)
+
+
 SWIGLU_CASES = [
     # (M, F, K, groups_per_step): one unit per CTA; 4x4 units on the simulator's 4 SMs (the hand-over barrier
     # reused) with two K groups per stage
