@@ -10,7 +10,10 @@ Variants (``--variants``):
   no_mma_no_store  both
   cluster_m / _n   a 2-CTA cluster along M / N (the shared operand multicast)
   g1               one 128-K group per stage on up to 6 stages
-  early / g1_early early_release on the default / on g1 (checked bit-identical to the same tiling without it)
+  col192           192-wide column tiles along M, one group per stage (Dream-7B's gate/up at M = 256: 396 tiles,
+                   exactly 3 waves of 132, against 592 = 4.48 waves of the default)
+  early, g1_early, col192_early   early_release on the default / g1 / col192 (checked bit-identical to the same
+                   tiling without it)
 The outputs of the variants with pieces taken out are wrong by design (they time, they do not compute).
 
   python bench/probe_fp8_m256.py --run v18c --note "..."                   (H200, ~2-3 minutes)
@@ -39,7 +42,8 @@ RESULT = "fp8_m256_probe_h200.json"
 SHAPES = {(256, 24576, 4096): "llada", (256, 37888, 3584): "dream", (256, 4096, 12288): "llada",
           (256, 3584, 18944): "dream", (32, 24576, 4096): "llada", (32, 37888, 3584): "dream",
           (32, 4096, 12288): "llada", (32, 3584, 18944): "dream"}
-VARIANTS = ("default", "no_mma", "no_store", "no_mma_no_store", "cluster_m", "cluster_n", "g1", "early", "g1_early")
+VARIANTS = ("default", "no_mma", "no_store", "no_mma_no_store", "cluster_m", "cluster_n", "g1", "early", "g1_early",
+            "col192", "col192_early")
 
 
 def _noop(*_, **__):
@@ -50,6 +54,9 @@ def variant(name: str, cfg: F.Fp8MatmulConfig) -> tuple[F.Fp8MatmulConfig, dict]
   """(tiling, plgpu functions replaced while tracing) of one variant of the default tiling cfg."""
   if name.startswith("g1"):
     cfg = dataclasses.replace(cfg, groups_per_step=1, max_concurrent_steps=6)
+  if name.startswith("col192"):
+    cfg = dataclasses.replace(cfg, wg_dimension=F.Dim.M, wg_tile_n=192, epi_tile_n=64, groups_per_step=1,
+                              max_concurrent_steps=5, split_k=1)
   if name.endswith("early"):
     cfg = dataclasses.replace(cfg, early_release=True)
   if name.startswith("cluster_"):
@@ -87,13 +94,15 @@ def probe(m: int, n: int, k: int, names: list[str], nsets: int = table.R, reps: 
   for name in names:
     if name.startswith("cluster_") and (base.column_scales or m < 256 or n % (2 * base.cta_tile_n)):
       continue
+    if name.startswith("col192") and (m < 256 or n < k or n < 192):
+      continue  # a gate/up tiling for block-step M = 256
     cfg, functions = variant(name, base)
     fn = lambda xq, xs, wq, ws, c=cfg: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=table.INTERPRET)
     with replaced(functions):
       y = np.asarray(jax.jit(fn)(*args[0]).astype(jnp.float32))
       _, _, kernel_us = table.timeit(fn, args, reps=reps, device=True)
     outputs[name] = y
-    twin = {"early": "default", "g1_early": "g1"}.get(name)
+    twin = {"early": "default", "g1_early": "g1", "col192_early": "col192"}.get(name)
     row = {"model": SHAPES.get((m, n, k)), "M": m, "N": n, "K": k, "variant": name, "kernel_us": kernel_us,
            "bit_identical_to": twin, "bit_identical": bool(np.array_equal(y, outputs[twin])) if twin in outputs
            else None,
