@@ -12,10 +12,7 @@ Variants (``--variants``):
   g1               one 128-K group per stage on up to 6 stages
   col192           192-wide column tiles along M, one group per stage (Dream-7B's gate/up at M = 256: 396 tiles,
                    exactly 3 waves of 132, against 592 = 4.48 waves of the default)
-  half256          half tiles: 64 x 256 warpgroup tiles as two 128-wide accumulators (CTA 128 x 256), one group
-                   per stage on 4 stages; half256_e64 with a 64-wide epilogue (3 stages), half256_g2 with two
-                   groups per stage (2 stages)
-  early, g1_early, col192_early, half256_early   early_release on the default / g1 / col192 (checked bit-identical to the same
+  early, g1_early, col192_early   early_release on the default / g1 / col192 (checked bit-identical to the same
                    tiling without it)
 The outputs of the variants with pieces taken out are wrong by design (they time, they do not compute).
 
@@ -46,7 +43,7 @@ SHAPES = {(256, 24576, 4096): "llada", (256, 37888, 3584): "dream", (256, 4096, 
           (256, 3584, 18944): "dream", (32, 24576, 4096): "llada", (32, 37888, 3584): "dream",
           (32, 4096, 12288): "llada", (32, 3584, 18944): "dream"}
 VARIANTS = ("default", "no_mma", "no_store", "no_mma_no_store", "cluster_m", "cluster_n", "g1", "early", "g1_early",
-            "col192", "col192_early", "half256", "half256_e64", "half256_g2", "half256_early")
+            "col192", "col192_early")
 
 
 def _noop(*_, **__):
@@ -60,9 +57,6 @@ def variant(name: str, cfg: F.Fp8MatmulConfig) -> tuple[F.Fp8MatmulConfig, dict]
   if name.startswith("col192"):
     cfg = dataclasses.replace(cfg, wg_dimension=F.Dim.M, wg_tile_n=192, epi_tile_n=64, groups_per_step=1,
                               max_concurrent_steps=5, split_k=1)
-  if name.startswith("half256"):
-    cfg = dataclasses.replace(cfg, wg_dimension=F.Dim.M, wg_tile_n=256, epi_tile_n=64 if "e64" in name else 32,
-                              groups_per_step=2 if "g2" in name else 1, max_concurrent_steps=4)
   if name.endswith("early"):
     cfg = dataclasses.replace(cfg, early_release=True)
   if name.startswith("cluster_"):
@@ -102,15 +96,13 @@ def probe(m: int, n: int, k: int, names: list[str], nsets: int = table.R, reps: 
       continue
     if name.startswith("col192") and (m < 256 or n < k or n < 192):
       continue  # a gate/up tiling for block-step M = 256
-    if name.startswith("half256") and (m < 256 or n % 256):
-      continue
     cfg, functions = variant(name, base)
     fn = lambda xq, xs, wq, ws, c=cfg: F.fp8_matmul(xq, xs, wq, ws, config=c, interpret=table.INTERPRET)
     with replaced(functions):
       y = np.asarray(jax.jit(fn)(*args[0]).astype(jnp.float32))
       _, _, kernel_us = table.timeit(fn, args, reps=reps, device=True)
     outputs[name] = y
-    twin = {"early": "default", "g1_early": "g1", "col192_early": "col192", "half256_early": "half256"}.get(name)
+    twin = {"early": "default", "g1_early": "g1", "col192_early": "col192"}.get(name)
     row = {"model": SHAPES.get((m, n, k)), "M": m, "N": n, "K": k, "variant": name, "kernel_us": kernel_us,
            "bit_identical_to": twin, "bit_identical": bool(np.array_equal(y, outputs[twin])) if twin in outputs
            else None,

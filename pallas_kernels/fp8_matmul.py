@@ -178,11 +178,6 @@ class Fp8MatmulConfig:
   the tile: the last tile starts at N - tile (it recomputes a few columns of its neighbour, bit-identically).
   With ``wg_dimension`` N the two warpgroups take the two halves of N (warpgroup 0 columns [s, s + 144), warpgroup
   1 columns N/2 + [s, s + 144)), as the fused SwiGLU pairs gate and up, so no TMA box exceeds 256 rows.
-  Half tiles (``wg_tile_n`` 256, along M): each warpgroup owns a 64 x 256 tile as two 128-wide halves, one
-  accumulator each, and runs each half's wgmmas into the one partial accumulator in turn (wait, promote, next
-  half): a CTA then reads 48 KB a K group for 2 x 128 x 128 x 128 MACs instead of 32 KB for half of them (the
-  operand loads are what bounds the 128 x 128 tiling at block-step M = 256, bench/NOTES.md v18), in 192 registers
-  a thread (two 64 x 128 accumulators and one partial), where a 64 x 256 wgmma's partial would need 256.
   ``early_release``: a warpgroup hands its stage back to the memory warpgroup as soon as the stage's last wgmma is
   done and the stage's scales are in registers, before it promotes the last group (DeepGEMM's order), instead of
   after; the refill of that stage then starts one promotion earlier. The same arithmetic in the same order.
@@ -207,14 +202,9 @@ class Fp8MatmulConfig:
   def __post_init__(self):
     if self.wg_tile_m != 64:
       raise ValueError(f"wg_tile_m must be 64 (wgmma M; register budget), got {self.wg_tile_m}")
-    if self.wg_tile_n not in (32, 64, 128, 256) and not (self.wg_tile_n % 16 == 0 and 128 < self.wg_tile_n <= 192):
-      raise ValueError(f"wg_tile_n must be 32, 64, 128, 256 (half tiles), or a multiple of 16 in (128, 192] (column "
-                       f"tiles), got {self.wg_tile_n}")
-    if self.wg_tile_n == 256 and (self.wg_dimension != Dim.M or self.cluster_dimension is not None
-                                  or self.overlap_steps or self.pingpong or not self.ws_prefetch
-                                  or self.groups_per_step > 2 or self.epi_tile_n > 128):
-      raise ValueError("half tiles (wg_tile_n=256) run along M with ws_prefetch, at most 2 groups per step and a "
-                       "<= 128-wide epilogue, without clusters, overlap_steps or pingpong")
+    if self.wg_tile_n not in (32, 64, 128) and not (self.wg_tile_n % 16 == 0 and 128 < self.wg_tile_n <= 192):
+      raise ValueError(f"wg_tile_n must be 32, 64, 128, or a multiple of 16 in (128, 192] (column tiles), got "
+                       f"{self.wg_tile_n}")
     if self.column_scales:
       if not self.ws_prefetch or self.cluster_dimension is not None or self.overlap_steps or self.pingpong:
         raise ValueError(f"column tiles (wg_tile_n={self.wg_tile_n}) need ws_prefetch and no cluster, "
@@ -260,11 +250,6 @@ class Fp8MatmulConfig:
   def column_scales(self) -> bool:
     """Whether a warpgroup tile straddles 128-wide weight-scale blocks (per-column weight scales)."""
     return bool(GROUP % self.wg_tile_n and self.wg_tile_n % GROUP)
-
-  @property
-  def halves(self) -> int:
-    """Accumulators per warpgroup: 2 for half tiles (wg_tile_n 256), else 1."""
-    return 2 if self.wg_tile_n == 256 else 1
 
   @property
   def cta_tile_m(self):
@@ -595,7 +580,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                      f"{wq.shape[0]}, start a multiple of the CTA N tile {cfg.cta_tile_n}, count a positive "
                      f"multiple of the {cfg.cluster_tile_n}-column tile, and not with the fused SwiGLU epilogue")
   tm, tn = cfg.wg_tile_m, cfg.wg_tile_n
-  hn = tn // cfg.halves  # the columns of one accumulator (half tiles: two per warpgroup)
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k
   kg = k // GROUP
@@ -726,14 +710,13 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         start = lax.min(n_idx * tn, span - tn) if column else None
 
         def epilogue(acc):
-          pieces = [a.astype(acc_dtype) for a in (acc if isinstance(acc, tuple) else (acc,))]  # half tiles: 2
+          acc = acc.astype(acc_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for ni in range(tn // epi_n):
             sl_n = slice(ni * epi_n, (ni + 1) * epi_n)
             slot = ni % num_out_slots
             plgpu.wait_smem_to_gmem(num_out_slots - 1, wait_read_only=True)  # this slot's last store has read it
-            half, c0 = divmod(ni * epi_n, hn)
-            out_smem[wg_idx, slot] = pieces[half][:, c0:c0 + epi_n]
+            out_smem[wg_idx, slot] = acc[:, sl_n]
             plgpu.commit_smem()
             dst = out_gmem.at[ks] if split > 1 else out_gmem
             if column:
@@ -773,10 +756,10 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         unit_accs = []  # overlap_steps: the unit's accumulators, allocated around its pipeline (compute_context)
 
         def zero_tile():
-          return plgpu.layout_cast(jnp.zeros((tm, hn), jnp.float32), plgpu.Layout.WGMMA)
+          return plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
 
         def compute_context(eval_pipeline):
-          zeros = zero_tile() if cfg.halves == 1 else tuple(zero_tile() for _ in range(cfg.halves))
+          zeros = zero_tile()
           finish = swiglu_epilogue if swiglu else epilogue
           if not overlap:
             # pingpong: warpgroup 1 meets warpgroup 0 once more at the start of a unit (so it issues each stage after
@@ -829,8 +812,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
               release()
             if column:
               xsc, wsc_ = scales
-              return out + part * lax.broadcast_in_dim(xsc, part.shape, [0]) * lax.broadcast_in_dim(wsc_, part.shape, [1])
-            return out + part * lax.broadcast_in_dim(scales, part.shape, [0])
+              return out + part * lax.broadcast_in_dim(xsc, (tm, tn), [0]) * lax.broadcast_in_dim(wsc_, (tm, tn), [1])
+            return out + part * lax.broadcast_in_dim(scales, (tm, tn), [0])
 
         # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
         def issue(acc_ref, j, a_smem, b_smem):
@@ -874,9 +857,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             for barrier in consumed:
               plgpu.barrier_arrive(barrier)
 
-          def halves_mmas():
-            return halves_mmas_for(idxs, a_smem, b_smem, xs_smem, ws_smem, acc, release if consumed else None)
-
           def mmas(*acc_refs):  # one fresh (zeroed) accumulator per K group of the stage
             with jax.named_scope("issue"):
               for j, acc_ref in enumerate(acc_refs):
@@ -890,26 +870,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                             release=release if consumed and last else None)
             return out
 
-          if cfg.halves > 1:
-            return halves_mmas()
           return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
-
-        def halves_mmas_for(idxs, a_smem, b_smem, xs_smem, ws_smem, acc, release):
-          """Half tiles: for each K group and each 128-wide half, the half's wgmmas into a fresh partial
-          accumulator, waited for and promoted into that half's accumulator before the next half is issued (one
-          partial alive at a time: 192 registers)."""
-          outs = list(acc)
-          steps = [(j, h) for j in range(gps) for h in range(cfg.halves)]
-          for j, h in steps:
-            def one(part_ref, j=j, h=h):
-              ks_ = pl.ds(j * GROUP, GROUP)
-              with jax.named_scope("issue"):
-                plgpu.wgmma(part_ref, a_smem.at[wg_m, ks_], b_smem.at[pl.ds(h * hn, hn), ks_].transpose((1, 0)))
-              scales = lambda: xs_smem[j, wg_m] * ws_smem[0][j, h * (hn // wsc)]
-              last = (j, h) == steps[-1]
-              return promote(outs[h], part_ref, 0, scales, f"{j}{h}", release=release if last else None)
-            outs[h] = pl.run_scoped(one, plgpu.ACC((tm, hn), jnp.float32))
-          return tuple(outs)
 
         k_range = pl.ds(g0 * GROUP, ksteps * step_k)
         if column:
