@@ -5,9 +5,10 @@ schedule (prompt 256, gen 256, block 32, 64 steps, dual cache), it times `genera
 traces one more call (device ms by kernel kind, the top kernels, the streams' idle time and the kernels it
 precedes: kernel_trace), and searches the optimised HLO of the program for copies of cache-sized buffers (K/V
 copied at a loop boundary would cost ~0.7 ms per GB of cache). Writes bench/results/generate_trace_h200.json
-(rows appended per model and batch). GPU for meaningful numbers; `--model tiny` runs on the CPU (empty trace).
+(rows appended per model and batch; `--run LABEL --note TEXT` tags the row and adds meta.runs[LABEL], the earlier
+runs' entries kept). GPU for meaningful numbers; `--model tiny` runs on the CPU (empty trace).
 
-    python bench/trace_generate.py --model llada-8b --batch 8 --fp8-ffn
+    python bench/trace_generate.py --model llada-8b --batch 8 --fp8-ffn --run s19a --note "..."
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--fp8-ffn", action="store_true")
     ap.add_argument("--step-loop", choices=["auto", "while"], default=GenerationConfig.step_loop)
     ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--run", default=None, help="label of this run: the row's `run` and meta.runs[label]")
+    ap.add_argument("--note", default="", help="what the run was for (meta.runs[label].note)")
     args = ap.parse_args()
     cfg = common.MODELS[args.model]
     params = common.random_params(cfg)
@@ -82,9 +85,13 @@ def main() -> None:
            "seconds": float(np.median(seconds)), "seconds_all": seconds, "first_call_s": first,
            "cache_shape": shape, "cache_copies": copies, "trace": trace}
     path = Path(args.out) / "generate_trace_h200.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    common.write_results(path.name, common.meta(prompt_length=PROMPT, gen_length=GEN, block_length=BLOCK,
-                                                steps=STEPS, cache="dual"), rows + [row], args.out)
+    old = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
+    meta = common.meta(prompt_length=PROMPT, gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual")
+    meta["runs"] = dict(old["meta"].get("runs", {}))  # the earlier runs' notes stay with their rows
+    if args.run:
+        row = {**row, "run": args.run, "git": meta["git"]}
+        meta["runs"][args.run] = {"git": meta["git"], "date": meta["date"], "note": args.note}
+    common.write_results(path.name, meta, old["rows"] + [row], args.out)
     print(f"{args.model} b{args.batch}{' fp8' if args.fp8_ffn else ''}: {row['seconds']:.3f} s a generate; busy "
           f"{trace.get('busy_ms', 0):.1f} ms, idle {trace.get('idle_ms', 0):.1f} ms, by kind "
           f"{ {k: round(v, 1) for k, v in trace.get('by_kind_ms', {}).items()} }; cache-sized copies in the HLO: "

@@ -480,3 +480,12 @@ def test_trace_generate_smoke_and_copy_search(tmp_path):
     (row,) = json.loads((tmp_path / "generate_trace_h200.json").read_text())["rows"]
     assert row["model"] == "tiny" and row["seconds"] > 0 and row["cache_shape"].startswith("[2,")
     assert row["cache_copies"] == []  # the cache is updated in place (on the CPU's compile, as on the H200's)
+    # a second, labelled run appends its row and keeps the first run's meta.runs entry
+    path = tmp_path / "generate_trace_h200.json"
+    data = json.loads(path.read_text())
+    data["meta"]["runs"] = {"old": {"note": "an earlier run"}}
+    path.write_text(json.dumps(data))
+    _run("trace_generate", "--model", "tiny", "--batch", "2", "--out", str(tmp_path), "--run", "new", "--note", "n")
+    data = json.loads(path.read_text())
+    assert [r.get("run") for r in data["rows"]] == [None, "new"]
+    assert data["meta"]["runs"]["old"] == {"note": "an earlier run"} and data["meta"]["runs"]["new"]["note"] == "n"
