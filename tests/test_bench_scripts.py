@@ -51,6 +51,28 @@ def test_bench_generate_step_loop_twin(tmp_path):
     assert twin["nfe"] == main["nfe"] == 64
 
 
+
+def test_bench_generate_column_tiles_twin(tmp_path, monkeypatch):
+    """--compare-column-tiles times the FP8 row's twin with fp8_matmul.COLUMN_TILES off (seen by the twin's timing,
+    restored after) and records the speedup over it."""
+    from pallas_kernels import fp8_matmul
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_generate.py"
+    spec = importlib.util.spec_from_file_location("bench_generate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = []
+    real = mod.bench_one
+    monkeypatch.setattr(mod, "bench_one", lambda *a, **kw: (seen.append(fp8_matmul.COLUMN_TILES), real(*a, **kw))[1])
+    monkeypatch.setattr(sys, "argv", ["bench_generate.py", "--models", "tiny", "--batches", "1", "--modes", "dual",
+                                      "--fp8-ffn", "--compare-column-tiles", "--no-steps256", "--out", str(tmp_path)])
+    before = fp8_matmul.COLUMN_TILES
+    mod.main()
+    assert seen == [before, False] and fp8_matmul.COLUMN_TILES == before
+    main, twin = json.loads((tmp_path / "generate_fp8_h200.json").read_text())["rows"]
+    assert twin["comparison"] == "same-run FP8 without column tiles" and twin["fp8_ffn"] is True
+    assert main["speedup_vs_no_column_tiles"] == twin["seconds"] / main["seconds"]
+
 def test_bench_sampling_smoke(tmp_path):
     _run("bench_sampling", "--cases", "tiny:2", "tiny:3", "--reps", "2", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "sampling_h200.json").read_text())["rows"]
