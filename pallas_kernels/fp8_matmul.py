@@ -605,7 +605,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   if (kg // split) % gps:
     raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
                      f"{kg // split}")
-  if interpret and cfg.a_registers:
+  if interpret and a_regs:
     raise ValueError("fp8_matmul: a_registers cannot run in the GPU simulator (it has no register-A wgmma); run it "
                      "on a GPU or use a_registers=0")
   if interpret and cfg.overlap_steps:
@@ -928,8 +928,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                      if ws_prefetch else [])
         body = registers_body if a_regs else overlapped_body if overlap else mma_body
         get_pipeline(body, compute_context)(
-            *([] if a_regs else [a_gmem.at[cta_m, k_range]]), b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], *ws_unit,
-            allocations=pipeline_allocs,
+            *([] if a_regs else [a_gmem.at[cta_m, k_range]]), b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m],
+            *ws_unit, allocations=pipeline_allocs,
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

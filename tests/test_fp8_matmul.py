@@ -412,19 +412,25 @@ def test_pingpong_is_bit_identical_to_the_same_tiling():
 @pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES)
 def test_pingpong_is_bit_identical_on_gpu(m, n, k):
   """On the H200: the default tiling with and without pingpong, bit for bit (bf16 out), at the FFN's shapes."""
-  x, w = _data(m, n, k, seed=2)
+  _assert_same_output_on_gpu(m, n, k, 2, F.default_config(m, n, k), pingpong=True)
+
+
+def _assert_same_output_on_gpu(m, n, k, seed, cfg, **change):
+  """The kernel's bf16 output with cfg and with cfg's fields `change`d, bit for bit, on fresh data."""
+  x, w = _data(m, n, k, seed=seed)
   xq, xs = F.quantize_activations(x)
   wq, ws = F.quantize_weights(w)
-  cfg = F.default_config(m, n, k)
-  y = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, pingpong=True))
-  y0 = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, pingpong=False))
+  y = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, **change))
+  y0 = F.fp8_matmul(xq, xs, wq, ws, config=cfg)
   np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y0.astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
-def test_pingpong_lowers_for_cuda(m, n, k):
-  """pingpong lowers for CUDA within shared memory at the batch-8 shapes (M = 256) of the four FFN GEMMs."""
-  cfg = dataclasses.replace(F.default_config(m, n, k), pingpong=True)
+@pytest.mark.parametrize("schedule", ["pingpong", "early_release"])
+def test_schedules_lower_for_cuda(m, n, k, schedule):
+  """pingpong and early_release lower for CUDA within shared memory at the batch-8 shapes (M = 256) of the four FFN
+  GEMMs."""
+  cfg = dataclasses.replace(F.default_config(m, n, k), **{schedule: True})
   assert "mosaic_gpu" in _lower_for_cuda(m, n, k, cfg)
 
 
@@ -459,20 +465,7 @@ def test_early_release_is_bit_identical_to_the_same_tiling(m, n, k, cfg):
 def test_early_release_is_bit_identical_on_gpu(m, n, k):
   """On the H200, at the FFN's shapes: the default tiling with and without early_release, bit for bit (a stage
   refilled while a wgmma still read it would change the output)."""
-  x, w = _data(m, n, k, seed=4)
-  xq, xs = F.quantize_activations(x)
-  wq, ws = F.quantize_weights(w)
-  cfg = F.default_config(m, n, k)
-  y = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, early_release=True))
-  y0 = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, early_release=False))
-  np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y0.astype(jnp.float32)))
-
-
-@pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
-def test_early_release_lowers_for_cuda(m, n, k):
-  """early_release lowers for CUDA at the batch-8 shapes (M = 256) of the four FFN GEMMs."""
-  cfg = dataclasses.replace(F.default_config(m, n, k), early_release=True)
-  assert "mosaic_gpu" in _lower_for_cuda(m, n, k, cfg)
+  _assert_same_output_on_gpu(m, n, k, 4, F.default_config(m, n, k), early_release=True)
 
 
 def test_a_registers_refusals_and_lowering():
@@ -498,13 +491,8 @@ def test_a_registers_refusals_and_lowering():
 @pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
 def test_a_registers_is_bit_identical_on_gpu(m, n, k):
   """On the H200: A through registers gives the same output as A through shared memory on the same tiling."""
-  x, w = _data(m, n, k, seed=6)
-  xq, xs = F.quantize_activations(x)
-  wq, ws = F.quantize_weights(w)
   cfg = dataclasses.replace(F.default_config(m, n, k), groups_per_step=1, max_concurrent_steps=8)
-  y = F.fp8_matmul(xq, xs, wq, ws, config=dataclasses.replace(cfg, a_registers=2))
-  y0 = F.fp8_matmul(xq, xs, wq, ws, config=cfg)
-  np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y0.astype(jnp.float32)))
+  _assert_same_output_on_gpu(m, n, k, 6, cfg, a_registers=2)
 
 
 SWIGLU_CASES = [
