@@ -468,33 +468,6 @@ def test_early_release_is_bit_identical_on_gpu(m, n, k):
   _assert_same_output_on_gpu(m, n, k, 4, F.default_config(m, n, k), early_release=True)
 
 
-def test_a_registers_refusals_and_lowering():
-  """a_registers: refused where it cannot run (the simulator has no register-A wgmma; one group per stage along M
-  only), and its program lowers for CUDA at the gate/up shapes of block-step M = 256."""
-  with pytest.raises(ValueError, match="a_registers"):
-    C(a_registers=2, groups_per_step=2)
-  with pytest.raises(ValueError, match="a_registers"):
-    C(a_registers=2, wg_dimension=D.N)
-  cfg = C(wg_dimension=D.M, wg_tile_n=128, max_concurrent_steps=8, a_registers=2)
-  assert F.stages_that_fit(cfg, jnp.bfloat16) > F.stages_that_fit(dataclasses.replace(cfg, a_registers=0),
-                                                                  jnp.bfloat16)  # the stages hold no activations
-  x, w = _data(130, 256, 512, seed=1)
-  xq, xs = F.quantize_activations(x)
-  wq, ws = F.quantize_weights(w)
-  with pytest.raises(ValueError, match="simulator"):
-    F.fp8_matmul(xq, xs, wq, ws, interpret=True, config=cfg)
-  for m, n, k in ((256, 24576, 4096), (256, 37888, 3584)):
-    assert "mosaic_gpu" in _lower_for_cuda(m, n, k, dataclasses.replace(cfg, a_registers=3))
-
-
-@pytest.mark.skipif(not ON_GPU, reason="compiled kernel needs a Hopper GPU")
-@pytest.mark.parametrize("m,n,k", PINGPONG_SHAPES[4:8])
-def test_a_registers_is_bit_identical_on_gpu(m, n, k):
-  """On the H200: A through registers gives the same output as A through shared memory on the same tiling."""
-  cfg = dataclasses.replace(F.default_config(m, n, k), groups_per_step=1, max_concurrent_steps=8)
-  _assert_same_output_on_gpu(m, n, k, 6, cfg, a_registers=2)
-
-
 SWIGLU_CASES = [
     # (M, F, K, groups_per_step): one unit per CTA; 4x4 units on the simulator's 4 SMs (the hand-over barrier
     # reused) with two K groups per stage
