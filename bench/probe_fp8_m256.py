@@ -12,8 +12,6 @@ Variants (``--variants``):
   g1               one 128-K group per stage on up to 6 stages
   col192           192-wide column tiles along M, one group per stage (Dream-7B's gate/up at M = 256: 396 tiles,
                    exactly 3 waves of 132, against 592 = 4.48 waves of the default)
-  areg1..areg3     the activations straight from global memory into registers (a_registers = 1..3 groups
-                   ahead), one group per stage on up to 8 stages of weights only (checked bit-identical to g1)
   early, g1_early, col192_early   early_release on the default / g1 / col192 (checked bit-identical to the same
                    tiling without it)
 The outputs of the variants with pieces taken out are wrong by design (they time, they do not compute).
@@ -45,7 +43,7 @@ SHAPES = {(256, 24576, 4096): "llada", (256, 37888, 3584): "dream", (256, 4096, 
           (256, 3584, 18944): "dream", (32, 24576, 4096): "llada", (32, 37888, 3584): "dream",
           (32, 4096, 12288): "llada", (32, 3584, 18944): "dream"}
 VARIANTS = ("default", "no_mma", "no_store", "no_mma_no_store", "cluster_m", "cluster_n", "g1", "early", "g1_early",
-            "col192", "col192_early", "areg1", "areg2", "areg3")
+            "col192", "col192_early")
 
 
 def _noop(*_, **__):
@@ -59,8 +57,6 @@ def variant(name: str, cfg: F.Fp8MatmulConfig) -> tuple[F.Fp8MatmulConfig, dict]
   if name.startswith("col192"):
     cfg = dataclasses.replace(cfg, wg_dimension=F.Dim.M, wg_tile_n=192, epi_tile_n=64, groups_per_step=1,
                               max_concurrent_steps=5, split_k=1)
-  if name.startswith("areg"):
-    cfg = dataclasses.replace(cfg, groups_per_step=1, max_concurrent_steps=8, a_registers=int(name[-1]))
   if name.endswith("early"):
     cfg = dataclasses.replace(cfg, early_release=True)
   if name.startswith("cluster_"):
@@ -98,8 +94,6 @@ def probe(m: int, n: int, k: int, names: list[str], nsets: int = table.R, reps: 
   for name in names:
     if name.startswith("cluster_") and (base.column_scales or m < 256 or n % (2 * base.cta_tile_n)):
       continue
-    if name.startswith("areg") and (base.wg_dimension != F.Dim.M or base.column_scales or table.INTERPRET):
-      continue  # along M only; the simulator has no register-A wgmma
     if name.startswith("col192") and (m < 256 or n < k or n < 192):
       continue  # a gate/up tiling for block-step M = 256
     cfg, functions = variant(name, base)
@@ -108,8 +102,7 @@ def probe(m: int, n: int, k: int, names: list[str], nsets: int = table.R, reps: 
       y = np.asarray(jax.jit(fn)(*args[0]).astype(jnp.float32))
       _, _, kernel_us = table.timeit(fn, args, reps=reps, device=True)
     outputs[name] = y
-    twin = {"early": "default", "g1_early": "g1", "col192_early": "col192", "areg1": "g1", "areg2": "g1",
-            "areg3": "g1"}.get(name)
+    twin = {"early": "default", "g1_early": "g1", "col192_early": "col192"}.get(name)
     row = {"model": SHAPES.get((m, n, k)), "M": m, "N": n, "K": k, "variant": name, "kernel_us": kernel_us,
            "bit_identical_to": twin, "bit_identical": bool(np.array_equal(y, outputs[twin])) if twin in outputs
            else None,

@@ -178,11 +178,6 @@ class Fp8MatmulConfig:
   the tile: the last tile starts at N - tile (it recomputes a few columns of its neighbour, bit-identically).
   With ``wg_dimension`` N the two warpgroups take the two halves of N (warpgroup 0 columns [s, s + 144), warpgroup
   1 columns N/2 + [s, s + 144)), as the fused SwiGLU pairs gate and up, so no TMA box exceeds 256 rows.
-  ``a_registers``: 0, or the activations (A) read from global memory straight into registers (wgmma's register-A
-  form), this many K groups ahead, instead of through the shared-memory pipeline, which then carries the weights
-  alone (48 instead of 80 KB of shared-memory traffic a K group of a 128 x 128 CTA tile: its TMA writes and the
-  wgmmas' reads). One group per stage, along M, no column tiles, clusters or other schedules. The GPU simulator has
-  no register-A wgmma: GPU only (the CPU checks the CUDA lowering).
   ``early_release``: a warpgroup hands its stage back to the memory warpgroup as soon as the stage's last wgmma is
   done and the stage's scales are in registers, before it promotes the last group (DeepGEMM's order), instead of
   after; the refill of that stage then starts one promotion earlier. The same arithmetic in the same order.
@@ -203,7 +198,6 @@ class Fp8MatmulConfig:
   overlap_steps: bool = False
   pingpong: bool = False
   early_release: bool = False
-  a_registers: int = 0
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -233,11 +227,6 @@ class Fp8MatmulConfig:
                        f"{self.max_concurrent_steps}")
     if self.pingpong and self.overlap_steps:
       raise ValueError("pingpong and overlap_steps are two schedules of the same pipeline body: choose one")
-    if self.a_registers and (not 1 <= self.a_registers <= 4 or self.groups_per_step != 1
-                             or self.wg_dimension != Dim.M or self.column_scales or self.cluster_dimension is not None
-                             or self.overlap_steps or self.pingpong or self.early_release):
-      raise ValueError(f"a_registers={self.a_registers}: 1..4 groups ahead, with one group per stage along M, no "
-                       "column tiles, clusters, overlap_steps, pingpong or early_release")
     if self.early_release and self.overlap_steps:
       raise ValueError("early_release is a schedule of the plain pipeline body: overlap_steps releases its stages "
                        "a step late instead")
@@ -496,8 +485,7 @@ def stages_that_fit(cfg: Fp8MatmulConfig, acc_dtype, reserve: int = 0) -> int:
   # e4m3 A and B tiles, an xs row, a 128-byte ws row (column tiles: a padded row of floats per warpgroup along N),
   # per 128-K group
   ws_row = 4 * column_scale_padded_width(cfg) * (ctn // cfg.wg_tile_n) if cfg.column_scales else 128
-  a_tile = 0 if cfg.a_registers else ctm * GROUP  # a_registers: the activations skip the shared memory
-  stage = cfg.groups_per_step * (a_tile + ctn * GROUP + 4 * ctm + ws_row)
+  stage = cfg.groups_per_step * (ctm * GROUP + ctn * GROUP + 4 * ctm + ws_row)
   epi_n = min(cfg.epi_tile_n, cfg.wg_tile_n)
   epilogue = 2 * cfg.epilogue_slots * cfg.wg_tile_m * epi_n * jnp.dtype(acc_dtype).itemsize
   return (SMEM_BYTES - 2048 - reserve - epilogue) // stage  # 2 KB kept for barriers and alignment
@@ -599,15 +587,11 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   step_k = gps * GROUP
   wsc = ws_cols(cfg)
   ws_prefetch = cfg.ws_prefetch
-  a_regs = cfg.a_registers
   if kg % split:
     raise ValueError(f"split_k={split} must divide K/128={kg}")
   if (kg // split) % gps:
     raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
                      f"{kg // split}")
-  if interpret and a_regs:
-    raise ValueError("fp8_matmul: a_registers cannot run in the GPU simulator (it has no register-A wgmma); run it "
-                     "on a GPU or use a_registers=0")
   if interpret and cfg.overlap_steps:
     raise ValueError("fp8_matmul: overlap_steps cannot run in the GPU simulator (interpret=True has no rule for "
                      "the accumulator store it needs); run it on a GPU or use overlap_steps=False")
@@ -673,8 +657,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           body,
           grid=(ksteps,),
           memory_registers=40,
-          in_specs=([] if a_regs else [
-              spec((ctm, step_k), lambda kk: (0, kk), transforms=in_transforms, collective_axes=a_multicast)]) + [
+          in_specs=[
+              spec((ctm, step_k), lambda kk: (0, kk), transforms=in_transforms, collective_axes=a_multicast),
               spec(b_block, lambda kk: (0,) * (len(b_block) - 1) + (kk,), transforms=in_transforms,
                    collective_axes=b_multicast),
               spec((gps, ctm), lambda kk: (kk, 0)),
@@ -691,7 +675,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            *([] if a_regs else [a_gmem.at[:, pl.ds(0, ksteps * step_k)]]),
+            a_gmem.at[:, pl.ds(0, ksteps * step_k)],
             b_gmem.at[..., pl.ds(0, ksteps * step_k)],
             xs_gmem.at[pl.ds(0, ksteps * gps), :],
             *([ws_gmem.at[pl.ds(0, ksteps * gps), 0] if column else ws_gmem.at[pl.ds(0, ksteps * gps)]]
@@ -783,10 +767,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             # other's epilogue, the fused SwiGLU's hand-over included)
             if cfg.pingpong:
               pl.when(wg_idx == 1)(take_turn)
-            if a_regs:  # the first groups' activations, loaded before the pipeline starts
-              out, _ = eval_pipeline((zeros, tuple(load_a(j) for j in range(a_regs))))
-              finish(out)
-              return
             out = eval_pipeline(zeros)
             if cfg.pingpong:
               pl.when(wg_idx == 0)(take_turn)
@@ -868,29 +848,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
 
           return out, row_scale(idxs[0], gps - 1, xs_smem, ws_smem)
 
-        a_rows = pl.ds(m_idx * ctm + wg_idx * tm, tm)  # this warpgroup's activation rows (along M)
-
-        def load_a(j):
-          """The activations of K group j of this unit (clamped to the last: the loads past the end are dropped)
-          into registers, in the 8-bit wgmma layout."""
-          j = lax.min(j, ksteps - 1) if not isinstance(j, int) else min(j, ksteps - 1)
-          return plgpu.load(a_gmem.at[a_rows, pl.ds((g0 + j) * GROUP, GROUP)], layout=plgpu.Layout.WGMMA_8BIT,
-                            optimized=False)
-
-        def registers_body(idxs, b_smem, xs_smem, *rest):
-          """a_registers: group idx's wgmma with A from registers (loaded a_registers groups earlier), the load of
-          group idx + a_registers, then the wait and the promotion."""
-          *ws_smem, (acc, ahead) = rest
-
-          def one(part_ref):
-            with jax.named_scope("issue"):
-              plgpu.wgmma(part_ref, ahead[0], b_smem.at[:, pl.ds(0, GROUP)].transpose((1, 0)))
-            nxt = load_a(idxs[0] + a_regs)
-            out = promote(acc, part_ref, 0, lambda: row_scale(idxs[0], 0, xs_smem, ws_smem), 0)
-            return out, ahead[1:] + (nxt,)
-
-          return pl.run_scoped(one, plgpu.ACC((tm, tn), jnp.float32))
-
         def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
           *rest, acc = rest
           # early_release: the pipeline passes one consumed barrier per input after the inputs
@@ -926,10 +883,9 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           b_unit = b_gmem.at[pl.ds(w_col, ctn), k_range]
           ws_unit = ([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(w_col // wsc, ctn // wsc)]]
                      if ws_prefetch else [])
-        body = registers_body if a_regs else overlapped_body if overlap else mma_body
-        get_pipeline(body, compute_context)(
-            *([] if a_regs else [a_gmem.at[cta_m, k_range]]), b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m],
-            *ws_unit, allocations=pipeline_allocs,
+        get_pipeline(overlapped_body if overlap else mma_body, compute_context)(
+            a_gmem.at[cta_m, k_range], b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], *ws_unit,
+            allocations=pipeline_allocs,
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
