@@ -42,7 +42,7 @@ SHAPES = {  # model: [(N, K), ...]: gate (or up) alone, gate/up fused as the mod
 }
 MS = [32, 256, 1024, 4096, 16384]
 INTERPRET = jax.default_backend() != "gpu"  # the CPU smoke test: the Mosaic GPU simulator
-R = 4  # rotating input sets per timing
+R = 1 if INTERPRET else 4  # rotating input sets per timing (one on the CPU: a smoke test, the simulator is slow)
 
 
 def timeit(fn, args_list, reps=5, device=False, kernel="fp8_matmul_kernel"):
@@ -51,14 +51,14 @@ def timeit(fn, args_list, reps=5, device=False, kernel="fp8_matmul_kernel"):
   f = jax.jit(lambda al: [fn(*a) for a in al])
   jax.block_until_ready(f(args_list))
   ts = []
-  for _ in range(reps):
+  for _ in range(1 if INTERPRET else reps):  # timings mean nothing on the CPU
     t0 = time.perf_counter()
     jax.block_until_ready(f(args_list))
     ts.append(time.perf_counter() - t0)
   wall = statistics.median(ts) / len(args_list) * 1e6  # us
   if not device:
     return wall
-  bd = kernel_breakdown(lambda: jax.block_until_ready(f(args_list)), calls=2, top=50)
+  bd = kernel_breakdown(lambda: jax.block_until_ready(f(args_list)), calls=1 if INTERPRET else 2, top=50)
   busy = bd.get("busy_ms") or 0.0
   named = sum(t["ms"] for t in bd.get("top", []) if kernel in t["name"])
   per_call = lambda ms: 1e3 * ms / len(args_list) if ms else None

@@ -86,7 +86,7 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, rng: n
     first = time.perf_counter() - t0
     print(f"    {tag}: first generate {first:.1f}s (compile included)", flush=True)  # long compiles show up here
     secs = []
-    for _ in range(reps):
+    for _ in range(common.repeats(reps)):
         secs.append(generate(model, prompts, gc).seconds)
     sec = float(np.median(secs))
     t1 = time.perf_counter()

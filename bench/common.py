@@ -51,8 +51,21 @@ def param_bytes(params: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
 
+# On the CPU the benchmarks run only as smoke tests (tests/test_bench_scripts.py: the GPU runs' code paths, JSON and
+# plots). Their timings mean nothing there, and a Pallas kernel in the simulator takes seconds a call, so every
+# repeat count collapses to one call.
+SMOKE_ON_CPU = jax.default_backend() == "cpu"
+
+
+def repeats(n: int) -> int:
+    """n on an accelerator, 1 on the CPU (see SMOKE_ON_CPU)."""
+    return 1 if SMOKE_ON_CPU else n
+
+
 def time_call(fn: Callable[[], Any], reps: int = 5, warmup: int = 1) -> tuple[float, float]:
-    """(median seconds, first-call seconds incl. compile). fn must block until its result is ready."""
+    """(median seconds, first-call seconds incl. compile). fn must block until its result is ready. reps and warmup
+    are one each on the CPU (`repeats`)."""
+    reps, warmup = repeats(reps), repeats(warmup)
     t0 = time.perf_counter()
     fn()
     first = time.perf_counter() - t0

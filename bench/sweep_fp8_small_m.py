@@ -135,11 +135,15 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
 
 
 def _trace(fn, args_list) -> dict:
-    """kernel_breakdown of fn over the args sets, one jitted call each (warmed up first)."""
+    """kernel_breakdown of fn over the args sets, one jitted call each (warmed up first). On the CPU (the smoke test)
+    one set and one traced call: the simulator takes seconds a call and the trace has no device times anyway."""
     f = jax.jit(fn)
+    if INTERPRET:
+        args_list = args_list[:1]
     for a in args_list:
         jax.block_until_ready(f(*a))
-    return kernel_breakdown(lambda: [jax.block_until_ready(f(*a)) for a in args_list], calls=2, top=50)
+    return kernel_breakdown(lambda: [jax.block_until_ready(f(*a)) for a in args_list], calls=1 if INTERPRET else 2,
+                            top=50)
 
 
 def operands(n: int, k: int, m: int) -> tuple[list, list]:
