@@ -10,12 +10,16 @@ Columns (microseconds per attention call, median of repeats):
                        configs, GPU only and where its shape rules hold (q_len a multiple of 2 * block_q): the
                        yardstick for a Mosaic GPU slot-attention kernel at full-forward shapes (issue 4)
   rel_err              ||pallas - reference||_2 / ||reference||_2 (fp32 reference)
+  *_device_us          (GPU) the same chained call's kernels alone, from a profiler trace: device busy time per
+                       attention call (the gather kernels included for xla_gather_cudnn), without launch gaps or
+                       host dispatch; speedup_*_device are their ratios
 
 Timing: a jitted function runs `inner` dependent calls (the output feeds the next call's q, so
 nothing can be hoisted or elided); it is dispatched `outer` times back to back and timed with
 perf_counter around block_until_ready; the median over `repeats` is reported.
 
-Usage: python bench/bench_attention.py [--out bench/results/attention_h200.json] [--sweep]
+Usage: python bench/bench_attention.py [--out bench/results/attention_h200.json] [--sweep] [--run LABEL]
+  --run LABEL merges this run's rows (tagged run=LABEL) into the --out file instead of replacing it.
 """
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernel_trace import kernel_breakdown  # noqa: E402
 from pallas_kernels import slot_attention as sa  # noqa: E402
 from pallas_kernels.shapes import ATTENTION_BENCH_SHAPES  # noqa: E402
 
@@ -115,6 +121,13 @@ def time_us(f, args, inner, outer, repeats):
   return float(np.median(ts))
 
 
+def device_us(f, args, inner):
+  """Device busy time (us) per attention call of the chained jit f (`inner` calls), from one traced run; None
+  without a device trace (the CPU)."""
+  busy = kernel_breakdown(lambda: f(*args).block_until_ready(), calls=2, top=5).get("busy_ms") or 0.0
+  return round(1e3 * busy / inner, 2) if busy else None
+
+
 def rel_err(a, b):
   a = a.astype(jnp.float32)
   b = b.astype(jnp.float32)
@@ -122,6 +135,8 @@ def rel_err(a, b):
 
 
 def git_commit():
+  if os.environ.get("GIT_COMMIT"):
+    return os.environ["GIT_COMMIT"]
   try:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           timeout=5, cwd=os.path.dirname(os.path.abspath(__file__))
@@ -194,6 +209,10 @@ def main(argv=None):
   ap.add_argument("--outer", type=int, default=4)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--budget-s", type=float, default=1e9, help="stop sweeping after this long")
+  ap.add_argument("--run", default=None,
+                  help="label of this run: its rows (tagged run=LABEL) are merged into an existing --out file, "
+                       "replacing only earlier rows of the same label; meta.runs[LABEL] records date, commit, note")
+  ap.add_argument("--note", default="", help="with --run: what the run was for")
   args = ap.parse_args(argv)
   t_start = time.time()
 
@@ -210,6 +229,14 @@ def main(argv=None):
       "sweep": bool(args.sweep),
   }
   result = {"meta": meta, "rows": [], "sweep": {}}
+  kept = []  # --run: the file's rows of other runs, written back beside this run's
+  if args.run and os.path.exists(args.out):
+    with open(args.out) as f:
+      old = json.load(f)
+    kept = [r for r in old.get("rows", []) if str(r.get("run")) != args.run]
+    result = {**old, "rows": kept, "sweep": {}}
+    result["meta"].setdefault("runs", {})[args.run] = {k: meta[k] for k in ("date", "git_commit", "timing")}
+    result["meta"]["runs"][args.run]["note"] = args.note
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   all_shapes = ATTENTION_BENCH_SHAPES
   if SMOKE:  # CPU smoke test of the script itself: tiny shapes, interpreted kernel
@@ -259,13 +286,22 @@ def main(argv=None):
 
     cudnn = lambda q_, k_, v_: jax.nn.dot_product_attention(
         q_, k_, v_, implementation=None if SMOKE else "cudnn")
-    cudnn_us = time_us(chain(cudnn, args.inner), (q, kc, vc), **timing)
+    cudnn_f = chain(cudnn, args.inner)
+    cudnn_us = time_us(cudnn_f, (q, kc, vc), **timing)
     err_cudnn = rel_err(cudnn(q, kc, vc), ref)
 
     def gather_cudnn(q_, kp_, vp_, t_):
       t_, q_ = jax.lax.optimization_barrier((t_, q_))  # keep the gather inside the loop
       return cudnn(q_, jnp.take(kp_, t_, axis=0), jnp.take(vp_, t_, axis=0))
-    gather_us = time_us(chain(gather_cudnn, args.inner), (q, kp, vp, table), **timing)
+    gather_f = chain(gather_cudnn, args.inner)
+    gather_us = time_us(gather_f, (q, kp, vp, table), **timing)
+    # the kernels alone (launch gaps and dispatch out), each from one trace of the same chained calls
+    pallas_f = pallas_fn(best_bs)
+    pallas_f(q, kp, vp, table, ql, kl).block_until_ready()
+    dev = {"pallas_device_us": device_us(pallas_f, (q, kp, vp, table, ql, kl), args.inner),
+           "cudnn_contiguous_device_us": device_us(cudnn_f, (q, kc, vc), args.inner),
+           "xla_gather_cudnn_device_us": device_us(gather_f, (q, kp, vp, table), args.inner)}
+    ratio = lambda a, b: round(a / b, 3) if a and b else None
 
     fa3_us, fa3_cfg, fa3_err = mgpu_fa3(q, kc, vc, ref, args.inner, timing)
 
@@ -281,20 +317,32 @@ def main(argv=None):
         "speedup_vs_cudnn": round(cudnn_us / best_us, 3),
         "speedup_vs_gather_cudnn": round(gather_us / best_us, 3),
         "block_sizes": repr(best_bs), "default_block_sizes": repr(default_bs),
+        **dev,
+        "speedup_vs_cudnn_device": ratio(dev["cudnn_contiguous_device_us"], dev["pallas_device_us"]),
+        "speedup_vs_gather_cudnn_device": ratio(dev["xla_gather_cudnn_device_us"], dev["pallas_device_us"]),
     }
+    if args.run:
+      row["run"] = args.run
     result["rows"].append(row)
     print(f"{shape.case:32s} pallas {best_us:8.1f} us  contig {contig_us:8.1f}  cudnn "
           f"{cudnn_us:8.1f}  gather+cudnn {gather_us:8.1f}  fa3 {fa3_us}  x{cudnn_us / best_us:5.2f}  "
           f"err {err:.2e}  [{best_bs}]", flush=True)
-    with open(args.out, "w") as f:
+    tmp = args.out + ".tmp"  # a kill mid-write must not truncate the committed file
+    with open(tmp, "w") as f:
       json.dump(result, f, indent=1)
+    os.replace(tmp, args.out)
 
-  print("\ncase                              pallas   cudnn  gath+cudnn  vs_cudnn")
-  for r in result["rows"]:
+  fmt = lambda v, spec: format(v, spec) if v is not None else "-".rjust(len(format(0, spec)))
+  print("\ncase                              pallas   cudnn  gath+cudnn  vs_cudnn | device: pallas   cudnn  "
+        "gath+cudnn  vs_cudnn  vs_gath")
+  for r in result["rows"][len(kept):]:
     print(f"{r['case']:32s} {r['pallas_us']:8.1f} {r['cudnn_contiguous_us']:8.1f} "
-          f"{r['xla_gather_cudnn_us']:8.1f}  {r['speedup_vs_cudnn']:6.2f}x")
+          f"{r['xla_gather_cudnn_us']:8.1f}  {r['speedup_vs_cudnn']:6.2f}x | {fmt(r['pallas_device_us'], '8.1f')} "
+          f"{fmt(r['cudnn_contiguous_device_us'], '8.1f')} {fmt(r['xla_gather_cudnn_device_us'], '8.1f')}  "
+          f"{fmt(r['speedup_vs_cudnn_device'], '6.2f')}x {fmt(r['speedup_vs_gather_cudnn_device'], '6.2f')}x")
   try:
-    plot(result["rows"], os.path.splitext(args.out)[0] + ".png", meta["gpu"])
+    newest = {r["case"]: r for r in result["rows"]}  # the last row of each case: the newest run's
+    plot(list(newest.values()), os.path.splitext(args.out)[0] + ".png", meta["gpu"])
   except Exception as e:  # noqa: BLE001
     print("plot skipped:", e)
   print(f"wrote {args.out} in {time.time() - t_start:.0f} s")

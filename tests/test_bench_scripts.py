@@ -249,7 +249,17 @@ def test_bench_attention_smoke(tmp_path, monkeypatch):
         assert r["pallas_us"] > 0 and r["cudnn_contiguous_us"] > 0 and r["xla_gather_cudnn_us"] > 0
         assert r["rel_err"] < 1e-2 and r["rel_err_contiguous"] < 1e-2
         assert r["mgpu_fa3_contiguous_us"] is None and r["mgpu_fa3_config"] is None
+        # no device trace on the CPU: the device columns and their ratios are None, not made up
+        assert r["pallas_device_us"] is None and r["speedup_vs_cudnn_device"] is None and "run" not in r
     assert out.with_suffix(".png").stat().st_size > 0
+    # --run merges into the file: earlier rows kept, a rerun of the same label replaces only its own rows
+    first = len(rows)
+    for _ in range(2):
+        _run("bench_attention", "--out", str(out), "--shapes", rows[0]["case"], "--inner", "1",
+             "--outer", "1", "--repeats", "1", "--run", "r2", "--note", "merge test")
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == first + 1 and data["rows"][-1]["run"] == "r2"
+    assert data["rows"][:first] == rows and data["meta"]["runs"]["r2"]["note"] == "merge test"
 
 
 def test_check_gemm_out_dtype_smoke(tmp_path):
