@@ -234,7 +234,7 @@ def main(argv=None):
     with open(args.out) as f:
       old = json.load(f)
     kept = [r for r in old.get("rows", []) if str(r.get("run")) != args.run]
-    result = {**old, "rows": kept, "sweep": {}}
+    result = {**old, "rows": list(kept), "sweep": {}}
     result["meta"].setdefault("runs", {})[args.run] = {k: meta[k] for k in ("date", "git_commit", "timing")}
     result["meta"]["runs"][args.run]["note"] = args.note
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

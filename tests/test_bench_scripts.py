@@ -236,7 +236,7 @@ def test_kernel_kinds_and_trace_plot(tmp_path):
     assert g["proj"] == "o" and g["us"] > 0 and g["weight_TBps"] > 0 and g["us_device"] is None
 
 
-def test_bench_attention_smoke(tmp_path, monkeypatch):
+def test_bench_attention_smoke(tmp_path, monkeypatch, capsys):
     """The attention benchmark end to end at tiny interpreted shapes: every column, the kernel's error vs the
     reference, and no FA3 yardstick off the GPU."""
     monkeypatch.setenv("BENCH_SMOKE", "1")  # read at import: tiny shapes, interpreted kernel
@@ -259,6 +259,8 @@ def test_bench_attention_smoke(tmp_path, monkeypatch):
              "--outer", "1", "--repeats", "1", "--run", "r2", "--note", "merge test")
     data = json.loads(out.read_text())
     assert len(data["rows"]) == first + 1 and data["rows"][-1]["run"] == "r2"
+    summary = capsys.readouterr().out.rsplit("vs_gath\n", 1)[1]  # the last run's table: its one row
+    assert summary.startswith(rows[0]["case"]) and summary.count("\n") == 2
     assert data["rows"][:first] == rows and data["meta"]["runs"]["r2"]["note"] == "merge test"
 
 
