@@ -146,11 +146,16 @@ def _trace(fn, args_list) -> dict:
                             top=50)
 
 
+SETS = 1 if INTERPRET else 4  # rotating operand sets per timing (as bench_fp8_matmul.R: one on the CPU)
+
+
 def operands(n: int, k: int, m: int) -> tuple[list, list]:
-    """4 sets of quantised weights [(wq, ws)] and activations [(xq, xs)]: the rows time calls rotating over them."""
+    """SETS sets of quantised weights [(wq, ws)] and activations [(xq, xs)]: the rows time calls rotating over
+    them."""
     ws_ = [F.quantize_weights((0.02 * jax.random.normal(jax.random.key(20 + j), (n, k), jnp.float32))
-                              .astype(jnp.bfloat16)) for j in range(4)]
-    xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16)) for j in range(4)]
+                              .astype(jnp.bfloat16)) for j in range(SETS)]
+    xs_ = [F.quantize_activations(jax.random.normal(jax.random.key(30 + j), (m, k), jnp.bfloat16))
+           for j in range(SETS)]
     return ws_, xs_
 
 

@@ -430,7 +430,9 @@ def test_probe_fp8_harness_rows_and_tilings(monkeypatch, tmp_path):
     assert {(r["operands"], r["harness"]) for r in rows} == {
         (o, h) for o in ("table_operands", "sweep_operands")
         for h in ("separate_calls_padded", "one_program_wrapper", "one_program_padded")}
-    assert seen == [4] * 6 and sorted(r["kernel_us"] for r in rows) == [3.0] * 4 + [4.0] * 2
+    # every harness gets the same number of operand sets (one on the CPU, four on a GPU)
+    assert seen == [bench_fp8_matmul.R] * 6 and sweep_fp8_small_m.SETS == bench_fp8_matmul.R
+    assert sorted(r["kernel_us"] for r in rows) == [3.0] * 4 + [4.0] * 2
 
     variants = probe.tiling_variants(256, 24576, 4096)
     assert variants["default"] == F.default_config(256, 24576, 4096)
