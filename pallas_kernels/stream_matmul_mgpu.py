@@ -40,6 +40,11 @@ class StreamConfig:
       raise ValueError(f"StreamConfig.tile_n must be 32, 64 or 128, got {self.tile_n}")
     if self.tile_k not in (32, 64):
       raise ValueError(f"StreamConfig.tile_k must be 32 or 64 (one 128-byte swizzled bf16 row), got {self.tile_k}")
+    if self.tile_n % self.tile_k:
+      # the weight tile's swizzle spans tile_k columns: a warpgroup's column slice must start on one (the compiled
+      # kernel refuses the slice; the GPU simulator does not check, so only the H200 showed it)
+      raise ValueError(f"StreamConfig.tile_n must be a multiple of tile_k (the swizzle's width), got tile_n="
+                       f"{self.tile_n}, tile_k={self.tile_k}")
     if self.split_k is not None and self.split_k < 1:
       raise ValueError(f"StreamConfig.split_k must be None or >= 1, got {self.split_k}")
     if not 2 <= self.stages <= 8:

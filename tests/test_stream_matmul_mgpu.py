@@ -35,7 +35,7 @@ CASES = [
     (1, 256, 128, S.StreamConfig(tile_n=64, tile_k=64, split_k=1, stages=2)),
     (5, 512, 256, S.StreamConfig(tile_n=64, tile_k=64, split_k=2, stages=3)),
     (64, 256, 256, S.StreamConfig(tile_n=128, tile_k=32, split_k=4, stages=2)),
-    (32, 128, 128, S.StreamConfig(tile_n=32, tile_k=64, split_k=2, stages=2)),
+    (32, 128, 128, S.StreamConfig(tile_n=32, tile_k=32, split_k=4, stages=2)),
 ]
 
 
@@ -70,7 +70,7 @@ def test_split_choice_balances_the_grid():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(tile_n=48), "tile_n"), (dict(tile_k=128), "tile_k"), (dict(split_k=0), "split_k"), (dict(stages=1), "stages"),
+    (dict(tile_n=48), "tile_n"), (dict(tile_n=32, tile_k=64), "multiple of tile_k"), (dict(tile_k=128), "tile_k"), (dict(split_k=0), "split_k"), (dict(stages=1), "stages"),
 ])
 def test_config_validation(kwargs, message):
   with pytest.raises(ValueError, match=message):
