@@ -135,11 +135,9 @@ def candidates(m: int, n: int, k: int, sweep: bool = False, grid: bool = True, o
 
 
 def _trace(fn, args_list) -> dict:
-    """kernel_breakdown of fn over the args sets, one jitted call each (warmed up first). On the CPU (the smoke test)
-    one set and one traced call: the simulator takes seconds a call and the trace has no device times anyway."""
+    """kernel_breakdown of fn over the args sets (SETS of them), one jitted call each (warmed up first). On the CPU
+    (the smoke test) one traced call: the simulator takes seconds a call and the trace has no device times anyway."""
     f = jax.jit(fn)
-    if INTERPRET:
-        args_list = args_list[:1]
     for a in args_list:
         jax.block_until_ready(f(*a))
     return kernel_breakdown(lambda: [jax.block_until_ready(f(*a)) for a in args_list], calls=1 if INTERPRET else 2,
@@ -254,7 +252,7 @@ def swiglu_block_candidates(mp: int, f: int) -> list:
 
 
 def _quantizer_inputs(model: str, m: int):
-    """(config, padded rows, gate/up split count, 4 gate/up outputs [S, Mp, 2F] / [Mp, 2F]) of the FFN's quantisers
+    """(config, padded rows, gate/up split count, SETS gate/up outputs [S, Mp, 2F] / [Mp, 2F]) of the FFN's quantisers
     at M rows, with the padding and split-K count of the model's FFN plan (`dllm_jax.fp8.ffn_plan`)."""
     from dllm_jax import fp8
 
@@ -265,7 +263,7 @@ def _quantizer_inputs(model: str, m: int):
     split = plan.gate_up.split_k
     shape = (split, mp, 2 * f) if split > 1 else (mp, 2 * f)
     gus = [(jax.random.normal(jax.random.key(10 + j), shape, jnp.float32 if split > 1 else jnp.bfloat16),)
-           for j in range(4)]
+           for j in range(SETS)]
     return cfg, mp, split, gus
 
 
@@ -284,7 +282,7 @@ def quantizer_block_rows(model: str, m: int) -> list[dict]:
         rows.append(row)
         print(row, flush=True)
     xs_ = [(jax.random.normal(jax.random.key(j), (m, d), jnp.bfloat16), jnp.ones((d,), jnp.bfloat16),
-            jax.random.normal(jax.random.key(40 + j), (m, d), jnp.bfloat16)) for j in range(4)]
+            jax.random.normal(jax.random.key(40 + j), (m, d), jnp.bfloat16)) for j in range(SETS)]
     for warps in (1, 2, 4, 8, 16):
         b = Q.QuantizeBlocks(num_warps=warps)
         fn = lambda x, w, r, b=b: Q.rmsnorm_quantize(x, w, eps=cfg.rms_eps, m_pad=mp, residual=r, blocks=b,
@@ -300,7 +298,7 @@ def quantizer_rows(model: str, m: int) -> list[dict]:
     cfg, mp, split, gus = _quantizer_inputs(model, m)
     d, f = cfg.d_model, cfg.mlp_hidden
     xs_ = [(jax.random.normal(jax.random.key(j), (m, d), jnp.bfloat16), jnp.ones((d,), jnp.bfloat16))
-           for j in range(4)]
+           for j in range(SETS)]
     norm = lambda x, w: Q.rmsnorm_quantize(x, w, eps=cfg.rms_eps, m_pad=mp, interpret=INTERPRET)
     swiglu = lambda gu: Q.swiglu_quantize_t(gu, interpret=INTERPRET)
     return [{"model": model, "kernel": "rmsnorm_quantize", "M": m, "K": d,
