@@ -13,6 +13,8 @@ Modes (the engine's decoding settings; later techniques add entries to MODES):
   dual_thr0.9  dual cache + threshold-0.9 parallel decoding
   naive_affix  dual cache whose shared-part K/V are computed from the shared part ALONE (at its absolute
                positions) once and never refreshed: the naive-reuse baseline the affix cache techniques improve on
+  anchors_R    ACache: naive_affix's shared K/V, but the share R of affix tokens most attended by the generation
+               region (a one-shot probe, one more NFE) is recomputed with the request at every block start
 Every mode decodes the same problems (the held-out split of dllm_jax.tasks, seed --seed), temperature 0,
 gen_length 8, block_length 4 (2 blocks), steps 8 unless told otherwise. Prompts are chat-templated; the shared
 part sits before the request (prefix), between the request's question and its instruction (infix) or after the
@@ -46,6 +48,10 @@ MODES: dict[str, dict] = {
     "dual": dict(cache="dual"),
     "dual_thr0.9": dict(cache="dual", threshold=0.9),
     "naive_affix": dict(cache="dual", affix="naive"),
+    # ACache (caches/acache.py): the shared K/V of naive_affix, with this share of the affix recomputed as anchors
+    "anchors_0.1": dict(cache="dual", affix="anchors", anchor_ratio=0.1),
+    "anchors_0.2": dict(cache="dual", affix="anchors", anchor_ratio=0.2),
+    "anchors_0.5": dict(cache="dual", affix="anchors", anchor_ratio=0.5),
 }
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax import sampling
-from dllm_jax.caches import STRATEGIES
+from dllm_jax.caches import strategy_for
 from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
 
@@ -68,7 +68,7 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
         init_cache: Any = None) -> LoopState:
     """gc: a GenerationConfig (static). x: [B, T] with [MASK] in the generation region.
     init_cache: a pre-filled cache state (e.g. shared-affix K/V) instead of the strategy's empty one."""
-    strategy = STRATEGIES[gc.cache]
+    strategy = strategy_for(gc.cache, gc.affix)
     b, t = x.shape
     p, bl = inp.prompt_len, inp.block_length
     n_blocks = gc.gen_length // bl

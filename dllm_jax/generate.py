@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax import decode_loop
-from dllm_jax.caches import STRATEGIES
+from dllm_jax.caches import STRATEGIES, acache
 from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
 from dllm_jax.modeling import is_unrolled
@@ -52,7 +52,12 @@ class GenerationConfig:
     eps: float = 1e-3
     cache: CacheMode = "none"
     refresh: Literal["block", "step"] = "block"  # "step": refresh the cache at every step (exact; for testing)
-    affix: Literal["none", "naive"] = "none"  # "naive": shared-affix K/V computed alone once, never refreshed
+    # Shared-affix reuse (generate's affix_spans mark each prompt's affix). "naive": the affix's K/V computed from
+    # the affix alone once, never refreshed. "anchors": ACache (caches/acache.py): the same shared K/V, except
+    # for the anchor_ratio share of affix tokens that a one-shot probe (one NFE) finds most attended by the
+    # generation region's [MASK] queries; those and the request's own tokens are recomputed at every block start
+    affix: Literal["none", "naive", "anchors"] = "none"
+    anchor_ratio: float = 0.2  # "anchors": K = min(ceil(ratio * affix_len), affix_len); 0 = naive, 1 = plain cache
     stop_at_eos: bool = True
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
@@ -119,8 +124,12 @@ class GenerationConfig:
             bad(f"cache={self.cache!r}; expected one of {sorted(STRATEGIES)}")
         if self.cfg_scale > 0 and self.cache != "none":
             bad(f"cfg_scale={self.cfg_scale} needs cache='none' (guidance reruns the prompt unconditionally)")
-        if self.affix == "naive" and self.cache == "none":
-            bad("affix='naive' reuses cached K/V: it needs cache='prefix' or 'dual'")
+        if self.affix not in ("none", "naive", "anchors"):
+            bad(f"affix={self.affix!r}; expected none, naive or anchors")
+        if self.affix != "none" and self.cache == "none":
+            bad(f"affix={self.affix!r} reuses cached K/V: it needs cache='prefix' or 'dual'")
+        if not (0.0 <= self.anchor_ratio <= 1.0):
+            bad(f"anchor_ratio={self.anchor_ratio} must be in [0, 1]")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             bad(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is not None and self.top_k <= 0:
@@ -152,7 +161,7 @@ class GenerationConfig:
 @dataclasses.dataclass
 class GenerationOutput:
     tokens: np.ndarray  # [B, gen_length] int32
-    nfe: int  # forward passes (each on the whole batch)
+    nfe: int  # forward passes (each on the whole batch; affix="anchors" counts its probe)
     steps_per_block: np.ndarray  # [n_blocks]
     committed_per_step: np.ndarray  # [nfe] tokens committed (whole batch) at each step
     seconds: float  # wall time of the device loop (excluding compilation when already compiled)
@@ -240,19 +249,24 @@ def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) ->
     return dict(NO_TRITON_GEMM)
 
 
-def _generate_impl(params, x, positions, key_mask, frozen, key, *, config, gc, prompt_len, padded):
+def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None, *, config, gc, prompt_len,
+                   padded):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
-                       padded=padded, has_frozen=gc.affix != "none", ffn_backend=gc.ffn_backend,
+                       padded=padded, has_frozen=gc.affix == "naive", ffn_backend=gc.ffn_backend,
                        norm_rope_backend=gc.norm_rope_backend)
+    extra_nfe = 0
     if gc.affix == "naive":
-        x_cache = _naive_affix_cache(params, config, inp, x, gc)
+        x_cache = acache.affix_alone_cache(params, config, inp, x, frozen)
+    elif gc.affix == "anchors":
+        x_cache = acache.prepare(params, config, inp, anchors_in, x)
+        extra_nfe = 1  # the probe
     else:
         x_cache = None
     s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache)
-    return s.x[:, prompt_len:], s.nfe, s.steps_per_block, s.committed_per_step
+    return s.x[:, prompt_len:], s.nfe + extra_nfe, s.steps_per_block, s.committed_per_step
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,19 +275,6 @@ def _generate_jit(options: tuple = ()):
     jit object, hence one compilation cache, per set of options."""
     return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded"),
                    compiler_options=dict(options) or None)
-
-
-def _naive_affix_cache(params, config, inp: DecodeInputs, x, gc):
-    """K/V of the shared affix computed from the affix ALONE (keys restricted to it), at its absolute positions.
-
-    Queries everywhere attend only affix keys, so the K/V written at affix positions are exactly those of a
-    forward over the affix by itself; the loop never rewrites them (inp.frozen)."""
-    from dllm_jax.modeling import KVCache, forward
-
-    cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
-    out = forward(params, config, x, inp.positions, key_mask=inp.frozen & inp.key_mask, cache=cache, cache_offset=0,
-                  write_mask=inp.frozen, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32), **inp.kernels)
-    return out.cache
 
 
 def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
@@ -294,10 +295,16 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     mc: ModelConfig = model.config
     gc.validate(mc)
     _validate_prompts(prompts, mc, gc)
-    if gc.affix == "naive" and affix_spans is None:
-        raise ValueError("affix='naive' needs affix_spans (one (start, end) per prompt)")
+    if gc.affix != "none" and affix_spans is None:
+        raise ValueError(f"affix={gc.affix!r} needs affix_spans (one (start, end) or None per prompt)")
+    if affix_spans is not None and len(affix_spans) != len(prompts):
+        raise ValueError(f"affix_spans has {len(affix_spans)} entries for {len(prompts)} prompts")
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
+    anchors_in = None
+    if gc.affix == "anchors":  # the affix is recomputed through anchors, never frozen
+        anchors_in = acache.anchor_inputs(affix_spans, (~key_mask).sum(axis=1), P, x.shape[1], gc.anchor_ratio)
+        frozen = np.zeros_like(frozen)
     if gc.norm_rope_backend in ("pallas", "pallas_rope") and not is_unrolled(model.params["layers"]):
         raise ValueError(f"norm_rope_backend={gc.norm_rope_backend!r} needs per-layer params: load with "
                          "dllm_jax.load(..., layer_layout='unrolled') or convert with "
@@ -307,7 +314,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
     toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
-                                        config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
+                                        anchors_in, config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
     toks = np.asarray(jax.block_until_ready(toks))
     seconds = time.perf_counter() - t0
     nfe = int(nfe)

@@ -35,6 +35,8 @@ Array = jax.Array
 Params = dict[str, Any]
 # attend_fn(q [B,n,Hq,D], k [B,n,Hkv,D], v [B,n,Hkv,D]) -> attention output [B,n,Hq,D]
 AttendFn = Callable[[Array, Array, Array], Array]
+# probe(q [B,n,Hq,D], k buffer [B,S,Hkv,D]) -> [B,S] float32, summed over layers (forward's `probe`)
+ProbeFn = Callable[[Array, Array], Array]
 
 
 class Block(nn.Module):
@@ -159,12 +161,28 @@ def _cache_write(buf: Array | tuple[Array, ...], i, offset: Array, window: Array
     return jax.lax.dynamic_update_slice(buf, window[None].astype(buf.dtype), (i, 0, offset, 0, 0))
 
 
+def _cache_scatter(buf: Array | tuple[Array, ...], i, slots: Array, write_mask: Array | None, window: Array
+                   ) -> Array | tuple[Array, ...]:
+    """Layer i's buffer with `window` [B, n, Hkv, D] written at the slots [B, n] of a gathered window. Entries
+    whose write_mask is False are not written at all (sent past the buffer's end, which the scatter drops), so
+    a slot may appear twice in a window as long as at most one of its entries writes."""
+    rows = jnp.arange(window.shape[0])[:, None]
+    length = buf[i].shape[1] if isinstance(buf, tuple) else buf.shape[2]
+    if write_mask is not None:
+        slots = jnp.where(write_mask, slots, length)
+    if isinstance(buf, tuple):
+        new = buf[i].at[rows, slots].set(window.astype(buf[i].dtype), mode="drop")
+        return buf[:i] + (new,) + buf[i + 1:]
+    return buf.at[i, rows, slots].set(window.astype(buf.dtype), mode="drop")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:
     logits: Array  # [B, n or m, V] in the activation dtype
     cache: KVCache | None  # the updated cache when one was given
     kv: tuple[Array, Array] | None  # per-layer fresh (k, v) [L, B, n, Hkv, D] when return_kv=True
+    probe: Array | None = None  # [B, S] float32: the probe hook's per-layer results summed over layers
 
 
 # -------------------------------------------------------------------------------------------- forward
@@ -197,6 +215,8 @@ def forward(
     write_mask: Array | None = None,
     logits_at: Array | None = None,
     return_kv: bool = False,
+    write_slots: Array | None = None,
+    probe: ProbeFn | None = None,
     attention_backend: Backend = "xla",
     ffn_backend: FfnBackend = "xla",
     norm_rope_backend: NormRopeBackend = "xla",
@@ -209,6 +229,13 @@ def forward(
     (only where write_mask [B, n] is True, if given), then every query attends over all S buffer slots,
     masked by key_mask [B, S]. The updated cache is returned.
     logits_at: [B, m] indices into the window; logits only there (None: every position).
+    write_slots: [B, n] int32 buffer slots of a gathered window (its tokens need not be contiguous, e.g. the
+    anchors and request positions of the affix cache): the window's K/V are written there instead of at
+    cache_offset; entries whose write_mask is False are not written (a slot may repeat if at most one entry
+    writes it). XLA's RoPE and write (no fused RoPE/write kernel).
+    probe: with a cache, called in every layer as probe(q [B, n, Hq, D] rotated, layer K buffer [B, S, Hkv, D])
+    -> [B, S] float32; the sum over layers comes back as ForwardOutput.probe (the affix cache's one-shot anchor
+    probe; caches/acache.py).
     ffn_backend: "pallas" runs the FFN's three GEMMs with the weight-streaming kernel
     (`pallas_kernels/skinny_matmul.py`, which indexes the stacked weights itself) when the window has few tokens
     (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. "mgpu": the same with the
@@ -230,6 +257,11 @@ def forward(
     x = embed(params, tokens).astype(config.jnp_dtype)
     if norm_rope_backend not in NORM_ROPE_BACKENDS:
         raise ValueError(f"unknown norm_rope_backend {norm_rope_backend!r}; expected one of {NORM_ROPE_BACKENDS}")
+    if (write_slots is not None or probe is not None) and (cache is None or norm_rope_backend in ("pallas",
+                                                                                                "pallas_rope")):
+        raise ValueError("write_slots and probe need a cache and XLA's RoPE and cache write (norm_rope_backend "
+                         f"'xla' or 'auto'), got cache={'set' if cache is not None else None}, "
+                         f"norm_rope_backend={norm_rope_backend!r}")
     if norm_rope_backend == "pallas":
         from dllm_jax.fused_layers import run_layers
 
@@ -275,7 +307,7 @@ def forward(
                          "per-layer params): its kernel writes one layer's buffer in place")
     from dllm_jax.fused_layers import PARTIALS_MAX_TOKENS, rope_write, written_window  # (imports modeling)
 
-    rope_kernel = b * n <= PARTIALS_MAX_TOKENS and (  # the RoPE kernel: block-step windows only (NOTES v14)
+    rope_kernel = write_slots is None and b * n <= PARTIALS_MAX_TOKENS and (  # the RoPE kernel: block-step windows only (NOTES v14)
         norm_rope_backend == "pallas_rope"
         or (norm_rope_backend == "auto" and cache.per_layer and jax.default_backend() == "gpu"
             and config.dtype == "bfloat16"))
@@ -290,25 +322,33 @@ def forward(
             fresh = written_window(kb, vb, offset, n) if return_kv else None
             return q, ck[:i] + (kb,) + ck[i + 1:], cv[:i] + (vb,) + cv[i + 1:], fresh
         q, k, v = block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
-        if write_mask is not None:  # keep the cached K/V where the window must not overwrite them
+        if write_mask is not None and write_slots is None:  # keep the cached K/V the window must not overwrite
             old_k, old_v = written_window(ck[i], cv[i], offset, n)
             wm = write_mask[:, :, None, None]
             k, v = jnp.where(wm, k, old_k), jnp.where(wm, v, old_v)
         # In-place update of layer i's window in the carried buffers (no copy of the whole cache per layer).
-        return q, _cache_write(ck, i, offset, k), _cache_write(cv, i, offset, v), ((k, v) if return_kv else None)
+        if write_slots is not None:
+            ck = _cache_scatter(ck, i, write_slots, write_mask, k)
+            cv = _cache_scatter(cv, i, write_slots, write_mask, v)
+        else:
+            ck, cv = _cache_write(ck, i, offset, k), _cache_write(cv, i, offset, v)
+        return q, ck, cv, ((k, v) if return_kv else None)
 
     def layer_cached(carry, inputs):
-        x, ck, cv = carry
+        x, ck, cv, probed = carry
         layer_params, i = inputs
         q, ck, cv, fresh = rotate_and_write(layer_params, i, x, ck, cv)
+        if probe is not None:
+            probed = probed + probe(q, ck[i])
         attn = attend(q, ck[i], cv[i], key_mask, attention_backend)
         x = finish(layer_params, i, x, attn)
-        return (x, ck, cv), fresh
+        return (x, ck, cv, probed), fresh
 
-    (x, ck, cv), kv = layer_loop(layer_cached, (x, tuple(cache.k) if cache.per_layer else cache.k,
-                                                 tuple(cache.v) if cache.per_layer else cache.v),
-                                 params["layers"], layer_ids)
-    return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv)
+    probed0 = jnp.zeros((b, cache.length), jnp.float32) if probe is not None else None
+    (x, ck, cv, probed), kv = layer_loop(layer_cached, (x, tuple(cache.k) if cache.per_layer else cache.k,
+                                                         tuple(cache.v) if cache.per_layer else cache.v, probed0),
+                                         params["layers"], layer_ids)
+    return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv, probed)
 
 
 def is_unrolled(layers: Params | tuple) -> bool:

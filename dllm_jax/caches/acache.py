@@ -1,0 +1,183 @@
+"""ACache (Affix Cache for DLLMs): a shared affix's K/V computed alone, plus per-request anchors.
+
+A request's prompt contains a shared affix (a prefix, infix or suffix span: few-shot examples, a document). With
+bidirectional attention the affix's K/V depend on the rest of the request, so reusing the K/V computed from the
+affix alone is stale (the "naive" reuse, `affix="naive"`); recomputing them costs a forward over the whole affix.
+ACache recomputes only a few affix tokens, the anchors:
+
+1. Shared cache: every affix slot holds the K/V of a forward over the affix alone (`affix_alone_cache`).
+2. Probe (once per request, one NFE): forward the request's own positions (its prompt tokens outside the affix
+   and the whole generation region) against [shared affix K/V + their own fresh K/V]. In every layer and head,
+   each [MASK] query's softmax over the affix keys only is summed over queries, heads and layers (fp32):
+   an importance per affix token. The top K = min(ceil(ratio * affix_len), affix_len) are the anchors.
+3. Decoding: every block start forwards only the gathered window [anchors | request prompt | generation region]
+   and writes its K/V through `write_slots`; the other affix slots keep the shared K/V for the whole request.
+   In-block steps are the wrapped Fast-dLLM strategy's own (prefix or dual), which never touch the prompt.
+
+Identities (tests/test_acache.py): ratio 0 decodes as the naive reuse, ratio 1 as the plain cache (plus the probe).
+The window is built on the host (`anchor_inputs`): a fixed width per batch, so nothing recompiles per block; a row
+with a shorter window repeats the first generation slot with its write disabled (never a sentinel index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.caches.base import CacheStrategy, DecodeInputs
+from dllm_jax.modeling import KVCache, forward
+
+Array = jax.Array
+
+
+def anchor_count(affix_len: int, ratio: float) -> int:
+    """How many of an affix's tokens are recomputed: min(ceil(ratio * len), len) (the paper's rule)."""
+    return min(math.ceil(ratio * affix_len - 1e-9), affix_len)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AnchorInputs:
+    """Per-request device inputs of the affix cache, built on the host by `anchor_inputs`."""
+
+    affix: Array  # [B, T] bool: the row's shared-affix positions
+    request: Array  # [B, R] int32 slots of the request's own positions (prompt outside the affix, then generation)
+    request_writes: Array  # [B, R] bool: False on the repeated filler slots
+    anchor_counts: Array  # [B] int32: K per row
+    max_anchors: int = dataclasses.field(metadata=dict(static=True))  # max K over the batch (window width part)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AnchoredState:
+    kv: KVCache
+    window: Array  # [B, W] int32 slots forwarded at every block start: [anchors | request prompt | generation]
+    writes: Array  # [B, W] bool: False on filler slots (and on a suffix affix's last token, see anchor_inputs)
+    importance: Array  # [B, T] float32: the probe's score per position (0 outside the affix), for inspection
+
+
+def anchor_inputs(spans: Sequence[tuple[int, int] | None], pads: np.ndarray, prompt_len: int, total_len: int,
+                  ratio: float) -> AnchorInputs:
+    """Host-side layout of the affix cache for a batch laid out as [left pad][prompt][generation].
+
+    spans: per row the affix [start, end) in prompt coordinates (None: no affix); pads: per row left padding.
+    The request part of each row lists its real prompt positions outside the affix in order, and always the
+    prompt's last position P - 1 (Dream predicts the first generated token from there; when it is affix it is
+    forwarded but not written, so its shared K/V stay), then the generation region P..T-1, which therefore sits
+    at the same offset of every row's window.
+    """
+    b = len(spans)
+    affix = np.zeros((b, total_len), bool)
+    prompt_parts, writes, counts = [], [], []
+    for i, span in enumerate(spans):
+        if span is not None:
+            s, e = span
+            affix[i, pads[i] + s: pads[i] + e] = True
+        own = [j for j in range(int(pads[i]), prompt_len) if not affix[i, j] or j == prompt_len - 1]
+        prompt_parts.append(own)
+        writes.append([not affix[i, j] for j in own])
+        counts.append(anchor_count(int(affix[i].sum()), ratio))
+    width = max(len(p) for p in prompt_parts)
+    gen = list(range(prompt_len, total_len))
+    # fillers go first and repeat slot P (the first generation position, present in every row) unwritten
+    request = np.array([[prompt_len] * (width - len(p)) + p + gen for p in prompt_parts], np.int32)
+    request_writes = np.array([[False] * (width - len(p)) + w + [True] * len(gen)
+                               for p, w in zip(prompt_parts, writes)], bool)
+    return AnchorInputs(affix=jnp.asarray(affix), request=jnp.asarray(request),
+                        request_writes=jnp.asarray(request_writes),
+                        anchor_counts=jnp.asarray(np.array(counts, np.int32)), max_anchors=max(counts))
+
+
+def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array) -> KVCache:
+    """K/V of each row's affix computed from the affix ALONE (keys restricted to it), at its absolute positions.
+
+    Queries everywhere attend only affix keys, so the K/V written at affix positions are exactly those of a
+    forward over the affix by itself; other slots are left zero (the decoding forwards write them)."""
+    cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
+    out = forward(params, config, x, inp.positions, key_mask=affix & inp.key_mask, cache=cache, cache_offset=0,
+                  write_mask=affix, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32), **inp.kernels)
+    return out.cache
+
+
+def affix_importance_probe(affix_keys: Array, mask_queries: Array):
+    """The probe hook for `modeling.forward`: per layer, for every head, the softmax over the affix keys only of
+    q.k / sqrt(d) at the [MASK] queries, summed over those queries and heads -> [B, S] float32.
+
+    affix_keys: [B, S] bool; mask_queries: [B, n] bool (the window's [MASK] positions, fillers excluded)."""
+
+    def probe(q: Array, k: Array) -> Array:
+        b, n, hq, d = q.shape
+        hkv = k.shape[2]
+        qg = q.reshape(b, n, hkv, hq // hkv, d)
+        scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST) * (1.0 / d**0.5)
+        scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
+        m = jnp.max(scores, axis=-1, keepdims=True)
+        p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        return jnp.einsum("bkgns,bn->bs", p, mask_queries.astype(jnp.float32))
+
+    return probe
+
+
+def _gather(a: Array, idx: Array) -> Array:
+    return jnp.take_along_axis(a, idx, axis=1)
+
+
+def _forward_window(params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array,
+                    logits_at: Array, probe=None):
+    return forward(params, config, _gather(x, window), _gather(inp.positions, window), key_mask=inp.attn_mask,
+                   cache=kv, write_slots=window, write_mask=writes, logits_at=logits_at, probe=probe,
+                   attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
+
+
+def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array) -> AnchoredState:
+    """Shared affix K/V, the probe forward (one NFE) and the anchor choice: the state decoding starts from."""
+    kv = affix_alone_cache(params, config, inp, x, a.affix)
+    req_tokens = _gather(x, a.request)
+    probe = affix_importance_probe(a.affix & inp.key_mask, (req_tokens == config.mask_token_id) & a.request_writes)
+    out = _forward_window(params, config, inp, kv, x, a.request, a.request_writes,
+                          jnp.zeros((x.shape[0], 1), jnp.int32), probe)
+    importance = jnp.where(a.affix, out.probe, 0.0)
+    b = x.shape[0]
+    if a.max_anchors == 0:
+        anchors = jnp.zeros((b, 0), jnp.int32)
+        anchor_writes = jnp.zeros((b, 0), bool)
+    else:
+        # top-K of the affix positions (ties: the lower position), then ranks past the row's own K are fillers
+        _, top = jax.lax.top_k(jnp.where(a.affix, out.probe, -jnp.inf), a.max_anchors)
+        anchor_writes = jnp.arange(a.max_anchors)[None, :] < a.anchor_counts[:, None]
+        # in position order; the fillers (marked past the end) sort last, where anchor_writes is already False
+        anchors = jnp.sort(jnp.where(anchor_writes, top, x.shape[1]), axis=1)
+        anchors = jnp.where(anchor_writes, anchors, inp.prompt_len).astype(jnp.int32)
+    return AnchoredState(kv=out.cache, window=jnp.concatenate([anchors, a.request], axis=1),
+                         writes=jnp.concatenate([anchor_writes, a.request_writes], axis=1), importance=importance)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchoredRefresh:
+    """Wraps a Fast-dLLM strategy (prefix or dual): block starts forward only [anchors | request]; in-block steps
+    are the wrapped strategy's. Its state is built by `prepare` (generate passes it as the loop's initial cache)."""
+
+    inner: CacheStrategy
+    name: str = "anchors"
+
+    def init(self, params, config, inp: DecodeInputs, x):
+        raise ValueError("the affix cache's state comes from acache.prepare (it needs the affix spans)")
+
+    def block_start(self, params, config, inp: DecodeInputs, state: AnchoredState, x, block_start):
+        w = state.window.shape[1]
+        gen_offset = w - (x.shape[1] - inp.prompt_len)  # the generation region ends every row's window
+        idx = gen_offset + (block_start - inp.prompt_len) + jnp.arange(inp.block_length) - inp.shift
+        at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
+        out = _forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
+        return out.logits, dataclasses.replace(state, kv=out.cache)
+
+    def step(self, params, config, inp: DecodeInputs, state: AnchoredState, x, block_start):
+        logits, kv = self.inner.step(params, config, inp, state.kv, x, block_start)
+        return logits, dataclasses.replace(state, kv=kv)
