@@ -220,11 +220,12 @@ def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: Generation
 
 def resolve_backend(gc: GenerationConfig, config: ModelConfig, padded: bool) -> str:
     """auto: on a GPU for unpadded bf16 batches (cuDNN's masked path is not validated yet), cuDNN for full
-    forwards and the Pallas kernel for block steps (`attention.attend`'s "cudnn_pallas"); else XLA."""
+    forwards and the Pallas kernel for block steps (`attention.attend`'s "cudnn_pallas"); else XLA. (The affix
+    caches' one masked forward, the affix alone, runs XLA's attention whatever this says.)"""
     if gc.attention_backend != "auto":
         return gc.attention_backend
     gpu = jax.default_backend() == "gpu"
-    return "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded and gc.affix == "none" else "xla"
+    return "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded else "xla"
 
 
 # XLA's Triton GEMMs off for FP8-FFN programs with the dual cache whose block steps have more than this many tokens
@@ -249,8 +250,8 @@ def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) ->
     return dict(NO_TRITON_GEMM)
 
 
-def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None, *, config, gc, prompt_len,
-                   padded):
+def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None, shared=None, *, config, gc,
+                   prompt_len, padded):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
@@ -258,10 +259,12 @@ def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None,
                        padded=padded, has_frozen=gc.affix == "naive", ffn_backend=gc.ffn_backend,
                        norm_rope_backend=gc.norm_rope_backend)
     extra_nfe = 0
+    # a SharedAffix computed once is placed into the rows; else each row's affix runs alone here
+    placed = None if shared is None else acache.place_shared_affix(params, config, *shared, *x.shape)
     if gc.affix == "naive":
-        x_cache = acache.affix_alone_cache(params, config, inp, x, frozen)
+        x_cache = placed if placed is not None else acache.affix_alone_cache(params, config, inp, x, frozen)
     elif gc.affix == "anchors":
-        x_cache = acache.prepare(params, config, inp, anchors_in, x)
+        x_cache = acache.prepare(params, config, inp, anchors_in, x, placed)
         extra_nfe = 1  # the probe
     else:
         x_cache = None
@@ -288,13 +291,44 @@ def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
     return True
 
 
+def _shared_affix_spans(prompts, shared, spans):
+    """Each row's span of the shared affix: checked against the given spans, or found in the prompts."""
+    want = list(shared.tokens)
+    if spans is None:
+        found = []
+        for i, p in enumerate(prompts):
+            p = list(p)
+            at = next((j for j in range(len(p) - len(want) + 1) if p[j:j + len(want)] == want), None)
+            if at is None:
+                raise ValueError(f"prompt {i} does not contain the shared affix ({len(want)} tokens); pass "
+                                 "affix_spans with None for rows without it")
+            found.append((at, at + len(want)))
+        return found
+    for i, (p, span) in enumerate(zip(prompts, spans)):
+        if span is not None and list(p[span[0]:span[1]]) != want:
+            raise ValueError(f"affix span {span} of prompt {i} does not hold the shared affix's {len(want)} tokens")
+    return spans
+
+
 def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, seed: int = 0,
-             affix_spans: Sequence[tuple[int, int] | None] | None = None) -> GenerationOutput:
-    """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics."""
+             affix_spans: Sequence[tuple[int, int] | None] | None = None,
+             shared_affix: "acache.SharedAffix | None" = None) -> GenerationOutput:
+    """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics.
+
+    affix_spans: per prompt the [start, end) of its shared affix (None: no affix), for affix="naive"/"anchors".
+    shared_affix: `acache.build_shared_affix(model.params, model.config, tokens)`, built once and reused across
+    calls: its K/V are placed into every row instead of being recomputed (spans are found when not given)."""
     gc = config or GenerationConfig()
     mc: ModelConfig = model.config
     gc.validate(mc)
     _validate_prompts(prompts, mc, gc)
+    if shared_affix is not None:
+        if gc.affix == "none":
+            raise ValueError("shared_affix needs affix='naive' or 'anchors'")
+        if shared_affix.k.shape[0] != mc.n_layers or shared_affix.k.shape[2:] != (mc.n_kv_heads, mc.head_dim):
+            raise ValueError(f"shared_affix K/V {shared_affix.k.shape} do not fit this model "
+                             f"({mc.n_layers} layers, {mc.n_kv_heads} K/V heads of {mc.head_dim})")
+        affix_spans = _shared_affix_spans(prompts, shared_affix, affix_spans)
     if gc.affix != "none" and affix_spans is None:
         raise ValueError(f"affix={gc.affix!r} needs affix_spans (one (start, end) or None per prompt)")
     if affix_spans is not None and len(affix_spans) != len(prompts):
@@ -305,6 +339,13 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     if gc.affix == "anchors":  # the affix is recomputed through anchors, never frozen
         anchors_in = acache.anchor_inputs(affix_spans, (~key_mask).sum(axis=1), P, x.shape[1], gc.anchor_ratio)
         frozen = np.zeros_like(frozen)
+    shared = None
+    if shared_affix is not None:
+        pads = (~key_mask).sum(axis=1)
+        starts = np.array([0 if s is None else s[0] for s in affix_spans], np.int32)  # RoPE position = prompt index
+        has = np.array([s is not None for s in affix_spans])
+        shared = (shared_affix.k, shared_affix.v, jnp.asarray(pads + starts, jnp.int32), jnp.asarray(starts),
+                  jnp.asarray(has))
     if gc.norm_rope_backend in ("pallas", "pallas_rope") and not is_unrolled(model.params["layers"]):
         raise ValueError(f"norm_rope_backend={gc.norm_rope_backend!r} needs per-layer params: load with "
                          "dllm_jax.load(..., layer_layout='unrolled') or convert with "
@@ -314,7 +355,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
     toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
-                                        anchors_in, config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
+                                        anchors_in, shared, config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
     toks = np.asarray(jax.block_until_ready(toks))
     seconds = time.perf_counter() - t0
     nfe = int(nfe)

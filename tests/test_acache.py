@@ -193,3 +193,68 @@ def test_bad_affix_spans(models_fp32):
         generate(m, PROMPTS, gc, affix_spans=SPANS[:2])
     with pytest.raises(ValueError, match="outside its 5 tokens"):
         generate(m, PROMPTS, gc, affix_spans=[SPANS[0], (2, 9), SPANS[2]])
+
+
+AFFIX = [11, 12, 13, 14, 15, 16]
+SHARED_PROMPTS = [AFFIX + [20, 21], [30] + AFFIX + [31, 32, 33], [40, 41, 42] + AFFIX]  # prefix, infix, suffix
+
+
+@pytest.mark.parametrize("name", ["llada_gqa_tied", "dream"])
+def test_shared_affix_placed_equals_affix_alone(name, models_fp32):
+    """The affix's K/V built once at positions 0.. and placed (K re-rotated to each row's offset) equal the
+    affix-alone forward of every row (within fp32 rounding: that forward runs at the batch's shape); zero
+    outside the affix."""
+    m = models_fp32[name]
+    shared = acache.build_shared_affix(m.params, m.config, AFFIX)
+    assert len(shared) == 6 and shared.k.shape == (m.config.n_layers, 6, m.config.n_kv_heads, m.config.head_dim)
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="naive")
+    spans = [(0, 6), (1, 7), (3, 9)]
+    x, positions, key_mask, frozen, p = layout(SHARED_PROMPTS, m.config, gc, spans)
+    inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
+                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=4, shift=0, backend="xla")
+    alone = acache.affix_alone_cache(m.params, m.config, inp, jnp.asarray(x), jnp.asarray(frozen)).stacked()
+    pads = (~key_mask).sum(1)
+    starts = np.array([s for s, _ in spans])
+    placed = acache.place_shared_affix(m.params, m.config, shared.k, shared.v, jnp.asarray(pads + starts),
+                                       jnp.asarray(starts), jnp.ones(3, bool), *x.shape).stacked()
+    for got, want in ((placed.k, alone.k), (placed.v, alone.v)):
+        got, want = np.asarray(got), np.asarray(want)
+        assert (got[:, ~frozen] == 0).all()
+        np.testing.assert_allclose(got[:, frozen], want[:, frozen], rtol=1e-5, atol=1e-5)
+    # at offset 0 (the prefix row) placing is a copy: rotating by 0 changes no bit
+    np.testing.assert_array_equal(np.asarray(placed.k)[:, 0, frozen[0]], np.asarray(shared.k))
+
+
+@pytest.mark.parametrize("affix", ["naive", "anchors"])
+def test_generate_with_a_shared_affix(affix, models_fp32):
+    """generate(shared_affix=...) finds the affix in each prompt and decodes as when every row computes it."""
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix=affix,
+                          anchor_ratio=0.34)
+    shared = acache.build_shared_affix(m.params, m.config, AFFIX)
+    per_row = generate(m, SHARED_PROMPTS, gc, affix_spans=[(0, 6), (1, 7), (3, 9)])
+    once = generate(m, SHARED_PROMPTS, gc, shared_affix=shared)
+    np.testing.assert_array_equal(once.tokens, per_row.tokens)
+    assert once.nfe == per_row.nfe
+    # a row without the affix, marked by its span
+    mixed = generate(m, SHARED_PROMPTS + [[50, 51]], gc, shared_affix=shared,
+                     affix_spans=[(0, 6), (1, 7), (3, 9), None])
+    np.testing.assert_array_equal(mixed.tokens[:3], per_row.tokens)
+
+
+def test_bad_shared_affix(models_fp32):
+    m = models_fp32["llada"]
+    shared = acache.build_shared_affix(m.params, m.config, AFFIX)
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors")
+    with pytest.raises(ValueError, match="prompt 1 does not contain the shared affix"):
+        generate(m, [AFFIX + [1], [1, 2, 3]], gc, shared_affix=shared)
+    with pytest.raises(ValueError, match=r"span \(1, 7\) of prompt 0 does not hold"):
+        generate(m, [AFFIX + [1]], gc, shared_affix=shared, affix_spans=[(1, 7)])
+    with pytest.raises(ValueError, match="needs affix='naive' or 'anchors'"):
+        generate(m, [AFFIX + [1]], dataclasses.replace(gc, affix="none"), shared_affix=shared)
+    with pytest.raises(ValueError, match="do not fit this model"):
+        generate(models_fp32["dream"], [AFFIX + [1]], gc, shared_affix=shared)
+    with pytest.raises(ValueError, match="outside"):
+        acache.build_shared_affix(m.params, m.config, [1, 5000])
+    with pytest.raises(ValueError, match="non-empty list"):
+        acache.build_shared_affix(m.params, m.config, [])

@@ -22,6 +22,7 @@ with a shorter window repeats the first generation slot with its write disabled 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.caches.base import CacheStrategy, DecodeInputs
+from dllm_jax.layers import apply_rope, rope_cos_sin
 from dllm_jax.modeling import KVCache, forward
 
 Array = jax.Array
@@ -99,9 +101,68 @@ def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array)
     Queries everywhere attend only affix keys, so the K/V written at affix positions are exactly those of a
     forward over the affix by itself; other slots are left zero (the decoding forwards write them)."""
     cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
+    # a masked forward: XLA's attention (cuDNN's masked path is not validated, generate.resolve_backend)
     out = forward(params, config, x, inp.positions, key_mask=affix & inp.key_mask, cache=cache, cache_offset=0,
-                  write_mask=affix, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32), **inp.kernels)
+                  write_mask=affix, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
+                  **dict(inp.kernels, attention_backend="xla"))
     return out.cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedAffix:
+    """An affix's K/V computed ONCE, from the affix alone at RoPE positions 0..A-1, for any number of requests
+    (`build_shared_affix`; `generate(..., shared_affix=...)` places it into every row that has an affix span
+    instead of running the affix-alone forward per call).
+
+    Placing it at a row whose affix starts at RoPE position o rotates K by o more (RoPE rotations compose:
+    R(o) R(p) = R(o + p)), in fp32 with one rounding (a copy at o = 0: a prefix affix); V carries no position.
+    The result equals the affix-alone forward at that offset up to that rounding and the forward's own."""
+
+    tokens: tuple[int, ...]
+    k: Array  # [L, A, Hkv, D] rotated at positions 0..A-1
+    v: Array  # [L, A, Hkv, D]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def build_shared_affix(params, config, tokens: Sequence[int]) -> SharedAffix:
+    """One forward over the affix alone (bidirectional among its own tokens): its per-layer K/V."""
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or len(ids) == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"the shared affix must be a non-empty list of token ids, got {tokens!r:.80}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ValueError(f"the shared affix has token ids outside [0, {config.vocab_size})")
+    if len(ids) > config.max_seq_len:
+        raise ValueError(f"the shared affix has {len(ids)} tokens, more than the model's maximum "
+                         f"{config.max_seq_len}")
+    x = jnp.asarray(ids, jnp.int32)[None]
+    out = _affix_forward(params, config, x, jnp.arange(len(ids), dtype=jnp.int32)[None])
+    k, v = out.kv
+    return SharedAffix(tokens=tuple(int(t) for t in ids), k=k[:, 0], v=v[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _affix_forward(params, config, x, positions):
+    return forward(params, config, x, positions, logits_at=jnp.zeros((1, 1), jnp.int32), return_kv=True)
+
+
+def place_shared_affix(params, config, shared_k: Array, shared_v: Array, starts: Array, rope_offsets: Array,
+                       has_affix: Array, batch: int, length: int) -> KVCache:
+    """A cache [B, T] (the params' layout) holding the shared affix's K/V at slots starts[r] + 0..A-1 of every
+    row with has_affix, K rotated by rope_offsets[r]; everything else zero (the decoding forwards write it)."""
+    n_layers, a = shared_k.shape[:2]
+    cos, sin = rope_cos_sin(rope_offsets[:, None], config.head_dim, config.rope_theta)  # [B, 1, D]
+    k = jnp.broadcast_to(shared_k[:, None], (n_layers, batch) + shared_k.shape[1:])
+    k = jax.vmap(lambda kl: apply_rope(kl, cos, sin, fp32=True))(k)
+    v = jnp.broadcast_to(shared_v[:, None], k.shape)
+    slots = jnp.where(has_affix[:, None], starts[:, None] + jnp.arange(a)[None], length)  # past the end: dropped
+    rows = jnp.arange(batch)[:, None]
+    cache = KVCache.for_params(params, config, batch, length)
+    if cache.per_layer:
+        return KVCache(tuple(b.at[rows, slots].set(k[i], mode="drop") for i, b in enumerate(cache.k)),
+                       tuple(b.at[rows, slots].set(v[i], mode="drop") for i, b in enumerate(cache.v)))
+    return KVCache(cache.k.at[:, rows, slots].set(k, mode="drop"), cache.v.at[:, rows, slots].set(v, mode="drop"))
 
 
 def affix_importance_probe(affix_keys: Array, mask_queries: Array):
@@ -136,9 +197,12 @@ def _forward_window(params, config, inp: DecodeInputs, kv: KVCache, x: Array, wi
                    attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
 
 
-def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array) -> AnchoredState:
-    """Shared affix K/V, the probe forward (one NFE) and the anchor choice: the state decoding starts from."""
-    kv = affix_alone_cache(params, config, inp, x, a.affix)
+def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KVCache | None = None
+            ) -> AnchoredState:
+    """Shared affix K/V (`kv`: already placed, e.g. by `place_shared_affix`; None: computed here from each row's
+    affix alone), the probe forward (one NFE) and the anchor choice: the state decoding starts from."""
+    if kv is None:
+        kv = affix_alone_cache(params, config, inp, x, a.affix)
     req_tokens = _gather(x, a.request)
     probe = affix_importance_probe(a.affix & inp.key_mask, (req_tokens == config.mask_token_id) & a.request_writes)
     out = _forward_window(params, config, inp, kv, x, a.request, a.request_writes,
