@@ -1,0 +1,189 @@
+"""GPU benchmark of the affix cache (ACache, dllm_jax/caches/acache.py) at LLaDA-8B shapes (random bf16 weights).
+
+Every request is [shared affix of --affix-len tokens][its own --request-len tokens][generation]; gen 256, block
+32, a fixed schedule of 64 steps (8 blocks x 8 steps: random weights never pass a confidence threshold), so every
+mode runs the same 64 decoding forwards and differs in what a block start forwards:
+  dual          Fast-dLLM dual cache: the whole sequence at every block start (full recompute; the baseline)
+  anchors_R     ACache with anchor_ratio R and the affix's K/V built ONCE (`build_shared_affix`, timed apart and
+                not per call): block starts forward [anchors | request | generation]; +1 NFE for the probe.
+                anchors_0.0 decodes as the naive reuse (identity), anchors_1.0 as dual.
+Per row: median seconds of `generate` (after a warm-up call), NFE, tokens/s, the speedup over dual at the same
+batch in the same run, and the ms of one block-start forward (the window's forward, 4 fused in a jitted loop).
+Writes bench/results/acache_h200.json and a plot.
+
+    python bench/bench_acache.py [--batches 1 8] [--ratios 0.0 0.2] [--affix-len 1024] [--budget-s 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from dllm_jax.caches import acache, strategy_for  # noqa: E402
+from dllm_jax.caches.base import DecodeInputs  # noqa: E402
+from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
+from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
+from dllm_jax.modeling import unstack_layers  # noqa: E402
+
+GEN, BLOCK, STEPS = 256, 32, 64
+FUSED = 4
+
+
+def requests(cfg, affix: list[int], batch: int, request_len: int, rng) -> list[list[int]]:
+    hi = min(100_000, cfg.vocab_size - 3)
+    return [affix + rng.integers(0, hi, request_len).tolist() for _ in range(batch)]
+
+
+def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> float:
+    """ms of one block-start forward of this mode (the cache state as generate builds it, a middle block)."""
+    cfg = model.config
+    x, pos, km, frozen, p = layout(prompts, cfg, gc)
+    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.block_length,
+                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
+                       ffn_backend=gc.ffn_backend, norm_rope_backend=gc.norm_rope_backend)
+    strat = strategy_for(gc.cache, gc.affix)
+    x = jnp.asarray(x)
+    if gc.affix == "anchors":
+        a = acache.anchor_inputs([(0, len(shared))] * len(prompts), np.zeros(len(prompts), np.int32), p, x.shape[1],
+                                 gc.anchor_ratio)
+        n = len(prompts)
+        placed = jax.jit(acache.place_shared_affix, static_argnames=("config", "batch", "length"))(
+            model.params, cfg, shared.k, shared.v, jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
+            jnp.ones(n, bool), batch=n, length=x.shape[1])
+        state = jax.jit(acache.prepare, static_argnames=("config",))(model.params, cfg, inp, a, x, placed)
+    else:
+        state = strat.init(model.params, cfg, inp, x)
+    bs = jnp.int32(p + 2 * gc.block_length)
+
+    def run(params, state):
+        def body(i, carry):
+            st, acc = carry
+            logits, st = strat.block_start(params, cfg, inp, st, x, bs)
+            return st, acc + logits[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
+
+    fn = jax.jit(run, donate_argnums=1)
+    box = [state]
+
+    def call():
+        st, acc = fn(model.params, box[0])
+        acc.block_until_ready()
+        box[0] = st
+
+    med, _ = common.time_call(call, reps=3)
+    return 1e3 * med / FUSED
+
+
+def bench_row(model: Model, mode: str, ratio: float | None, batch: int, prompts, shared, reps: int) -> dict:
+    gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual", stop_at_eos=False,
+                          affix="anchors" if ratio is not None else "none", anchor_ratio=ratio or 0.0)
+    kw = dict(shared_affix=shared) if ratio is not None else {}
+    t0 = time.perf_counter()
+    out = generate(model, prompts, gc, **kw)
+    first = time.perf_counter() - t0
+    secs = [generate(model, prompts, gc, **kw).seconds for _ in range(common.repeats(reps))]
+    sec = float(np.median(secs))
+    ms_start = block_start_ms(model, gc, prompts, shared)
+    window = (acache.anchor_count(len(shared), ratio) + len(prompts[0]) - len(shared) + GEN if ratio is not None
+              else out.prompt_len + GEN)
+    return {"mode": mode, "anchor_ratio": ratio, "batch": batch, "seconds": sec, "nfe": out.nfe,
+            "tokens_per_s": batch * GEN / sec, "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_start": ms_start,
+            "block_start_window_tokens": window, "compile_s": max(first - sec, 0.0),
+            "attention": resolve_backend(gc, model.config, False)}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = [(m, [next((r["tokens_per_s"] for r in rows if r["mode"] == m and r["batch"] == b), 0)
+                   for b in batches]) for m in modes]
+    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "dual" and r["batch"] == batches[0]), 0)
+    common.grouped_bars(ax, [f"batch {b}" for b in batches], series, (base, f"dual, batch {batches[0]}"),
+                        "tokens / s", "ACache vs dual cache, LLaDA-8B shapes (shared affix built once)", log=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llada-8b", choices=list(common.MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2])
+    ap.add_argument("--affix-len", type=int, default=1024)
+    ap.add_argument("--request-len", type=int, default=64)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
+    ap.add_argument("--out", default=str(common.RESULTS))
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = common.MODELS[args.model]
+    params = common.random_params(cfg)
+    if resolve_layer_layout("auto") == "unrolled":
+        params = unstack_layers(params)
+    model = Model(cfg, params)
+    rng = np.random.default_rng(0)
+    affix = rng.integers(0, min(100_000, cfg.vocab_size - 3), args.affix_len).tolist()
+    acache.build_shared_affix(model.params, cfg, affix)  # compile
+    t0 = time.perf_counter()
+    shared = acache.build_shared_affix(model.params, cfg, affix)
+    jax.block_until_ready(shared.k)
+    build_ms = 1e3 * (time.perf_counter() - t0)
+    print(f"[{time.perf_counter() - t_start:5.0f}s] {args.model} ready; shared affix of {args.affix_len} tokens "
+          f"built in {build_ms:.1f} ms (once, not per call)", flush=True)
+    rows, skipped = [], []
+    plan = [(b, r) for b in args.batches for r in [None] + list(args.ratios)]
+    for batch, ratio in plan:
+        mode = "dual" if ratio is None else f"anchors_{ratio:g}"
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped.append(dict(mode=mode, batch=batch))
+            continue
+        prompts = requests(cfg, affix, batch, args.request_len, np.random.default_rng(batch))
+        try:
+            row = bench_row(model, mode, ratio, batch, prompts, shared, reps=3)
+        except Exception as e:  # noqa: BLE001  one failing row must not lose the run
+            print(f"FAILED {mode} b{batch}: {type(e).__name__}: {e}", flush=True)
+            skipped.append(dict(mode=mode, batch=batch, error=str(e)[:300]))
+            continue
+        base = next((r for r in rows if r["mode"] == "dual" and r["batch"] == batch), None)
+        if base is not None:
+            row["speedup_vs_dual"] = base["seconds"] / row["seconds"]
+            row["block_start_speedup_vs_dual"] = base["ms_block_start"] / row["ms_block_start"]
+        rows.append(row)
+        print(f"[{time.perf_counter() - t_start:5.0f}s] {mode:12s} b{batch:<3d} {row['tokens_per_s']:8.1f} tok/s "
+              f"NFE {row['nfe']}  start {row['ms_block_start']:7.2f} ms ({row['block_start_window_tokens']} tokens)"
+              f"  x{row.get('speedup_vs_dual', 1.0):.3f} vs dual  compile {row['compile_s']:.0f}s", flush=True)
+        save(args, rows, skipped, build_ms)
+    path = save(args, rows, skipped, build_ms)
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def save(args, rows, skipped, build_ms) -> Path:
+    meta = common.meta(model=args.model, weights="random bf16", affix_length=args.affix_len,
+                       request_length=args.request_len, gen_length=GEN, block_length=BLOCK, steps=STEPS,
+                       placement="prefix", shared_affix_build_ms=build_ms, skipped=skipped,
+                       schedule="fixed 64 steps (8 per block), stop_at_eos off, dual cache inside blocks",
+                       baseline="dual (full recompute at block starts) in the same run")
+    name = "acache_h200.json" if not common.SMOKE_ON_CPU else "acache_cpu_smoke.json"
+    return common.write_results(name, meta, rows, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
