@@ -15,6 +15,8 @@ Modes (the engine's decoding settings; later techniques add entries to MODES):
                positions) once and never refreshed: the naive-reuse baseline the affix cache techniques improve on
   anchors_R    ACache: naive_affix's shared K/V, but the share R of affix tokens most attended by the generation
                region (a one-shot probe, one more NFE) is recomputed with the request at every block start
+  shallow_D    BiCache: naive_affix's shared K/V in the first D layers only; the deeper layers recompute the shared
+               part with the request at every block start
 Every mode decodes the same problems (the held-out split of dllm_jax.tasks, seed --seed), temperature 0,
 gen_length 8, block_length 4 (2 blocks), steps 8 unless told otherwise. Prompts are chat-templated; the shared
 part sits before the request (prefix), between the request's question and its instruction (infix) or after the
@@ -52,6 +54,10 @@ MODES: dict[str, dict] = {
     "anchors_0.1": dict(cache="dual", affix="anchors", anchor_ratio=0.1),
     "anchors_0.2": dict(cache="dual", affix="anchors", anchor_ratio=0.2),
     "anchors_0.5": dict(cache="dual", affix="anchors", anchor_ratio=0.5),
+    # BiCache (caches/bicache.py): the shared part's K/V reused in the first D of the model's layers (the demo
+    # model has 6; no published depth table for it)
+    "shallow_2": dict(cache="dual", affix="shallow", shallow_depth=2),
+    "shallow_4": dict(cache="dual", affix="shallow", shallow_depth=4),
 }
 
 

@@ -65,10 +65,11 @@ def fixed_step_count(gc, config: ModelConfig) -> bool:
 
 
 def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key: Array,
-        init_cache: Any = None) -> LoopState:
+        init_cache: Any = None, depth: int | None = None) -> LoopState:
     """gc: a GenerationConfig (static). x: [B, T] with [MASK] in the generation region.
-    init_cache: a pre-filled cache state (e.g. shared-affix K/V) instead of the strategy's empty one."""
-    strategy = strategy_for(gc.cache, gc.affix)
+    init_cache: a pre-filled cache state (e.g. shared-affix K/V) instead of the strategy's empty one.
+    depth: BiCache's reuse depth (affix="shallow")."""
+    strategy = strategy_for(gc.cache, gc.affix, depth)
     b, t = x.shape
     p, bl = inp.prompt_len, inp.block_length
     n_blocks = gc.gen_length // bl

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax import decode_loop
-from dllm_jax.caches import STRATEGIES, acache
+from dllm_jax.caches import STRATEGIES, acache, bicache
 from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
 from dllm_jax.modeling import is_unrolled
@@ -55,9 +55,14 @@ class GenerationConfig:
     # Shared-affix reuse (generate's affix_spans mark each prompt's affix). "naive": the affix's K/V computed from
     # the affix alone once, never refreshed. "anchors": ACache (caches/acache.py): the same shared K/V, except
     # for the anchor_ratio share of affix tokens that a one-shot probe (one NFE) finds most attended by the
-    # generation region's [MASK] queries; those and the request's own tokens are recomputed at every block start
-    affix: Literal["none", "naive", "anchors"] = "none"
+    # generation region's [MASK] queries; those and the request's own tokens are recomputed at every block start.
+    # "shallow": BiCache (caches/bicache.py): the shared part's K/V (a prefix in the paper; any span works) reused
+    # in layers < shallow_depth, recomputed with the request in the deeper layers at every block start
+    affix: Literal["none", "naive", "anchors", "shallow"] = "none"
     anchor_ratio: float = 0.2  # "anchors": K = min(ceil(ratio * affix_len), affix_len); 0 = naive, 1 = plain cache
+    # "shallow": the reuse depth; None: the paper's table for LLaDA-8B / Dream-7B by the prefix's share of the
+    # sequence (a batch runs at its rows' shallowest); 0 = plain cache, n_layers = naive
+    shallow_depth: int | None = None
     stop_at_eos: bool = True
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
@@ -124,8 +129,11 @@ class GenerationConfig:
             bad(f"cache={self.cache!r}; expected one of {sorted(STRATEGIES)}")
         if self.cfg_scale > 0 and self.cache != "none":
             bad(f"cfg_scale={self.cfg_scale} needs cache='none' (guidance reruns the prompt unconditionally)")
-        if self.affix not in ("none", "naive", "anchors"):
-            bad(f"affix={self.affix!r}; expected none, naive or anchors")
+        if self.affix not in ("none", "naive", "anchors", "shallow"):
+            bad(f"affix={self.affix!r}; expected none, naive, anchors or shallow")
+        if self.shallow_depth is not None and not (
+                0 <= self.shallow_depth <= (config.n_layers if config is not None else self.shallow_depth)):
+            bad(f"shallow_depth={self.shallow_depth} must be in [0, {config.n_layers if config else 'n_layers'}]")
         if self.affix != "none" and self.cache == "none":
             bad(f"affix={self.affix!r} reuses cached K/V: it needs cache='prefix' or 'dual'")
         if not (0.0 <= self.anchor_ratio <= 1.0):
@@ -166,6 +174,7 @@ class GenerationOutput:
     committed_per_step: np.ndarray  # [nfe] tokens committed (whole batch) at each step
     seconds: float  # wall time of the device loop (excluding compilation when already compiled)
     prompt_len: int  # bucketed prompt region length P
+    shallow_depth: int | None = None  # affix="shallow": the layers the batch reused the prefix in
 
     @property
     def stats(self) -> dict:
@@ -250,8 +259,8 @@ def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) ->
     return dict(NO_TRITON_GEMM)
 
 
-def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None, shared=None, *, config, gc,
-                   prompt_len, padded):
+def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None, shared=None, shared_hidden=None,
+                   *, config, gc, prompt_len, padded, depth=None):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
@@ -266,9 +275,16 @@ def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None,
     elif gc.affix == "anchors":
         x_cache = acache.prepare(params, config, inp, anchors_in, x, placed)
         extra_nfe = 1  # the probe
+    elif gc.affix == "shallow":
+        a = anchors_in  # ratio 0: the prefix mask and the request's own positions
+        if placed is not None:
+            x_cache = bicache.shared_prefix_state(placed, shared_hidden, shared[2], shared[4], a.request,
+                                                  a.request_writes)
+        else:
+            x_cache = bicache.prefix_alone_state(params, config, inp, x, a.affix, a.request, a.request_writes, depth)
     else:
         x_cache = None
-    s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache)
+    s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache, depth=depth)
     return s.x[:, prompt_len:], s.nfe + extra_nfe, s.steps_per_block, s.committed_per_step
 
 
@@ -276,7 +292,7 @@ def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None,
 def _generate_jit(options: tuple = ()):
     """The jitted decode program compiled with these XLA options ((name, value) pairs; () = XLA's defaults): one
     jit object, hence one compilation cache, per set of options."""
-    return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded"),
+    return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded", "depth"),
                    compiler_options=dict(options) or None)
 
 
@@ -312,19 +328,26 @@ def _shared_affix_spans(prompts, shared, spans):
 
 def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, seed: int = 0,
              affix_spans: Sequence[tuple[int, int] | None] | None = None,
-             shared_affix: "acache.SharedAffix | None" = None) -> GenerationOutput:
+             shared_affix: "acache.SharedAffix | bicache.SharedPrefix | None" = None) -> GenerationOutput:
     """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics.
 
-    affix_spans: per prompt the [start, end) of its shared affix (None: no affix), for affix="naive"/"anchors".
-    shared_affix: `acache.build_shared_affix(model.params, model.config, tokens)`, built once and reused across
-    calls: its K/V are placed into every row instead of being recomputed (spans are found when not given)."""
+    affix_spans: per prompt the [start, end) of its shared affix (None: no affix), for the affix techniques.
+    shared_affix: `acache.build_shared_affix(model.params, model.config, tokens)` (or, for affix="shallow",
+    `bicache.build_shared_prefix`), built once and reused across calls: its K/V (and hidden states) are placed
+    into every row instead of being recomputed (spans are found when not given)."""
     gc = config or GenerationConfig()
     mc: ModelConfig = model.config
     gc.validate(mc)
     _validate_prompts(prompts, mc, gc)
+    prefix_entry = None
+    if isinstance(shared_affix, bicache.SharedPrefix):
+        prefix_entry, shared_affix = shared_affix, shared_affix.affix
+    elif shared_affix is not None and gc.affix == "shallow":
+        raise ValueError("affix='shallow' needs the prefix's hidden states too: build the shared part with "
+                         "bicache.build_shared_prefix")
     if shared_affix is not None:
         if gc.affix == "none":
-            raise ValueError("shared_affix needs affix='naive' or 'anchors'")
+            raise ValueError("shared_affix needs affix='naive', 'anchors' or 'shallow'")
         if shared_affix.k.shape[0] != mc.n_layers or shared_affix.k.shape[2:] != (mc.n_kv_heads, mc.head_dim):
             raise ValueError(f"shared_affix K/V {shared_affix.k.shape} do not fit this model "
                              f"({mc.n_layers} layers, {mc.n_kv_heads} K/V heads of {mc.head_dim})")
@@ -335,10 +358,14 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
         raise ValueError(f"affix_spans has {len(affix_spans)} entries for {len(prompts)} prompts")
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
-    anchors_in = None
-    if gc.affix == "anchors":  # the affix is recomputed through anchors, never frozen
-        anchors_in = acache.anchor_inputs(affix_spans, (~key_mask).sum(axis=1), P, x.shape[1], gc.anchor_ratio)
+    anchors_in, depth, shared_hidden = None, None, None
+    if gc.affix in ("anchors", "shallow"):  # the affix is recomputed (anchors / deep layers), never frozen
+        ratio = gc.anchor_ratio if gc.affix == "anchors" else 0.0  # shallow: the request's own positions only
+        anchors_in = acache.anchor_inputs(affix_spans, (~key_mask).sum(axis=1), P, x.shape[1], ratio)
         frozen = np.zeros_like(frozen)
+    if gc.affix == "shallow":
+        depth = bicache.batch_depth(mc, affix_spans, [len(p) for p in prompts], gc.gen_length, gc.shallow_depth)
+        shared_hidden = None if prefix_entry is None else prefix_entry.hidden[depth]
     shared = None
     if shared_affix is not None:
         pads = (~key_mask).sum(axis=1)
@@ -355,12 +382,14 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
     toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions),
                                         jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
-                                        anchors_in, shared, config=mc, gc=gc, prompt_len=P, padded=bool((~key_mask).any()))
+                                        anchors_in, shared, shared_hidden, config=mc, gc=gc, prompt_len=P,
+                                        padded=bool((~key_mask).any()), depth=depth)
     toks = np.asarray(jax.block_until_ready(toks))
     seconds = time.perf_counter() - t0
     nfe = int(nfe)
     return GenerationOutput(tokens=toks, nfe=nfe, steps_per_block=np.asarray(spb),
-                            committed_per_step=np.asarray(cps)[:nfe], seconds=seconds, prompt_len=P)
+                            committed_per_step=np.asarray(cps)[:nfe], seconds=seconds, prompt_len=P,
+                            shallow_depth=depth)
 
 
 def answer_tokens(tokens: np.ndarray, config: ModelConfig, gc: GenerationConfig | None = None) -> list[list[int]]:

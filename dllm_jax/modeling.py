@@ -183,6 +183,7 @@ class ForwardOutput:
     cache: KVCache | None  # the updated cache when one was given
     kv: tuple[Array, Array] | None  # per-layer fresh (k, v) [L, B, n, Hkv, D] when return_kv=True
     probe: Array | None = None  # [B, S] float32: the probe hook's per-layer results summed over layers
+    hidden: Array | None = None  # [B, n, d] the last layer's output before the final norm, with output_hidden
 
 
 # -------------------------------------------------------------------------------------------- forward
@@ -206,7 +207,7 @@ def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits
 def forward(
     params: Params,
     config: ModelConfig,
-    tokens: Array,
+    tokens: Array | None,
     positions: Array,
     *,
     key_mask: Array | None = None,
@@ -217,6 +218,9 @@ def forward(
     return_kv: bool = False,
     write_slots: Array | None = None,
     probe: ProbeFn | None = None,
+    layer_range: tuple[int, int] | None = None,
+    hidden: Array | None = None,
+    output_hidden: bool = False,
     attention_backend: Backend = "xla",
     ffn_backend: FfnBackend = "xla",
     norm_rope_backend: NormRopeBackend = "xla",
@@ -236,6 +240,10 @@ def forward(
     probe: with a cache, called in every layer as probe(q [B, n, Hq, D] rotated, layer K buffer [B, S, Hkv, D])
     -> [B, S] float32; the sum over layers comes back as ForwardOutput.probe (the affix cache's one-shot anchor
     probe; caches/acache.py).
+    layer_range: (start, stop): run only layers start..stop-1 (cache buffers keep their absolute layer index).
+    hidden: [B, n, d] the input of layer `start` instead of the embedded tokens (tokens may then be None).
+    output_hidden: return the last run layer's output (ForwardOutput.hidden, before the final norm) instead of
+    logits. With these a forward can be split at a layer (the shallow-layer reuse of caches/bicache.py).
     ffn_backend: "pallas" runs the FFN's three GEMMs with the weight-streaming kernel
     (`pallas_kernels/skinny_matmul.py`, which indexes the stacked weights itself) when the window has few tokens
     (B * n <= 64, where it was measured faster) and the FFN is not FP8; otherwise XLA. "mgpu": the same with the
@@ -250,11 +258,13 @@ def forward(
     params["layers"] may be stacked ([L, ...] leaves: a lax.scan over layers) or a tuple of per-layer trees
     (`unstack_layers`: an unrolled python loop, no per-layer slicing of stacked weights).
     """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    b, n = tokens.shape
+    b, n = positions.shape
     block = Block(config, fused=is_fused(params["layers"]))
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
-    x = embed(params, tokens).astype(config.jnp_dtype)
+    if hidden is not None:
+        x = hidden.astype(config.jnp_dtype)
+    else:
+        x = embed(params, jnp.asarray(tokens, jnp.int32)).astype(config.jnp_dtype)
     if norm_rope_backend not in NORM_ROPE_BACKENDS:
         raise ValueError(f"unknown norm_rope_backend {norm_rope_backend!r}; expected one of {NORM_ROPE_BACKENDS}")
     if (write_slots is not None or probe is not None) and (cache is None or norm_rope_backend in ("pallas",
@@ -262,13 +272,25 @@ def forward(
         raise ValueError("write_slots and probe need a cache and XLA's RoPE and cache write (norm_rope_backend "
                          f"'xla' or 'auto'), got cache={'set' if cache is not None else None}, "
                          f"norm_rope_backend={norm_rope_backend!r}")
+    start, stop = layer_range if layer_range is not None else (0, config.n_layers)
+    if not 0 <= start <= stop <= config.n_layers:
+        raise ValueError(f"layer_range {layer_range} is not within the model's {config.n_layers} layers")
+    if (start, stop) != (0, config.n_layers) and norm_rope_backend == "pallas":
+        raise ValueError("layer_range needs the layer loop of this function (norm_rope_backend != 'pallas')")
+    layers, layer_ids = select_layers(params["layers"], start, stop)
+
+    def finish_output(x):
+        if output_hidden:
+            return None, x
+        return final_hidden_to_logits(params, config, x, logits_at), None
     if norm_rope_backend == "pallas":
         from dllm_jax.fused_layers import run_layers
 
         x, new_cache, kv = run_layers(params, config, block, x, cos, sin, key_mask=key_mask, cache=cache,
                                       cache_offset=cache_offset, write_mask=write_mask, return_kv=return_kv,
                                       attention_backend=attention_backend, ffn_backend=ffn_backend)
-        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), new_cache, kv)
+        logits, hid = finish_output(x)
+        return ForwardOutput(logits, new_cache, kv, hidden=hid)
 
     def attend_fresh(q, k, v):
         return attend(q, k, v, key_mask, attention_backend)
@@ -286,7 +308,6 @@ def forward(
         o = block.apply({"params": layer_params}, attn, method=Block.attn_projection)
         return fp8.ffn_residual(params, config, layer_params, i, x, attn_out=o)
 
-    layer_ids = jnp.arange(config.n_layers, dtype=jnp.int32)
     if cache is None:
         def layer(x, inputs):
             layer_params, i = inputs
@@ -294,8 +315,9 @@ def forward(
             x = finish(layer_params, i, x, attend_fresh(q, k, v))
             return x, ((k, v) if return_kv else None)
 
-        x, kv = layer_loop(layer, x, params["layers"], layer_ids)
-        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), None, kv)
+        x, kv = layer_loop(layer, x, layers, layer_ids)
+        logits, hid = finish_output(x)
+        return ForwardOutput(logits, None, kv, hidden=hid)
 
     offset = jnp.asarray(cache_offset, jnp.int32)
     if cache.per_layer and not is_unrolled(params["layers"]):
@@ -347,8 +369,9 @@ def forward(
     probed0 = jnp.zeros((b, cache.length), jnp.float32) if probe is not None else None
     (x, ck, cv, probed), kv = layer_loop(layer_cached, (x, tuple(cache.k) if cache.per_layer else cache.k,
                                                          tuple(cache.v) if cache.per_layer else cache.v, probed0),
-                                         params["layers"], layer_ids)
-    return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), KVCache(ck, cv), kv, probed)
+                                         layers, layer_ids)
+    logits, hid = finish_output(x)
+    return ForwardOutput(logits, KVCache(ck, cv), kv, probed, hid)
 
 
 def is_unrolled(layers: Params | tuple) -> bool:
@@ -356,16 +379,26 @@ def is_unrolled(layers: Params | tuple) -> bool:
     return isinstance(layers, (tuple, list))
 
 
-def layer_loop(fn, carry, layers, layer_ids):
+def select_layers(layers: Params | tuple, start: int, stop: int) -> tuple[Params | tuple, range]:
+    """Layers start..stop-1 of a "layers" entry (a tuple slice, or stacked leaves sliced on their first axis) and
+    their absolute indices."""
+    if is_unrolled(layers):
+        return tuple(layers[start:stop]), range(start, stop)
+    if (start, stop) != (0, jax.tree.leaves(layers)[0].shape[0]):
+        layers = jax.tree.map(lambda a: a[start:stop], layers)
+    return layers, range(start, stop)
+
+
+def layer_loop(fn, carry, layers, layer_ids: range):
     """lax.scan over stacked layer params, or an unrolled python loop over a tuple of per-layer params (static
-    layer index), with the same (carry, stacked per-layer outputs) result."""
+    layer index), with the same (carry, stacked per-layer outputs) result. layer_ids: the absolute indices."""
     if not is_unrolled(layers):
-        return jax.lax.scan(fn, carry, (layers, layer_ids))
+        return jax.lax.scan(fn, carry, (layers, jnp.asarray(layer_ids, jnp.int32)))
     outs = []
-    for i, layer_params in enumerate(layers):
+    for i, layer_params in zip(layer_ids, layers):
         carry, out = fn(carry, (layer_params, i))
         outs.append(out)
-    stacked = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    stacked = None if not outs or outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
     return carry, stacked
 
 

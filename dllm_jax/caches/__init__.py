@@ -2,6 +2,7 @@
 
 from dllm_jax.caches.acache import AnchoredRefresh
 from dllm_jax.caches.base import CacheStrategy, DecodeInputs
+from dllm_jax.caches.bicache import ShallowReuse
 from dllm_jax.caches.dual import DualCache
 from dllm_jax.caches.full import NoCache
 from dllm_jax.caches.prefix import PrefixCache
@@ -9,10 +10,15 @@ from dllm_jax.caches.prefix import PrefixCache
 STRATEGIES = {"none": NoCache(), "prefix": PrefixCache(), "dual": DualCache()}
 
 
-def strategy_for(cache: str, affix: str = "none") -> CacheStrategy:
-    """The loop's strategy: the Fast-dLLM cache mode, wrapped by the affix cache when affix="anchors"."""
-    return AnchoredRefresh(STRATEGIES[cache]) if affix == "anchors" else STRATEGIES[cache]
+def strategy_for(cache: str, affix: str = "none", depth: int | None = None) -> CacheStrategy:
+    """The loop's strategy: the Fast-dLLM cache mode, wrapped by ACache (affix="anchors") or BiCache
+    (affix="shallow", reusing the prefix in layers < depth)."""
+    if affix == "anchors":
+        return AnchoredRefresh(STRATEGIES[cache])
+    if affix == "shallow":
+        return ShallowReuse(STRATEGIES[cache], depth)
+    return STRATEGIES[cache]
 
 
 __all__ = ["STRATEGIES", "AnchoredRefresh", "CacheStrategy", "DecodeInputs", "DualCache", "NoCache", "PrefixCache",
-           "strategy_for"]
+           "ShallowReuse", "strategy_for"]

@@ -1,0 +1,166 @@
+"""BiCache: a shared prefix's K/V reused in the shallow layers only, to a depth chosen per request.
+
+The K/V of a prefix computed alone stay close to their in-context values in the shallow layers, and the more of
+the sequence the prefix is, the more layers stay close (the paper profiles this per model: the depth table).
+A block start ("refresh") then runs:
+  * layers < b on the request's own positions only (its prompt outside the prefix and the generation region,
+    the gathered window of caches/acache.py), attending to the cached prefix-alone K/V;
+  * at layer b, the prefix's hidden state computed alone is spliced back in front (but for the prompt's last
+    position, whose query predicts Dream's first generated token and always runs in context);
+  * layers >= b on the whole sequence (the prefix recomputed with the request), writing every K/V.
+In-block steps are the wrapped Fast-dLLM strategy's own (prefix or dual). b = 0 is the plain cache exactly; b = L
+is the naive reuse (tests/test_bicache.py).
+
+The paper's shared part is a prefix; nothing here needs that (a hidden state computed alone does not depend on
+where the span sits: attention sees only relative RoPE positions; its K are re-rotated when placed), so an infix
+or suffix span works the same way. The depth tables were profiled on prefixes only.
+
+Depth: b = table[largest key <= r], r = round(100 * prefix_len / (prompt_len + gen_length)), from the paper's
+published tables at threshold 0.97 for LLaDA-8B-Instruct (32 layers) and Dream-v0-7B (28 layers); other models
+set GenerationConfig.shallow_depth. A batch runs at the shallowest depth of its rows that have a prefix (safe for
+each of them; one compiled program per depth), which is the paper's rule at batch 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.caches.acache import SharedAffix, _gather, build_shared_affix
+from dllm_jax.caches.base import CacheStrategy, DecodeInputs, block_logit_index
+from dllm_jax.modeling import KVCache, forward
+
+Array = jax.Array
+
+# (family, n_layers) -> {r: depth}, arXiv 2606.07571 at similarity threshold 0.97
+DEPTH_TABLES: dict[tuple[str, int], dict[int, int]] = {
+    ("llada", 32): {0: 1, 5: 2, 10: 3, 13: 5, 15: 7, 20: 8, 21: 9, 30: 10, 49: 11, 54: 13, 66: 14, 68: 15, 73: 16,
+                    87: 17, 93: 18, 95: 19, 97: 20, 98: 22, 99: 32},
+    ("dream", 28): {0: 1, 9: 2, 10: 4, 19: 5, 32: 6, 47: 7, 56: 8, 63: 9, 76: 12, 85: 13, 86: 14, 92: 16, 94: 17,
+                    95: 18, 96: 28},
+}
+
+
+def depth_from_table(table: dict[int, int], prefix_len: int, prompt_len: int, gen_length: int) -> int:
+    """The paper's serving rule: r = round(100 * prefix / (prompt + gen)), depth = table[largest key <= r]."""
+    r = round(100 * prefix_len / (prompt_len + gen_length))
+    return table[max(k for k in table if k <= r)]
+
+
+def batch_depth(config, spans: Sequence[tuple[int, int] | None], prompt_lens: Sequence[int], gen_length: int,
+                depth: int | None) -> int:
+    """The depth a batch runs at: `depth` if given, else the shallowest table depth of its rows with a prefix."""
+    if depth is not None:
+        return depth
+    table = DEPTH_TABLES.get((config.family, config.n_layers))
+    if table is None:
+        raise ValueError(f"no published BiCache depth table for a {config.n_layers}-layer {config.family} model "
+                         f"(tables: {sorted(DEPTH_TABLES)}); set GenerationConfig.shallow_depth (0..{config.n_layers};"
+                         " bench/profile_bicache.py measures one)")
+    depths = [depth_from_table(table, e - s, n, gen_length) for (s, e), n in
+              ((span, n) for span, n in zip(spans, prompt_lens) if span is not None)]
+    return min(depths) if depths else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+    """A prefix computed once, alone: its per-layer K/V (a SharedAffix, at positions 0..A-1) and the hidden state
+    entering every layer, hidden[l] [A, d] (hidden[L]: the last layer's output), for any request and depth."""
+
+    affix: SharedAffix
+    hidden: Array  # [L + 1, A, d]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.affix.tokens
+
+
+def build_shared_prefix(params, config, tokens: Sequence[int]) -> SharedPrefix:
+    affix = build_shared_affix(params, config, tokens)  # validates the tokens
+    x = jnp.asarray(affix.tokens, jnp.int32)[None]
+    return SharedPrefix(affix=affix, hidden=_layer_inputs(params, config, x))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _layer_inputs(params, config, x):
+    pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+    h = forward(params, config, x, pos, layer_range=(0, 0), output_hidden=True).hidden
+    out = [h]
+    for layer in range(config.n_layers):
+        h = forward(params, config, None, pos, hidden=h, layer_range=(layer, layer + 1), output_hidden=True).hidden
+        out.append(h)
+    return jnp.concatenate(out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShallowState:
+    kv: KVCache
+    prefix_hidden: Array  # [B, T, d] the prefix-alone hidden state entering layer `depth` (zero elsewhere)
+    window: Array  # [B, W] int32 slots of the request's own positions (acache.anchor_inputs' request part)
+    writes: Array  # [B, W] bool
+
+
+def prefix_alone_state(params, config, inp: DecodeInputs, x: Array, prefix: Array, window: Array, writes: Array,
+                       depth: int) -> ShallowState:
+    """Each row's prefix computed alone (keys restricted to it) through layers < depth: their K/V, and the
+    hidden state entering layer `depth` at the prefix positions."""
+    cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
+    out = forward(params, config, x, inp.positions, key_mask=prefix & inp.key_mask, cache=cache, cache_offset=0,
+                  write_mask=prefix, layer_range=(0, depth), output_hidden=True, attention_backend="xla",
+                  ffn_backend=inp.ffn_backend)
+    return ShallowState(out.cache, jnp.where(prefix[:, :, None], out.hidden, 0), window, writes)
+
+
+def shared_prefix_state(kv: KVCache, hidden_at_depth: Array, starts: Array, has_prefix: Array, window: Array,
+                        writes: Array) -> ShallowState:
+    """The same state from a SharedPrefix (built once): its K/V already placed at each row's prefix slots
+    (acache.place_shared_affix; a prefix starts at RoPE position 0, so K is copied unrotated) and the hidden state
+    entering layer `depth` [A, d], placed likewise."""
+    batch, length = window.shape[0], kv.length
+    a = hidden_at_depth.shape[0]
+    slots = jnp.where(has_prefix[:, None], starts[:, None] + jnp.arange(a)[None], length)  # past the end: dropped
+    hidden = jnp.zeros((batch, length, hidden_at_depth.shape[-1]), hidden_at_depth.dtype)
+    hidden = hidden.at[jnp.arange(batch)[:, None], slots].set(
+        jnp.broadcast_to(hidden_at_depth, (batch,) + hidden_at_depth.shape), mode="drop")
+    return ShallowState(kv, hidden, window, writes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShallowReuse:
+    """Wraps a Fast-dLLM strategy (prefix or dual): block starts reuse the prefix's K/V in layers < depth;
+    in-block steps are the wrapped strategy's. Its state comes from `prefix_alone_state` / `shared_prefix_state`."""
+
+    inner: CacheStrategy
+    depth: int
+    name: str = "shallow"
+
+    def init(self, params, config, inp: DecodeInputs, x):
+        raise ValueError("BiCache's state comes from bicache.prefix_alone_state (it needs the prefix spans)")
+
+    def block_start(self, params, config, inp: DecodeInputs, state: ShallowState, x, block_start):
+        b = x.shape[0]
+        kernels = dict(attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
+        shallow = forward(params, config, _gather(x, state.window), _gather(inp.positions, state.window),
+                          key_mask=inp.attn_mask, cache=state.kv, write_slots=state.window, write_mask=state.writes,
+                          layer_range=(0, self.depth), output_hidden=True, **kernels)
+        # the window's hidden states replace the buffer's where it wrote, and at P - 1 even when that is affix:
+        # Dream predicts the first generated token there, so its query runs in context in every layer (as with
+        # the naive reuse); filler entries are dropped
+        splice = state.writes | (state.window == inp.prompt_len - 1)
+        slots = jnp.where(splice, state.window, x.shape[1])
+        full = state.prefix_hidden.at[jnp.arange(b)[:, None], slots].set(
+            shallow.hidden.astype(state.prefix_hidden.dtype), mode="drop")
+        deep = forward(params, config, None, inp.positions, hidden=full, key_mask=inp.attn_mask,
+                       cache=shallow.cache, cache_offset=0, layer_range=(self.depth, config.n_layers),
+                       logits_at=block_logit_index(inp, block_start, 0, b), **kernels)
+        return deep.logits, dataclasses.replace(state, kv=deep.cache)
+
+    def step(self, params, config, inp: DecodeInputs, state: ShallowState, x, block_start):
+        logits, kv = self.inner.step(params, config, inp, state.kv, x, block_start)
+        return logits, dataclasses.replace(state, kv=kv)
+
