@@ -56,8 +56,8 @@ MODES: dict[str, dict] = {
     "anchors_0.5": dict(cache="dual", affix="anchors", anchor_ratio=0.5),
     # BiCache (caches/bicache.py): the shared part's K/V reused in the first D of the model's layers (the demo
     # model has 6; no published depth table for it)
-    "shallow_2": dict(cache="dual", affix="shallow", shallow_depth=2),
-    "shallow_4": dict(cache="dual", affix="shallow", shallow_depth=4),
+    "shallow_1": dict(cache="dual", affix="shallow", shallow_depth=1),
+    "shallow_3": dict(cache="dual", affix="shallow", shallow_depth=3),
 }
 
 

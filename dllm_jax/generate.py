@@ -63,6 +63,9 @@ class GenerationConfig:
     # "shallow": the reuse depth; None: the paper's table for LLaDA-8B / Dream-7B by the prefix's share of the
     # sequence (a batch runs at its rows' shallowest); 0 = plain cache, n_layers = naive
     shallow_depth: int | None = None
+    # "shallow" without a depth: a depth table ((r, depth), ...) as bicache.depth_table_from_profile returns (its
+    # items), for models without a published one
+    shallow_table: tuple[tuple[int, int], ...] | None = None
     stop_at_eos: bool = True
     extra_stop_ids: tuple[int, ...] = ()
     prompt_bucket: int = 32
@@ -91,6 +94,9 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         # a list would make the (static, hashed) config unhashable
         object.__setattr__(self, "extra_stop_ids", tuple(int(i) for i in self.extra_stop_ids))
+        if self.shallow_table is not None:  # a dict or list of pairs -> sorted pairs (hashable)
+            items = self.shallow_table.items() if isinstance(self.shallow_table, dict) else self.shallow_table
+            object.__setattr__(self, "shallow_table", tuple(sorted((int(r), int(b)) for r, b in items)))
 
     def resolved_sampler(self, config: ModelConfig) -> str:
         return self.sampler or config.family
@@ -131,6 +137,9 @@ class GenerationConfig:
             bad(f"cfg_scale={self.cfg_scale} needs cache='none' (guidance reruns the prompt unconditionally)")
         if self.affix not in ("none", "naive", "anchors", "shallow"):
             bad(f"affix={self.affix!r}; expected none, naive, anchors or shallow")
+        if self.shallow_table is not None and (not self.shallow_table or self.shallow_table[0][0] != 0 or any(
+                not 0 <= b <= (config.n_layers if config is not None else b) for _, b in self.shallow_table)):
+            bad(f"shallow_table={self.shallow_table} needs an entry for r = 0 and depths within the model's layers")
         if self.shallow_depth is not None and not (
                 0 <= self.shallow_depth <= (config.n_layers if config is not None else self.shallow_depth)):
             bad(f"shallow_depth={self.shallow_depth} must be in [0, {config.n_layers if config else 'n_layers'}]")
@@ -364,7 +373,8 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
         anchors_in = acache.anchor_inputs(affix_spans, (~key_mask).sum(axis=1), P, x.shape[1], ratio)
         frozen = np.zeros_like(frozen)
     if gc.affix == "shallow":
-        depth = bicache.batch_depth(mc, affix_spans, [len(p) for p in prompts], gc.gen_length, gc.shallow_depth)
+        depth = bicache.batch_depth(mc, affix_spans, [len(p) for p in prompts], gc.gen_length, gc.shallow_depth,
+                                    dict(gc.shallow_table) if gc.shallow_table else None)
         shared_hidden = None if prefix_entry is None else prefix_entry.hidden[depth]
     shared = None
     if shared_affix is not None:

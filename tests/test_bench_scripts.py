@@ -539,3 +539,14 @@ def test_bench_acache_smoke(tmp_path):
     assert anchors["block_start_window_tokens"] == 10 + 8 + 256 < dual["block_start_window_tokens"] == 64 + 256
     assert data["meta"]["affix_length"] == 40 and data["meta"]["shared_affix_build_ms"] > 0
     assert (tmp_path / "acache_cpu_smoke.png").stat().st_size > 0
+
+
+def test_profile_bicache_smoke(tmp_path):
+    """profile_bicache on the bundled model: a table keyed from 0, per-bucket curves of one value per layer."""
+    _run("profile_bicache", "--n", "2", "--gen-lengths", "8", "64", "--out", str(tmp_path / "p.json"))
+    data = json.loads((tmp_path / "p.json").read_text())
+    table = {int(k): v for k, v in data["table"].items()}
+    assert min(table) == 0 and list(table.values()) == sorted(table.values())
+    curves = data["mean_similarity_per_layer"]
+    assert len(curves) >= 2 and all(len(c) == 6 and abs(c[0] - 1) < 1e-4 for c in curves.values())
+    assert (tmp_path / "p.png").stat().st_size > 0

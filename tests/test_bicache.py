@@ -164,3 +164,26 @@ def test_bad_shallow_settings(models_fp32):
         generate(m, PROMPTS, dataclasses.replace(gc, shallow_depth=4), affix_spans=SPANS)
     with pytest.raises(ValueError, match="build_shared_prefix"):
         generate(m, PROMPTS, gc, shared_affix=acache.build_shared_affix(m.params, m.config, PROMPTS[0][:6]))
+
+
+def test_profile_statistic_and_table(models_fp32):
+    """Layer 1's K/V depend only on the token and its position, so alone and in context agree there (cos 1); the
+    table keeps a staircase of leading-layer counts, its first entry keyed 0."""
+    m = models_fp32["dream"]
+    gc = GenerationConfig(gen_length=8, block_length=8, steps=8)
+    x, pos, km, frozen, _ = layout(PROMPTS, m.config, gc, SPANS)
+    sim = np.asarray(bicache.kv_similarity(m.params, m.config, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
+                                           jnp.asarray(frozen)))
+    assert sim.shape == (3, m.config.n_layers)
+    np.testing.assert_allclose(sim[:, 0], 1.0, atol=1e-6)
+    assert (sim[:, 1:] < 0.9999).all() and (sim > -1).all()
+    sims = np.array([[1, .99, .5], [1, .99, .98], [1, .5, .5], [1, .99, .99], [1, .99, .99]])
+    # r 10: mean [1, .99, .74] -> 2; r 20 -> 1 (no growth: dropped); r 30 -> 3; r 40 -> 3 (dropped)
+    assert bicache.depth_table_from_profile([10, 10, 20, 30, 40], sims, 0.97) == {0: 2, 30: 3}
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow",
+                          shallow_table={0: 1, 50: 2})
+    assert gc.shallow_table == ((0, 1), (50, 2))
+    out = generate(m, PROMPTS, gc, affix_spans=SPANS)
+    assert out.shallow_depth == 1  # every row's affix is under half its sequence
+    with pytest.raises(ValueError, match="entry for r = 0"):
+        generate(m, PROMPTS, dataclasses.replace(gc, shallow_table=((5, 1),)), affix_spans=SPANS)

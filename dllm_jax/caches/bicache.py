@@ -29,6 +29,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dllm_jax.caches.acache import SharedAffix, _gather, build_shared_affix
 from dllm_jax.caches.base import CacheStrategy, DecodeInputs, block_logit_index
@@ -45,6 +46,42 @@ DEPTH_TABLES: dict[tuple[str, int], dict[int, int]] = {
 }
 
 
+def kv_similarity(params, config, x: Array, positions: Array, key_mask: Array, affix: Array) -> Array:
+    """The paper's profile statistic, [B, L] float32: per layer, over each row's affix tokens, the mean of
+    (cos(K alone, K in context) + cos(V alone, V in context)) / 2; alone = keys restricted to the affix."""
+    at = jnp.zeros((x.shape[0], 1), jnp.int32)
+    alone = forward(params, config, x, positions, key_mask=affix & key_mask, return_kv=True, logits_at=at).kv
+    ctx = forward(params, config, x, positions, key_mask=key_mask, return_kv=True, logits_at=at).kv
+
+    def cos(a, b):  # [L, B, n, H, D] -> [L, B, n]
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        dot = jnp.sum(a * b, axis=(-2, -1))
+        return dot / jnp.maximum(jnp.linalg.norm(a, axis=(-2, -1)) * jnp.linalg.norm(b, axis=(-2, -1)), 1e-30)
+
+    per_token = (cos(alone[0], ctx[0]) + cos(alone[1], ctx[1])) / 2
+    w = affix.astype(jnp.float32)[None]
+    return (jnp.sum(per_token * w, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1)).T
+
+
+def depth_table_from_profile(ratios: Sequence[int], similarity: np.ndarray, threshold: float = 0.97
+                             ) -> dict[int, int]:
+    """The paper's table from profiled rows: per ratio bucket r (percent of the sequence that is affix), the mean
+    similarity per layer; b(r) = how many LEADING layers exceed `threshold`; only ratios where b grows are kept
+    (a monotone staircase). The smallest profiled ratio's depth is keyed 0: it also serves shorter affixes (depth
+    grows with r, so that errs on the safe side)."""
+    similarity = np.asarray(similarity)
+    table: dict[int, int] = {}
+    for r in sorted(set(int(x) for x in ratios)):
+        mean = similarity[np.asarray(ratios) == r].mean(axis=0)
+        above = mean > threshold
+        b = int(np.argmin(above)) if not above.all() else len(above)
+        if not table:
+            table[0] = b
+        elif b > max(table.values()):
+            table[r] = b
+    return table
+
+
 def depth_from_table(table: dict[int, int], prefix_len: int, prompt_len: int, gen_length: int) -> int:
     """The paper's serving rule: r = round(100 * prefix / (prompt + gen)), depth = table[largest key <= r]."""
     r = round(100 * prefix_len / (prompt_len + gen_length))
@@ -52,15 +89,16 @@ def depth_from_table(table: dict[int, int], prefix_len: int, prompt_len: int, ge
 
 
 def batch_depth(config, spans: Sequence[tuple[int, int] | None], prompt_lens: Sequence[int], gen_length: int,
-                depth: int | None) -> int:
-    """The depth a batch runs at: `depth` if given, else the shallowest table depth of its rows with a prefix."""
+                depth: int | None, table: dict[int, int] | None = None) -> int:
+    """The depth a batch runs at: `depth` if given, else the shallowest depth of its rows with an affix by
+    `table` (GenerationConfig.shallow_table, e.g. from bench/profile_bicache.py) or the published one."""
     if depth is not None:
         return depth
-    table = DEPTH_TABLES.get((config.family, config.n_layers))
+    table = table or DEPTH_TABLES.get((config.family, config.n_layers))
     if table is None:
         raise ValueError(f"no published BiCache depth table for a {config.n_layers}-layer {config.family} model "
-                         f"(tables: {sorted(DEPTH_TABLES)}); set GenerationConfig.shallow_depth (0..{config.n_layers};"
-                         " bench/profile_bicache.py measures one)")
+                         f"(tables: {sorted(DEPTH_TABLES)}); set GenerationConfig.shallow_depth (0..{config.n_layers})"
+                         " or shallow_table (bench/profile_bicache.py measures one)")
     depths = [depth_from_table(table, e - s, n, gen_length) for (s, e), n in
               ((span, n) for span, n in zip(spans, prompt_lens) if span is not None)]
     return min(depths) if depths else 0
