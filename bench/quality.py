@@ -148,7 +148,9 @@ def plot(rows, modes, path: Path) -> None:
 
 def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None, seed: int = 1234,
         batch: int = 1024, gen_length: int = 8, block_length: int = 4, steps: int = 8, bucket: int = 160,
-        out: Path | None = None, plot_path: Path | None = None, progress: bool = True, dtype: str = "bfloat16"):
+        out: Path | None = None, plot_path: Path | None = None, progress: bool = True, dtype: str = "bfloat16",
+        append: bool = False):
+    """append: keep the rows of other modes already in `out` (same n, seed and dtype), replacing this run's."""
     modes = list(modes or MODES)
     tasks = list(tasks or G.TASKS)
     placements = list(placements or G.PLACEMENTS)
@@ -159,7 +161,16 @@ def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None,
     gen_kwargs = dict(gen_length=gen_length, block_length=block_length, steps=steps, temperature=0.0,
                       prompt_bucket=bucket)
     cells = build_cells(model, tasks, placements, n, seed)
-    rows, mode_stats = [], {}
+    rows, mode_stats, kept, kept_stats, kept_modes = [], {}, [], {}, {}
+    if append and out is not None and Path(out).exists():
+        old = json.loads(Path(out).read_text())
+        om = old["meta"]
+        if (om.get("n_per_cell"), om.get("seed"), om.get("dtype")) != (n, seed, dtype):
+            raise SystemExit(f"--append: {out} has n={om.get('n_per_cell')} seed={om.get('seed')} "
+                             f"dtype={om.get('dtype')}, this run n={n} seed={seed} dtype={dtype}")
+        kept = [r for r in old["rows"] if r["mode"] not in modes]
+        kept_stats = {m: st for m, st in om.get("mode_stats", {}).items() if m not in modes}
+        kept_modes = {m: c for m, c in om.get("modes", {}).items() if m not in modes}
     for mode in modes:
         correct, stats = run_mode(model, cells, mode, gen_kwargs, batch, progress)
         mode_stats[mode] = stats
@@ -170,7 +181,11 @@ def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None,
                          "n": len(rs), "correct": int(k)})
         if out is not None:  # partial results after every mode (a killed run keeps what it finished)
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps({"meta": {"partial": True, "mode_stats": mode_stats}, "rows": rows}))
+            Path(out).write_text(json.dumps({"meta": {"partial": True, "mode_stats": {**kept_stats, **mode_stats},
+                                                      "n_per_cell": n, "seed": seed, "dtype": dtype,
+                                                      "modes": kept_modes}, "rows": kept + rows}))
+    rows, mode_stats = kept + rows, {**kept_stats, **mode_stats}
+    modes = list(dict.fromkeys([r["mode"] for r in kept] + modes))
     # the naive-reuse gap: accuracy(dual) - accuracy(naive_affix) per cell
     gaps = {}
     if "dual" in modes and "naive_affix" in modes:
@@ -178,7 +193,8 @@ def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None,
             a = {r["mode"]: r["accuracy"] for r in rows if r["task"] == task and r["placement"] == pl}
             gaps[f"{task}/{pl}"] = round(a["dual"] - a["naive_affix"], 4)
     meta = {"model": str(model_path.relative_to(REPO) if model_path.is_relative_to(REPO) else model_path),
-            "n_per_cell": n, "seed": seed, "split": "heldout", "modes": {m: MODES[m] for m in modes},
+            "n_per_cell": n, "seed": seed, "split": "heldout",
+            "modes": {**kept_modes, **{m: MODES[m] for m in modes if m not in kept_modes}},
             "generation": gen_kwargs, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
             "backend": jax.default_backend(), "jax": jax.__version__, "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode_stats": mode_stats,
@@ -221,11 +237,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality.json"))
     ap.add_argument("--plot", default=str(REPO / "bench" / "results" / "quality.png"))
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the other modes' rows already in --out (same n, seed, dtype); replace this run's")
     args = ap.parse_args(argv)
     t0 = time.time()
     result = run(args.model, args.n, args.modes, args.tasks, args.placements, args.seed, args.batch,
                  args.gen_length, args.block_length, args.steps, args.bucket, Path(args.out), Path(args.plot),
-                 progress=not args.no_progress, dtype=args.dtype)
+                 progress=not args.no_progress, dtype=args.dtype, append=args.append)
     print_table(result)
     if result["meta"]["naive_reuse_gap_dual_minus_naive"]:
         print("naive-reuse gap (dual - naive_affix):", result["meta"]["naive_reuse_gap_dual_minus_naive"])

@@ -56,6 +56,22 @@ def test_pipeline_structure(quality, random_task_model, tmp_path):
     assert res["meta"]["n_per_cell"] == 2 and "none" in res["meta"]["mode_stats"]
 
 
+def test_append_keeps_other_modes(quality, random_task_model, tmp_path):
+    """--append: a later run of other modes keeps the earlier rows and stats, replaces its own, and refuses a
+    file of another n."""
+    out, png = tmp_path / "quality.json", tmp_path / "quality.png"
+    kw = dict(n=2, tasks=["rule"], placements=["prefix", "suffix"], out=out, plot_path=png, progress=False,
+              dtype="float32")
+    quality.run(random_task_model, modes=["dual", "naive_affix"], **kw)
+    res = quality.run(random_task_model, modes=["anchors_0.5", "naive_affix"], append=True, **kw)
+    assert [r["mode"] for r in res["rows"]] == ["dual"] * 2 + ["anchors_0.5"] * 2 + ["naive_affix"] * 2
+    assert set(res["meta"]["mode_stats"]) == set(res["meta"]["modes"]) == {"dual", "naive_affix", "anchors_0.5"}
+    assert set(res["meta"]["naive_reuse_gap_dual_minus_naive"]) == {"rule/prefix", "rule/suffix"}
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    with pytest.raises(SystemExit, match="n=2"):
+        quality.run(random_task_model, modes=["shallow_1"], append=True, **{**kw, "n": 3})
+
+
 def test_wilson_interval(quality):
     lo, hi = quality.wilson(95, 100)
     assert 0.88 < lo < 0.9 and 0.97 < hi < 0.99
