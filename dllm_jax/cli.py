@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="denoising steps (default: the model's generation_config.json, else gen-length)")
     g.add_argument("--threshold", type=float, default=None, help="Fast-dLLM parallel decoding threshold, e.g. 0.9")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--cache", choices=["none", "prefix", "dual"], default="dual")
+    g.add_argument("--cache", choices=["none", "first_layer", "prefix", "dual"], default="dual")
     g.add_argument("--attention", choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"], default="auto")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     g.add_argument("--seed", type=int, default=0)

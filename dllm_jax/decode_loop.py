@@ -131,7 +131,7 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
                 commit = sampling.commit_top_k(noisy, masked, count)
             else:
                 commit = sampling.commit_top_k(conf, masked, count)
-        if inp.shift == 1 and gc.cache != "none" and gc.refresh == "block" and first_of_block:
+        if inp.shift == 1 and strategy.window_steps and gc.refresh == "block" and first_of_block:
             # Fast-dLLM (AR-adapted models, i.e. Dream): the block-start forward commits the block's first token
             # unconditionally; in-block windows cannot predict it (its predictor sits before the window). With
             # refresh="step" every forward is full, the rule has no reason, and the cache equals no cache exactly.

@@ -24,7 +24,7 @@ from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
 from dllm_jax.modeling import is_unrolled
 
-CacheMode = Literal["none", "prefix", "dual"]
+CacheMode = Literal["none", "first_layer", "prefix", "dual"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ class GenerationConfig:
         if self.shallow_depth is not None and not (
                 0 <= self.shallow_depth <= (config.n_layers if config is not None else self.shallow_depth)):
             bad(f"shallow_depth={self.shallow_depth} must be in [0, {config.n_layers if config else 'n_layers'}]")
-        if self.affix != "none" and self.cache == "none":
+        if self.affix != "none" and self.cache not in ("prefix", "dual"):
             bad(f"affix={self.affix!r} reuses cached K/V: it needs cache='prefix' or 'dual'")
         if not (0.0 <= self.anchor_ratio <= 1.0):
             bad(f"anchor_ratio={self.anchor_ratio} must be in [0, 1]")
@@ -163,7 +163,7 @@ class GenerationConfig:
             bad(f"ffn_backend={self.ffn_backend!r}; expected xla, pallas or mgpu")
         if self.norm_rope_backend not in ("auto", "xla", "pallas", "pallas_rope"):
             bad(f"norm_rope_backend={self.norm_rope_backend!r}; expected auto, xla, pallas or pallas_rope")
-        if (config is not None and config.family == "dream" and self.cache != "none" and not parallel
+        if (config is not None and config.family == "dream" and STRATEGIES[self.cache].window_steps and not parallel
                 and self.refresh == "block" and self.steps // self.n_blocks < 2):
             bad(f"Dream with a cache commits only the block's first token at the block start: it needs >= 2 steps "
                 f"per block, got steps={self.steps} for {self.n_blocks} blocks")

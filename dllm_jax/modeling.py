@@ -204,6 +204,24 @@ def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits
     return lm_head(params, config, x)
 
 
+def layer_finish(params: Params, config: ModelConfig, block: Block, layer_params: Params, i, x: Array, attn: Array,
+                 ffn_backend: FfnBackend = "xla") -> Array:
+    """Layer i's output from its input x [B, n, d] and attention output attn [B, n, Hq, D]: the residual o_proj,
+    then the residual FFN (bf16, the weight-streaming kernel for short windows, or FP8 past layer 1)."""
+    b, n = x.shape[:2]
+    if not config.fp8_ffn and use_pallas_ffn(config, ffn_backend, b * n):
+        x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
+        h = block.apply({"params": layer_params}, x, method=Block.ffn_in)
+        return x + pallas_mlp(params, layer_params, i, h, ffn_backend)
+    if not config.fp8_ffn:
+        return block.apply({"params": layer_params}, x, attn, method=Block.finish)
+    from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
+
+    # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
+    o = block.apply({"params": layer_params}, attn, method=Block.attn_projection)
+    return fp8.ffn_residual(params, config, layer_params, i, x, attn_out=o)
+
+
 def forward(
     params: Params,
     config: ModelConfig,
@@ -296,17 +314,7 @@ def forward(
         return attend(q, k, v, key_mask, attention_backend)
 
     def finish(layer_params, i, x, attn):
-        if not config.fp8_ffn and use_pallas_ffn(config, ffn_backend, b * n):
-            x = block.apply({"params": layer_params}, x, attn, method=Block.attn_residual)
-            h = block.apply({"params": layer_params}, x, method=Block.ffn_in)
-            return x + pallas_mlp(params, layer_params, i, h, ffn_backend)
-        if not config.fp8_ffn:
-            return block.apply({"params": layer_params}, x, attn, method=Block.finish)
-        from dllm_jax import fp8  # FP8 FFN in layers >= 2 (LaCache); layer 1 in the activation dtype
-
-        # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
-        o = block.apply({"params": layer_params}, attn, method=Block.attn_projection)
-        return fp8.ffn_residual(params, config, layer_params, i, x, attn_out=o)
+        return layer_finish(params, config, block, layer_params, i, x, attn, ffn_backend)
 
     if cache is None:
         def layer(x, inputs):

@@ -5,9 +5,10 @@ from dllm_jax.caches.base import CacheStrategy, DecodeInputs
 from dllm_jax.caches.bicache import ShallowReuse
 from dllm_jax.caches.dual import DualCache
 from dllm_jax.caches.full import NoCache
+from dllm_jax.caches.lacache import FirstLayerCache
 from dllm_jax.caches.prefix import PrefixCache
 
-STRATEGIES = {"none": NoCache(), "prefix": PrefixCache(), "dual": DualCache()}
+STRATEGIES = {"none": NoCache(), "first_layer": FirstLayerCache(), "prefix": PrefixCache(), "dual": DualCache()}
 
 
 def strategy_for(cache: str, affix: str = "none", depth: int | None = None) -> CacheStrategy:
@@ -20,5 +21,5 @@ def strategy_for(cache: str, affix: str = "none", depth: int | None = None) -> C
     return STRATEGIES[cache]
 
 
-__all__ = ["STRATEGIES", "AnchoredRefresh", "CacheStrategy", "DecodeInputs", "DualCache", "NoCache", "PrefixCache",
+__all__ = ["STRATEGIES", "AnchoredRefresh", "CacheStrategy", "DecodeInputs", "DualCache", "FirstLayerCache", "NoCache", "PrefixCache",
            "ShallowReuse", "strategy_for"]

@@ -231,6 +231,10 @@ class AnchoredRefresh:
     inner: CacheStrategy
     name: str = "anchors"
 
+    @property
+    def window_steps(self) -> bool:
+        return self.inner.window_steps
+
     def init(self, params, config, inp: DecodeInputs, x):
         raise ValueError("the affix cache's state comes from acache.prepare (it needs the affix spans)")
 

@@ -69,6 +69,10 @@ def block_logit_index(inp: DecodeInputs, block_start: Array, window_start: Array
 
 class CacheStrategy(Protocol):
     name: str
+    # True where in-block steps forward only a window that cannot hold the predictor of the block's first token
+    # (Dream's shift): the loop then commits that token at the block start (Fast-dLLM's rule). False for the
+    # exact strategies, whose every forward is the whole buffer.
+    window_steps: bool
 
     def init(self, params: dict, config: ModelConfig, inp: DecodeInputs, x: Array) -> Any: ...
 
@@ -89,6 +93,8 @@ def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_sta
 
 class RefreshAtBlockStart:
     """Fast-dLLM's shared part: a KV buffer over the whole sequence, fully rewritten by the block-start forward."""
+
+    window_steps = True
 
     def init(self, params, config, inp: DecodeInputs, x):
         return KVCache.for_params(params, config, x.shape[0], x.shape[1])

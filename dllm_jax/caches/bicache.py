@@ -177,6 +177,10 @@ class ShallowReuse:
     depth: int
     name: str = "shallow"
 
+    @property
+    def window_steps(self) -> bool:
+        return self.inner.window_steps
+
     def init(self, params, config, inp: DecodeInputs, x):
         raise ValueError("BiCache's state comes from bicache.prefix_alone_state (it needs the prefix spans)")
 

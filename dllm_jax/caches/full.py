@@ -13,6 +13,7 @@ from dllm_jax.modeling import forward
 @dataclasses.dataclass(frozen=True)
 class NoCache:
     name: str = "none"
+    window_steps = False
 
     def init(self, params, config, inp: DecodeInputs, x):
         return ()

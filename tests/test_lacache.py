@@ -1,0 +1,118 @@
+"""LaCache's first-layer memoisation (caches/lacache.py, cache="first_layer"): the online-softmax merge against the
+reference attention, its forwards against the uncached forward, and the uncached tokens exactly."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax import fp8
+from dllm_jax.attention import attend_reference
+from dllm_jax.caches import lacache
+from dllm_jax.caches.base import DecodeInputs
+from dllm_jax.generate import GenerationConfig, generate, layout
+from dllm_jax.loading import Model
+from dllm_jax.config import ModelConfig
+from dllm_jax.modeling import forward, init_params, unstack_layers
+
+PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8, 2, 61], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_state_then_merge_equals_attention(hq, hkv):
+    """Attention over keys split in two (a ragged, masked split; one row has no keys on the first side) equals
+    the reference attention over all of them."""
+    rng = np.random.default_rng(0)
+    b, n, s, d = 3, 7, 11, 8
+    q = jnp.asarray(rng.standard_normal((b, n, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32)
+    valid = rng.random((b, s)) < 0.8
+    valid[:, -1] = True
+    first = rng.random((b, s)) < 0.5
+    first[2] = False  # row 2: everything in the second part
+    m, l, o = lacache.online_softmax_state(q, k, v, jnp.asarray(valid & first))
+    assert np.isneginf(np.asarray(m)[2]).all() and (np.asarray(l)[2] == 0).all()
+    got = lacache.merge_keys(m, l, o, q, k, v, jnp.asarray(valid & ~first))
+    want = attend_reference(q, k, v, jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _inputs(model, gc):
+    x, positions, key_mask, frozen, p = layout(PROMPTS, model.config, gc)
+    inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
+                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=gc.block_length,
+                       shift=1 if model.config.family == "dream" else 0, backend="xla")
+    return jnp.asarray(x), inp
+
+
+@pytest.mark.parametrize("name", ["llada_gqa_tied", "dream"])
+def test_block_start_and_steps_equal_the_full_forward(name, models_fp32):
+    """The block-start forward and a later step (block tokens changed, memo reused) give the logits a full
+    uncached forward gives at the block's predictors."""
+    m = models_fp32[name]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="first_layer")
+    x, inp = _inputs(m, gc)
+    strat = lacache.FirstLayerCache()
+    bs = jnp.int32(inp.prompt_len + 4)  # the second block
+    rows = jnp.arange(x.shape[0])[:, None]
+    idx = jnp.broadcast_to(bs + jnp.arange(4) - inp.shift, (x.shape[0], 4))
+
+    def full(x):
+        out = forward(m.params, m.config, x, inp.positions, key_mask=inp.key_mask, logits_at=idx)
+        return np.asarray(out.logits)
+
+    logits, memo = strat.block_start(m.params, m.config, inp, strat.init(m.params, m.config, inp, x), x, bs)
+    np.testing.assert_allclose(np.asarray(logits), full(x), rtol=1e-4, atol=1e-4)
+    x2 = x.at[rows, bs + jnp.array([0, 2])].set(jnp.array([7, 9]))  # two block tokens committed
+    logits, memo2 = strat.step(m.params, m.config, inp, memo, x2, bs)
+    np.testing.assert_allclose(np.asarray(logits), full(x2), rtol=1e-4, atol=1e-4)
+    # outside the block the memo is what the block start wrote
+    out_cols = np.r_[0:int(bs), int(bs) + 4:x.shape[1]]
+    np.testing.assert_array_equal(np.asarray(memo2.k)[:, out_cols], np.asarray(memo.k)[:, out_cols])
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("llada", dict(gen_length=12, block_length=4, steps=12)),
+    ("llada_gqa_tied", dict(gen_length=8, block_length=4, steps=8, threshold=0.3)),
+    ("dream", dict(gen_length=8, block_length=4, steps=8)),
+    ("dream_tied", dict(gen_length=8, block_length=8, steps=8, sampler="dream")),
+])
+def test_tokens_equal_the_uncached_loop(name, kw, models_fp32):
+    m = models_fp32[name]
+    gc = GenerationConfig(stop_at_eos=False, **kw)
+    plain = generate(m, PROMPTS, gc)
+    memo = generate(m, PROMPTS, dataclasses.replace(gc, cache="first_layer"))
+    np.testing.assert_array_equal(memo.tokens, plain.tokens)
+    assert memo.nfe == plain.nfe
+
+
+def test_layouts_and_fp8_ffn(models_fp32):
+    """Per-layer (unrolled) params give the same tokens; with the FP8 FFN (layer 1 stays in the activation dtype,
+    LaCache's other half) the memoised loop decodes as the uncached FP8 loop."""
+    m = models_fp32["llada"]
+    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, stop_at_eos=False)
+    plain = generate(m, PROMPTS, gc).tokens
+    unrolled = Model(m.config, unstack_layers(m.params))
+    np.testing.assert_array_equal(generate(unrolled, PROMPTS, dataclasses.replace(gc, cache="first_layer")).tokens,
+                                  plain)
+    cfg = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                      head_dim=32, mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
+                      tie_embeddings=False, max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298)
+    q, c8 = fp8.quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)  # FFN shapes of 128s
+    m8 = Model(c8, q)
+    np.testing.assert_array_equal(generate(m8, PROMPTS, dataclasses.replace(gc, cache="first_layer")).tokens,
+                                  generate(m8, PROMPTS, gc).tokens)
+
+
+def test_first_layer_settings(models_fp32):
+    m = models_fp32["dream"]
+    # exact: Dream needs no first-token rule and no second step per block
+    GenerationConfig(gen_length=8, block_length=4, steps=2, cache="first_layer").validate(m.config)
+    with pytest.raises(ValueError, match="needs cache='prefix' or 'dual'"):
+        GenerationConfig(cache="first_layer", affix="naive").validate(m.config)
+    assert jax.tree.structure(lacache.FirstLayerCache().init(
+        m.params, m.config, _inputs(m, GenerationConfig(gen_length=8, block_length=4, steps=8))[1],
+        jnp.zeros((3, 40), jnp.int32))).num_leaves == 7
