@@ -143,8 +143,7 @@ def test_write_slots_equals_contiguous_write(models_fp32):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,cache", [("llada", "dual"), ("llada_gqa_tied", "prefix"), ("dream", "dual"),
-                                        ("dream", "prefix")])
+@pytest.mark.parametrize("name,cache", [("llada", "dual"), ("llada_gqa_tied", "prefix"), ("dream", "dual")])
 def test_ratio_identities(name, cache, models_fp32):
     """anchor_ratio 0 decodes exactly as the naive reuse; anchor_ratio 1 exactly as the plain cache (the probe is
     one more NFE in both); in between, the tokens are those of neither in general."""
@@ -250,7 +249,7 @@ def test_bad_shared_affix(models_fp32):
         generate(m, [AFFIX + [1], [1, 2, 3]], gc, shared_affix=shared)
     with pytest.raises(ValueError, match=r"span \(1, 7\) of prompt 0 does not hold"):
         generate(m, [AFFIX + [1]], gc, shared_affix=shared, affix_spans=[(1, 7)])
-    with pytest.raises(ValueError, match="needs affix='naive' or 'anchors'"):
+    with pytest.raises(ValueError, match="needs affix='naive', 'anchors' or 'shallow'"):
         generate(m, [AFFIX + [1]], dataclasses.replace(gc, affix="none"), shared_affix=shared)
     with pytest.raises(ValueError, match="do not fit this model"):
         generate(models_fp32["dream"], [AFFIX + [1]], gc, shared_affix=shared)
