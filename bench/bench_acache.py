@@ -17,7 +17,6 @@ Writes bench/results/acache_h200.json and a plot.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path

@@ -337,7 +337,8 @@ def forward(
                          "per-layer params): its kernel writes one layer's buffer in place")
     from dllm_jax.fused_layers import PARTIALS_MAX_TOKENS, rope_write, written_window  # (imports modeling)
 
-    rope_kernel = write_slots is None and b * n <= PARTIALS_MAX_TOKENS and (  # the RoPE kernel: block-step windows only (NOTES v14)
+    # the RoPE kernel: block-step windows only (NOTES v14), written contiguously
+    rope_kernel = write_slots is None and b * n <= PARTIALS_MAX_TOKENS and (
         norm_rope_backend == "pallas_rope"
         or (norm_rope_backend == "auto" and cache.per_layer and jax.default_backend() == "gpu"
             and config.dtype == "bfloat16"))

@@ -3,7 +3,6 @@ plain cache, on tiny fp32 checkpoints of both families (ragged batches, every af
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -21,5 +21,5 @@ def strategy_for(cache: str, affix: str = "none", depth: int | None = None) -> C
     return STRATEGIES[cache]
 
 
-__all__ = ["STRATEGIES", "AnchoredRefresh", "CacheStrategy", "DecodeInputs", "DualCache", "FirstLayerCache", "NoCache", "PrefixCache",
-           "ShallowReuse", "strategy_for"]
+__all__ = ["STRATEGIES", "AnchoredRefresh", "CacheStrategy", "DecodeInputs", "DualCache", "FirstLayerCache",
+           "NoCache", "PrefixCache", "ShallowReuse", "strategy_for"]

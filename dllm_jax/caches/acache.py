@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.caches.base import CacheStrategy, DecodeInputs
+from dllm_jax.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, gather_rows
 from dllm_jax.layers import apply_rope, rope_cos_sin
 from dllm_jax.modeling import KVCache, forward
 
@@ -186,14 +186,10 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     return probe
 
 
-def _gather(a: Array, idx: Array) -> Array:
-    return jnp.take_along_axis(a, idx, axis=1)
-
-
 def _forward_window(params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array,
                     logits_at: Array, probe=None):
-    return forward(params, config, _gather(x, window), _gather(inp.positions, window), key_mask=inp.attn_mask,
-                   cache=kv, write_slots=window, write_mask=writes, logits_at=logits_at, probe=probe,
+    return forward(params, config, gather_rows(x, window), gather_rows(inp.positions, window),
+                   key_mask=inp.attn_mask, cache=kv, write_slots=window, write_mask=writes, logits_at=logits_at, probe=probe,
                    attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
 
 
@@ -203,7 +199,7 @@ def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KV
     affix alone), the probe forward (one NFE) and the anchor choice: the state decoding starts from."""
     if kv is None:
         kv = affix_alone_cache(params, config, inp, x, a.affix)
-    req_tokens = _gather(x, a.request)
+    req_tokens = gather_rows(x, a.request)
     probe = affix_importance_probe(a.affix & inp.key_mask, (req_tokens == config.mask_token_id) & a.request_writes)
     out = _forward_window(params, config, inp, kv, x, a.request, a.request_writes,
                           jnp.zeros((x.shape[0], 1), jnp.int32), probe)
@@ -224,16 +220,12 @@ def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KV
 
 
 @dataclasses.dataclass(frozen=True)
-class AnchoredRefresh:
+class AnchoredRefresh(BlockStartOnly):
     """Wraps a Fast-dLLM strategy (prefix or dual): block starts forward only [anchors | request]; in-block steps
     are the wrapped strategy's. Its state is built by `prepare` (generate passes it as the loop's initial cache)."""
 
     inner: CacheStrategy
     name: str = "anchors"
-
-    @property
-    def window_steps(self) -> bool:
-        return self.inner.window_steps
 
     def init(self, params, config, inp: DecodeInputs, x):
         raise ValueError("the affix cache's state comes from acache.prepare (it needs the affix spans)")
@@ -245,7 +237,3 @@ class AnchoredRefresh:
         at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
         out = _forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
         return out.logits, dataclasses.replace(state, kv=out.cache)
-
-    def step(self, params, config, inp: DecodeInputs, state: AnchoredState, x, block_start):
-        logits, kv = self.inner.step(params, config, inp, state.kv, x, block_start)
-        return logits, dataclasses.replace(state, kv=kv)

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.attention import Backend
 from dllm_jax.config import ModelConfig
 from dllm_jax.modeling import KVCache, forward
 
@@ -81,6 +80,26 @@ class CacheStrategy(Protocol):
 
     def step(self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array,
              block_start: Array) -> tuple[Array, Any]: ...
+
+
+def gather_rows(a: Array, idx: Array) -> Array:
+    """a [B, T, ...] at each row's indices idx [B, n] (a gathered window's tokens or positions)."""
+    return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+class BlockStartOnly:
+    """Base of the techniques that change only a wrapped Fast-dLLM strategy's block starts (ACache, BiCache):
+    in-block steps are `inner`'s, run on the state's `kv` field."""
+
+    inner: "CacheStrategy"
+
+    @property
+    def window_steps(self) -> bool:
+        return self.inner.window_steps
+
+    def step(self, params, config, inp: DecodeInputs, state, x, block_start):
+        logits, kv = self.inner.step(params, config, inp, state.kv, x, block_start)
+        return logits, dataclasses.replace(state, kv=kv)
 
 
 def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_start):

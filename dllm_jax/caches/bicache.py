@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.caches.acache import SharedAffix, _gather, build_shared_affix
-from dllm_jax.caches.base import CacheStrategy, DecodeInputs, block_logit_index
+from dllm_jax.caches.acache import SharedAffix, build_shared_affix
+from dllm_jax.caches.base import (BlockStartOnly, CacheStrategy, DecodeInputs, block_logit_index,
+                                  gather_rows)
 from dllm_jax.modeling import KVCache, forward
 
 Array = jax.Array
@@ -169,7 +170,7 @@ def shared_prefix_state(kv: KVCache, hidden_at_depth: Array, starts: Array, has_
 
 
 @dataclasses.dataclass(frozen=True)
-class ShallowReuse:
+class ShallowReuse(BlockStartOnly):
     """Wraps a Fast-dLLM strategy (prefix or dual): block starts reuse the prefix's K/V in layers < depth;
     in-block steps are the wrapped strategy's. Its state comes from `prefix_alone_state` / `shared_prefix_state`."""
 
@@ -177,17 +178,14 @@ class ShallowReuse:
     depth: int
     name: str = "shallow"
 
-    @property
-    def window_steps(self) -> bool:
-        return self.inner.window_steps
-
     def init(self, params, config, inp: DecodeInputs, x):
         raise ValueError("BiCache's state comes from bicache.prefix_alone_state (it needs the prefix spans)")
 
     def block_start(self, params, config, inp: DecodeInputs, state: ShallowState, x, block_start):
         b = x.shape[0]
         kernels = dict(attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
-        shallow = forward(params, config, _gather(x, state.window), _gather(inp.positions, state.window),
+        window = state.window
+        shallow = forward(params, config, gather_rows(x, window), gather_rows(inp.positions, window),
                           key_mask=inp.attn_mask, cache=state.kv, write_slots=state.window, write_mask=state.writes,
                           layer_range=(0, self.depth), output_hidden=True, **kernels)
         # the window's hidden states replace the buffer's where it wrote, and at P - 1 even when that is affix:
@@ -201,8 +199,4 @@ class ShallowReuse:
                        cache=shallow.cache, cache_offset=0, layer_range=(self.depth, config.n_layers),
                        logits_at=block_logit_index(inp, block_start, 0, b), **kernels)
         return deep.logits, dataclasses.replace(state, kv=deep.cache)
-
-    def step(self, params, config, inp: DecodeInputs, state: ShallowState, x, block_start):
-        logits, kv = self.inner.step(params, config, inp, state.kv, x, block_start)
-        return logits, dataclasses.replace(state, kv=kv)
 

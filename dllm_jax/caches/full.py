@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 
 from dllm_jax.caches.base import DecodeInputs, block_logit_index
 from dllm_jax.modeling import forward
