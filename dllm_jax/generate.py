@@ -12,17 +12,21 @@ import functools
 import math
 import time
 import warnings
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax import decode_loop
-from dllm_jax.caches import STRATEGIES, acache, bicache
+from dllm_jax.caches import STRATEGIES, affix
 from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
 from dllm_jax.modeling import is_unrolled
+
+if TYPE_CHECKING:
+    from dllm_jax.caches.acache import SharedAffix
+    from dllm_jax.caches.bicache import SharedPrefix
 
 CacheMode = Literal["none", "first_layer", "prefix", "dual"]
 
@@ -268,32 +272,17 @@ def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) ->
     return dict(NO_TRITON_GEMM)
 
 
-def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None, shared=None, shared_hidden=None,
-                   *, config, gc, prompt_len, padded, depth=None):
+def _generate_impl(params, x, positions, key_mask, frozen, key, affix_in=None, *, config, gc, prompt_len, padded):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
     inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
                        block_length=gc.block_length, shift=shift, backend=resolve_backend(gc, config, padded),
                        padded=padded, has_frozen=gc.affix == "naive", ffn_backend=gc.ffn_backend,
                        norm_rope_backend=gc.norm_rope_backend)
-    extra_nfe = 0
-    # a SharedAffix computed once is placed into the rows; else each row's affix runs alone here
-    placed = None if shared is None else acache.place_shared_affix(params, config, *shared, *x.shape)
-    if gc.affix == "naive":
-        x_cache = placed if placed is not None else acache.affix_alone_cache(params, config, inp, x, frozen)
-    elif gc.affix == "anchors":
-        x_cache = acache.prepare(params, config, inp, anchors_in, x, placed)
-        extra_nfe = 1  # the probe
-    elif gc.affix == "shallow":
-        a = anchors_in  # ratio 0: the prefix mask and the request's own positions
-        if placed is not None:
-            x_cache = bicache.shared_prefix_state(placed, shared_hidden, shared[2], shared[4], a.request,
-                                                  a.request_writes)
-        else:
-            x_cache = bicache.prefix_alone_state(params, config, inp, x, a.affix, a.request, a.request_writes, depth)
-    else:
-        x_cache = None
-    s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache, depth=depth)
+    x_cache, extra_nfe = (None, 0) if affix_in is None else affix.initial_state(params, config, inp, x, frozen,
+                                                                                 affix_in)
+    s = decode_loop.run(params, config, gc, x, inp, key, init_cache=x_cache,
+                        depth=None if affix_in is None else affix_in.depth)
     return s.x[:, prompt_len:], s.nfe + extra_nfe, s.steps_per_block, s.committed_per_step
 
 
@@ -301,7 +290,7 @@ def _generate_impl(params, x, positions, key_mask, frozen, key, anchors_in=None,
 def _generate_jit(options: tuple = ()):
     """The jitted decode program compiled with these XLA options ((name, value) pairs; () = XLA's defaults): one
     jit object, hence one compilation cache, per set of options."""
-    return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded", "depth"),
+    return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded"),
                    compiler_options=dict(options) or None)
 
 
@@ -316,28 +305,9 @@ def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
     return True
 
 
-def _shared_affix_spans(prompts, shared, spans):
-    """Each row's span of the shared affix: checked against the given spans, or found in the prompts."""
-    want = list(shared.tokens)
-    if spans is None:
-        found = []
-        for i, p in enumerate(prompts):
-            p = list(p)
-            at = next((j for j in range(len(p) - len(want) + 1) if p[j:j + len(want)] == want), None)
-            if at is None:
-                raise ValueError(f"prompt {i} does not contain the shared affix ({len(want)} tokens); pass "
-                                 "affix_spans with None for rows without it")
-            found.append((at, at + len(want)))
-        return found
-    for i, (p, span) in enumerate(zip(prompts, spans)):
-        if span is not None and list(p[span[0]:span[1]]) != want:
-            raise ValueError(f"affix span {span} of prompt {i} does not hold the shared affix's {len(want)} tokens")
-    return spans
-
-
 def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, seed: int = 0,
              affix_spans: Sequence[tuple[int, int] | None] | None = None,
-             shared_affix: "acache.SharedAffix | bicache.SharedPrefix | None" = None) -> GenerationOutput:
+             shared_affix: "SharedAffix | SharedPrefix | None" = None) -> GenerationOutput:
     """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics.
 
     affix_spans: per prompt the [start, end) of its shared affix (None: no affix), for the affix techniques.
@@ -348,41 +318,14 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     mc: ModelConfig = model.config
     gc.validate(mc)
     _validate_prompts(prompts, mc, gc)
-    prefix_entry = None
-    if isinstance(shared_affix, bicache.SharedPrefix):
-        prefix_entry, shared_affix = shared_affix, shared_affix.affix
-    elif shared_affix is not None and gc.affix == "shallow":
-        raise ValueError("affix='shallow' needs the prefix's hidden states too: build the shared part with "
-                         "bicache.build_shared_prefix")
-    if shared_affix is not None:
-        if gc.affix == "none":
-            raise ValueError("shared_affix needs affix='naive', 'anchors' or 'shallow'")
-        if shared_affix.k.shape[0] != mc.n_layers or shared_affix.k.shape[2:] != (mc.n_kv_heads, mc.head_dim):
-            raise ValueError(f"shared_affix K/V {shared_affix.k.shape} do not fit this model "
-                             f"({mc.n_layers} layers, {mc.n_kv_heads} K/V heads of {mc.head_dim})")
-        affix_spans = _shared_affix_spans(prompts, shared_affix, affix_spans)
-    if gc.affix != "none" and affix_spans is None:
-        raise ValueError(f"affix={gc.affix!r} needs affix_spans (one (start, end) or None per prompt)")
-    if affix_spans is not None and len(affix_spans) != len(prompts):
-        raise ValueError(f"affix_spans has {len(affix_spans)} entries for {len(prompts)} prompts")
+    affix_spans, shared, prefix_entry = affix.resolve_spans(gc, mc, prompts, affix_spans, shared_affix)
     # spans only matter to affix techniques; plain modes ignore them (callers may pass them for every mode)
     x, positions, key_mask, frozen, P = layout(prompts, mc, gc, affix_spans if gc.affix != "none" else None)
-    anchors_in, depth, shared_hidden = None, None, None
-    if gc.affix in ("anchors", "shallow"):  # the affix is recomputed (anchors / deep layers), never frozen
-        ratio = gc.anchor_ratio if gc.affix == "anchors" else 0.0  # shallow: the request's own positions only
-        anchors_in = acache.anchor_inputs(affix_spans, (~key_mask).sum(axis=1), P, x.shape[1], ratio)
-        frozen = np.zeros_like(frozen)
-    if gc.affix == "shallow":
-        depth = bicache.batch_depth(mc, affix_spans, [len(p) for p in prompts], gc.gen_length, gc.shallow_depth,
-                                    dict(gc.shallow_table) if gc.shallow_table else None)
-        shared_hidden = None if prefix_entry is None else prefix_entry.hidden[depth]
-    shared = None
-    if shared_affix is not None:
-        pads = (~key_mask).sum(axis=1)
-        starts = np.array([0 if s is None else s[0] for s in affix_spans], np.int32)  # RoPE position = prompt index
-        has = np.array([s is not None for s in affix_spans])
-        shared = (shared_affix.k, shared_affix.v, jnp.asarray(pads + starts, jnp.int32), jnp.asarray(starts),
-                  jnp.asarray(has))
+    affix_in = None
+    if gc.affix != "none":
+        affix_in = affix.affix_inputs(gc, mc, prompts, affix_spans, shared, prefix_entry, key_mask, P, x.shape[1])
+        if gc.affix != "naive":  # recomputed (anchors, deeper layers), never frozen
+            frozen = np.zeros_like(frozen)
     if gc.norm_rope_backend in ("pallas", "pallas_rope") and not is_unrolled(model.params["layers"]):
         raise ValueError(f"norm_rope_backend={gc.norm_rope_backend!r} needs per-layer params: load with "
                          "dllm_jax.load(..., layer_layout='unrolled') or convert with "
@@ -390,16 +333,15 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
     run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
-    toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions),
-                                        jnp.asarray(key_mask), jnp.asarray(frozen), jax.random.key(seed),
-                                        anchors_in, shared, shared_hidden, config=mc, gc=gc, prompt_len=P,
-                                        padded=bool((~key_mask).any()), depth=depth)
+    toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions), jnp.asarray(key_mask),
+                              jnp.asarray(frozen), jax.random.key(seed), affix_in, config=mc, gc=gc, prompt_len=P,
+                              padded=bool((~key_mask).any()))
     toks = np.asarray(jax.block_until_ready(toks))
     seconds = time.perf_counter() - t0
     nfe = int(nfe)
     return GenerationOutput(tokens=toks, nfe=nfe, steps_per_block=np.asarray(spb),
                             committed_per_step=np.asarray(cps)[:nfe], seconds=seconds, prompt_len=P,
-                            shallow_depth=depth)
+                            shallow_depth=None if affix_in is None else affix_in.depth)
 
 
 def answer_tokens(tokens: np.ndarray, config: ModelConfig, gc: GenerationConfig | None = None) -> list[list[int]]:
