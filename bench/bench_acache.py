@@ -1,4 +1,5 @@
-"""GPU benchmark of the affix cache (ACache, dllm_jax/caches/acache.py) at LLaDA-8B shapes (random bf16 weights).
+"""GPU benchmark of the shared-affix caches (ACache, BiCache: dllm_jax/caches/) at LLaDA-8B shapes (random bf16
+weights).
 
 Every request is [shared affix of --affix-len tokens][its own --request-len tokens][generation]; gen 256, block
 32, a fixed schedule of 64 steps (8 blocks x 8 steps: random weights never pass a confidence threshold), so every
@@ -7,11 +8,13 @@ mode runs the same 64 decoding forwards and differs in what a block start forwar
   anchors_R     ACache with anchor_ratio R and the affix's K/V built ONCE (`build_shared_affix`, timed apart and
                 not per call): block starts forward [anchors | request | generation]; +1 NFE for the probe.
                 anchors_0.0 decodes as the naive reuse (identity), anchors_1.0 as dual.
+  shallow_D     BiCache at depth D (shallow_table: the paper's depth for this affix share; LLaDA-8B at the
+                defaults: r = 76 -> 16 of 32 layers), the prefix's K/V and hidden states built once.
 Per row: median seconds of `generate` (after a warm-up call), NFE, tokens/s, the speedup over dual at the same
 batch in the same run, and the ms of one block-start forward (the window's forward, 4 fused in a jitted loop).
 Writes bench/results/acache_h200.json and a plot.
 
-    python bench/bench_acache.py [--batches 1 8] [--ratios 0.0 0.2] [--affix-len 1024] [--budget-s 420]
+    python bench/bench_acache.py [--batches 1 8] [--ratios 0.0 0.2] [--shallow-depths table] [--affix-len 1024]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from dllm_jax.caches import acache, strategy_for  # noqa: E402
+from dllm_jax.caches import acache, affix, bicache, strategy_for  # noqa: E402
 from dllm_jax.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
 from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
@@ -43,24 +46,32 @@ def requests(cfg, affix: list[int], batch: int, request_len: int, rng) -> list[l
     return [affix + rng.integers(0, hi, request_len).tolist() for _ in range(batch)]
 
 
-def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> float:
-    """ms of one block-start forward of this mode (the cache state as generate builds it, a middle block)."""
+def gen_config(kind: str, value) -> GenerationConfig:
+    """kind: "dual", "anchors" (value: the ratio) or "shallow" (value: the depth; None: the published table)."""
+    extra = {"dual": {}, "anchors": dict(affix="anchors", anchor_ratio=value),
+             "shallow": dict(affix="shallow", shallow_depth=value)}[kind]
+    return GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual", stop_at_eos=False,
+                            **extra)
+
+
+def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple[float, int | None]:
+    """(ms of one block-start forward of this mode from the state generate starts from, a middle block; the
+    BiCache depth used)."""
     cfg = model.config
     x, pos, km, frozen, p = layout(prompts, cfg, gc)
     inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.block_length,
                        1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
                        ffn_backend=gc.ffn_backend, norm_rope_backend=gc.norm_rope_backend)
-    strat = strategy_for(gc.cache, gc.affix)
     x = jnp.asarray(x)
-    if gc.affix == "anchors":
-        a = acache.anchor_inputs([(0, len(shared))] * len(prompts), np.zeros(len(prompts), np.int32), p, x.shape[1],
-                                 gc.anchor_ratio)
-        n = len(prompts)
-        placed = jax.jit(acache.place_shared_affix, static_argnames=("config", "batch", "length"))(
-            model.params, cfg, shared.k, shared.v, jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
-            jnp.ones(n, bool), batch=n, length=x.shape[1])
-        state = jax.jit(acache.prepare, static_argnames=("config",))(model.params, cfg, inp, a, x, placed)
-    else:
+    depth = None
+    if gc.affix != "none":  # the library's own set-up (caches/affix.py), as generate runs it
+        spans, entry, prefix_entry = affix.resolve_spans(gc, cfg, prompts, None, shared)
+        a = affix.affix_inputs(gc, cfg, prompts, spans, entry, prefix_entry, km, p, x.shape[1])
+        depth = a.depth
+        state, _ = jax.jit(affix.initial_state, static_argnames=("config",))(model.params, cfg, inp, x,
+                                                                              jnp.asarray(frozen), a)
+    strat = strategy_for(gc.cache, gc.affix, depth)
+    if gc.affix == "none":
         state = strat.init(model.params, cfg, inp, x)
     bs = jnp.int32(p + 2 * gc.block_length)
 
@@ -80,22 +91,25 @@ def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> float
         box[0] = st
 
     med, _ = common.time_call(call, reps=3)
-    return 1e3 * med / FUSED
+    return 1e3 * med / FUSED, depth
 
 
-def bench_row(model: Model, mode: str, ratio: float | None, batch: int, prompts, shared, reps: int) -> dict:
-    gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual", stop_at_eos=False,
-                          affix="anchors" if ratio is not None else "none", anchor_ratio=ratio or 0.0)
-    kw = dict(shared_affix=shared) if ratio is not None else {}
+def bench_row(model: Model, kind: str, value, batch: int, prompts, shared, reps: int) -> dict:
+    gc = gen_config(kind, value)
+    kw = dict(shared_affix=shared[kind]) if kind != "dual" else {}
     t0 = time.perf_counter()
     out = generate(model, prompts, gc, **kw)
     first = time.perf_counter() - t0
     secs = [generate(model, prompts, gc, **kw).seconds for _ in range(common.repeats(reps))]
     sec = float(np.median(secs))
-    ms_start = block_start_ms(model, gc, prompts, shared)
-    window = (acache.anchor_count(len(shared), ratio) + len(prompts[0]) - len(shared) + GEN if ratio is not None
-              else out.prompt_len + GEN)
-    return {"mode": mode, "anchor_ratio": ratio, "batch": batch, "seconds": sec, "nfe": out.nfe,
+    ms_start, depth = block_start_ms(model, gc, prompts, kw.get("shared_affix"))
+    a_len = len(shared["anchors"])
+    own = len(prompts[0]) - a_len + GEN
+    window = {"dual": out.prompt_len + GEN, "anchors": (acache.anchor_count(a_len, value or 0.0) + own),
+              "shallow": own}[kind]  # shallow: layers < depth only; the others forward the whole buffer
+    mode = "dual" if kind == "dual" else f"{kind}_{'table' if value is None else f'{value:g}'}"
+    return {"mode": mode, "kind": kind, "anchor_ratio": value if kind == "anchors" else None,
+            "shallow_depth": depth, "batch": batch, "seconds": sec, "nfe": out.nfe,
             "tokens_per_s": batch * GEN / sec, "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_start": ms_start,
             "block_start_window_tokens": window, "compile_s": max(first - sec, 0.0),
             "attention": resolve_backend(gc, model.config, False)}
@@ -125,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llada-8b", choices=list(common.MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2])
+    ap.add_argument("--shallow-depths", nargs="*", default=["table"],
+                    help="BiCache rows: depths, or 'table' for the paper's table (LLaDA-8B / Dream-7B only)")
     ap.add_argument("--affix-len", type=int, default=1024)
     ap.add_argument("--request-len", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
@@ -137,24 +153,30 @@ def main(argv=None) -> int:
         params = unstack_layers(params)
     model = Model(cfg, params)
     rng = np.random.default_rng(0)
-    affix = rng.integers(0, min(100_000, cfg.vocab_size - 3), args.affix_len).tolist()
-    acache.build_shared_affix(model.params, cfg, affix)  # compile
-    t0 = time.perf_counter()
-    shared = acache.build_shared_affix(model.params, cfg, affix)
-    jax.block_until_ready(shared.k)
-    build_ms = 1e3 * (time.perf_counter() - t0)
+    affix_ids = rng.integers(0, min(100_000, cfg.vocab_size - 3), args.affix_len).tolist()
+    builds = {"anchors": acache.build_shared_affix, "shallow": bicache.build_shared_prefix}
+    shared, build_ms = {}, {}
+    for kind, build in builds.items():
+        build(model.params, cfg, affix_ids)  # compile
+        t0 = time.perf_counter()
+        shared[kind] = build(model.params, cfg, affix_ids)
+        jax.block_until_ready(shared[kind].k if kind == "anchors" else shared[kind].hidden)
+        build_ms[kind] = 1e3 * (time.perf_counter() - t0)
     print(f"[{time.perf_counter() - t_start:5.0f}s] {args.model} ready; shared affix of {args.affix_len} tokens "
-          f"built in {build_ms:.1f} ms (once, not per call)", flush=True)
+          f"built in {build_ms['anchors']:.1f} ms (K/V) / {build_ms['shallow']:.1f} ms (+ hidden states), once",
+          flush=True)
     rows, skipped = [], []
-    plan = [(b, r) for b in args.batches for r in [None] + list(args.ratios)]
-    for batch, ratio in plan:
-        mode = "dual" if ratio is None else f"anchors_{ratio:g}"
+    kinds = ([("dual", None)] + [("anchors", r) for r in args.ratios]
+             + [("shallow", None if d == "table" else int(d)) for d in args.shallow_depths])
+    plan = [(b, kind, value) for b in args.batches for kind, value in kinds]
+    for batch, kind, value in plan:
+        mode = f"{kind} {value}"
         if time.perf_counter() - t_start > args.budget_s:
             skipped.append(dict(mode=mode, batch=batch))
             continue
-        prompts = requests(cfg, affix, batch, args.request_len, np.random.default_rng(batch))
+        prompts = requests(cfg, affix_ids, batch, args.request_len, np.random.default_rng(batch))
         try:
-            row = bench_row(model, mode, ratio, batch, prompts, shared, reps=3)
+            row = bench_row(model, kind, value, batch, prompts, shared, reps=3)
         except Exception as e:  # noqa: BLE001  one failing row must not lose the run
             print(f"FAILED {mode} b{batch}: {type(e).__name__}: {e}", flush=True)
             skipped.append(dict(mode=mode, batch=batch, error=str(e)[:300]))
@@ -164,7 +186,8 @@ def main(argv=None) -> int:
             row["speedup_vs_dual"] = base["seconds"] / row["seconds"]
             row["block_start_speedup_vs_dual"] = base["ms_block_start"] / row["ms_block_start"]
         rows.append(row)
-        print(f"[{time.perf_counter() - t_start:5.0f}s] {mode:12s} b{batch:<3d} {row['tokens_per_s']:8.1f} tok/s "
+        mode = row["mode"]
+        print(f"[{time.perf_counter() - t_start:5.0f}s] {mode:14s} b{batch:<3d} {row['tokens_per_s']:8.1f} tok/s "
               f"NFE {row['nfe']}  start {row['ms_block_start']:7.2f} ms ({row['block_start_window_tokens']} tokens)"
               f"  x{row.get('speedup_vs_dual', 1.0):.3f} vs dual  compile {row['compile_s']:.0f}s", flush=True)
         save(args, rows, skipped, build_ms)
@@ -177,7 +200,7 @@ def main(argv=None) -> int:
 def save(args, rows, skipped, build_ms) -> Path:
     meta = common.meta(model=args.model, weights="random bf16", affix_length=args.affix_len,
                        request_length=args.request_len, gen_length=GEN, block_length=BLOCK, steps=STEPS,
-                       placement="prefix", shared_affix_build_ms=build_ms, skipped=skipped,
+                       placement="prefix", shared_build_ms=build_ms, skipped=skipped,
                        schedule="fixed 64 steps (8 per block), stop_at_eos off, dual cache inside blocks",
                        baseline="dual (full recompute at block starts) in the same run")
     name = "acache_h200.json" if not common.SMOKE_ON_CPU else "acache_cpu_smoke.json"

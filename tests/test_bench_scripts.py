@@ -529,15 +529,16 @@ def test_trace_generate_smoke_and_copy_search(tmp_path):
 
 def test_bench_acache_smoke(tmp_path):
     """bench_acache: dual and ACache rows of one batch, the same-run ratio, the shorter block-start window."""
-    _run("bench_acache", "--model", "tiny", "--batches", "2", "--ratios", "0.25", "--affix-len", "40",
-         "--request-len", "8", "--out", str(tmp_path))
+    _run("bench_acache", "--model", "tiny", "--batches", "2", "--ratios", "0.25", "--shallow-depths", "1",
+         "--affix-len", "40", "--request-len", "8", "--out", str(tmp_path))
     data = json.loads((tmp_path / "acache_cpu_smoke.json").read_text())
-    dual, anchors = data["rows"]
-    assert (dual["mode"], anchors["mode"]) == ("dual", "anchors_0.25")
-    assert dual["nfe"] == 64 and anchors["nfe"] == 65  # the probe
+    dual, anchors, shallow = data["rows"]
+    assert (dual["mode"], anchors["mode"], shallow["mode"]) == ("dual", "anchors_0.25", "shallow_1")
+    assert dual["nfe"] == 64 and anchors["nfe"] == 65 and shallow["nfe"] == 64  # ACache's probe
     assert anchors["speedup_vs_dual"] == dual["seconds"] / anchors["seconds"]
     assert anchors["block_start_window_tokens"] == 10 + 8 + 256 < dual["block_start_window_tokens"] == 64 + 256
-    assert data["meta"]["affix_length"] == 40 and data["meta"]["shared_affix_build_ms"] > 0
+    assert shallow["shallow_depth"] == 1 and shallow["ms_block_start"] > 0
+    assert data["meta"]["affix_length"] == 40 and min(data["meta"]["shared_build_ms"].values()) > 0
     assert (tmp_path / "acache_cpu_smoke.png").stat().st_size > 0
 
 
