@@ -10,7 +10,8 @@ import pytest
 from dllm_jax.caches import acache
 from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.generate import GenerationConfig, generate, layout
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.loading import Model
+from dllm_jax.modeling import KVCache, forward, unstack_layers
 
 # ragged prompts; spans put the affix first, inside and last (suffix: the prompt's last token is affix)
 PROMPTS = [[5, 17, 3, 44, 9, 12, 30, 21, 8], [8, 2, 61, 7, 33], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
@@ -234,6 +235,9 @@ def test_generate_with_a_shared_affix(affix, models_fp32):
     once = generate(m, SHARED_PROMPTS, gc, shared_affix=shared)
     np.testing.assert_array_equal(once.tokens, per_row.tokens)
     assert once.nfe == per_row.nfe
+    # per-layer params and buffers (the GPU layout) place it the same way
+    unrolled = Model(m.config, unstack_layers(m.params))
+    np.testing.assert_array_equal(generate(unrolled, SHARED_PROMPTS, gc, shared_affix=shared).tokens, per_row.tokens)
     # a row without the affix, marked by its span
     mixed = generate(m, SHARED_PROMPTS + [[50, 51]], gc, shared_affix=shared,
                      affix_spans=[(0, 6), (1, 7), (3, 9), None])

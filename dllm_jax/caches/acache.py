@@ -153,16 +153,20 @@ def place_shared_affix(params, config, shared_k: Array, shared_v: Array, starts:
     row with has_affix, K rotated by rope_offsets[r]; everything else zero (the decoding forwards write it)."""
     n_layers, a = shared_k.shape[:2]
     cos, sin = rope_cos_sin(rope_offsets[:, None], config.head_dim, config.rope_theta)  # [B, 1, D]
-    k = jnp.broadcast_to(shared_k[:, None], (n_layers, batch) + shared_k.shape[1:])
-    k = jax.vmap(lambda kl: apply_rope(kl, cos, sin, fp32=True))(k)
-    v = jnp.broadcast_to(shared_v[:, None], k.shape)
     slots = jnp.where(has_affix[:, None], starts[:, None] + jnp.arange(a)[None], length)  # past the end: dropped
     rows = jnp.arange(batch)[:, None]
     cache = KVCache.for_params(params, config, batch, length)
+    ks, vs = list(cache.k), list(cache.v)  # per layer (a stacked cache's leading axis)
+
+    # one layer at a time: the rotated fp32 copy of a whole [L, B, A, Hkv, D] affix would be GBs at LLaDA-8B
+    for i in range(n_layers):
+        k = apply_rope(jnp.broadcast_to(shared_k[i], (batch,) + shared_k.shape[1:]), cos, sin, fp32=True)
+        v = jnp.broadcast_to(shared_v[i], k.shape)
+        ks[i] = ks[i].at[rows, slots].set(k.astype(ks[i].dtype), mode="drop")
+        vs[i] = vs[i].at[rows, slots].set(v.astype(vs[i].dtype), mode="drop")
     if cache.per_layer:
-        return KVCache(tuple(b.at[rows, slots].set(k[i], mode="drop") for i, b in enumerate(cache.k)),
-                       tuple(b.at[rows, slots].set(v[i], mode="drop") for i, b in enumerate(cache.v)))
-    return KVCache(cache.k.at[:, rows, slots].set(k, mode="drop"), cache.v.at[:, rows, slots].set(v, mode="drop"))
+        return KVCache(tuple(ks), tuple(vs))
+    return KVCache(jnp.stack(ks), jnp.stack(vs))
 
 
 def affix_importance_probe(affix_keys: Array, mask_queries: Array):
