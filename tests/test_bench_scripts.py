@@ -548,6 +548,8 @@ def test_profile_bicache_smoke(tmp_path):
     data = json.loads((tmp_path / "p.json").read_text())
     table = {int(k): v for k, v in data["table"].items()}
     assert min(table) == 0 and list(table.values()) == sorted(table.values())
+    strict = {int(k): v for k, v in data["table_strict"].items()}
+    assert strict[0] == table[0] - 1
     curves = data["mean_similarity_per_layer"]
     assert len(curves) >= 2 and all(len(c) == 6 and abs(c[0] - 1) < 1e-4 for c in curves.values())
     assert (tmp_path / "p.png").stat().st_size > 0

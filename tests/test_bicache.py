@@ -180,6 +180,9 @@ def test_profile_statistic_and_table(models_fp32):
     sims = np.array([[1, .99, .5], [1, .99, .98], [1, .5, .5], [1, .99, .99], [1, .99, .99]])
     # r 10: mean [1, .99, .74] -> 2; r 20 -> 1 (no growth: dropped); r 30 -> 3; r 40 -> 3 (dropped)
     assert bicache.depth_table_from_profile([10, 10, 20, 30, 40], sims, 0.97) == {0: 2, 30: 3}
+    # strict: the depth layer must pass too (one fewer unless every layer passes)
+    assert bicache.depth_table_from_profile([10, 10, 20, 30, 40], sims, 0.97, strict=True) == {0: 1, 30: 3}
+    assert bicache.depth_table_from_profile([5], np.array([[1, .5, .5]]), 0.97, strict=True) == {0: 0}
     gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow",
                           shallow_table={0: 1, 50: 2})
     assert gc.shallow_table == ((0, 1), (50, 2))

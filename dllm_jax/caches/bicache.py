@@ -64,18 +64,23 @@ def kv_similarity(params, config, x: Array, positions: Array, key_mask: Array, a
     return (jnp.sum(per_token * w, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1)).T
 
 
-def depth_table_from_profile(ratios: Sequence[int], similarity: np.ndarray, threshold: float = 0.97
-                             ) -> dict[int, int]:
+def depth_table_from_profile(ratios: Sequence[int], similarity: np.ndarray, threshold: float = 0.97,
+                             strict: bool = False) -> dict[int, int]:
     """The paper's table from profiled rows: per ratio bucket r (percent of the sequence that is affix), the mean
     similarity per layer; b(r) = how many LEADING layers exceed `threshold`; only ratios where b grows are kept
     (a monotone staircase). The smallest profiled ratio's depth is keyed 0: it also serves shorter affixes (depth
-    grows with r, so that errs on the safe side)."""
+    grows with r, so that errs on the safe side).
+    strict: one layer fewer. At depth b the affix's hidden state computed alone enters layer b, so layer b's affix
+    K/V are the alone ones too: the paper's count never looks at that layer (layer 1 always scores 1.0, so its
+    rule never picks depth 0). strict asks layers 0..b all to pass (QUALITY.md: the bundled model needs it)."""
     similarity = np.asarray(similarity)
     table: dict[int, int] = {}
     for r in sorted(set(int(x) for x in ratios)):
         mean = similarity[np.asarray(ratios) == r].mean(axis=0)
         above = mean > threshold
         b = int(np.argmin(above)) if not above.all() else len(above)
+        if strict:
+            b = max(b - 1, 0) if b < len(above) else b
         if not table:
             table[0] = b
         elif b > max(table.values()):
