@@ -11,8 +11,9 @@ import argparse
 import sys
 import time
 
-from dllm_jax import checkpoint as ckpt
+from dllm_jax.io import checkpoint as ckpt
 from dllm_jax.config import ConfigError
+from dllm_jax.transformer.params import check_fp8_shapes
 
 
 def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True,
@@ -21,9 +22,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
     config = hf.model_config(dtype=dtype)
     leaves = ckpt.iter_leaves(hf, config, progress=progress)  # validated before the first leaf is read
     if fp8_ffn:  # LaCache: e4m3 FFN weights (128x128 block scales) for layers >= 2, stored in the checkpoint
-        from dllm_jax import fp8
-
-        fp8.check_fp8_shapes(config)
+        check_fp8_shapes(config)
         leaves = ckpt.quantize_ffn_leaves(leaves, config)
         config = config.replace(fp8_ffn=True)
     return str(ckpt.write_converted(leaves, config, out_dir, source_dir=hf_dir, force=force))

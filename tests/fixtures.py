@@ -155,6 +155,6 @@ def write_checkpoint(name: str, out_dir: str | Path, shard_bytes: int | None = N
 
 def write_tokenizer(family: str, out_dir: str | Path) -> None:
     """Byte-level tokenizer files in the family's release layout (its own ids: bytes 0..255, specials 256..)."""
-    from dllm_jax import byte_tokenizer
+    from dllm_jax.io import byte_tokenizer
 
     byte_tokenizer.write(out_dir, family)

@@ -1,17 +1,19 @@
-"""ACache (caches/acache.py): layout, probe, anchor choice, and its identities with the naive reuse and the
+"""ACache (decoding/caches/acache.py): layout, probe, anchor choice, and its identities with the naive reuse and the
 plain cache, on tiny fp32 checkpoints of both families (ragged batches, every affix placement)."""
-
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.caches import acache
-from dllm_jax.caches.base import DecodeInputs
-from dllm_jax.generate import GenerationConfig, generate, layout
-from dllm_jax.loading import Model
-from dllm_jax.modeling import KVCache, forward, unstack_layers
+from dllm_jax.decoding.caches import acache
+from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.generate import generate, layout
+from dllm_jax.io.loading import Model
+from dllm_jax.transformer import XLA, CacheWrite, KVCache, forward
+from dllm_jax.transformer.params import unstack_layers
+
+opts = GenerationConfig.from_options
 
 # ragged prompts; spans put the affix first, inside and last (suffix: the prompt's last token is affix)
 PROMPTS = [[5, 17, 3, 44, 9, 12, 30, 21, 8], [8, 2, 61, 7, 33], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
@@ -75,12 +77,12 @@ def test_probe_hook_matches_reference():
 
 def prepared(model, prompts, spans, ratio, gen_length=8):
     """The state `generate` starts decoding from, built eagerly (plus the inputs and the affix-alone cache)."""
-    gc = GenerationConfig(gen_length=gen_length, block_length=4, steps=gen_length, cache="dual", affix="anchors",
-                          anchor_ratio=ratio)
+    gc = opts(gen_length=gen_length, block_length=4, steps=gen_length, cache="dual", affix="anchors",
+              anchor_ratio=ratio)
     x, positions, key_mask, _, p = layout(prompts, model.config, gc)
     inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
                        frozen=jnp.zeros(x.shape, bool), prompt_len=p, block_length=4,
-                       shift=1 if model.config.family == "dream" else 0, backend="xla")
+                       shift=1 if model.config.family == "dream" else 0, kernels=XLA)
     a = acache.anchor_inputs(spans, (~key_mask).sum(1), p, x.shape[1], ratio)
     x = jnp.asarray(x)
     state = acache.prepare(model.params, model.config, inp, a, x)
@@ -128,15 +130,16 @@ def test_block_start_recomputes_anchors_and_request_only(models_fp32):
 
 
 def test_write_slots_equals_contiguous_write(models_fp32):
-    """forward(write_slots=...) over a gathered window writes what the contiguous window writes."""
+    """A scattered CacheWrite over a gathered window writes what the contiguous window writes."""
     m = models_fp32["dream"]
     x = jnp.asarray([[5, 17, 3, 44, 9, 12, 30, 21]], jnp.int32)
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     empty = KVCache.for_params(m.params, m.config, 1, 8)
     full = forward(m.params, m.config, x, pos, cache=empty)
-    contiguous = forward(m.params, m.config, x[:, 3:6], pos[:, 3:6], cache=full.cache, cache_offset=3)
+    contiguous = forward(m.params, m.config, x[:, 3:6], pos[:, 3:6], cache=full.cache, write=CacheWrite.at(3))
     slots = jnp.asarray([[5, 3, 4]], jnp.int32)  # the same window, gathered out of order
-    gathered = forward(m.params, m.config, x[:, [5, 3, 4]], pos[:, [5, 3, 4]], cache=full.cache, write_slots=slots)
+    gathered = forward(m.params, m.config, x[:, [5, 3, 4]], pos[:, [5, 3, 4]], cache=full.cache,
+                       write=CacheWrite.scatter(slots))
     np.testing.assert_allclose(np.asarray(gathered.cache.stacked().k), np.asarray(contiguous.cache.stacked().k),
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(gathered.logits[0]), np.asarray(contiguous.logits[0, [2, 0, 1]]),
@@ -148,11 +151,11 @@ def test_ratio_identities(name, cache, models_fp32):
     """anchor_ratio 0 decodes exactly as the naive reuse; anchor_ratio 1 exactly as the plain cache (the probe is
     one more NFE in both); in between, the tokens are those of neither in general."""
     m = models_fp32[name]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
-    plain = generate(m, PROMPTS, gc)
-    naive = generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"), affix_spans=SPANS)
-    r0 = generate(m, PROMPTS, dataclasses.replace(gc, affix="anchors", anchor_ratio=0.0), affix_spans=SPANS)
-    r1 = generate(m, PROMPTS, dataclasses.replace(gc, affix="anchors", anchor_ratio=1.0), affix_spans=SPANS)
+    base = dict(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
+    plain = generate(m, PROMPTS, opts(**base))
+    naive = generate(m, PROMPTS, opts(**base, affix="naive"), affix_spans=SPANS)
+    r0 = generate(m, PROMPTS, opts(**base, affix="anchors", anchor_ratio=0.0), affix_spans=SPANS)
+    r1 = generate(m, PROMPTS, opts(**base, affix="anchors", anchor_ratio=1.0), affix_spans=SPANS)
     assert (naive.tokens != plain.tokens).any()  # the affix matters here, so the identities are not vacuous
     np.testing.assert_array_equal(r0.tokens, naive.tokens)
     np.testing.assert_array_equal(r1.tokens, plain.tokens)
@@ -162,30 +165,29 @@ def test_ratio_identities(name, cache, models_fp32):
 def test_rows_without_affix_and_refresh_every_step(models_fp32):
     """A row with no affix decodes as with the plain cache; refresh="step" with ratio 1 equals no cache."""
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False,
-                          affix="anchors", anchor_ratio=0.3)
+    base = dict(gen_length=8, block_length=4, steps=8, stop_at_eos=False)
+    gc = opts(**base, cache="dual", affix="anchors", anchor_ratio=0.3)
     mixed = generate(m, PROMPTS, gc, affix_spans=[SPANS[0], None, SPANS[2]])
-    plain = generate(m, PROMPTS, dataclasses.replace(gc, affix="none"))
+    plain = generate(m, PROMPTS, opts(**base, cache="dual"))
     np.testing.assert_array_equal(mixed.tokens[1], plain.tokens[1])
-    every = dataclasses.replace(gc, refresh="step", anchor_ratio=1.0)
+    every = opts(**base, cache="dual", affix="anchors", anchor_ratio=1.0, refresh="step")
     np.testing.assert_array_equal(generate(m, PROMPTS, every, affix_spans=SPANS).tokens,
-                                  generate(m, PROMPTS, dataclasses.replace(gc, cache="none", affix="none")).tokens)
+                                  generate(m, PROMPTS, opts(**base, cache="none")).tokens)
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(affix="anchors"), "needs cache='prefix' or 'dual'"),
-    (dict(affix="anchors", cache="dual", anchor_ratio=1.5), "anchor_ratio=1.5"),
+    (dict(affix="anchors"), "needs cache 'prefix' or 'dual'"),
+    (dict(affix="anchors", cache="dual", anchor_ratio=1.5), "ratio=1.5"),
     (dict(affix="anchored", cache="dual"), "affix='anchored'"),
 ])
-def test_bad_affix_settings(kw, msg, models_fp32):
+def test_bad_affix_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        generate(models_fp32["llada"], PROMPTS, GenerationConfig(gen_length=8, block_length=4, steps=8, **kw),
-                 affix_spans=SPANS)
+        opts(gen_length=8, block_length=4, steps=8, **kw)
 
 
 def test_bad_affix_spans(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors")
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors")
     with pytest.raises(ValueError, match="needs affix_spans"):
         generate(m, PROMPTS, gc)
     with pytest.raises(ValueError, match="2 entries for 3 prompts"):
@@ -206,11 +208,11 @@ def test_shared_affix_placed_equals_affix_alone(name, models_fp32):
     m = models_fp32[name]
     shared = acache.build_shared_affix(m.params, m.config, AFFIX)
     assert len(shared) == 6 and shared.k.shape == (m.config.n_layers, 6, m.config.n_kv_heads, m.config.head_dim)
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="naive")
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="naive")
     spans = [(0, 6), (1, 7), (3, 9)]
     x, positions, key_mask, frozen, p = layout(SHARED_PROMPTS, m.config, gc, spans)
     inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
-                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=4, shift=0, backend="xla")
+                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=4, shift=0, kernels=XLA)
     alone = acache.affix_alone_cache(m.params, m.config, inp, jnp.asarray(x), jnp.asarray(frozen)).stacked()
     pads = (~key_mask).sum(1)
     starts = np.array([s for s, _ in spans])
@@ -228,8 +230,7 @@ def test_shared_affix_placed_equals_affix_alone(name, models_fp32):
 def test_generate_with_a_shared_affix(affix, models_fp32):
     """generate(shared_affix=...) finds the affix in each prompt and decodes as when every row computes it."""
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix=affix,
-                          anchor_ratio=0.34)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix=affix, anchor_ratio=0.34)
     shared = acache.build_shared_affix(m.params, m.config, AFFIX)
     per_row = generate(m, SHARED_PROMPTS, gc, affix_spans=[(0, 6), (1, 7), (3, 9)])
     once = generate(m, SHARED_PROMPTS, gc, shared_affix=shared)
@@ -247,13 +248,13 @@ def test_generate_with_a_shared_affix(affix, models_fp32):
 def test_bad_shared_affix(models_fp32):
     m = models_fp32["llada"]
     shared = acache.build_shared_affix(m.params, m.config, AFFIX)
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors")
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors")
     with pytest.raises(ValueError, match="prompt 1 does not contain the shared affix"):
         generate(m, [AFFIX + [1], [1, 2, 3]], gc, shared_affix=shared)
     with pytest.raises(ValueError, match=r"span \(1, 7\) of prompt 0 does not hold"):
         generate(m, [AFFIX + [1]], gc, shared_affix=shared, affix_spans=[(1, 7)])
-    with pytest.raises(ValueError, match="needs affix='naive', 'anchors' or 'shallow'"):
-        generate(m, [AFFIX + [1]], dataclasses.replace(gc, affix="none"), shared_affix=shared)
+    with pytest.raises(ValueError, match="shared_affix needs an affix technique"):
+        generate(m, [AFFIX + [1]], opts(gen_length=8, block_length=4, steps=8, cache="dual"), shared_affix=shared)
     with pytest.raises(ValueError, match="do not fit this model"):
         generate(models_fp32["dream"], [AFFIX + [1]], gc, shared_affix=shared)
     with pytest.raises(ValueError, match="outside"):

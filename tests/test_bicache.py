@@ -1,16 +1,17 @@
-"""BiCache (caches/bicache.py): the depth rule, a forward split at a layer, the refresh against a masked
+"""BiCache (decoding/caches/bicache.py): the depth rule, a forward split at a layer, the refresh against a masked
 full-window formulation, and its identities with the plain cache (depth 0) and the naive reuse (depth L)."""
-
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.caches import acache, bicache
-from dllm_jax.caches.base import DecodeInputs
-from dllm_jax.generate import GenerationConfig, generate, layout
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.decoding.caches import acache, bicache
+from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.generate import generate, layout
+from dllm_jax.transformer import XLA, CacheWrite, KVCache, forward
+
+opts = GenerationConfig.from_options
 
 PROMPTS = [[5, 17, 3, 44, 9, 12, 30, 21, 8], [8, 2, 61, 7, 33], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 SPANS = [(0, 6), (0, 3), (3, 11)]  # ragged prefixes and a suffix (P - 1 is affix)
@@ -35,7 +36,7 @@ def test_depth_rule():
     class Tiny:
         family, n_layers = "llada", 3
 
-    with pytest.raises(ValueError, match="set GenerationConfig.shallow_depth"):
+    with pytest.raises(ValueError, match=r"set Shallow\(depth=0..3\)"):
         bicache.batch_depth(Tiny, [(0, 5)], [10], 8, None)
 
 
@@ -48,27 +49,26 @@ def test_forward_split_at_a_layer(name, models_fp32):
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     whole = forward(m.params, m.config, x, pos)
     for k in range(m.config.n_layers + 1):
-        h = forward(m.params, m.config, x, pos, layer_range=(0, k), output_hidden=True)
+        h = forward(m.params, m.config, x, pos, layers=(0, k), output_hidden=True)
         assert h.logits is None and h.hidden.shape == (1, 8, m.config.d_model)
-        out = forward(m.params, m.config, None, pos, hidden=h.hidden, layer_range=(k, m.config.n_layers))
+        out = forward(m.params, m.config, h.hidden, pos, layers=(k, m.config.n_layers))
         np.testing.assert_allclose(np.asarray(out.logits), np.asarray(whole.logits), rtol=1e-5, atol=1e-5)
     cache = KVCache.for_params(m.params, m.config, 1, 8)
     full = forward(m.params, m.config, x, pos, cache=cache)
-    first = forward(m.params, m.config, x, pos, cache=cache, layer_range=(0, 1), output_hidden=True)
-    rest = forward(m.params, m.config, None, pos, hidden=first.hidden, cache=first.cache,
-                   layer_range=(1, m.config.n_layers))
+    first = forward(m.params, m.config, x, pos, cache=cache, layers=(0, 1), output_hidden=True)
+    rest = forward(m.params, m.config, first.hidden, pos, cache=first.cache, layers=(1, m.config.n_layers))
     np.testing.assert_allclose(np.asarray(rest.cache.stacked().k), np.asarray(full.cache.stacked().k), rtol=1e-5,
                                atol=1e-6)
-    with pytest.raises(ValueError, match="layer_range"):
-        forward(m.params, m.config, x, pos, layer_range=(1, m.config.n_layers + 1))
+    with pytest.raises(ValueError, match="not within the model's"):
+        forward(m.params, m.config, x, pos, layers=(1, m.config.n_layers + 1))
 
 
 def setup(model, spans, depth, prompts=PROMPTS):
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow")
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow")
     x, positions, key_mask, _, p = layout(prompts, model.config, gc)
     inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
                        frozen=jnp.zeros(x.shape, bool), prompt_len=p, block_length=4,
-                       shift=1 if model.config.family == "dream" else 0, backend="xla")
+                       shift=1 if model.config.family == "dream" else 0, kernels=XLA)
     a = acache.anchor_inputs(spans, (~key_mask).sum(1), p, x.shape[1], 0.0)
     x = jnp.asarray(x)
     state = bicache.prefix_alone_state(model.params, model.config, inp, x, a.affix, a.request, a.request_writes,
@@ -82,12 +82,12 @@ def masked_refresh_reference(model, inp, x, prefix, alone_kv, prefix_hidden, dep
     >= depth."""
     cfg = model.config
     shallow = forward(model.params, cfg, x, inp.positions, key_mask=inp.key_mask, cache=alone_kv,
-                      write_mask=~prefix, layer_range=(0, depth), output_hidden=True)
+                      write=CacheWrite.at(0, ~prefix), layers=(0, depth), output_hidden=True)
     spliced = prefix & (jnp.arange(x.shape[1]) != inp.prompt_len - 1)[None]  # P - 1 stays in context
     hidden = jnp.where(spliced[:, :, None], prefix_hidden, shallow.hidden)
     idx = jnp.broadcast_to(block_start + jnp.arange(4) - inp.shift, (x.shape[0], 4))
-    deep = forward(model.params, cfg, None, inp.positions, hidden=hidden, key_mask=inp.key_mask,
-                   cache=shallow.cache, layer_range=(depth, cfg.n_layers), logits_at=idx)
+    deep = forward(model.params, cfg, hidden, inp.positions, key_mask=inp.key_mask, cache=shallow.cache,
+                   layers=(depth, cfg.n_layers), logits_at=idx)
     return deep.logits, deep.cache
 
 
@@ -121,14 +121,13 @@ def test_depth_identities(name, cache, models_fp32):
     """shallow_depth 0 decodes exactly as the plain cache, shallow_depth = n_layers exactly as the naive reuse;
     in between, neither in general. No extra NFE."""
     m = models_fp32[name]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
+    base = dict(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
     spans = [(0, 6), (1, 4), (3, 11)]  # a prefix, an infix, a suffix
-    plain = generate(m, PROMPTS, gc)
-    naive = generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"), affix_spans=spans)
+    plain = generate(m, PROMPTS, opts(**base))
+    naive = generate(m, PROMPTS, opts(**base, affix="naive"), affix_spans=spans)
     assert (naive.tokens != plain.tokens).any()
-    d0 = generate(m, PROMPTS, dataclasses.replace(gc, affix="shallow", shallow_depth=0), affix_spans=spans)
-    dl = generate(m, PROMPTS, dataclasses.replace(gc, affix="shallow", shallow_depth=m.config.n_layers),
-                  affix_spans=spans)
+    d0 = generate(m, PROMPTS, opts(**base, affix="shallow", shallow_depth=0), affix_spans=spans)
+    dl = generate(m, PROMPTS, opts(**base, affix="shallow", shallow_depth=m.config.n_layers), affix_spans=spans)
     np.testing.assert_array_equal(d0.tokens, plain.tokens)
     np.testing.assert_array_equal(dl.tokens, naive.tokens)
     assert d0.nfe == plain.nfe and dl.nfe == naive.nfe and dl.shallow_depth == m.config.n_layers
@@ -142,8 +141,8 @@ def test_shared_prefix_built_once(models_fp32):
     prompts = [prefix + [20, 21], [31, 32] + prefix + [33, 34], [7, 8]]  # the second row: an infix
     shared = bicache.build_shared_prefix(m.params, m.config, prefix)
     assert shared.hidden.shape == (m.config.n_layers + 1, 6, m.config.d_model) and shared.tokens == tuple(prefix)
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix="shallow",
-                          shallow_depth=2)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix="shallow",
+              shallow_depth=2)
     spans = [(0, 6), (2, 8), None]
     for depth in range(m.config.n_layers + 1):
         _, a, _, state = setup(m, spans, depth, prompts)
@@ -157,11 +156,14 @@ def test_shared_prefix_built_once(models_fp32):
 
 def test_bad_shallow_settings(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_depth=1)
-    with pytest.raises(ValueError, match="set GenerationConfig.shallow_depth"):
-        generate(m, PROMPTS, dataclasses.replace(gc, shallow_depth=None), affix_spans=SPANS)
-    with pytest.raises(ValueError, match="shallow_depth=4 must be in"):
-        generate(m, PROMPTS, dataclasses.replace(gc, shallow_depth=4), affix_spans=SPANS)
+    base = dict(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow")
+    gc = opts(**base, shallow_depth=1)
+    with pytest.raises(ValueError, match=r"set Shallow\(depth"):
+        generate(m, PROMPTS, opts(**base), affix_spans=SPANS)
+    with pytest.raises(ValueError, match="shallow depth 4 exceeds the model's 3 layers"):
+        generate(m, PROMPTS, opts(**base, shallow_depth=4), affix_spans=SPANS)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        opts(**base, shallow_depth=-1)
     with pytest.raises(ValueError, match="build_shared_prefix"):
         generate(m, PROMPTS, gc, shared_affix=acache.build_shared_affix(m.params, m.config, PROMPTS[0][:6]))
 
@@ -170,7 +172,7 @@ def test_profile_statistic_and_table(models_fp32):
     """Layer 1's K/V depend only on the token and its position, so alone and in context agree there (cos 1); the
     table keeps a staircase of leading-layer counts, its first entry keyed 0."""
     m = models_fp32["dream"]
-    gc = GenerationConfig(gen_length=8, block_length=8, steps=8)
+    gc = opts(gen_length=8, block_length=8, steps=8)
     x, pos, km, frozen, _ = layout(PROMPTS, m.config, gc, SPANS)
     sim = np.asarray(bicache.kv_similarity(m.params, m.config, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
                                            jnp.asarray(frozen)))
@@ -183,10 +185,9 @@ def test_profile_statistic_and_table(models_fp32):
     # strict: the depth layer must pass too (one fewer unless every layer passes)
     assert bicache.depth_table_from_profile([10, 10, 20, 30, 40], sims, 0.97, strict=True) == {0: 1, 30: 3}
     assert bicache.depth_table_from_profile([5], np.array([[1, .5, .5]]), 0.97, strict=True) == {0: 0}
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow",
-                          shallow_table={0: 1, 50: 2})
-    assert gc.shallow_table == ((0, 1), (50, 2))
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_table={0: 1, 50: 2})
+    assert gc.cache.affix.table == ((0, 1), (50, 2))
     out = generate(m, PROMPTS, gc, affix_spans=SPANS)
     assert out.shallow_depth == 1  # every row's affix is under half its sequence
     with pytest.raises(ValueError, match="entry for r = 0"):
-        generate(m, PROMPTS, dataclasses.replace(gc, shallow_table=((5, 1),)), affix_spans=SPANS)
+        opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_table=((5, 1),))

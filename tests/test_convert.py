@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 import fixtures
 import dllm_jax
 from convert.cli import main as convert_main
-from dllm_jax import checkpoint as ckpt
+from dllm_jax.io import checkpoint as ckpt
 
 
 def leaves(tree, prefix=""):

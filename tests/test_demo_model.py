@@ -1,13 +1,10 @@
-"""The bundled default model (trained by bench/train_demo.py) and the `dllm-jax generate` command line."""
+"""The bundled default model (trained by bench/train_demo.py): its tasks solved, and its shared part read in the
+request's context (the gap the shared-affix techniques close)."""
 
 import importlib.util
-import json
 from pathlib import Path
 
-import pytest
-
-from dllm_jax import cli
-from dllm_jax.loading import DEFAULT_MODEL_DIR
+from dllm_jax.io.loading import DEFAULT_MODEL_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,36 +47,3 @@ def test_shared_part_is_read_in_the_request_context(tmp_path):
     # placement: 0.58-0.65 vs naive 0.05-0.08; see bench/results/quality.json for the H200 run)
     anchors = _accuracy(res["rows"], "anchors_0.5")["lookup"]
     assert anchors >= naive + 0.3, (anchors, naive)
-
-
-def test_cli_demo_prompt_on_bundled_model(capsys):
-    """The README's main command: no flags, the model's generation_config.json sets gen_length 8."""
-    assert cli.main(["generate", cli.DEMO_PROMPT]) == 0
-    out, err = capsys.readouterr()
-    assert out.strip().splitlines()[-1] == "1 0 4"  # 9 - digit, learned from the examples in the prompt
-    assert "demo model" in err and "NFE 8" in err
-
-
-def test_cli_flags_override_model_defaults(capsys):
-    assert cli.main(["generate", cli.DEMO_PROMPT, "--gen-length", "16", "--block-length", "8", "--cache",
-                     "none"]) == 0
-    assert "NFE 16" in capsys.readouterr().err
-
-
-def test_model_generation_defaults(tmp_path):
-    assert cli._model_generation_defaults(tmp_path) == {}
-    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64, "steps": 16,
-                                                                  "block_length": "x"}))
-    assert cli._model_generation_defaults(tmp_path) == {"gen_length": 64, "steps": 16}
-    (tmp_path / "generation_config.json").write_text("{not json")
-    assert cli._model_generation_defaults(tmp_path) == {}
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "/nonexistent/model"], "/nonexistent/model"),
-    (["--gen-length", "10", "--block-length", "4"], "multiple"),
-])
-def test_cli_errors(argv, message, capsys):
-    assert cli.main(["generate", "input : 1 2 3", *argv]) == 2
-    err = capsys.readouterr().err
-    assert "dllm-jax: error:" in err and message in err

@@ -8,10 +8,11 @@ import pytest
 
 import dllm_jax
 from convert.cli import main as convert_main
-from dllm_jax import checkpoint as ckpt
-from dllm_jax import fp8
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.modeling import KVCache, forward, init_params, param_shapes
+from dllm_jax.io import checkpoint as ckpt
+from dllm_jax.transformer import KVCache, forward
+from dllm_jax.transformer import params as fp8
+from dllm_jax.transformer.params import init_params, param_shapes
 
 CFG = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32,
                   mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,

@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 
 import fixtures
-from dllm_jax.caches import STRATEGIES
-from dllm_jax.caches.base import DecodeInputs
-from dllm_jax.generate import GenerationConfig, generate, layout
-from dllm_jax.modeling import forward
+from dllm_jax.decoding.caches import STRATEGIES
+from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.generate import generate, layout
+from dllm_jax.transformer import XLA, forward
+
+opts = GenerationConfig.from_options
 
 PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8, 2, 61], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
@@ -23,7 +26,7 @@ def full_logits(model, x):
     """Logits of one row; [MASK] excluded from predictions (the engine never commits it, see decode_loop)."""
     x = jnp.asarray(x, jnp.int32)[None]
     pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    logits = np.asarray(_jit_forward(model.params, config=model.config, tokens=x, positions=pos).logits[0],
+    logits = np.asarray(_jit_forward(model.params, config=model.config, inputs=x, positions=pos).logits[0],
                         np.float64)
     logits[:, model.config.mask_token_id] = -np.inf
     return logits
@@ -95,7 +98,7 @@ def dream_reference(model, prompt, gen_length, steps, eps=1e-3):
 def test_llada_matches_reference_loop(name, blocks, models_fp32):
     m = models_fp32[name]
     gen, bl, steps = blocks
-    gc = GenerationConfig(gen_length=gen, block_length=bl, steps=steps, stop_at_eos=False)
+    gc = opts(gen_length=gen, block_length=bl, steps=steps, stop_at_eos=False)
     out = generate(m, PROMPTS, gc)
     for row, prompt in zip(out.tokens, PROMPTS):
         ref, nfe = llada_reference(m, prompt, gen, bl, steps)
@@ -106,7 +109,7 @@ def test_llada_matches_reference_loop(name, blocks, models_fp32):
 
 def test_llada_threshold_matches_reference(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=12, block_length=4, threshold=0.3, stop_at_eos=False)
+    gc = opts(gen_length=12, block_length=4, threshold=0.3, stop_at_eos=False)
     for prompt in PROMPTS[:2]:
         out = generate(m, [prompt], gc)
         ref, nfe = llada_reference(m, prompt, 12, 4, 12, threshold=0.3)
@@ -117,7 +120,7 @@ def test_llada_threshold_matches_reference(models_fp32):
 @pytest.mark.parametrize("name", ["dream", "dream_tied"])
 def test_dream_matches_reference_loop(name, models_fp32):
     m = models_fp32[name]
-    gc = GenerationConfig(gen_length=10, block_length=10, steps=5, stop_at_eos=False)
+    gc = opts(gen_length=10, block_length=10, steps=5, stop_at_eos=False)
     out = generate(m, PROMPTS, gc)
     for row, prompt in zip(out.tokens, PROMPTS):
         np.testing.assert_array_equal(row, dream_reference(m, prompt, 10, 5))
@@ -128,18 +131,18 @@ def test_dream_matches_reference_loop(name, models_fp32):
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_cache_refreshed_every_step_is_exact(name, cache, models_fp32):
     m = models_fp32[name]
-    base = GenerationConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, sampler="llada")
-    ref = generate(m, PROMPTS, base)
-    out = generate(m, PROMPTS, dataclasses.replace(base, cache=cache, refresh="step"))
+    base = dict(gen_length=12, block_length=4, steps=12, stop_at_eos=False, sampler="llada")
+    ref = generate(m, PROMPTS, opts(**base))
+    out = generate(m, PROMPTS, opts(**base, cache=cache, refresh="step"))
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     assert out.nfe == ref.nfe == 12
 
 
 def _strategy_logits(model, name, x, block_start, edit):
     """Run block_start at x, then one step at x edited by `edit`; returns the step's block logits."""
-    gc = GenerationConfig(gen_length=12, block_length=4, steps=12, cache=name)
+    gc = opts(gen_length=12, block_length=4, steps=12, cache=name)
     xs, pos, km, frozen, P = layout([x], model.config, gc)
-    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), P, 4, 0, "xla")
+    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), P, 4, 0, XLA)
     s = STRATEGIES[name]
     xs = jnp.asarray(xs)
     state = s.init(model.params, model.config, inp, xs)
@@ -170,7 +173,7 @@ def test_which_positions_a_step_recomputes(cache, models_fp32):
         x[0, P + bs_rel + 1] = 3
         return x
 
-    P = layout([prompt], m.config, GenerationConfig(gen_length=12, block_length=4, steps=12))[4]
+    P = layout([prompt], m.config, opts(gen_length=12, block_length=4, steps=12))[4]
     bs = P + bs_rel
     base = _strategy_logits(m, cache, prompt, bs, same)
     changed = lambda f: np.abs(_strategy_logits(m, cache, prompt, bs, f) - base).max() > 1e-6  # noqa: E731
@@ -181,7 +184,7 @@ def test_which_positions_a_step_recomputes(cache, models_fp32):
 
 def test_threshold_commits_inside_block_and_at_least_one(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=12, block_length=4, threshold=0.99, cache="dual", stop_at_eos=False)
+    gc = opts(gen_length=12, block_length=4, threshold=0.99, cache="dual", stop_at_eos=False)
     out = generate(m, PROMPTS, gc)
     # every step committed >= 1 token per row; blocks finish in <= block_length steps
     assert (out.committed_per_step >= len(PROMPTS)).all()
@@ -197,14 +200,14 @@ def test_threshold_commits_inside_block_and_at_least_one(models_fp32):
 
 def test_factor_rule_commits_at_least_one(models_fp32):
     m = models_fp32["dream"]
-    out = generate(m, PROMPTS, GenerationConfig(gen_length=8, block_length=4, factor=1.0, cache="prefix"))
+    out = generate(m, PROMPTS, opts(gen_length=8, block_length=4, factor=1.0, cache="prefix"))
     assert (out.committed_per_step >= len(PROMPTS)).all() and out.nfe <= 8
 
 
 @pytest.mark.parametrize("name,cache", [("llada", "none"), ("dream", "dual"), ("llada_gqa_tied", "prefix")])
 def test_batch_rows_equal_rows_alone(name, cache, models_fp32):
     m = models_fp32[name]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
     batch = generate(m, PROMPTS, gc)
     for i, prompt in enumerate(PROMPTS):
         np.testing.assert_array_equal(batch.tokens[i], generate(m, [prompt], gc).tokens[0])
@@ -212,11 +215,11 @@ def test_batch_rows_equal_rows_alone(name, cache, models_fp32):
 
 def test_eos_fills_rest_and_stops(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False)
-    free = generate(m, PROMPTS[:1], gc).tokens[0]
+    base = dict(gen_length=12, block_length=4, steps=12)
+    free = generate(m, PROMPTS[:1], opts(**base, stop_at_eos=False)).tokens[0]
     # declare the first generated token a stop token: the row ends after block 1 and is filled with EOS
     stop = int(free[0])
-    out = generate(m, PROMPTS[:1], dataclasses.replace(gc, stop_at_eos=True, extra_stop_ids=(stop,)))
+    out = generate(m, PROMPTS[:1], opts(**base, stop_at_eos=True, extra_stop_ids=(stop,)))
     first = int(np.argmax(out.tokens[0] == stop))
     assert (out.tokens[0, first + 1:] == m.config.eos_token_id).all()
     assert out.nfe == 4 and list(out.steps_per_block) == [4, 0, 0]  # blocks 2 and 3 cost nothing
@@ -224,7 +227,7 @@ def test_eos_fills_rest_and_stops(models_fp32):
 
 def test_temperature_and_random_remasking_are_seeded(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=8, steps=4, temperature=1.0, remasking="random")
+    gc = opts(gen_length=8, block_length=8, steps=4, temperature=1.0, remasking="random")
     a, b, c = (generate(m, PROMPTS, gc, seed=s).tokens for s in (0, 0, 1))
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
@@ -232,12 +235,12 @@ def test_temperature_and_random_remasking_are_seeded(models_fp32):
 
 def test_cfg_and_dream_algorithms_run(models_fp32):
     m = models_fp32["llada"]
-    out = generate(m, PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=4, cfg_scale=1.0))
+    out = generate(m, PROMPTS, opts(gen_length=8, block_length=8, steps=4, cfg_scale=1.0))
     assert (out.tokens != m.config.mask_token_id).all() and out.nfe == 4
     d = models_fp32["dream"]
     for alg in ["origin", "maskgit_plus", "topk_margin", "entropy"]:
-        gc = GenerationConfig(gen_length=8, block_length=8, steps=4, alg=alg, temperature=0.5, top_p=0.9,
-                              top_k=20, alg_temp=0.1 if alg == "entropy" else None, stop_at_eos=False)
+        gc = opts(gen_length=8, block_length=8, steps=4, alg=alg, temperature=0.5, top_p=0.9, top_k=20,
+                  alg_temp=0.1 if alg == "entropy" else None, stop_at_eos=False)
         assert (generate(d, PROMPTS, gc).tokens != d.config.mask_token_id).all()
 
 
@@ -248,16 +251,17 @@ def test_cfg_and_dream_algorithms_run(models_fp32):
     (dict(threshold=0.0), "threshold=0.0"),
     (dict(cfg_scale=1.0, cache="dual"), "cfg_scale"),
     (dict(cache="paged"), "cache='paged'"),
+    (dict(threshold=0.9, factor=1.0), "threshold or factor, not both"),
     (dict(gen_length=8, block_length=8, steps=16), "exceeds gen_length"),
 ])
-def test_bad_settings(kw, msg, models_fp32):
+def test_bad_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        generate(models_fp32["llada"], PROMPTS, GenerationConfig(**kw))
+        opts(**kw)
 
 
 def test_bad_prompts(models_fp32):
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=8, steps=8)
+    gc = opts(gen_length=8, block_length=8, steps=8)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate(m, [[1, 2], []], gc)
     with pytest.raises(ValueError, match="outside"):
@@ -272,22 +276,23 @@ def test_naive_affix_reuse_freezes_affix(models_fp32):
     """affix='naive': the affix K/V are those of the affix alone. With the affix being the whole prompt prefix the
     result equals a cache where the affix's K/V never see the rest; differs from dual cache in general."""
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
+    base = dict(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
+    gc = opts(**base)
     spans = [(0, 4), (0, 2), (3, 8)]
-    naive = generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"), affix_spans=spans)
+    naive = generate(m, PROMPTS, opts(**base, affix="naive"), affix_spans=spans)
     dual = generate(m, PROMPTS, gc)
     assert naive.tokens.shape == dual.tokens.shape
     assert (naive.tokens != dual.tokens).any()
     # spans are ignored unless an affix technique is selected
     np.testing.assert_array_equal(generate(m, PROMPTS, gc, affix_spans=spans).tokens, dual.tokens)
     with pytest.raises(ValueError, match="affix_spans"):
-        generate(m, PROMPTS, dataclasses.replace(gc, affix="naive"))
+        generate(m, PROMPTS, opts(**base, affix="naive"))
 
 
 def test_llada_sampler_on_dream_model_keeps_the_shift(models_fp32):
     """The logit shift is a property of the model family (Dream is AR-adapted), not of the sampler."""
     m = models_fp32["dream"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, sampler="llada", stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, sampler="llada", stop_at_eos=False)
     out = generate(m, PROMPTS[:2], gc)
     for row, prompt in zip(out.tokens, PROMPTS[:2]):
         ref, _ = llada_reference(m, prompt, 8, 4, 8, shift=True)
@@ -295,29 +300,29 @@ def test_llada_sampler_on_dream_model_keeps_the_shift(models_fp32):
 
 
 def test_factor_rule_reference_quirk():
-    from dllm_jax import sampling
+    from dllm_jax.decoding.samplers import commit
 
     masked = jnp.ones((3, 3), bool).at[0, 2].set(False)
     # row 0: two masked, the second fails (0.1 < 1 - 1/3): the reference commits both
     # row 1: three masked, the second fails: commit 1; row 2: all pass: commit 3
     conf = jnp.array([[0.99, 0.1, -jnp.inf], [0.99, 0.1, 0.05], [0.99, 0.9, 0.8]])
-    commit = np.asarray(sampling.commit_factor(conf, masked, factor=1.0))
-    assert commit.sum(-1).tolist() == [2, 1, 3]
+    committed = np.asarray(commit.commit_factor(conf, masked, factor=1.0))
+    assert committed.sum(-1).tolist() == [2, 1, 3]
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(alg="confidence_threshold"), "alg="), (dict(remasking="top"), "remasking="),
                                     (dict(eps=1.0), "eps=1.0")])
-def test_bad_sampler_settings(kw, msg, models_fp32):
+def test_bad_sampler_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        generate(models_fp32["dream"], PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=8, **kw))
+        opts(gen_length=8, block_length=8, steps=8, **kw)
 
 
 def test_dream_cache_needs_two_steps_per_block(models_fp32):
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=2, cache="dual")
+    gc = opts(gen_length=8, block_length=4, steps=2, cache="dual")
     with pytest.raises(ValueError, match=">= 2 steps per block"):
         generate(models_fp32["dream"], PROMPTS, gc)
     generate(models_fp32["llada"], PROMPTS, gc)  # LLaDA has no first-token rule: fine
-    assert GenerationConfig(extra_stop_ids=[3, 4]).extra_stop_ids == (3, 4)
+    assert opts(extra_stop_ids=[3, 4]).extra_stop_ids == (3, 4)
 
 
 def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monkeypatch):
@@ -325,20 +330,21 @@ def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monk
     NO_TRITON_GEMM_FP8_ABOVE_TOKENS tokens (batch x block); never for bf16, never on the CPU; None disables it."""
     import importlib
 
-    G = importlib.import_module("dllm_jax.generate")  # the module (dllm_jax.generate is also the function)
+    G = importlib.import_module("dllm_jax.decoding.generate")  # the module (also the name of the function)
     from dllm_jax.config import ModelConfig
 
     fp8 = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
                       mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False, tie_embeddings=False,
                       max_seq_len=512, mask_token_id=299, eos_token_id=298, pad_token_id=297, fp8_ffn=True)
     bf16 = dataclasses.replace(fp8, fp8_ffn=False)
-    gc = GenerationConfig(block_length=32, cache="dual")
+    gc = opts(block_length=32, cache="dual")
+    prefix = opts(block_length=32, cache="prefix")
     monkeypatch.setattr(G.jax, "default_backend", lambda: "cpu")
     assert G.compiler_options(fp8, gc, 8) is None
     monkeypatch.setattr(G.jax, "default_backend", lambda: "gpu")
     assert G.compiler_options(fp8, gc, 8) == {"xla_gpu_enable_triton_gemm": False}
     assert G.compiler_options(fp8, gc, 2) is None and G.compiler_options(bf16, gc, 8) is None  # 64 tokens; bf16
-    assert G.compiler_options(fp8, dataclasses.replace(gc, cache="prefix"), 8) is None  # only what was measured
+    assert G.compiler_options(fp8, prefix, 8) is None  # only what was measured
     monkeypatch.setattr(G, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None)
     assert G.compiler_options(fp8, gc, 8) is None
 
@@ -348,7 +354,7 @@ def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
     options, XLA's defaults when it returns None."""
     import importlib
 
-    G = importlib.import_module("dllm_jax.generate")
+    G = importlib.import_module("dllm_jax.decoding.generate")
     seen = []
     real = G._generate_jit
 
@@ -358,7 +364,7 @@ def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
 
     monkeypatch.setattr(G, "_generate_jit", spy)
     model = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=8, steps=2, cache="dual")
+    gc = opts(gen_length=8, block_length=8, steps=2, cache="dual")
     out0 = generate(model, [[1, 2, 3]], gc)
     monkeypatch.setattr(G, "compiler_options", lambda *a: {"xla_cpu_enable_fast_math": False})
     out1 = generate(model, [[1, 2, 3]], gc)
@@ -378,13 +384,13 @@ def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
 def test_fixed_step_loop_equals_the_while_loop(name, kw, models_fp32):
     """step_loop="auto" runs the in-block steps as a loop of known trip count where every block provably takes
     steps / n_blocks steps: the same tokens, NFEs and per-step commits as the while loop that checks each step."""
-    from dllm_jax.decode_loop import fixed_step_count
+    from dllm_jax.decoding.loop import fixed_step_count
 
     m = models_fp32[name]
-    gc = GenerationConfig(stop_at_eos=False, **kw)
+    gc = opts(stop_at_eos=False, **kw)
     assert fixed_step_count(gc, m.config)  # the case exercises the fixed loop
     fixed = generate(m, PROMPTS, gc, seed=3)
-    ref = generate(m, PROMPTS, dataclasses.replace(gc, step_loop="while"), seed=3)
+    ref = generate(m, PROMPTS, opts(stop_at_eos=False, step_loop="while", **kw), seed=3)
     np.testing.assert_array_equal(fixed.tokens, ref.tokens)
     assert fixed.nfe == ref.nfe and list(fixed.steps_per_block) == list(ref.steps_per_block)
     np.testing.assert_array_equal(fixed.committed_per_step, ref.committed_per_step)
@@ -394,11 +400,11 @@ def test_fixed_step_loop_with_a_finished_row(models_fp32):
     """A row that stops early (EOS-filled blocks) and one that does not: both loops agree, and the blocks after
     every row has finished still cost nothing."""
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False)
-    stop = int(generate(m, PROMPTS[:1], gc).tokens[0, 0])
-    gc = dataclasses.replace(gc, stop_at_eos=True, extra_stop_ids=(stop,))
+    base = dict(gen_length=12, block_length=4, steps=12)
+    stop = int(generate(m, PROMPTS[:1], opts(**base, stop_at_eos=False)).tokens[0, 0])
+    gc = opts(**base, extra_stop_ids=(stop,))
     fixed = generate(m, PROMPTS[:2], gc)
-    ref = generate(m, PROMPTS[:2], dataclasses.replace(gc, step_loop="while"))
+    ref = generate(m, PROMPTS[:2], opts(**base, extra_stop_ids=(stop,), step_loop="while"))
     np.testing.assert_array_equal(fixed.tokens, ref.tokens)
     assert fixed.nfe == ref.nfe and list(fixed.steps_per_block) == list(ref.steps_per_block)
     alone = generate(m, PROMPTS[:1], gc)
@@ -406,16 +412,17 @@ def test_fixed_step_loop_with_a_finished_row(models_fp32):
 
 
 def test_fixed_step_count_rule(models_fp32):
-    from dllm_jax.decode_loop import fixed_step_count
+    from dllm_jax.decoding.loop import fixed_step_count
 
     llada, dream = models_fp32["llada"].config, models_fp32["dream"].config
-    g = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    base = dict(gen_length=8, block_length=4, steps=4)
+    g = opts(**base)
     assert fixed_step_count(g, llada) and fixed_step_count(g, dream)
-    assert not fixed_step_count(dataclasses.replace(g, threshold=0.9), llada)
-    assert not fixed_step_count(dataclasses.replace(g, factor=1.0), dream)
-    assert not fixed_step_count(dataclasses.replace(g, alg="origin"), dream)  # random reveals
-    assert fixed_step_count(dataclasses.replace(g, alg="origin"), llada)  # Dream's alg is not LLaDA's rule
-    assert not fixed_step_count(GenerationConfig(gen_length=4, block_length=1, steps=4), dream)
+    assert not fixed_step_count(opts(**base, threshold=0.9), llada)
+    assert not fixed_step_count(opts(**base, factor=1.0), dream)
+    assert not fixed_step_count(opts(**base, alg="origin"), dream)  # random reveals
+    assert fixed_step_count(opts(**base, alg="origin"), llada)  # Dream's alg is not LLaDA's rule
+    assert not fixed_step_count(opts(gen_length=4, block_length=1, steps=4), dream)
 
 
 def test_fixed_step_loop_has_a_known_trip_count(models_fp32):
@@ -423,21 +430,20 @@ def test_fixed_step_loop_has_a_known_trip_count(models_fp32):
     runtime runs it without a predicate copied to the host per step; step_loop="while" has no such loop."""
     import re
 
-    from dllm_jax.generate import _generate_jit
+    from dllm_jax.decoding.generate import _generate_jit
 
     m = models_fp32["llada"]
     counts = {}
     for loop in ("auto", "while"):
-        gc = GenerationConfig(gen_length=24, block_length=12, steps=22, cache="dual", stop_at_eos=False,
-                              step_loop=loop)
+        gc = opts(gen_length=24, block_length=12, steps=22, cache="dual", stop_at_eos=False, step_loop=loop)
         x, pos, km, fr, P = layout([PROMPTS[0]], m.config, gc)
         txt = _generate_jit(()).lower(m.params, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
                                       jnp.asarray(fr), jax.random.key(0), config=m.config, gc=gc, prompt_len=P,
-                                      padded=False).compile().as_text()
+                                      padded=False, kernels=XLA).compile().as_text()
         counts[loop] = len(re.findall(r'known_trip_count":\{"n":"10"\}', txt))
     assert counts["auto"] >= 1 and counts["while"] == 0
 
 
-def test_bad_step_loop(models_fp32):
+def test_bad_step_loop():
     with pytest.raises(ValueError, match="step_loop="):
-        generate(models_fp32["llada"], PROMPTS, GenerationConfig(step_loop="scan"))
+        opts(step_loop="scan")

@@ -1,21 +1,22 @@
-"""LaCache's first-layer memoisation (caches/lacache.py, cache="first_layer"): the online-softmax merge against the
-reference attention, its forwards against the uncached forward, and the uncached tokens exactly."""
-
-import dataclasses
+"""LaCache's first-layer memoisation (decoding/caches/lacache.py, cache="first_layer"): the online-softmax merge
+against the reference attention, its forwards against the uncached forward, and the uncached tokens exactly."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax import fp8
-from dllm_jax.attention import attend_reference
-from dllm_jax.caches import lacache
-from dllm_jax.caches.base import DecodeInputs
-from dllm_jax.generate import GenerationConfig, generate, layout
-from dllm_jax.loading import Model
 from dllm_jax.config import ModelConfig
-from dllm_jax.modeling import forward, init_params, unstack_layers
+from dllm_jax.decoding.caches import lacache
+from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.generate import generate, layout
+from dllm_jax.io.loading import Model
+from dllm_jax.transformer import XLA, forward
+from dllm_jax.transformer.attention import attend_reference, finish_state, merge_states, softmax_state
+from dllm_jax.transformer.params import init_params, quantize_params, unstack_layers
+
+opts = GenerationConfig.from_options
 
 PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8, 2, 61], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
@@ -33,9 +34,9 @@ def test_state_then_merge_equals_attention(hq, hkv):
     valid[:, -1] = True
     first = rng.random((b, s)) < 0.5
     first[2] = False  # row 2: everything in the second part
-    m, l, o = lacache.online_softmax_state(q, k, v, jnp.asarray(valid & first))
-    assert np.isneginf(np.asarray(m)[2]).all() and (np.asarray(l)[2] == 0).all()
-    got = lacache.merge_keys(m, l, o, q, k, v, jnp.asarray(valid & ~first))
+    state = softmax_state(q, k, v, jnp.asarray(valid & first))
+    assert np.isneginf(np.asarray(state.m)[2]).all() and (np.asarray(state.l)[2] == 0).all()
+    got = finish_state(merge_states(state, softmax_state(q, k, v, jnp.asarray(valid & ~first))), jnp.float32)
     want = attend_reference(q, k, v, jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
@@ -43,8 +44,8 @@ def test_state_then_merge_equals_attention(hq, hkv):
 def _inputs(model, gc):
     x, positions, key_mask, frozen, p = layout(PROMPTS, model.config, gc)
     inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
-                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=gc.block_length,
-                       shift=1 if model.config.family == "dream" else 0, backend="xla")
+                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=gc.schedule.block_length,
+                       shift=1 if model.config.family == "dream" else 0, kernels=XLA)
     return jnp.asarray(x), inp
 
 
@@ -53,7 +54,7 @@ def test_block_start_and_steps_equal_the_full_forward(name, models_fp32):
     """The block-start forward and a later step (block tokens changed, memo reused) give the logits a full
     uncached forward gives at the block's predictors."""
     m = models_fp32[name]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="first_layer")
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="first_layer")
     x, inp = _inputs(m, gc)
     strat = lacache.FirstLayerCache()
     bs = jnp.int32(inp.prompt_len + 4)  # the second block
@@ -82,9 +83,8 @@ def test_block_start_and_steps_equal_the_full_forward(name, models_fp32):
 ])
 def test_tokens_equal_the_uncached_loop(name, kw, models_fp32):
     m = models_fp32[name]
-    gc = GenerationConfig(stop_at_eos=False, **kw)
-    plain = generate(m, PROMPTS, gc)
-    memo = generate(m, PROMPTS, dataclasses.replace(gc, cache="first_layer"))
+    plain = generate(m, PROMPTS, opts(stop_at_eos=False, **kw))
+    memo = generate(m, PROMPTS, opts(stop_at_eos=False, cache="first_layer", **kw))
     np.testing.assert_array_equal(memo.tokens, plain.tokens)
     assert memo.nfe == plain.nfe
 
@@ -93,26 +93,26 @@ def test_layouts_and_fp8_ffn(models_fp32):
     """Per-layer (unrolled) params give the same tokens; with the FP8 FFN (layer 1 stays in the activation dtype,
     LaCache's other half) the memoised loop decodes as the uncached FP8 loop."""
     m = models_fp32["llada"]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, stop_at_eos=False)
+    memo = opts(gen_length=8, block_length=4, steps=8, stop_at_eos=False, cache="first_layer")
     plain = generate(m, PROMPTS, gc).tokens
     unrolled = Model(m.config, unstack_layers(m.params))
-    np.testing.assert_array_equal(generate(unrolled, PROMPTS, dataclasses.replace(gc, cache="first_layer")).tokens,
-                                  plain)
+    np.testing.assert_array_equal(generate(unrolled, PROMPTS, memo).tokens, plain)
     cfg = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
                       head_dim=32, mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
-                      tie_embeddings=False, max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298)
-    q, c8 = fp8.quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)  # FFN shapes of 128s
+                      tie_embeddings=False, max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298,
+                      dtype="float32")  # exactness is a property of fp32: bf16 rounds the merged halves differently
+    q, c8 = quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)  # FFN shapes of 128s
     m8 = Model(c8, q)
-    np.testing.assert_array_equal(generate(m8, PROMPTS, dataclasses.replace(gc, cache="first_layer")).tokens,
-                                  generate(m8, PROMPTS, gc).tokens)
+    np.testing.assert_array_equal(generate(m8, PROMPTS, memo).tokens, generate(m8, PROMPTS, gc).tokens)
 
 
 def test_first_layer_settings(models_fp32):
     m = models_fp32["dream"]
     # exact: Dream needs no first-token rule and no second step per block
-    GenerationConfig(gen_length=8, block_length=4, steps=2, cache="first_layer").validate(m.config)
-    with pytest.raises(ValueError, match="needs cache='prefix' or 'dual'"):
-        GenerationConfig(cache="first_layer", affix="naive").validate(m.config)
+    opts(gen_length=8, block_length=4, steps=2, cache="first_layer").check_model(m.config)
+    with pytest.raises(ValueError, match="needs cache 'prefix' or 'dual'"):
+        opts(cache="first_layer", affix="naive")
     assert jax.tree.structure(lacache.FirstLayerCache().init(
-        m.params, m.config, _inputs(m, GenerationConfig(gen_length=8, block_length=4, steps=8))[1],
+        m.params, m.config, _inputs(m, opts(gen_length=8, block_length=4, steps=8))[1],
         jnp.zeros((3, 40), jnp.int32))).num_leaves == 7

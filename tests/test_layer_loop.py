@@ -1,7 +1,5 @@
-"""Fast-path variants of the forward (issue 7) against the plain path: the unrolled layer loop over per-layer
-weights, and the FFN on the weight-streaming Pallas GEMM (interpreted on the CPU)."""
-
-import dataclasses
+"""The layer layouts of the forward against each other: the unrolled layer loop over per-layer (fused) weights
+against the scan over stacked weights, loading in either layout, and the FP8 FFN in both."""
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +7,14 @@ import numpy as np
 import pytest
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.generate import GenerationConfig, generate
-from dllm_jax.loading import Model
-from dllm_jax.modeling import (KVCache, forward, fuse_projections, init_params, is_fused, split_projections,
-                               unstack_layers, use_pallas_ffn)
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.generate import generate
+from dllm_jax.io.loading import Model
+from dllm_jax.transformer import CacheWrite, KVCache, forward
+from dllm_jax.transformer.params import (fuse_projections, init_params, is_fused, quantize_params, split_projections,
+                                         stack_layers, unstack_layers)
+
+opts = GenerationConfig.from_options
 
 # Kernel-friendly tiny shapes (d_model and mlp_hidden multiples of 16), both families: LLaDA MHA, Dream GQA+bias.
 CONFIGS = {
@@ -63,15 +65,15 @@ def test_unrolled_layers_equal_scan(name, fuse, models):
     cache = KVCache.zeros(m.config, 2, 16)
     per_layer = KVCache.for_params(unrolled, m.config, 2, 16)
     assert per_layer.per_layer and len(per_layer.k) == m.config.n_layers and per_layer.length == 16
-    ca = forward(m.params, m.config, tokens, positions + 4, cache=cache, cache_offset=4)
+    ca = forward(m.params, m.config, tokens, positions + 4, cache=cache, write=CacheWrite.at(4))
     for c in (cache, per_layer):  # the unrolled loop takes either cache layout
-        cb = forward(unrolled, m.config, tokens, positions + 4, cache=c, cache_offset=4)
+        cb = forward(unrolled, m.config, tokens, positions + 4, cache=c, write=CacheWrite.at(4))
         assert cb.cache.per_layer == c.per_layer
         _close(cb.logits, ca.logits)
         _close(cb.cache.stacked().k, ca.cache.k)
         _close(cb.cache.stacked().v, ca.cache.v)
     with pytest.raises(ValueError, match="per-layer KVCache"):
-        forward(m.params, m.config, tokens, positions, cache=per_layer, cache_offset=4)
+        forward(m.params, m.config, tokens, positions, cache=per_layer, write=CacheWrite.at(4))
 
 
 @pytest.mark.parametrize("host", [False, True])
@@ -97,43 +99,15 @@ def test_fuse_split_projections_round_trip(host, models):
     assert not any(k in owned for k in ("q_proj", "k_proj", "v_proj")) and set(owned["mlp"]) == {"down_proj"}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("unstacked", [False, True])
-def test_pallas_ffn_matches_xla(name, unstacked, models):
-    m = models[name]
-    assert use_pallas_ffn(m.config, "pallas", 16)
-    params = unstack_layers(m.params) if unstacked else m.params
-    tokens, positions = _window(m.config)
-    cache = KVCache.zeros(m.config, 2, 16)
-    ref = forward(params, m.config, tokens, positions, cache=cache, cache_offset=8)
-    got = forward(params, m.config, tokens, positions, cache=cache, cache_offset=8, ffn_backend="pallas")
-    _close(got.logits, ref.logits)
-    _close(got.cache.k, ref.cache.k)
-
-
-def test_pallas_ffn_falls_back_for_long_windows_and_odd_shapes():
-    c = CONFIGS["llada"]
-    assert use_pallas_ffn(c, "pallas", 64) and not use_pallas_ffn(c, "pallas", 65)
-    assert not use_pallas_ffn(c.replace(mlp_hidden=90), "pallas", 32)
-    assert not use_pallas_ffn(c, "xla", 32)
-    with pytest.raises(ValueError, match="ffn_backend"):
-        use_pallas_ffn(c, "triton", 32)
-
-
 @pytest.mark.parametrize("name,cache", [("llada", "dual"), ("dream", "none")])
 def test_generate_fast_paths_give_identical_tokens(name, cache, models):
-    """The decoding loop on the fast paths (fp32) commits exactly the reference path's tokens."""
+    """The decoding loop on per-layer fused weights (fp32) commits exactly the stacked path's tokens."""
     m = models[name]
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache=cache, stop_at_eos=False)
     ref = generate(m, PROMPTS, gc)
-    fast = generate(Model(m.config, unstack_layers(m.params)), PROMPTS, dataclasses.replace(gc, ffn_backend="pallas"))
+    fast = generate(Model(m.config, unstack_layers(m.params)), PROMPTS, gc)
     np.testing.assert_array_equal(fast.tokens, ref.tokens)
     assert fast.nfe == ref.nfe
-
-
-def test_bad_ffn_backend(models):
-    with pytest.raises(ValueError, match="ffn_backend"):
-        GenerationConfig(gen_length=8, block_length=4, steps=8, ffn_backend="cuda").validate(models["llada"].config)
 
 
 def test_unrolled_layers_with_fp8_ffn():
@@ -152,26 +126,13 @@ def test_unrolled_layers_with_fp8_ffn():
     assert "cond[" not in program(unrolled) and "cond[" in program(params)
 
 
-def test_mgpu_ffn_matches_xla_in_bf16():
-    """ffn_backend="mgpu" (the Mosaic GPU streaming GEMM; GPU simulator on the CPU) in a bf16 block step."""
-    c = CONFIGS["llada"].replace(d_model=128, head_dim=32, mlp_hidden=256, n_layers=2, dtype="bfloat16")
-    assert use_pallas_ffn(c, "mgpu", 16) and not use_pallas_ffn(c.replace(dtype="float32"), "mgpu", 16)
-    params = init_params(c, jax.random.key(9), std=0.1)
-    tokens, positions = _window(c)
-    cache = KVCache.zeros(c, 2, 16)
-    ref = forward(params, c, tokens, positions, cache=cache, cache_offset=8)
-    got = forward(params, c, tokens, positions, cache=cache, cache_offset=8, ffn_backend="mgpu")
-    _close(got.logits, ref.logits, tol=3e-2)  # bf16: each GEMM rounds once, in a different summation order
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_load_layer_layouts(name, models, tmp_path):
     """`load(..., layer_layout=)`: "unrolled" gives per-layer arrays with the stacked layout's tokens; "auto"
     is stacked off the GPU; export_hf writes the same tensors from either layout; bad values fail early."""
     import dllm_jax
-    from dllm_jax import checkpoint
-    from dllm_jax.loading import resolve_layer_layout
-    from dllm_jax.modeling import stack_layers
+    from dllm_jax.io import checkpoint
+    from dllm_jax.io.loading import resolve_layer_layout
 
     m = models[name]
     checkpoint.export_hf(m.params, m.config, tmp_path / "stacked")
@@ -180,7 +141,7 @@ def test_load_layer_layouts(name, models, tmp_path):
     assert isinstance(unrolled.params["layers"], tuple) and len(unrolled.params["layers"]) == m.config.n_layers
     assert not isinstance(stacked.params["layers"], tuple)
     assert resolve_layer_layout("auto") == ("unrolled" if jax.default_backend() == "gpu" else "stacked")
-    gc = GenerationConfig(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
     np.testing.assert_array_equal(generate(unrolled, PROMPTS, gc).tokens, generate(stacked, PROMPTS, gc).tokens)
     checkpoint.export_hf(unrolled.params, m.config, tmp_path / "from_unrolled")
     assert ((tmp_path / "from_unrolled" / "model.safetensors").read_bytes()
@@ -194,8 +155,7 @@ def test_auto_layout_is_unrolled_on_a_gpu(models, tmp_path, monkeypatch):
     """On a GPU backend "auto" unrolls, from an HF directory (numpy leaves) and from a converted checkpoint
     (restored arrays); the converted format itself stays stacked whatever layout it is written from."""
     import dllm_jax
-    from dllm_jax import checkpoint
-    from dllm_jax.modeling import stack_layers
+    from dllm_jax.io import checkpoint
 
     m = models["dream"]
     checkpoint.export_hf(m.params, m.config, tmp_path / "hf", dtype=np.float32)
@@ -210,12 +170,10 @@ def test_auto_layout_is_unrolled_on_a_gpu(models, tmp_path, monkeypatch):
 
 
 def test_fp8_quantize_keeps_the_unrolled_layout():
-    from dllm_jax import fp8
-
     c = CONFIGS["llada"].replace(d_model=128, head_dim=32, mlp_hidden=256, n_layers=2)
     params = init_params(c, jax.random.key(5), std=0.2)
-    q_stacked, c8 = fp8.quantize_params(params, c)
-    q_unrolled, c8u = fp8.quantize_params(unstack_layers(params), c)
+    q_stacked, c8 = quantize_params(params, c)
+    q_unrolled, c8u = quantize_params(unstack_layers(params), c)
     assert c8u == c8 and isinstance(q_unrolled["layers"], tuple)
     tokens, positions = _window(c)
     _close(forward(q_unrolled, c8, tokens, positions).logits, forward(q_stacked, c8, tokens, positions).logits)
@@ -225,7 +183,7 @@ def test_stacked_layout_on_gpu_warns(models, monkeypatch):
     """generate() tells a GPU user that stacked weights take the slow scan path; unrolled or CPU: silent."""
     import importlib
 
-    gen = importlib.import_module("dllm_jax.generate")  # the module (the package exports a function of that name)
+    gen = importlib.import_module("dllm_jax.decoding.generate")  # the module (also the name of the function)
 
     params = models["llada"].params
     with pytest.warns(UserWarning, match="layer_layout"):
@@ -234,5 +192,5 @@ def test_stacked_layout_on_gpu_warns(models, monkeypatch):
     assert not gen.warn_if_slow_layer_layout(params, backend="cpu")
     seen = []  # generate() itself runs the check on the params it decodes with
     monkeypatch.setattr(gen, "warn_if_slow_layer_layout", lambda p, backend=None: seen.append(p) or False)
-    gen.generate(models["llada"], PROMPTS, GenerationConfig(gen_length=4, block_length=4, steps=4))
+    gen.generate(models["llada"], PROMPTS, opts(gen_length=4, block_length=4, steps=4))
     assert len(seen) == 1 and seen[0] is params

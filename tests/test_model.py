@@ -9,7 +9,7 @@ import pytest
 
 import fixtures
 import dllm_jax
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.transformer import CacheWrite, KVCache, forward
 
 GOLDENS = Path(__file__).parent / "goldens"
 
@@ -76,7 +76,7 @@ def test_cache_path_and_logit_subset(name, models_fp32):
     full_cache = cached.cache
     t = ids.shape[1]
     pos = jnp.broadcast_to(jnp.arange(t - 4, t, dtype=jnp.int32), (2, 4))
-    win = forward(m.params, m.config, jnp.asarray(ids[:, t - 4:]), pos, cache=full_cache, cache_offset=t - 4)
+    win = forward(m.params, m.config, jnp.asarray(ids[:, t - 4:]), pos, cache=full_cache, write=CacheWrite.at(t - 4))
     np.testing.assert_allclose(np.asarray(win.logits), np.asarray(ref.logits)[:, t - 4:], rtol=1e-5, atol=1e-4)
 
 

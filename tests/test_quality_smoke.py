@@ -27,8 +27,8 @@ def quality():
 @pytest.fixture(scope="module")
 def random_task_model(tmp_path_factory):
     """A tiny random-weight model with the task tokenizer, in the LLaDA HF layout."""
-    from dllm_jax import checkpoint
-    from dllm_jax.modeling import init_params
+    from dllm_jax.io import checkpoint
+    from dllm_jax.transformer.params import init_params
     from dllm_jax.tasks import vocab
 
     train = _bench("train_demo")
@@ -102,7 +102,7 @@ def test_training_smoke_reduces_loss():
     """A few steps of the real training step on a tiny pool: finite, decreasing loss."""
     import optax
 
-    from dllm_jax.modeling import init_params
+    from dllm_jax.transformer.params import init_params
 
     train = _bench("train_demo")
     config = train.model_config(tiny=True)

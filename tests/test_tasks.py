@@ -65,7 +65,7 @@ def test_render_spans_and_chat_template(placement):
 
 def test_tokenizer_round_trip_and_chat_template(tmp_path):
     from dllm_jax.config import ModelConfig
-    from dllm_jax.tokenizer import load_tokenizer
+    from dllm_jax.io.tokenizer import load_tokenizer
 
     V.write(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

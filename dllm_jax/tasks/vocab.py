@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from dllm_jax.byte_tokenizer import LLADA_SPECIALS
+from dllm_jax.io.byte_tokenizer import LLADA_SPECIALS
 from dllm_jax.tasks.generators import all_words
 
 UNK = "<|unk|>"

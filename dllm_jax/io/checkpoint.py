@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.models import FAMILIES
 from dllm_jax.models.base import ParamMapping
+from dllm_jax.transformer import params as P
 
 FORMAT_FILE = "dllm_jax.json"
 FORMAT_VERSION = 2  # 2: one orbax item per param leaf (streamed writes)
@@ -33,6 +34,17 @@ _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be converted or loaded; the message lists every problem found."""
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint file, or a CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 # ------------------------------------------------------------------------------------ HF safetensors in
@@ -47,13 +59,13 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path} is not a directory")
         if not (self.path / "config.json").is_file():
             raise CheckpointError(f"{self.path} has no config.json")
-        self.hf_config = json.loads((self.path / "config.json").read_text())
+        self.hf_config = read_json(self.path / "config.json")
         self.files = self._weight_files()
 
     def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map'")
             names = sorted(set(weight_map.values()))
@@ -93,9 +105,7 @@ def family_of(config: ModelConfig) -> ParamMapping:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> the PyTorch-layout shape it must have."""
-    from dllm_jax.modeling import param_shapes  # local import: modeling imports jax.numpy heavy bits
-
-    shapes = param_shapes(config)
+    shapes = P.param_shapes(config)
     out = {}
     for name, (rule, layer) in family_of(config).expand(config).items():
         leaf = shapes
@@ -137,10 +147,8 @@ def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
     A stacked leaf ([n_layers, ...]) is filled layer by layer from whichever shard holds each tensor, so the
     peak is one leaf plus one tensor; a caller that writes and drops each leaf never holds the whole model."""
     index = validate(ckpt, config)
-    from dllm_jax.modeling import param_shapes
-
     target = _NP_DTYPES[config.dtype]
-    shapes = param_shapes(config)
+    shapes = P.param_shapes(config)
     plan = family_of(config).expand(config)
     by_leaf: dict[tuple[str, ...], list[str]] = {}
     for name, (rule, _) in plan.items():
@@ -181,10 +189,8 @@ def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
 def quantize_ffn_leaves(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], config: ModelConfig
                         ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
     """Stream transform for `--fp8-ffn`: hold the three stacked FFN leaves until all have arrived, then emit the
-    e4m3 layers.mlp_fp8 leaves and the bf16 mlp_first leaves instead (see dllm_jax/fp8.py)."""
-    from dllm_jax import fp8
-
-    fp8.check_fp8_shapes(config)
+    e4m3 layers.mlp_fp8 leaves and the bf16 mlp_first leaves instead (see transformer/params.py)."""
+    P.check_fp8_shapes(config)
     held: dict[str, np.ndarray] = {}
     for path, arr in leaves:
         if path[:2] != ("layers", "mlp"):
@@ -194,7 +200,7 @@ def quantize_ffn_leaves(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], co
         if len(held) == 3:
             mlp = {k: {"kernel": v} for k, v in held.items()}
             held.clear()
-            stacked, first = fp8.quantize_stacked_mlp(mlp)
+            stacked, first = P.quantize_stacked_mlp(mlp)
             del mlp
             for k, v in stacked.items():
                 yield ("layers", "mlp_fp8", k), v
@@ -222,16 +228,14 @@ def _leaf_dir(path: tuple[str, ...]) -> str:
 
 def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """The inverse mapping: (HF name, PyTorch-layout array) for every tensor of the param tree."""
-    from dllm_jax.modeling import is_unrolled, split_projections
-
     for name, (rule, layer) in family_of(config).expand(config).items():
         leaf = params
         for key in rule.path:
             leaf = leaf[key]
-            if is_unrolled(leaf) and layer is not None:  # unrolled layout: one tree per layer
+            if P.is_unrolled(leaf) and layer is not None:  # unrolled layout: one tree per layer
                 leaf, layer = leaf[layer], None
             if key == "layers":  # fused q/k/v, gate/up (the GPU layout): slices of the fused kernels (numpy
-                leaf = split_projections(leaf, config)  # views; device arrays: one layer's slices at a time)
+                leaf = P.split_projections(leaf, config)  # views; device arrays: one layer's slices at a time)
         t = np.asarray(leaf if layer is None else leaf[layer])
         yield name, np.ascontiguousarray(t.T if rule.transpose else t)
 
@@ -283,9 +287,7 @@ def write_converted(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]] | dict[
     import orbax.checkpoint as ocp
 
     if isinstance(leaves, dict):
-        from dllm_jax.modeling import stack_layers
-
-        leaves = _flatten(stack_layers(leaves, config))  # the converted format stores stacked [L, ...] leaves
+        leaves = _flatten(P.stack_layers(leaves, config))  # the converted format stores stacked [L, ...] leaves
     out = Path(out_dir).absolute()
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"output directory {out} exists and is not empty (use --force to replace it)")
@@ -329,7 +331,7 @@ def read_converted(path: str | os.PathLike, dtype: str | None = None) -> tuple[M
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    meta = json.loads((path / FORMAT_FILE).read_text())
+    meta = read_json(path / FORMAT_FILE)
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: converted format {meta.get('format')!r}, this version reads {FORMAT_VERSION}")
     try:

@@ -11,7 +11,7 @@ ACache recomputes only a few affix tokens, the anchors:
    each [MASK] query's softmax over the affix keys only is summed over queries, heads and layers (fp32):
    an importance per affix token. The top K = min(ceil(ratio * affix_len), affix_len) are the anchors.
 3. Decoding: every block start forwards only the gathered window [anchors | request prompt | generation region]
-   and writes its K/V through `write_slots`; the other affix slots keep the shared K/V for the whole request.
+   and writes its K/V through a scattered `CacheWrite`; the other affix slots keep the shared K/V for the whole request.
    In-block steps are the wrapped Fast-dLLM strategy's own (prefix or dual), which never touch the prompt.
 
 Identities (tests/test_acache.py): ratio 0 decodes as the naive reuse, ratio 1 as the plain cache (plus the probe).
@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, gather_rows
-from dllm_jax.layers import apply_rope, rope_cos_sin
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.decoding.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, gather_rows
+from dllm_jax.transformer import XLA, CacheWrite, KVCache, forward
+from dllm_jax.transformer.attention import grouped_scores
+from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 
 Array = jax.Array
 
@@ -101,10 +102,10 @@ def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array)
     Queries everywhere attend only affix keys, so the K/V written at affix positions are exactly those of a
     forward over the affix by itself; other slots are left zero (the decoding forwards write them)."""
     cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
-    # a masked forward: XLA's attention (cuDNN's masked path is not validated, generate.resolve_backend)
-    out = forward(params, config, x, inp.positions, key_mask=affix & inp.key_mask, cache=cache, cache_offset=0,
-                  write_mask=affix, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
-                  **dict(inp.kernels, attention_backend="xla"))
+    # a masked forward: XLA's attention (cuDNN's masked path is not validated)
+    out = forward(params, config, x, inp.positions, key_mask=affix & inp.key_mask, cache=cache,
+                  write=CacheWrite.at(0, affix), logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
+                  kernels=dataclasses.replace(inp.kernels, attention="xla"))
     return out.cache
 
 
@@ -144,7 +145,7 @@ def build_shared_affix(params, config, tokens: Sequence[int]) -> SharedAffix:
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _affix_forward(params, config, x, positions):
-    return forward(params, config, x, positions, logits_at=jnp.zeros((1, 1), jnp.int32), return_kv=True)
+    return forward(params, config, x, positions, logits_at=jnp.zeros((1, 1), jnp.int32), return_kv=True, kernels=XLA)
 
 
 def place_shared_affix(params, config, shared_k: Array, shared_v: Array, starts: Array, rope_offsets: Array,
@@ -176,11 +177,8 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     affix_keys: [B, S] bool; mask_queries: [B, n] bool (the window's [MASK] positions, fillers excluded)."""
 
     def probe(q: Array, k: Array) -> Array:
-        b, n, hq, d = q.shape
-        hkv = k.shape[2]
-        qg = q.reshape(b, n, hkv, hq // hkv, d)
-        scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32,
-                            precision=jax.lax.Precision.HIGHEST) * (1.0 / d**0.5)
+        # fp32 scores whatever the activation dtype: the ranking must not depend on bf16 rounding
+        scores = grouped_scores(q.astype(jnp.float32), k.astype(jnp.float32))
         scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
         m = jnp.max(scores, axis=-1, keepdims=True)
         p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros
@@ -193,8 +191,8 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
 def _forward_window(params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array,
                     logits_at: Array, probe=None):
     return forward(params, config, gather_rows(x, window), gather_rows(inp.positions, window),
-                   key_mask=inp.attn_mask, cache=kv, write_slots=window, write_mask=writes, logits_at=logits_at, probe=probe,
-                   attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
+                   key_mask=inp.attn_mask, cache=kv, write=CacheWrite.scatter(window, writes), logits_at=logits_at,
+                   probe=probe, kernels=inp.kernels)
 
 
 def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KVCache | None = None

@@ -10,8 +10,8 @@ import dataclasses
 
 import jax
 
-from dllm_jax.caches.base import DecodeInputs, RefreshAtBlockStart, block_logit_index
-from dllm_jax.modeling import forward
+from dllm_jax.decoding.caches.base import DecodeInputs, RefreshAtBlockStart, block_logit_index
+from dllm_jax.transformer import CacheWrite, forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,5 @@ class DualCache(RefreshAtBlockStart):
         frozen = jax.lax.dynamic_slice_in_dim(inp.frozen, block_start, bl, axis=1)
         at = block_logit_index(inp, block_start, block_start, x.shape[0])
         out = forward(params, config, window, positions, key_mask=inp.attn_mask, cache=state,
-                      cache_offset=block_start, write_mask=inp.keep_mask(frozen), logits_at=at,
-                      **inp.kernels)
+                      write=CacheWrite.at(block_start, inp.keep_mask(frozen)), logits_at=at, kernels=inp.kernels)
         return out.logits, out.cache

@@ -12,8 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dllm_jax.caches.base import DecodeInputs, RefreshAtBlockStart, block_logit_index
-from dllm_jax.modeling import forward
+from dllm_jax.decoding.caches.base import DecodeInputs, RefreshAtBlockStart, block_logit_index
+from dllm_jax.transformer import CacheWrite, forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,5 +26,5 @@ class PrefixCache(RefreshAtBlockStart):
         write = (jnp.arange(p, x.shape[1]) >= block_start)[None, :] & ~inp.frozen[:, p:]
         at = block_logit_index(inp, block_start, p, x.shape[0])
         out = forward(params, config, window, inp.positions[:, p:], key_mask=inp.attn_mask, cache=state,
-                      cache_offset=p, write_mask=write, logits_at=at, **inp.kernels)
+                      write=CacheWrite.at(p, write), logits_at=at, kernels=inp.kernels)
         return out.logits, out.cache

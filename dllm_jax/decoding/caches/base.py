@@ -1,6 +1,6 @@
 """The interface every cache technique implements, and the per-request inputs they share.
 
-The denoising loop (dllm_jax/decode_loop.py) knows nothing about caching: at the first step of a block it calls
+The denoising loop (`decoding/loop.py`) knows nothing about caching: at the first step of a block it calls
 `strategy.block_start`, at every other step `strategy.step`; both return the logits of the current block and the
 new cache state (an immutable pytree the loop carries). A technique is one module with one frozen (static,
 hashable) strategy dataclass; its state is whatever pytree it needs.
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.transformer import CacheWrite, Kernels, KVCache, forward
 
 Array = jax.Array
 
@@ -31,17 +31,9 @@ class DecodeInputs:
     prompt_len: int = dataclasses.field(metadata=dict(static=True))  # P: the generation region starts here
     block_length: int = dataclasses.field(metadata=dict(static=True))
     shift: int = dataclasses.field(metadata=dict(static=True))  # 1 for Dream (position i is predicted at i-1)
-    backend: str = dataclasses.field(metadata=dict(static=True))
+    kernels: Kernels = dataclasses.field(metadata=dict(static=True))
     padded: bool = dataclasses.field(default=True, metadata=dict(static=True))  # any row left-padded?
     has_frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))  # any frozen position?
-    ffn_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # "xla" | "pallas" | "mgpu"
-    norm_rope_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # modeling.NORM_ROPE_BACKENDS
-
-    @property
-    def kernels(self) -> dict:
-        """The forward's kernel choices (keyword arguments of `modeling.forward`)."""
-        return dict(attention_backend=self.backend, ffn_backend=self.ffn_backend,
-                    norm_rope_backend=self.norm_rope_backend)
 
     def keep_mask(self, frozen: Array) -> Array | None:
         """write_mask for a window whose frozen slice is `frozen`: None (write everything) when nothing is
@@ -105,8 +97,8 @@ class BlockStartOnly:
 def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_start):
     """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
     at = block_logit_index(inp, block_start, 0, x.shape[0])
-    out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache, cache_offset=0,
-                  write_mask=inp.keep_mask(inp.frozen), logits_at=at, **inp.kernels)
+    out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache,
+                  write=CacheWrite.at(0, inp.keep_mask(inp.frozen)), logits_at=at, kernels=inp.kernels)
     return out.logits, out.cache
 
 

@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax import checkpoint as ckpt
 from dllm_jax.config import ModelConfig
-from dllm_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+from dllm_jax.io import checkpoint as ckpt
+from dllm_jax.io.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+from dllm_jax.transformer import params as P
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "default_model"
 
 
 @dataclasses.dataclass
@@ -32,9 +33,7 @@ class Model:
 
 
 def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> None:
-    from dllm_jax.modeling import param_shapes
-
-    want = param_shapes(config)
+    want = P.param_shapes(config)
     bad = []
 
     def walk(w, g, path):
@@ -70,8 +69,8 @@ def resolve_layer_layout(layer_layout: str) -> str:
 
     Why unrolled on the GPU: inside lax.scan each layer's weights are a dynamic slice of the stacked arrays and
     XLA copies every slice before its GEMM, so a batch-1 LLaDA-8B block step read the weights ~3 times: 12.63 ms
-    scanned vs 5.17 ms with per-layer (fused) weights on an H200 (bench/results/block_step_h200.json, table
-    "after"; issue 7). On the CPU the scan compiles faster and the tiny models gain nothing from unrolling."""
+    scanned vs 5.17 ms with per-layer (fused) weights on an H200 (bench/results/block_step_h200.json). On the CPU
+    the scan compiles faster and the tiny models gain nothing from unrolling."""
     if layer_layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layer_layout!r}; expected one of {LAYER_LAYOUTS}")
     if layer_layout == "auto":
@@ -100,13 +99,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progres
         params = ckpt.read_params(hf, config, progress=progress)
     _check_shapes(config, params, path)
     if fp8_ffn and not config.fp8_ffn:
-        from dllm_jax import fp8
-
-        params, config = fp8.quantize_params(params, config)
+        params, config = P.quantize_params(params, config)
     if layout == "unrolled":  # this dict is ours: split in place (numpy views; device arrays one leaf at a time)
-        from dllm_jax.modeling import unstack_layers_in_place
-
-        params = unstack_layers_in_place(params)
+        params = P.unstack_layers_in_place(params)
     params = to_device(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

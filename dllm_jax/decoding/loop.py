@@ -1,8 +1,9 @@
 """The semi-autoregressive denoising loop, entirely on the device (nested `lax.while_loop`s under one jit).
 
 Blocks of the generation region are finished left to right; inside a block each step runs one forward (through
-the cache strategy), proposes tokens for the block's masked positions and commits some of them (the commit rule
-of the chosen sampler). All loop state is one registered dataclass; no host round-trip happens per step.
+the cache strategy) and lets the sampler propose tokens for the block's masked positions and commit some of them.
+The loop knows neither technique nor algorithm by name. All loop state is one registered dataclass; no host
+round trip happens per step.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dllm_jax import sampling
-from dllm_jax.caches import strategy_for
-from dllm_jax.caches.base import DecodeInputs
 from dllm_jax.config import ModelConfig
+from dllm_jax.decoding.caches import strategy_for
+from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.samplers.commit import commit_first_masked, exclude_token
 
 Array = jax.Array
 
@@ -31,54 +33,36 @@ class LoopState:
     block: Array  # int32: index of the current block
     step: Array  # int32: step inside the current block
     total_steps: Array  # int32
-    schedule: Array  # [B, steps_per_block] int32: LLaDA's tokens-per-step for the current block
+    masked_at_start: Array  # [B] int32: masks of the current block at its first step (the samplers' schedules)
     steps_per_block: Array  # [n_blocks] int32
     committed_per_step: Array  # [max_total_steps] int32: tokens committed (whole batch) at each step
     done: Array  # [B] bool: the row's answer has ended (EOS committed and the rest filled with EOS)
 
 
-def max_steps_per_block(gc) -> int:
-    n_blocks = gc.gen_length // gc.block_length
-    if gc.threshold is not None or gc.factor is not None:
-        return gc.block_length  # each step commits >= 1 token
-    return gc.steps // n_blocks
+def fixed_step_count(gc: GenerationConfig, config: ModelConfig) -> bool:
+    """Whether every block provably takes exactly `gc.max_steps_per_block()` steps, so that the in-block loop can
+    run a known number of times (KernelChoice.step_loop "auto"). At a block start each live row's block is fully
+    masked (a finished row's is all EOS, and a block starts only while some row is live); the while loop runs step
+    j (1 <= j < spb) when some position is still masked, so the counts agree when the sampler's every step before
+    the last leaves a live row a mask (`Sampler.fixed_step_count`)."""
+    s = gc.schedule
+    return gc.sampler_for(config).fixed_step_count(s.block_length, s.steps_per_block)
 
 
-def fixed_step_count(gc, config: ModelConfig) -> bool:
-    """Whether every block provably takes exactly max_steps_per_block(gc) steps, so that the in-block loop can run
-    a known number of times (GenerationConfig.step_loop="auto").
-
-    At a block start each live row's block is fully masked (a finished row's is all EOS, and a block starts only
-    while some row is live). The while loop runs step j (1 <= j < spb) when some position is still masked, so the
-    counts agree when every step before the last leaves a live row at least one mask:
-      * LLaDA's schedule with block_length >= spb: every entry is >= 1, so the masks run out exactly at the last
-        step (the Dream-style first-token commit at a cached block start commits 1 <= schedule[0], never more);
-      * Dream's counts (maskgit_plus / topk_margin / entropy, with or without alg_temp): floor(n * p) with p < 1
-        leaves >= 1 of n >= 1 masks until the last step reveals all; the first-token commit needs block_length >= 2.
-    Threshold / factor rules and Dream's random "origin" reveals finish blocks after a data-dependent count."""
-    if gc.threshold is not None or gc.factor is not None:
-        return False
-    spb = max_steps_per_block(gc)
-    if gc.resolved_sampler(config) == "llada":
-        return gc.block_length >= spb
-    return gc.alg != "origin" and gc.block_length >= 2
-
-
-def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key: Array,
+def run(params: dict, config: ModelConfig, gc: GenerationConfig, x: Array, inp: DecodeInputs, key: Array,
         init_cache: Any = None, depth: int | None = None) -> LoopState:
-    """gc: a GenerationConfig (static). x: [B, T] with [MASK] in the generation region.
-    init_cache: a pre-filled cache state (e.g. shared-affix K/V) instead of the strategy's empty one.
-    depth: BiCache's reuse depth (affix="shallow")."""
-    strategy = strategy_for(gc.cache, gc.affix, depth)
+    """gc: static. x: [B, T] with [MASK] in the generation region. init_cache: a pre-filled cache state (e.g.
+    shared-affix K/V) instead of the strategy's empty one. depth: BiCache's reuse depth."""
+    strategy = strategy_for(gc.cache.mode, gc.cache.affix_name, depth)
+    sampler = gc.sampler_for(config)
     b, t = x.shape
     p, bl = inp.prompt_len, inp.block_length
-    n_blocks = gc.gen_length // bl
-    spb = max_steps_per_block(gc)
-    fixed_spb = gc.steps // n_blocks
+    n_blocks = gc.schedule.n_blocks
+    spb = gc.max_steps_per_block()
+    fixed_spb = gc.schedule.steps_per_block
     mask_id = config.mask_token_id
-    sampler = gc.resolved_sampler(config)
     use_cfg = gc.cfg_scale > 0
-    static_steps = gc.step_loop == "auto" and fixed_step_count(gc, config)
+    static_steps = gc.kernels.step_loop == "auto" and fixed_step_count(gc, config)
 
     if use_cfg:  # unconditional rows: every prompt token masked (LLaDA's classifier-free guidance)
         prompt_region = (jnp.arange(t) < p)[None, :] & inp.key_mask
@@ -103,39 +87,16 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
             logits = uncond + (gc.cfg_scale + 1.0) * (cond - uncond)
         # [MASK] is never a valid prediction (trained models give it ~0 mass; tiny or random ones may not, and
         # committing it would leave a position masked forever)
-        logits = sampling.exclude_token(logits, mask_id)
+        logits = exclude_token(logits, mask_id)
         return logits, cache
 
-    def commit_rule(logits, masked, key, step, first_of_block: bool, schedule):
-        k_cand, k_commit = jax.random.split(key)
-        if sampler == "llada":
-            x0, conf = sampling.llada_candidates(logits, masked, k_cand, gc.temperature, gc.remasking)
-        else:
-            x0, conf = sampling.dream_candidates(logits, masked, k_cand, gc.temperature, gc.top_p, gc.top_k, gc.alg)
-        n_masked = masked.sum(axis=-1).astype(jnp.int32)
-        if gc.threshold is not None:
-            commit = sampling.commit_threshold(conf, masked, gc.threshold)
-        elif gc.factor is not None:
-            commit = sampling.commit_factor(conf, masked, gc.factor)
-        elif sampler == "llada":
-            k = jax.lax.dynamic_index_in_dim(schedule, step, axis=1, keepdims=False)
-            commit = sampling.commit_top_k(conf, masked, k)
-        else:
-            count, prob = sampling.dream_transfer_count(n_masked, step, fixed_spb, gc.eps)
-            if gc.alg == "origin":
-                commit = sampling.commit_random(masked, k_commit, prob)
-            elif gc.alg_temp and gc.alg_temp > 0:
-                # sample `count` positions without replacement from softmax(conf / alg_temp) (Gumbel top-k)
-                g = jax.random.gumbel(k_commit, conf.shape)
-                noisy = jnp.where(masked, conf / gc.alg_temp + g, -jnp.inf)
-                commit = sampling.commit_top_k(noisy, masked, count)
-            else:
-                commit = sampling.commit_top_k(conf, masked, count)
-        if inp.shift == 1 and strategy.window_steps and gc.refresh == "block" and first_of_block:
+    def commit_rule(logits, masked, key, step, first_of_block: bool, masked_at_start):
+        x0, commit = sampler.commit(logits, masked, key, step, masked_at_start, fixed_spb)
+        if inp.shift == 1 and strategy.window_steps and gc.cache.refresh == "block" and first_of_block:
             # Fast-dLLM (AR-adapted models, i.e. Dream): the block-start forward commits the block's first token
             # unconditionally; in-block windows cannot predict it (its predictor sits before the window). With
             # refresh="step" every forward is full, the rule has no reason, and the cache equals no cache exactly.
-            commit = sampling.commit_first_masked(masked)
+            commit = commit_first_masked(masked)
         return x0, commit
 
     def block_cond(s: LoopState):
@@ -145,18 +106,18 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
         block_start = p + s.block * bl
         blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
         n_masked0 = (blk == mask_id).sum(axis=-1).astype(jnp.int32)
-        s = dataclasses.replace(s, step=jnp.int32(0), schedule=sampling.llada_schedule(n_masked0, fixed_spb))
+        s = dataclasses.replace(s, step=jnp.int32(0), masked_at_start=n_masked0)
 
         def step_cond(s: LoopState):
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
             return jnp.any(blk == mask_id) & (s.step < spb)
 
         def step_body(s: LoopState, first_of_block: bool) -> LoopState:
-            logits, cache = model_logits(s, block_start, refresh=first_of_block or gc.refresh == "step")
+            logits, cache = model_logits(s, block_start, refresh=first_of_block or gc.cache.refresh == "step")
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
             masked = blk == mask_id
             key, sub = jax.random.split(s.key)
-            x0, commit = commit_rule(logits, masked, sub, s.step, first_of_block, s.schedule)
+            x0, commit = commit_rule(logits, masked, sub, s.step, first_of_block, s.masked_at_start)
             new_blk = jnp.where(commit, x0, blk)
             x = jax.lax.dynamic_update_slice_in_dim(s.x, new_blk, block_start, axis=1)
             per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
@@ -175,13 +136,13 @@ def run(params: dict, config: ModelConfig, gc, x: Array, inp: DecodeInputs, key:
             s = _fill_after_eos(s, config, p, block_start + bl, gc)
         return dataclasses.replace(s, block=s.block + 1)
 
-    max_total = max(gc.gen_length, n_blocks * spb)
+    max_total = max(gc.schedule.gen_length, n_blocks * spb)
     init = LoopState(
         x=x, key=key,
         cache=init_cache if init_cache is not None else strategy.init(
             params, config, inp_run, jnp.concatenate([x] * 2) if use_cfg else x),
         nfe=jnp.int32(0), block=jnp.int32(0), step=jnp.int32(0), total_steps=jnp.int32(0),
-        schedule=jnp.zeros((b, fixed_spb), jnp.int32), steps_per_block=jnp.zeros((n_blocks,), jnp.int32),
+        masked_at_start=jnp.zeros((b,), jnp.int32), steps_per_block=jnp.zeros((n_blocks,), jnp.int32),
         committed_per_step=jnp.zeros((max_total,), jnp.int32), done=jnp.zeros((b,), bool),
     )
     return jax.lax.while_loop(block_cond, block_body, init)

@@ -16,8 +16,8 @@ import numpy as np
 Array = jax.Array
 
 
-def _precision(dtype: jnp.dtype) -> jax.lax.Precision:
-    # fp32 mode must really be fp32 (GPUs would otherwise use TF32 for fp32 matmuls).
+def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    """fp32 mode must really be fp32 (GPUs would otherwise use TF32 for fp32 matmuls)."""
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
@@ -45,9 +45,9 @@ class Linear(nn.Module):
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
         # Without a bias the GEMM emits the activation dtype itself: it still accumulates in fp32 and rounds once
         # (cuBLAS, XLA's Triton GEMMs and the CPU alike), but no fp32 [M, N] output is written and re-read by a
-        # separate convert (1.6 ms of a Dream-7B batch-32 block step on an H200: bench/NOTES.md v4).
+        # separate convert (1.6 ms of a Dream-7B batch-32 block step on an H200).
         y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=jnp.float32 if self.use_bias else self.dtype,
-                       precision=_precision(self.dtype))
+                       precision=matmul_precision(self.dtype))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(jnp.float32)
         return y.astype(self.dtype)
@@ -56,7 +56,7 @@ class Linear(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(h)) * up(h)); gate is LLaDA's ff_proj / Dream's gate_proj.
 
-    fused: gate and up as one [d, 2F] kernel "gate_up_proj" (one wider GEMM; see `modeling.fuse_projections`)."""
+    fused: gate and up as one [d, 2F] kernel "gate_up_proj" (one wider GEMM; see `params.fuse_projections`)."""
 
     hidden: int
     dtype: jnp.dtype

@@ -8,14 +8,17 @@ The chat template is the checkpoint's own when it has one, else the family's bui
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silence "PyTorch was not found" and friends
-
 from dllm_jax.config import ModelConfig
 from dllm_jax.models import FAMILIES
+
+# transformers announces at import that it found no PyTorch: true and irrelevant here (only its tokenizers are
+# used), so that one record is dropped; every other transformers message passes.
+logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
 
 Message = dict[str, str]
 

@@ -17,7 +17,7 @@ or suffix span works the same way. The depth tables were profiled on prefixes on
 
 Depth: b = table[largest key <= r], r = round(100 * prefix_len / (prompt_len + gen_length)), from the paper's
 published tables at threshold 0.97 for LLaDA-8B-Instruct (32 layers) and Dream-v0-7B (28 layers); other models
-set GenerationConfig.shallow_depth. A batch runs at the shallowest depth of its rows that have a prefix (safe for
+set `Shallow(depth=...)`. A batch runs at the shallowest depth of its rows that have a prefix (safe for
 each of them; one compiled program per depth), which is the paper's rule at batch 1.
 """
 
@@ -31,10 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.caches.acache import SharedAffix, build_shared_affix
-from dllm_jax.caches.base import (BlockStartOnly, CacheStrategy, DecodeInputs, block_logit_index,
-                                  gather_rows)
-from dllm_jax.modeling import KVCache, forward
+from dllm_jax.decoding.caches.acache import SharedAffix, build_shared_affix
+from dllm_jax.decoding.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, block_logit_index, gather_rows
+from dllm_jax.transformer import CacheWrite, KVCache, forward
 
 Array = jax.Array
 
@@ -97,14 +96,14 @@ def depth_from_table(table: dict[int, int], prefix_len: int, prompt_len: int, ge
 def batch_depth(config, spans: Sequence[tuple[int, int] | None], prompt_lens: Sequence[int], gen_length: int,
                 depth: int | None, table: dict[int, int] | None = None) -> int:
     """The depth a batch runs at: `depth` if given, else the shallowest depth of its rows with an affix by
-    `table` (GenerationConfig.shallow_table, e.g. from bench/profile_bicache.py) or the published one."""
+    `table` (`Shallow.table`, e.g. from bench/profile_bicache.py) or the published one."""
     if depth is not None:
         return depth
     table = table or DEPTH_TABLES.get((config.family, config.n_layers))
     if table is None:
         raise ValueError(f"no published BiCache depth table for a {config.n_layers}-layer {config.family} model "
-                         f"(tables: {sorted(DEPTH_TABLES)}); set GenerationConfig.shallow_depth (0..{config.n_layers})"
-                         " or shallow_table (bench/profile_bicache.py measures one)")
+                         f"(tables: {sorted(DEPTH_TABLES)}); set Shallow(depth=0..{config.n_layers}) or "
+                         "Shallow(table=...) (bench/profile_bicache.py measures one)")
     depths = [depth_from_table(table, e - s, n, gen_length) for (s, e), n in
               ((span, n) for span, n in zip(spans, prompt_lens) if span is not None)]
     return min(depths) if depths else 0
@@ -132,10 +131,10 @@ def build_shared_prefix(params, config, tokens: Sequence[int]) -> SharedPrefix:
 @functools.partial(jax.jit, static_argnames=("config",))
 def _layer_inputs(params, config, x):
     pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    h = forward(params, config, x, pos, layer_range=(0, 0), output_hidden=True).hidden
+    h = forward(params, config, x, pos, layers=(0, 0), output_hidden=True).hidden
     out = [h]
     for layer in range(config.n_layers):
-        h = forward(params, config, None, pos, hidden=h, layer_range=(layer, layer + 1), output_hidden=True).hidden
+        h = forward(params, config, h, pos, layers=(layer, layer + 1), output_hidden=True).hidden
         out.append(h)
     return jnp.concatenate(out)
 
@@ -154,16 +153,16 @@ def prefix_alone_state(params, config, inp: DecodeInputs, x: Array, prefix: Arra
     """Each row's prefix computed alone (keys restricted to it) through layers < depth: their K/V, and the
     hidden state entering layer `depth` at the prefix positions."""
     cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
-    out = forward(params, config, x, inp.positions, key_mask=prefix & inp.key_mask, cache=cache, cache_offset=0,
-                  write_mask=prefix, layer_range=(0, depth), output_hidden=True, attention_backend="xla",
-                  ffn_backend=inp.ffn_backend)
+    out = forward(params, config, x, inp.positions, key_mask=prefix & inp.key_mask, cache=cache,
+                  write=CacheWrite.at(0, prefix), layers=(0, depth), output_hidden=True,
+                  kernels=dataclasses.replace(inp.kernels, attention="xla"))
     return ShallowState(out.cache, jnp.where(prefix[:, :, None], out.hidden, 0), window, writes)
 
 
 def shared_prefix_state(kv: KVCache, hidden_at_depth: Array, starts: Array, has_prefix: Array, window: Array,
                         writes: Array) -> ShallowState:
     """The same state from a SharedPrefix (built once): its K/V already placed at each row's prefix slots
-    (acache.place_shared_affix; a prefix starts at RoPE position 0, so K is copied unrotated) and the hidden state
+    (`acache.place_shared_affix`; a prefix starts at RoPE position 0, so K is copied unrotated) and the hidden state
     entering layer `depth` [A, d], placed likewise."""
     batch, length = window.shape[0], kv.length
     a = hidden_at_depth.shape[0]
@@ -188,11 +187,10 @@ class ShallowReuse(BlockStartOnly):
 
     def block_start(self, params, config, inp: DecodeInputs, state: ShallowState, x, block_start):
         b = x.shape[0]
-        kernels = dict(attention_backend=inp.backend, ffn_backend=inp.ffn_backend)
         window = state.window
         shallow = forward(params, config, gather_rows(x, window), gather_rows(inp.positions, window),
-                          key_mask=inp.attn_mask, cache=state.kv, write_slots=state.window, write_mask=state.writes,
-                          layer_range=(0, self.depth), output_hidden=True, **kernels)
+                          key_mask=inp.attn_mask, cache=state.kv, write=CacheWrite.scatter(window, state.writes),
+                          layers=(0, self.depth), output_hidden=True, kernels=inp.kernels)
         # the window's hidden states replace the buffer's where it wrote, and at P - 1 even when that is affix:
         # Dream predicts the first generated token there, so its query runs in context in every layer (as with
         # the naive reuse); filler entries are dropped
@@ -200,8 +198,8 @@ class ShallowReuse(BlockStartOnly):
         slots = jnp.where(splice, state.window, x.shape[1])
         full = state.prefix_hidden.at[jnp.arange(b)[:, None], slots].set(
             shallow.hidden.astype(state.prefix_hidden.dtype), mode="drop")
-        deep = forward(params, config, None, inp.positions, hidden=full, key_mask=inp.attn_mask,
-                       cache=shallow.cache, cache_offset=0, layer_range=(self.depth, config.n_layers),
-                       logits_at=block_logit_index(inp, block_start, 0, b), **kernels)
+        deep = forward(params, config, full, inp.positions, key_mask=inp.attn_mask, cache=shallow.cache,
+                       layers=(self.depth, config.n_layers), logits_at=block_logit_index(inp, block_start, 0, b),
+                       kernels=inp.kernels)
         return deep.logits, dataclasses.replace(state, kv=deep.cache)
 

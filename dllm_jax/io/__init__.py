@@ -1,0 +1,1 @@
+"""Checkpoints and tokenizers in (HF safetensors, converted orbax), nothing computed."""

@@ -1,0 +1,114 @@
+"""One pre-norm llama-style layer (`Block`, a linen module applied functionally), the embedding and the head.
+
+Both families run WITHOUT a causal mask. The layer is split into the pieces the forward and the cache techniques
+compose: q/k/v with RoPE (`Block.qkv`), the attention output projection, and the FFN half (`layer_finish`: bf16
+SwiGLU, or the FP8 FFN past layer 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.transformer import ffn
+from dllm_jax.transformer.kernels import Kernels
+from dllm_jax.transformer.layers import Linear, RMSNorm, SwiGLU, apply_rope, matmul_precision
+from dllm_jax.transformer.params import Params, is_fused, projection_widths
+
+Array = jax.Array
+
+
+class Block(nn.Module):
+    """One pre-norm layer. fused: the layer's params hold q/k/v as one "qkv_proj" and gate/up as one
+    "mlp.gate_up_proj" (`params.fuse_projections`); the arithmetic per output column is the same."""
+
+    config: ModelConfig
+    fused: bool = False
+
+    def setup(self) -> None:
+        c, dt = self.config, self.config.jnp_dtype
+        self.attn_norm = RMSNorm(c.rms_eps, dt)
+        if self.fused:
+            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt)
+        else:
+            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt)
+            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
+            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
+        self.o_proj = Linear(c.d_model, False, dt)
+        self.ffn_norm = RMSNorm(c.rms_eps, dt)
+        self.mlp = SwiGLU(c.mlp_hidden, dt, fused=self.fused)
+
+    def qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """Rotated q [B,n,Hq,D], k [B,n,Hkv,D] and v [B,n,Hkv,D] of the block input x [B,n,d]."""
+        return self.split_rotate(self.qkv_projection(self.attn_norm(x)), cos, sin)
+
+    def qkv_in(self, x: Array) -> Array:
+        return self.attn_norm(x)
+
+    def qkv_projection(self, h: Array) -> Array:
+        """The normalised input's q, k and v as one [B, n, (Hq + 2 Hkv) * D] array (q heads, k heads, v heads):
+        the fused projection's own output, or the three concatenated."""
+        if self.fused:
+            return self.qkv_proj(h)
+        return jnp.concatenate([self.q_proj(h), self.k_proj(h), self.v_proj(h)], axis=-1)
+
+    def split_rotate(self, qkv: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """`qkv_projection`'s output as rotated q, rotated k and v."""
+        c = self.config
+        b, n, _ = qkv.shape
+        wq, wk, _ = projection_widths(c)
+        q, k, v = jnp.split(qkv, [wq, wq + wk], axis=-1)
+        q = q.reshape(b, n, c.n_heads, c.head_dim)
+        k = k.reshape(b, n, c.n_kv_heads, c.head_dim)
+        v = v.reshape(b, n, c.n_kv_heads, c.head_dim)
+        return apply_rope(q, cos, sin, c.rope_fp32), apply_rope(k, cos, sin, c.rope_fp32), v
+
+    def attn_projection(self, attn: Array) -> Array:
+        """o_proj of the attention output [B, n, heads, head_dim] -> [B, n, d]."""
+        b, n = attn.shape[:2]
+        return self.o_proj(attn.reshape(b, n, -1))
+
+    def finish(self, x: Array, attn: Array) -> Array:
+        """Residual attention output projection, then the residual SwiGLU MLP."""
+        x = x + self.attn_projection(attn)
+        return x + self.mlp(self.ffn_norm(x))
+
+    def __call__(self, x: Array, cos: Array, sin: Array, attend_fn) -> Array:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.finish(x, attend_fn(q, k, v))
+
+
+def block_for(params: Params, config: ModelConfig) -> Block:
+    return Block(config, fused=is_fused(params["layers"]))
+
+
+def embed(params: Params, tokens: Array) -> Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32,
+                      precision=matmul_precision(config.jnp_dtype)).astype(h.dtype)
+
+
+def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits_at: Array | None) -> Array:
+    if logits_at is not None:  # decoding only needs a few positions: skip the vocab head elsewhere
+        x = jnp.take_along_axis(x, logits_at[:, :, None].astype(jnp.int32), axis=1)
+    x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
+    return lm_head(params, config, x)
+
+
+def layer_finish(params: Params, config: ModelConfig, block: Block, layer_params: Params, i: Any, x: Array,
+                 attn: Array, kernels: Kernels) -> Array:
+    """Layer i's output from its input x [B, n, d] and attention output attn [B, n, Hq, D]: the residual o_proj,
+    then the residual FFN (bf16, or FP8 past layer 1)."""
+    if not config.fp8_ffn:
+        return block.apply({"params": layer_params}, x, attn, method=Block.finish)
+    # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
+    o = block.apply({"params": layer_params}, attn, method=Block.attn_projection)
+    return ffn.fp8_ffn_residual(params, config, layer_params, i, x, o, kernels.fp8, kernels.interpret)

@@ -1,0 +1,133 @@
+"""The LLaDA / Dream transformer as a pure function of (params, tokens, positions, mask, cache).
+
+`forward` runs a window of tokens (or hidden states) through a range of layers: under `jax.lax.scan` over stacked
+layer weights (compile time does not grow with depth), or as an unrolled loop over per-layer weights (the GPU
+default, see `params.py`). With a cache the window's K/V are written into it and every query attends over the
+whole cache: that is all the cache techniques of `dllm_jax.decoding.caches` need from the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.transformer.attention import attend
+from dllm_jax.transformer.block import Block, block_for, embed, final_hidden_to_logits, layer_finish
+from dllm_jax.transformer.kernels import XLA, Kernels
+from dllm_jax.transformer.kv_cache import CacheWrite, KVCache
+from dllm_jax.transformer.layers import rope_cos_sin
+from dllm_jax.transformer.params import Params, is_unrolled, select_layers
+from dllm_jax.transformer.rope_write import ROPE_WRITE_MAX_TOKENS, rope_write
+
+Array = jax.Array
+# probe(q [B,n,Hq,D] rotated, layer K buffer [B,S,Hkv,D]) -> [B,S] float32, summed over layers (ACache's probe)
+ProbeFn = Callable[[Array, Array], Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    logits: Array | None  # [B, n or m, V] in the activation dtype (None with output_hidden)
+    cache: Any  # the updated cache when one was given
+    kv: tuple[Array, Array] | None  # per-layer fresh (k, v) [L, B, n, Hkv, D] with return_kv (no cache)
+    probe: Array | None = None  # [B, S] float32: the probe hook's per-layer results summed over layers
+    hidden: Array | None = None  # [B, n, d] the last layer's output before the final norm, with output_hidden
+
+
+def layer_loop(fn, carry, layers, layer_ids: range):
+    """lax.scan over stacked layer params, or an unrolled python loop over a tuple of per-layer params (static layer
+    index), with the same (carry, stacked per-layer outputs) result. layer_ids: the absolute indices."""
+    if not is_unrolled(layers):
+        return jax.lax.scan(fn, carry, (layers, jnp.asarray(layer_ids, jnp.int32)))
+    outs = []
+    for i, layer_params in zip(layer_ids, layers):
+        carry, out = fn(carry, (layer_params, i))
+        outs.append(out)
+    stacked = None if not outs or outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    return carry, stacked
+
+
+def forward(params: Params, config: ModelConfig, inputs: Array, positions: Array, *, key_mask: Array | None = None,
+            cache: Any = None, write: CacheWrite = CacheWrite(), logits_at: Array | None = None,
+            layers: tuple[int, int] | None = None, output_hidden: bool = False, return_kv: bool = False,
+            probe: ProbeFn | None = None, kernels: Kernels = XLA) -> ForwardOutput:
+    """Run the model on a window.
+
+    inputs: token ids [B, n] int, or the hidden state [B, n, d] entering the first layer of `layers`.
+    positions: [B, n] int32 RoPE positions (absolute, per row).
+    Without a cache: bidirectional attention among the n tokens, keys masked by key_mask [B, n]; return_kv gives
+    every layer's fresh (k, v). With a cache (a `KVCache` of length S, or any object with its write/attend/keys
+    methods): the window's K/V are written where `write` says, then every query attends over all S positions,
+    masked by key_mask [B, S]; the updated cache is returned.
+    logits_at: [B, m] window indices where logits are needed (None: every position).
+    layers: (start, stop) runs only those layers (cache buffers keep their absolute layer index); output_hidden
+    returns the last run layer's output (before the final norm) instead of logits. With these a forward can be
+    split at a layer (BiCache's shallow-layer reuse, LaCache's first-layer memo).
+    probe: with a cache, called in every layer on the rotated q and the layer's K buffer; the sum over layers comes
+    back as ForwardOutput.probe (ACache's one-shot anchor probe).
+    """
+    b, n = positions.shape
+    start, stop = layers if layers is not None else (0, config.n_layers)
+    if not 0 <= start <= stop <= config.n_layers:
+        raise ValueError(f"layers {layers} are not within the model's {config.n_layers} layers")
+    if return_kv and cache is not None:
+        raise ValueError("return_kv is for forwards without a cache (with one, read the cache)")
+    if probe is not None and cache is None:
+        raise ValueError("probe needs a cache (it reads each layer's K buffer)")
+    block = block_for(params, config)
+    inputs = jnp.asarray(inputs)
+    cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
+    if jnp.issubdtype(inputs.dtype, jnp.integer):
+        x = embed(params, inputs).astype(config.jnp_dtype)
+    else:
+        x = inputs.astype(config.jnp_dtype)
+    layer_params, layer_ids = select_layers(params["layers"], start, stop)
+
+    def output(x, cache=None, kv=None, probed=None):
+        if output_hidden:
+            return ForwardOutput(None, cache, kv, probed, x)
+        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), cache, kv, probed)
+
+    def finish(lp, i, x, attn):
+        return layer_finish(params, config, block, lp, i, x, attn, kernels)
+
+    if cache is None:
+        def layer(x, inputs):
+            lp, i = inputs
+            q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)
+            x = finish(lp, i, x, attend(q, k, v, key_mask, kernels.attention, kernels.interpret))
+            return x, ((k, v) if return_kv else None)
+
+        x, kv = layer_loop(layer, x, layer_params, layer_ids)
+        return output(x, kv=kv)
+
+    if isinstance(cache, KVCache) and cache.per_layer and not is_unrolled(params["layers"]):
+        raise ValueError("a per-layer KVCache needs per-layer (unrolled) params: the scanned loop indexes the cache "
+                         "with a traced layer index; use KVCache.for_params(params, ...)")
+    # one kernel for the projection's reduction, RoPE and the K/V write: block-step windows written contiguously
+    fused_write = (kernels.rope_write and isinstance(cache, KVCache) and cache.per_layer and write.slots is None
+                   and b * n <= ROPE_WRITE_MAX_TOKENS)
+
+    def layer_cached(carry, inputs):
+        x, cache, probed = carry
+        lp, i = inputs
+        if fused_write:
+            h = block.apply({"params": lp}, x, method=Block.qkv_in)
+            q, kb, vb = rope_write(block, config, lp, h, cos, sin, cache.k[i], cache.v[i], write.offset, write.mask,
+                                   kernels.interpret)
+            cache = cache.with_layer(i, kb, vb)
+        else:
+            q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)
+            cache = cache.write(i, k, v, write)
+        if probe is not None:
+            probed = probed + probe(q, cache.keys(i))
+        x = finish(lp, i, x, cache.attend(i, q, key_mask, kernels))
+        return (x, cache, probed), None
+
+    probed0 = jnp.zeros((b, cache.length), jnp.float32) if probe is not None else None
+    (x, cache, probed), _ = layer_loop(layer_cached, (x, cache, probed0), layer_params, layer_ids)
+    return output(x, cache, probed=probed)

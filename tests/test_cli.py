@@ -1,0 +1,144 @@
+"""The `dllm-jax` and `dllm-convert` command lines as a user meets them: the README's main command on the bundled
+model, and every kind of bad input answered by one line on stderr naming the flag or file, exit status 2, no
+traceback, before any device work."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convert.cli import main as convert_main
+from dllm_jax import cli
+from dllm_jax.io.loading import DEFAULT_MODEL_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_readme_main_command_on_the_bundled_model(capsys):
+    """No flags: the model's generation_config.json sets gen_length 8; only the answer on stdout, nothing on
+    stderr unless --verbose."""
+    assert cli.main(["generate", cli.DEMO_PROMPT]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "1 0 4"  # 9 - digit, learned from the examples in the prompt
+    assert err == ""
+    assert cli.main(["generate", cli.DEMO_PROMPT, "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "1 0 4" and "demo model" in err and "NFE 8" in err
+
+
+def test_flags_override_the_model_defaults(capsys):
+    assert cli.main(["generate", cli.DEMO_PROMPT, "--gen-length", "16", "--block-length", "8", "--cache", "none",
+                     "--verbose"]) == 0
+    assert "NFE 16" in capsys.readouterr().err
+    assert cli.main(["generate", cli.DEMO_PROMPT, "--threshold", "0.9", "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "1 0 4" and "NFE" in err
+
+
+def test_model_generation_defaults(tmp_path):
+    assert cli.model_generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64, "steps": 16,
+                                                                  "block_length": "x"}))
+    assert cli.model_generation_defaults(tmp_path) == {"gen_length": 64, "steps": 16}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(cli.UsageError, match="generation_config.json is not valid JSON"):
+        cli.model_generation_defaults(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def broken_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken")
+    bad_json = root / "bad_json"
+    shutil.copytree(DEFAULT_MODEL_DIR, bad_json)
+    (bad_json / "config.json").write_text("{\"model_type\": \"llada\", ")
+    bad_gen = root / "bad_generation_config"
+    shutil.copytree(DEFAULT_MODEL_DIR, bad_gen)
+    (bad_gen / "generation_config.json").write_text("[1, 2")
+    not_dir = root / "a_file"
+    not_dir.write_text("x")
+    return {"bad_json": bad_json, "bad_gen": bad_gen, "not_dir": not_dir}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["--gen-length", "0"], "argument --gen-length: must be a positive integer, got 0"),
+    (["--block-length", "0"], "argument --block-length: must be a positive integer, got 0"),
+    (["--gen-length", "-8"], "argument --gen-length: must be a positive integer, got -8"),
+    (["--steps", "four"], "argument --steps: 'four' is not an integer"),
+    (["--threshold", "1.5"], "argument --threshold: must be in (0, 1], got 1.5"),
+    (["--temperature", "-1"], "argument --temperature: must be >= 0, got -1.0"),
+    (["--gen-length", "10", "--block-length", "4"], "argument --gen-length: 10 is not a multiple of the block length"),
+    (["--gen-length", "8", "--block-length", "4", "--steps", "3"], "argument --steps: 3 must be a multiple"),
+    (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    (["--attention", "cudnn"], "argument --attention: attention='cudnn' needs a GPU"),
+    (["--cache", "paged"], "argument --cache: invalid choice: 'paged'"),
+    (["--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_flags(argv, message, capsys):
+    if "cudnn" in argv and cli_gpu():
+        pytest.skip("this machine has a GPU: cuDNN is available")
+    assert cli.main(["generate", "input : 1 2 3", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("dllm-jax: error: ") and message in err, err
+
+
+def cli_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("model,message", [
+    ("bad_json", "config.json is not valid JSON"),
+    ("bad_gen", "generation_config.json is not valid JSON"),
+    ("not_dir", "is not a directory"),
+])
+def test_bad_model_directories(model, message, broken_models, capsys):
+    assert cli.main(["generate", "--model", str(broken_models[model])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and str(broken_models[model]) in err, err
+
+
+def test_convert_errors_are_one_line(broken_models, tmp_path, capsys):
+    assert convert_main([str(broken_models["bad_json"]), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json is not valid JSON" in err
+    assert convert_main(["/nonexistent/hf", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(cli.UsageError, match="must be a positive integer"):
+        cli.main(["--debug", "generate", "--steps", "0"])
+
+
+def test_every_flag_has_help_text():
+    parser = cli.build_parser()
+    subparsers = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    parsers = [parser] + [p for s in subparsers for p in s.choices.values()]
+    for p in parsers:
+        for action in p._actions:
+            if action.dest != "help":
+                assert action.help, f"{p.prog} {action.option_strings or action.dest} has no help text"
+
+
+def test_every_module_imports_in_a_fresh_interpreter_without_environment():
+    """The package reads no environment variable and needs none: every module imports in a new process whose
+    environment is empty (bar what finds the interpreter's own libraries)."""
+    modules = []
+    for root in ("dllm_jax", "pallas_kernels", "convert"):
+        for f in sorted((REPO / root).rglob("*.py")):
+            rel = f.relative_to(REPO).with_suffix("")
+            modules.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok', len(sys.argv) - 1)"
+    env = {k: v for k, v in os.environ.items() if k in ("SYSTEMROOT",)}  # nothing on Linux
+    done = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"ok {len(modules)}"
