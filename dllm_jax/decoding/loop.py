@@ -4,6 +4,9 @@ Blocks of the generation region are finished left to right; inside a block each 
 the cache strategy) and lets the sampler propose tokens for the block's masked positions and commit some of them.
 The loop knows neither technique nor algorithm by name. All loop state is one registered dataclass; no host
 round trip happens per step.
+
+`BlockRunner.run_block` finishes one block of every row: `run` (generate) loops it over the blocks, the serving
+engine calls it once per scheduling iteration (its rows each at their own block, aligned at one buffer column).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decoding.caches import strategy_for
-from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.caches.base import CacheStrategy, DecodeInputs
 from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.decoding.samplers.base import Sampler
 from dllm_jax.decoding.samplers.commit import commit_first_masked, exclude_token
 
 Array = jax.Array
@@ -28,7 +32,7 @@ Array = jax.Array
 class LoopState:
     x: Array  # [B, T] int32 token buffer
     cache: Any  # the cache strategy's state pytree
-    key: Array  # PRNG key
+    key: Array  # PRNG key (one for the batch), or [B] keys (one per row: the engine)
     nfe: Array  # int32: forward passes so far
     block: Array  # int32: index of the current block
     step: Array  # int32: step inside the current block
@@ -49,103 +53,131 @@ def fixed_step_count(gc: GenerationConfig, config: ModelConfig) -> bool:
     return gc.sampler_for(config).fixed_step_count(s.block_length, s.steps_per_block)
 
 
-def run(params: dict, config: ModelConfig, gc: GenerationConfig, x: Array, inp: DecodeInputs, key: Array,
-        init_cache: Any = None, depth: int | None = None) -> LoopState:
-    """gc: static. x: [B, T] with [MASK] in the generation region. init_cache: a pre-filled cache state (e.g.
-    shared-affix K/V) instead of the strategy's empty one. depth: BiCache's reuse depth."""
-    strategy = strategy_for(gc.cache.mode, gc.cache.affix_name, depth)
-    sampler = gc.sampler_for(config)
-    b, t = x.shape
-    p, bl = inp.prompt_len, inp.block_length
-    n_blocks = gc.schedule.n_blocks
-    spb = gc.max_steps_per_block()
-    fixed_spb = gc.schedule.steps_per_block
-    mask_id = config.mask_token_id
-    use_cfg = gc.cfg_scale > 0
-    static_steps = gc.kernels.step_loop == "auto" and fixed_step_count(gc, config)
+@dataclasses.dataclass(frozen=True)
+class BlockRunner:
+    """One block of denoising steps for every row: the block-start step (the strategy's refresh) then the in-block
+    steps. Static (hashable) like everything it is built from."""
 
-    if use_cfg:  # unconditional rows: every prompt token masked (LLaDA's classifier-free guidance)
-        prompt_region = (jnp.arange(t) < p)[None, :] & inp.key_mask
-        inp_run = dataclasses.replace(inp, positions=jnp.concatenate([inp.positions] * 2),
-                                      key_mask=jnp.concatenate([inp.key_mask] * 2),
-                                      frozen=jnp.concatenate([inp.frozen] * 2))
-    else:
-        inp_run = inp
+    config: ModelConfig
+    gc: GenerationConfig
+    strategy: CacheStrategy
+    sampler: Sampler
+    cfg_rows: bool = False  # the batch holds [conditional rows; unconditional rows] (classifier-free guidance)
 
-    def model_logits(state: LoopState, block_start: Array, refresh: bool):
-        # refresh is static: the block-start forward and the in-block forward are traced in separate loop bodies.
-        # (A lax.cond between them would pass the whole cache through the conditional, which costs copies of it
-        # at every step on large batches.)
-        xs = state.x
-        if use_cfg:
-            xs = jnp.concatenate([xs, jnp.where(prompt_region, mask_id, xs)])
-        forward_fn = strategy.block_start if refresh else strategy.step
-        logits, cache = forward_fn(params, config, inp_run, state.cache, xs, block_start)
+    @classmethod
+    def create(cls, config: ModelConfig, gc: GenerationConfig, depth: int | None = None) -> "BlockRunner":
+        return cls(config, gc, strategy_for(gc.cache.mode, gc.cache.affix_name, depth), gc.sampler_for(config),
+                   gc.cfg_scale > 0)
+
+    def model_logits(self, params, inp: DecodeInputs, s: LoopState, block_start: Array, refresh: bool):
+        """The block's fp32 logits [B, L, V] ([MASK] excluded) and the new cache state. refresh is static: the
+        block-start forward and the in-block forward are traced in separate loop bodies (a lax.cond between them
+        would pass the whole cache through the conditional, which costs copies of it at every step)."""
+        xs = s.x
+        if self.cfg_rows:  # unconditional rows: every prompt token masked (LLaDA's classifier-free guidance)
+            prompt_region = (jnp.arange(xs.shape[1]) < inp.prompt_len)[None, :] & inp.key_mask[:xs.shape[0]]
+            xs = jnp.concatenate([xs, jnp.where(prompt_region, self.config.mask_token_id, xs)])
+        forward_fn = self.strategy.block_start if refresh else self.strategy.step
+        logits, cache = forward_fn(params, self.config, inp, s.cache, xs, block_start)
         logits = logits.astype(jnp.float32)
-        if use_cfg:
+        if self.cfg_rows:
             cond, uncond = jnp.split(logits, 2)
-            logits = uncond + (gc.cfg_scale + 1.0) * (cond - uncond)
+            logits = uncond + (self.gc.cfg_scale + 1.0) * (cond - uncond)
         # [MASK] is never a valid prediction (trained models give it ~0 mass; tiny or random ones may not, and
         # committing it would leave a position masked forever)
-        logits = exclude_token(logits, mask_id)
-        return logits, cache
+        return exclude_token(logits, self.config.mask_token_id), cache
 
-    def commit_rule(logits, masked, key, step, first_of_block: bool, masked_at_start):
-        x0, commit = sampler.commit(logits, masked, key, step, masked_at_start, fixed_spb)
-        if inp.shift == 1 and strategy.window_steps and gc.cache.refresh == "block" and first_of_block:
+    def commit(self, inp: DecodeInputs, logits, masked, key, step, first_of_block: bool, masked_at_start):
+        spb = self.gc.schedule.steps_per_block
+        if key.ndim == 0:
+            x0, commit = self.sampler.commit(logits, masked, key, step, masked_at_start, spb)
+        else:  # a key per row: each row's randomness is that of the row decoded alone
+            def one(lg, m, k, n):
+                x0, c = self.sampler.commit(lg[None], m[None], k, step, n[None], spb)
+                return x0[0], c[0]
+
+            x0, commit = jax.vmap(one)(logits, masked, key, masked_at_start)
+        if inp.shift == 1 and self.strategy.window_steps and self.gc.cache.refresh == "block" and first_of_block:
             # Fast-dLLM (AR-adapted models, i.e. Dream): the block-start forward commits the block's first token
             # unconditionally; in-block windows cannot predict it (its predictor sits before the window). With
             # refresh="step" every forward is full, the rule has no reason, and the cache equals no cache exactly.
             commit = commit_first_masked(masked)
         return x0, commit
 
-    def block_cond(s: LoopState):
-        return (s.block < n_blocks) & ~jnp.all(s.done)
-
-    def block_body(s: LoopState) -> LoopState:
-        block_start = p + s.block * bl
+    def run_block(self, params, inp: DecodeInputs, s: LoopState, block_start: Array, static_steps: bool
+                  ) -> LoopState:
+        """Finish the block at buffer column block_start of every row (rows whose block has no mask commit
+        nothing). Returns the state after its last step (step = the steps it took)."""
+        bl = inp.block_length
+        mask_id = self.config.mask_token_id
+        spb = self.gc.max_steps_per_block()
         blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
-        n_masked0 = (blk == mask_id).sum(axis=-1).astype(jnp.int32)
-        s = dataclasses.replace(s, step=jnp.int32(0), masked_at_start=n_masked0)
+        s = dataclasses.replace(s, step=jnp.int32(0), masked_at_start=(blk == mask_id).sum(axis=-1).astype(jnp.int32))
 
         def step_cond(s: LoopState):
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
             return jnp.any(blk == mask_id) & (s.step < spb)
 
         def step_body(s: LoopState, first_of_block: bool) -> LoopState:
-            logits, cache = model_logits(s, block_start, refresh=first_of_block or gc.cache.refresh == "step")
+            refresh = first_of_block or self.gc.cache.refresh == "step"
+            logits, cache = self.model_logits(params, inp, s, block_start, refresh)
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
             masked = blk == mask_id
-            key, sub = jax.random.split(s.key)
-            x0, commit = commit_rule(logits, masked, sub, s.step, first_of_block, s.masked_at_start)
-            new_blk = jnp.where(commit, x0, blk)
-            x = jax.lax.dynamic_update_slice_in_dim(s.x, new_blk, block_start, axis=1)
+            if s.key.ndim == 0:
+                key, sub = jax.random.split(s.key)
+            else:  # a row's key advances only at its own steps (a row whose block is done waits)
+                pairs = jax.vmap(jax.random.split)(s.key)
+                key = jnp.where(masked.any(axis=-1), pairs[:, 0], s.key)
+                sub = pairs[:, 1]
+            x0, commit = self.commit(inp, logits, masked, sub, s.step, first_of_block, s.masked_at_start)
+            x = jax.lax.dynamic_update_slice_in_dim(s.x, jnp.where(commit, x0, blk), block_start, axis=1)
             per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
             return dataclasses.replace(s, x=x, cache=cache, key=key, nfe=s.nfe + 1, step=s.step + 1,
                                        total_steps=s.total_steps + 1, committed_per_step=per_step)
 
-        # The block-start step runs unconditionally: block_cond guarantees a row that is still decoding, and
-        # such a row's block starts fully masked.
+        # The block-start step runs unconditionally: the caller runs a block only while some row still decodes,
+        # and such a row's block starts fully masked.
         s = step_body(s, first_of_block=True)
         if static_steps:  # a known trip count: no predicate copied to the host and waited for at each step
-            s = jax.lax.fori_loop(1, spb, lambda _, s: step_body(s, first_of_block=False), s)
-        else:
-            s = jax.lax.while_loop(step_cond, lambda s: step_body(s, first_of_block=False), s)
+            return jax.lax.fori_loop(1, spb, lambda _, s: step_body(s, first_of_block=False), s)
+        return jax.lax.while_loop(step_cond, lambda s: step_body(s, first_of_block=False), s)
+
+    def initial_state(self, x: Array, cache: Any, key: Array, max_total_steps: int) -> LoopState:
+        b = x.shape[0]
+        return LoopState(x=x, cache=cache, key=key, nfe=jnp.int32(0), block=jnp.int32(0), step=jnp.int32(0),
+                         total_steps=jnp.int32(0), masked_at_start=jnp.zeros((b,), jnp.int32),
+                         steps_per_block=jnp.zeros((self.gc.schedule.n_blocks,), jnp.int32),
+                         committed_per_step=jnp.zeros((max_total_steps,), jnp.int32), done=jnp.zeros((b,), bool))
+
+
+def run(params: dict, config: ModelConfig, gc: GenerationConfig, x: Array, inp: DecodeInputs, key: Array,
+        init_cache: Any = None, depth: int | None = None) -> LoopState:
+    """gc: static. x: [B, T] with [MASK] in the generation region. init_cache: a pre-filled cache state (e.g.
+    shared-affix K/V) instead of the strategy's empty one. depth: BiCache's reuse depth."""
+    runner = BlockRunner.create(config, gc, depth)
+    p, bl = inp.prompt_len, inp.block_length
+    n_blocks = gc.schedule.n_blocks
+    static_steps = gc.kernels.step_loop == "auto" and fixed_step_count(gc, config)
+    if runner.cfg_rows:
+        inp = dataclasses.replace(inp, positions=jnp.concatenate([inp.positions] * 2),
+                                  key_mask=jnp.concatenate([inp.key_mask] * 2),
+                                  frozen=jnp.concatenate([inp.frozen] * 2))
+
+    def block_cond(s: LoopState):
+        return (s.block < n_blocks) & ~jnp.all(s.done)
+
+    def block_body(s: LoopState) -> LoopState:
+        block_start = p + s.block * bl
+        s = runner.run_block(params, inp, s, block_start, static_steps)
         s = dataclasses.replace(s, steps_per_block=s.steps_per_block.at[s.block].set(s.step))
         if gc.stop_at_eos:
             s = _fill_after_eos(s, config, p, block_start + bl, gc)
         return dataclasses.replace(s, block=s.block + 1)
 
-    max_total = max(gc.schedule.gen_length, n_blocks * spb)
-    init = LoopState(
-        x=x, key=key,
-        cache=init_cache if init_cache is not None else strategy.init(
-            params, config, inp_run, jnp.concatenate([x] * 2) if use_cfg else x),
-        nfe=jnp.int32(0), block=jnp.int32(0), step=jnp.int32(0), total_steps=jnp.int32(0),
-        masked_at_start=jnp.zeros((b,), jnp.int32), steps_per_block=jnp.zeros((n_blocks,), jnp.int32),
-        committed_per_step=jnp.zeros((max_total,), jnp.int32), done=jnp.zeros((b,), bool),
-    )
-    return jax.lax.while_loop(block_cond, block_body, init)
+    if init_cache is None:
+        init_cache = runner.strategy.init(params, config, inp, jnp.concatenate([x] * 2) if runner.cfg_rows else x)
+    max_total = max(gc.schedule.gen_length, n_blocks * gc.max_steps_per_block())
+    return jax.lax.while_loop(block_cond, block_body, runner.initial_state(x, init_cache, key, max_total))
 
 
 def _fill_after_eos(s: LoopState, config: ModelConfig, p: int, block_end: Array, gc) -> LoopState:
