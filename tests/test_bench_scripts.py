@@ -136,7 +136,7 @@ def test_convert_memory_smoke(tmp_path):
 
 def test_profile_bicache_smoke(tmp_path):
     """profile_bicache on the bundled model: a table keyed from 0, per-bucket curves of one value per layer."""
-    _run("profile_bicache", "--n", "2", "--gen-lengths", "8", "64", "--out", str(tmp_path / "p.json"))
+    _run("profile_bicache", "--n", "2", "--gen-lengths", "64", "--out", str(tmp_path / "p.json"))
     data = json.loads((tmp_path / "p.json").read_text())
     table = {int(k): v for k, v in data["table"].items()}
     assert min(table) == 0 and list(table.values()) == sorted(table.values())
