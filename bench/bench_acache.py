@@ -1,5 +1,5 @@
-"""GPU benchmark of the shared-affix caches (ACache, BiCache: dllm_jax/caches/) at LLaDA-8B shapes (random bf16
-weights).
+"""What do the shared-affix caches (ACache, BiCache: dllm_jax/caches/) save end to end? LLaDA-8B shapes, random
+bf16 weights.
 
 Every request is [shared affix of --affix-len tokens][its own --request-len tokens][generation]; gen 256, block
 32, a fixed schedule of 64 steps (8 blocks x 8 steps: random weights never pass a confidence threshold), so every
@@ -12,9 +12,11 @@ mode runs the same 64 decoding forwards and differs in what a block start forwar
                 defaults: r = 76 -> 16 of 32 layers), the prefix's K/V and hidden states built once.
 Per row: median seconds of `generate` (after a warm-up call), NFE, tokens/s, the speedup over dual at the same
 batch in the same run, and the ms of one block-start forward (the window's forward, 4 fused in a jitted loop).
-Writes bench/results/acache_h200.json and a plot.
+Writes bench/results/acache_h200.json (rows merged by --run label; acache_cpu_smoke.json on the CPU) and a plot.
+Never run on a GPU yet: the first calls to make are
 
-    python bench/bench_acache.py [--batches 1 8] [--ratios 0.0 0.2] [--shallow-depths table] [--affix-len 1024]
+    PYTHONPATH=. python bench/bench_acache.py --batches 1 --budget-s 420 --run NAME
+    PYTHONPATH=. python bench/bench_acache.py --batches 8 --budget-s 420 --run NAME
 """
 
 from __future__ import annotations
@@ -25,15 +27,14 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from tools import common  # noqa: E402
 
+# package imports (re-point here when the package moves)
 from dllm_jax.caches import acache, affix, bicache, strategy_for  # noqa: E402
-from dllm_jax.caches.base import DecodeInputs  # noqa: E402
-from dllm_jax.generate import GenerationConfig, generate, layout, resolve_backend  # noqa: E402
+from dllm_jax.generate import GenerationConfig, generate  # noqa: E402
 from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
 from dllm_jax.modeling import unstack_layers  # noqa: E402
 
@@ -58,40 +59,21 @@ def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple
     """(ms of one block-start forward of this mode from the state generate starts from, a middle block; the
     BiCache depth used)."""
     cfg = model.config
-    x, pos, km, frozen, p = layout(prompts, cfg, gc)
-    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.block_length,
-                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
-                       ffn_backend=gc.ffn_backend, norm_rope_backend=gc.norm_rope_backend)
-    x = jnp.asarray(x)
+    x, inp = common.decode_inputs(model, gc, prompts)
     depth = None
-    if gc.affix != "none":  # the library's own set-up (caches/affix.py), as generate runs it
+    if gc.affix == "none":
+        state = strategy_for(gc.cache).init(model.params, cfg, inp, x)
+    else:  # the library's own set-up (caches/affix.py), as generate runs it
         spans, entry, prefix_entry = affix.resolve_spans(gc, cfg, prompts, None, shared)
-        a = affix.affix_inputs(gc, cfg, prompts, spans, entry, prefix_entry, km, p, x.shape[1])
+        a = affix.affix_inputs(gc, cfg, prompts, spans, entry, prefix_entry, np.asarray(inp.key_mask),
+                               inp.prompt_len, x.shape[1])
         depth = a.depth
         state, _ = jax.jit(affix.initial_state, static_argnames=("config",))(model.params, cfg, inp, x,
-                                                                              jnp.asarray(frozen), a)
+                                                                              inp.frozen, a)
     strat = strategy_for(gc.cache, gc.affix, depth)
-    if gc.affix == "none":
-        state = strat.init(model.params, cfg, inp, x)
-    bs = jnp.int32(p + 2 * gc.block_length)
-
-    def run(params, state):
-        def body(i, carry):
-            st, acc = carry
-            logits, st = strat.block_start(params, cfg, inp, st, x, bs)
-            return st, acc + logits[0, 0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, FUSED, body, (state, jnp.float32(0)))
-
-    fn = jax.jit(run, donate_argnums=1)
-    box = [state]
-
-    def call():
-        st, acc = fn(model.params, box[0])
-        acc.block_until_ready()
-        box[0] = st
-
-    med, _ = common.time_call(call, reps=3)
-    return 1e3 * med / FUSED, depth
+    bs = inp.prompt_len + 2 * gc.block_length
+    call = common.fused_loop(lambda p, st: strat.block_start(p, cfg, inp, st, x, bs), model.params, state)
+    return 1e3 * common.time_call(lambda: call(FUSED), reps=3)[0] / FUSED, depth
 
 
 def bench_row(model: Model, kind: str, value, batch: int, prompts, shared, reps: int) -> dict:
@@ -112,26 +94,15 @@ def bench_row(model: Model, kind: str, value, batch: int, prompts, shared, reps:
             "shallow_depth": depth, "batch": batch, "seconds": sec, "nfe": out.nfe,
             "tokens_per_s": batch * GEN / sec, "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_start": ms_start,
             "block_start_window_tokens": window, "compile_s": max(first - sec, 0.0),
-            "attention": resolve_backend(gc, model.config, False)}
+            "attention": common.resolve_backend(gc, model.config, False)}
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = sorted({r["batch"] for r in rows})
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    series = [(m, [next((r["tokens_per_s"] for r in rows if r["mode"] == m and r["batch"] == b), 0)
-                   for b in batches]) for m in modes]
-    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "dual" and r["batch"] == batches[0]), 0)
-    common.grouped_bars(ax, [f"batch {b}" for b in batches], series, (base, f"dual, batch {batches[0]}"),
-                        "tokens / s", "ACache vs dual cache, LLaDA-8B shapes (shared affix built once)", log=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    series = [(m, [next((r["tokens_per_s"] for r in rows if r["mode"] == m and r["batch"] == b), 0) for b in batches])
+              for m in dict.fromkeys(r["mode"] for r in rows)]
+    common.grouped_bars(path, [f"batch {b}" for b in batches], series, "tokens / s",
+                        "shared-affix caches vs dual cache (shared affix built once; this run's rows)", log=True)
 
 
 def main(argv=None) -> int:
@@ -144,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--affix-len", type=int, default=1024)
     ap.add_argument("--request-len", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
+    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -204,7 +176,7 @@ def save(args, rows, skipped, build_ms) -> Path:
                        schedule="fixed 64 steps (8 per block), stop_at_eos off, dual cache inside blocks",
                        baseline="dual (full recompute at block starts) in the same run")
     name = "acache_h200.json" if not common.SMOKE_ON_CPU else "acache_cpu_smoke.json"
-    return common.write_results(name, meta, rows, args.out)
+    return common.write_results(name, meta, rows, args.out, args.run)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Peak host memory of `dllm-convert` on a synthetic LLaDA-layout checkpoint (CPU; no GPU needed).
+"""How much host memory does `dllm-convert` need? Peak RSS on a synthetic LLaDA-layout checkpoint (CPU only).
 
 The converter must fit LLaDA-8B (16 GB of bf16) in 24 GB of RAM. This writes a sharded checkpoint of the real
-layout at a smaller size, converts it in a child process and reports peak RSS / checkpoint bytes; the ratio
-carries over to 8B (streaming: the stacked params + one tensor + interpreter/JAX overhead).
+layout at a smaller size, converts it in a child process and reports peak anonymous RSS / checkpoint bytes; the
+ratio carries over to 8B (streaming: one leaf at a time + interpreter/JAX overhead). Writes
+bench/results/convert_memory.json (rows merged by --run label) and a bar plot beside it.
 
-    python bench/convert_memory.py [--layers 12] [--d 2048] [--out bench/results/convert_memory.json]
+    PYTHONPATH=. python bench/convert_memory.py [--layers 12] [--d 2048] --run NAME
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import fixtures  # noqa: E402
+import fixtures  # noqa: E402  (tests/fixtures.py: the HF config of a checkpoint spec)
+from tools import common  # noqa: E402
 
 
 def write_synthetic(out: Path, d: int, layers: int, mlp: int, vocab: int, shard_bytes: int) -> int:
@@ -56,7 +59,7 @@ def write_synthetic(out: Path, d: int, layers: int, mlp: int, vocab: int, shard_
         total += t.nbytes
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
+                                                                         "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(fixtures.hf_config(spec)))
     return total
 
@@ -67,7 +70,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--mlp", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "convert_memory.json"))
+    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
+    ap.add_argument("--out", default=str(common.RESULTS / "convert_memory.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "hf", Path(tmp) / "converted"
@@ -97,8 +101,11 @@ def main() -> None:
            "ratio": peak / total, "seconds": secs,
            "projected_llada_8b_peak_gb": 16.03 * peak / total,
            "shape": dict(d=args.d, layers=args.layers, mlp=args.mlp, vocab=args.vocab)}
-    Path(args.out).write_text(json.dumps({"meta": {"what": "dllm-convert peak RSS, CPU",
-                                                   "date": time.strftime("%Y-%m-%d")}, "rows": [row]}, indent=2))
+    out = Path(args.out)
+    common.write_results(out.name, common.meta(what="dllm-convert peak RSS, CPU"), [row], out.parent, args.run)
+    common.grouped_bars(out.with_suffix(".png"), ["checkpoint", "peak anonymous RSS", "peak total RSS"],
+                        [("GB", [total / 1e9, peak / 1e9, peak_total / 1e9])], "GB",
+                        f"dllm-convert on a {total / 1e9:.2f} GB synthetic LLaDA-layout checkpoint")
     print(json.dumps(row, indent=2))
 
 

@@ -5,7 +5,7 @@ affix's share r of the sequence varies), compare per layer the affix's K and V c
 in the full prompt + [MASK] generation region (`bicache.kv_similarity`), bucket by r, and keep the depth b(r) =
 number of leading layers above the threshold (`bicache.depth_table_from_profile`). Forwards only: runs on the CPU.
 
-    PYTHONPATH=. python bench/profile_bicache.py [--model DIR] [--n 32] [--gen-lengths 8 32 96 256]
+    PYTHONPATH=. python bench/profile_bicache.py [--model DIR] [--n 32] [--gen-lengths 8 32 96 256]   (CPU is fine)
 
 Writes bench/results/bicache_profile.json (the paper's table and the strict one, which also asks the depth layer
 itself to pass, `depth_table_from_profile(strict=True)`; GenerationConfig(shallow_table=...) takes either's items;
@@ -24,14 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools import common  # noqa: E402
 
-import dllm_jax  # noqa: E402
+# package imports (re-point here when the package moves)
+import dllm_jax  # noqa: E402  load
 from dllm_jax.caches import bicache  # noqa: E402
 from dllm_jax.generate import GenerationConfig, layout  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def profile(model, n: int, gen_lengths, threshold: float, seed: int = 7):
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-lengths", nargs="+", type=int, default=[8, 32, 96, 256])
     ap.add_argument("--threshold", type=float, default=0.97)
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "bicache_profile.json"))
+    ap.add_argument("--out", default=str(common.RESULTS / "bicache_profile.json"))
     args = ap.parse_args(argv)
     t0 = time.time()
     model = dllm_jax.load(args.model, dtype=args.dtype)
@@ -95,10 +96,8 @@ def main(argv=None) -> int:
         raise SystemExit("the profile renders the task generators' prompts: the model needs their tokenizer")
     ratios, sims, table = profile(model, args.n, args.gen_lengths, args.threshold)
     buckets = sorted(set(ratios.tolist()))
-    result = {"meta": {"model": args.model or "bundled default", "n_per_cell": args.n, "dtype": args.dtype,
-                       "gen_lengths": args.gen_lengths, "threshold": args.threshold, "rows": int(len(ratios)),
-                       "backend": jax.default_backend(), "jax": jax.__version__,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+    result = {"meta": common.meta(model=args.model or "bundled default", n_per_cell=args.n, dtype=args.dtype,
+                                  gen_lengths=args.gen_lengths, threshold=args.threshold, rows=int(len(ratios))),
               "table": {str(k): v for k, v in table.items()},
               "table_strict": {str(k): v for k, v in strict_table(ratios, sims, args.threshold).items()},
               "mean_similarity_per_layer": {str(r): np.round(sims[ratios == r].mean(0), 5).tolist()

@@ -1,0 +1,196 @@
+"""Shared bench helpers: the real checkpoints' shapes, random weights on the device, timing (warm-up, median),
+fused forward loops, results JSON (GPU, jax version, commit, command; runs merged by label) and bar plots."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+# package imports (the only ones of tools/; re-point here when the package moves)
+from dllm_jax.caches.base import DecodeInputs  # noqa: E402
+from dllm_jax.config import ModelConfig  # noqa: E402
+from dllm_jax.generate import layout, resolve_backend  # noqa: E402
+from dllm_jax.modeling import param_shapes  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+HBM_BYTES_PER_S = 4.3e12  # achievable HBM bandwidth of an H200
+BF16_FLOPS_PER_S = 790e12  # achievable dense bf16 (989 peak)
+FP8_FLOPS_PER_S = 1979e12  # dense e4m3 peak
+
+LLADA_8B = ModelConfig(family="llada", vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                       head_dim=128, mlp_hidden=12288, rms_eps=1e-5, rope_theta=500000.0, rope_fp32=True,
+                       qkv_bias=False, tie_embeddings=False, max_seq_len=4096, mask_token_id=126336,
+                       eos_token_id=126081, pad_token_id=126081, bos_token_id=126080)
+DREAM_7B = ModelConfig(family="dream", vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+                       head_dim=128, mlp_hidden=18944, rms_eps=1e-6, rope_theta=1e6, rope_fp32=False,
+                       qkv_bias=True, tie_embeddings=False, max_seq_len=4096, mask_token_id=151666,
+                       eos_token_id=151643, pad_token_id=151643)
+# a CPU smoke-test size (same code paths)
+TINY = LLADA_8B.replace(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
+                        mlp_hidden=256, mask_token_id=511, eos_token_id=510, pad_token_id=510, bos_token_id=509)
+MODELS = {"llada-8b": LLADA_8B, "dream-7b": DREAM_7B, "tiny": TINY}
+
+# On the CPU the benches run only as smoke tests (tests/test_bench_scripts.py: the GPU runs' code paths, JSON and
+# plots); timings mean nothing there, so every repeat count collapses to one call.
+SMOKE_ON_CPU = jax.default_backend() == "cpu"
+
+
+def repeats(n: int) -> int:
+    return 1 if SMOKE_ON_CPU else n
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Random bf16 params (stacked layers) built directly on the device: speed does not depend on the values."""
+    leaves, tree = jax.tree_util.tree_flatten(param_shapes(config))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    @jax.jit
+    def make(keys):
+        return [(0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype) if len(s.shape) > 1
+                else jnp.ones(s.shape, s.dtype) for k, s in zip(keys, leaves)]
+
+    return jax.tree_util.tree_unflatten(tree, make(keys))
+
+
+def param_bytes(params: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def weight_count(config: ModelConfig) -> int:
+    """Weights a forward multiplies by: every parameter but the embedding table (a gather)."""
+    shapes = param_shapes(config)
+    return sum(s.size for s in jax.tree_util.tree_leaves(shapes)) - shapes["embed"].size
+
+
+def decode_inputs(model, gc, prompts: list[list[int]]) -> tuple[jax.Array, DecodeInputs]:
+    """generate's token buffer and fixed inputs for unpadded prompts, built as generate builds them: what a cache
+    strategy's forwards take, to time them apart from the decode loop."""
+    cfg = model.config
+    x, pos, km, frozen, p = layout(prompts, cfg, gc)
+    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.block_length,
+                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
+                       norm_rope_backend=gc.norm_rope_backend)
+    return jnp.asarray(x), inp
+
+
+def time_call(fn: Callable[[], Any], reps: int = 5, warmup: int = 1) -> tuple[float, float]:
+    """(median seconds of `reps` calls after `warmup` calls, seconds of the first call, compile included). fn must
+    block until its result is ready."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(repeats(warmup) - 1):
+        fn()
+    times = []
+    for _ in range(repeats(reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), first
+
+
+def fused_loop(forward: Callable, params: Any, state: Any, compiler_options: dict | None = None) -> Callable:
+    """call(n): n forwards `forward(params, state) -> (logits, state)` fused in one jitted fori_loop, the state
+    donated (updated in place, as in generate) and carried from call to call; blocks until done."""
+
+    @functools.partial(jax.jit, static_argnums=2, donate_argnums=1, compiler_options=compiler_options)
+    def run(params, state, n):
+        def body(i, carry):
+            st, acc = carry
+            logits, st = forward(params, st)
+            return st, acc + logits[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, n, body, (state, jnp.float32(0)))
+
+    box = [state]
+
+    def call(n: int):
+        st, acc = run(params, box[0], n)
+        acc.block_until_ready()
+        box[0] = st
+    return call
+
+
+def commit() -> str | None:
+    """GIT_COMMIT (a device copy's .git may be stale: the caller's wins), else this checkout's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def meta(**extra) -> dict:
+    dev = jax.devices()[0]
+    return {"gpu": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "date": now(), "git": commit(),
+            "command": " ".join(["python", *sys.argv]), "xla_flags": os.environ.get("XLA_FLAGS", ""), **extra}
+
+
+def default_run() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
+
+
+def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.PathLike | None = None,
+                  run: str | None = None) -> Path:
+    """Write {"meta", "rows"} to out_dir/name (bench/results by default). With a run label the file's rows of other
+    runs stay (the committed files hold every run's evidence): this run's rows, tagged run=LABEL, replace earlier
+    rows of that label and meta.runs[LABEL] holds this run's meta. Called after every row, through a temporary
+    file, so that a run cut short by a time limit keeps what it measured."""
+    path = Path(out_dir or RESULTS) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta_, "rows": rows}
+    if run is not None:
+        old = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
+        old["meta"].setdefault("runs", {})[run] = meta_
+        kept = [r for r in old["rows"] if str(r.get("run")) != run]
+        data = {**old, "rows": kept + [{**r, "run": run} for r in rows]}
+    tmp = path.with_name(f".{name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def grouped_bars(path: Path, xlabels: list[str], series: list[tuple[str, list[float]]], ylabel: str, title: str,
+                 ref: tuple[float, str] | None = None, log: bool = False) -> Path:
+    """One group of bars per x label, one bar per series, an optional dashed reference line; saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(xlabels) * max(1, len(series)) / 2), 4.5))
+    x = np.arange(len(xlabels))
+    width = 0.8 / max(1, len(series))
+    for i, (label, ys) in enumerate(series):
+        ax.bar(x + width * (i - (len(series) - 1) / 2), [y or 0 for y in ys], width, label=label)
+    if ref:
+        ax.axhline(ref[0], color="gray", ls="--", lw=1, label=ref[1])
+    ax.set_xticks(x, xlabels, fontsize=7, rotation=30 if len(xlabels) > 6 else 0, ha="right")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
