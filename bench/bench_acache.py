@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tools import common  # noqa: E402
 
 # package imports (re-point here when the package moves)
-from dllm_jax.caches import acache, affix, bicache, strategy_for  # noqa: E402
-from dllm_jax.generate import GenerationConfig, generate  # noqa: E402
-from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
-from dllm_jax.modeling import unstack_layers  # noqa: E402
+from dllm_jax.decoding.caches import acache, affix, bicache, strategy_for  # noqa: E402
+from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
+from dllm_jax.decoding.generate import generate  # noqa: E402
+from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
+from dllm_jax.transformer.params import unstack_layers  # noqa: E402
 
 GEN, BLOCK, STEPS = 256, 32, 64
 FUSED = 4
@@ -51,8 +52,8 @@ def gen_config(kind: str, value) -> GenerationConfig:
     """kind: "dual", "anchors" (value: the ratio) or "shallow" (value: the depth; None: the published table)."""
     extra = {"dual": {}, "anchors": dict(affix="anchors", anchor_ratio=value),
              "shallow": dict(affix="shallow", shallow_depth=value)}[kind]
-    return GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual", stop_at_eos=False,
-                            **extra)
+    return GenerationConfig.from_options(gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual",
+                                         stop_at_eos=False, **extra)
 
 
 def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple[float, int | None]:
@@ -61,8 +62,8 @@ def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple
     cfg = model.config
     x, inp = common.decode_inputs(model, gc, prompts)
     depth = None
-    if gc.affix == "none":
-        state = strategy_for(gc.cache).init(model.params, cfg, inp, x)
+    if gc.cache.affix is None:
+        state = strategy_for(gc.cache.mode).init(model.params, cfg, inp, x)
     else:  # the library's own set-up (caches/affix.py), as generate runs it
         spans, entry, prefix_entry = affix.resolve_spans(gc, cfg, prompts, None, shared)
         a = affix.affix_inputs(gc, cfg, prompts, spans, entry, prefix_entry, np.asarray(inp.key_mask),
@@ -70,8 +71,8 @@ def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple
         depth = a.depth
         state, _ = jax.jit(affix.initial_state, static_argnames=("config",))(model.params, cfg, inp, x,
                                                                               inp.frozen, a)
-    strat = strategy_for(gc.cache, gc.affix, depth)
-    bs = inp.prompt_len + 2 * gc.block_length
+    strat = strategy_for(gc.cache.mode, gc.cache.affix_name, depth)
+    bs = inp.prompt_len + 2 * gc.schedule.block_length
     call = common.fused_loop(lambda p, st: strat.block_start(p, cfg, inp, st, x, bs), model.params, state)
     return 1e3 * common.time_call(lambda: call(FUSED), reps=3)[0] / FUSED, depth
 
@@ -94,7 +95,7 @@ def bench_row(model: Model, kind: str, value, batch: int, prompts, shared, reps:
             "shallow_depth": depth, "batch": batch, "seconds": sec, "nfe": out.nfe,
             "tokens_per_s": batch * GEN / sec, "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_start": ms_start,
             "block_start_window_tokens": window, "compile_s": max(first - sec, 0.0),
-            "attention": common.resolve_backend(gc, model.config, False)}
+            "attention": common.kernels(model, gc).attention}
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -13,8 +13,8 @@ schedule (64 steps = 8 block starts + 56 block steps; stop_at_eos off), cache mo
   trace_block_step       (--trace) device ms per kernel kind of one block step, busy / span / idle, top kernels
 --fp8-ffn runs the FFNs of layers >= 2 in e4m3; --compare-bf16 times every row again with the same weights in bf16
 in the same process (comparison row, speedup_vs_bf16). --twin FIELD=VALUE times every row again with one
-GenerationConfig field changed (e.g. attention_backend=cudnn, step_loop=while); --set FIELD=VALUE sets one for
-every row.
+`GenerationConfig.from_options` option changed (e.g. attention=cudnn, step_loop=while, rope_write=xla); --set
+FIELD=VALUE sets one for every row.
 Writes bench/results/generate_h200.json (generate_fp8_h200.json with --fp8-ffn; rows merged by --run label) and
 a tokens/s plot beside it. On the CPU: --models tiny (a smoke test of the same code path).
 
@@ -25,7 +25,6 @@ a tokens/s plot beside it. On the CPU: --models tiny (a smoke test of the same c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -37,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tools import common, trace  # noqa: E402
 
 # package imports (re-point here when the package moves)
-from dllm_jax.caches import strategy_for  # noqa: E402
-from dllm_jax.fp8 import quantize_params  # noqa: E402
-from dllm_jax.generate import GenerationConfig, compiler_options, generate  # noqa: E402
-from dllm_jax.loading import Model, resolve_layer_layout  # noqa: E402
-from dllm_jax.modeling import unstack_layers  # noqa: E402
+from dllm_jax.decoding.caches import strategy_for  # noqa: E402
+from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
+from dllm_jax.decoding.generate import compiler_options, generate  # noqa: E402
+from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
+from dllm_jax.transformer.params import quantize_params, unstack_layers  # noqa: E402
 
 PROMPT, GEN, BLOCK = 256, 256, 32
 FUSED = 8  # forwards per timed call
@@ -52,8 +51,8 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int, loop: int = 0,
     the options generate uses for this program); with loop, also the step's slope inside a longer loop."""
     cfg = model.config
     x, inp = common.decode_inputs(model, gc, [[7] * PROMPT] * batch)
-    strat = strategy_for(gc.cache)
-    bs = inp.prompt_len + 2 * gc.block_length  # a block in the middle of the generation region
+    strat = strategy_for(gc.cache.mode)
+    bs = inp.prompt_len + 2 * gc.schedule.block_length  # a block in the middle of the generation region
     opts = compiler_options(cfg, gc, batch)
     out = {}
     for kind, fn in (("start", strat.block_start), ("step", strat.step)):
@@ -79,8 +78,8 @@ def floors(model: Model, batch: int) -> dict:
 
 def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, reps: int, loop: int = 0,
               traced: bool = False, **overrides) -> dict:
-    gc = GenerationConfig(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
-                          **overrides)
+    gc = GenerationConfig.from_options(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
+                                       **overrides)
     rng = np.random.default_rng(batch)  # the same prompts for a row and its twins
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
     tag = f"{name} {mode} b{batch} s{steps}{' fp8' if model.config.fp8_ffn else ''} {overrides or ''}"
@@ -93,8 +92,9 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, reps: 
            "prompt_length": PROMPT, "tokens_per_s": batch * GEN / sec, "seconds": sec,
            "ms_per_nfe": 1e3 * sec / out.nfe, "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
            **forward_times(model, gc, batch, loop, traced), **(floors(model, batch) if mode == "dual" else {}),
-           "fp8_ffn": bool(model.config.fp8_ffn), "attention": common.resolve_backend(gc, model.config, False),
-           "norm_rope_backend": gc.norm_rope_backend, "step_loop": gc.step_loop,
+           "fp8_ffn": bool(model.config.fp8_ffn), "weights": "fp8_ffn" if model.config.fp8_ffn else "bf16",
+           "attention": common.kernels(model, gc).attention, "rope_write": common.kernels(model, gc).rope_write,
+           "step_loop": gc.kernels.step_loop,
            "date": common.now(), "comparison": None}
     print(f"    {tag}: {row['tokens_per_s']:8.1f} tok/s  step {row['ms_block_step']:6.2f} ms  start "
           f"{row['ms_block_start']:6.2f} ms  loop step {row.get('ms_block_step_loop', float('nan')):6.2f} ms",
@@ -103,10 +103,12 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, reps: 
 
 
 def parse_twin(arg: str) -> tuple[str, object]:
-    """FIELD=VALUE -> (field, value) of GenerationConfig: ints, floats, true/false/none, else the string."""
+    """FIELD=VALUE -> (option, value) of GenerationConfig.from_options: ints, floats, true/false/none, else the
+    string."""
     field, sep, value = arg.partition("=")
-    if not sep or field not in {f.name for f in dataclasses.fields(GenerationConfig)}:
-        raise SystemExit(f"--set / --twin: expected FIELD=VALUE with a GenerationConfig field, got {arg!r}")
+    if not sep or field not in GenerationConfig.option_names():
+        raise SystemExit(f"--set / --twin: expected FIELD=VALUE with a GenerationConfig.from_options option, got "
+                         f"{arg!r}")
     low = value.lower()
     for cast in (int, float):
         try:
@@ -144,9 +146,9 @@ def main() -> None:
     ap.add_argument("--fp8-ffn", action="store_true", help="FFNs of layers >= 2 in e4m3 (LaCache's FP8 FFN)")
     ap.add_argument("--compare-bf16", action="store_true", help="with --fp8-ffn: the same weights in bf16 too")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a GenerationConfig field for every row (e.g. attention_backend=cudnn)")
+                    help="a GenerationConfig.from_options option for every row (e.g. attention=cudnn)")
     ap.add_argument("--twin", action="append", default=[], metavar="FIELD=VALUE",
-                    help="also time every row with this GenerationConfig field changed, same process")
+                    help="also time every row with this option changed, same process")
     ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
                     help="stacked: scanned [L, ...] weights; unrolled: per-layer arrays (auto: the GPU's default)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")

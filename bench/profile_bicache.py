@@ -8,7 +8,7 @@ number of leading layers above the threshold (`bicache.depth_table_from_profile`
     PYTHONPATH=. python bench/profile_bicache.py [--model DIR] [--n 32] [--gen-lengths 8 32 96 256]   (CPU is fine)
 
 Writes bench/results/bicache_profile.json (the paper's table and the strict one, which also asks the depth layer
-itself to pass, `depth_table_from_profile(strict=True)`; GenerationConfig(shallow_table=...) takes either's items;
+itself to pass, `depth_table_from_profile(strict=True)`; Shallow(table=...) takes either's items;
 and the mean similarity per layer per ratio bucket) and a plot of those curves.
 """
 
@@ -29,8 +29,9 @@ from tools import common  # noqa: E402
 
 # package imports (re-point here when the package moves)
 import dllm_jax  # noqa: E402  load
-from dllm_jax.caches import bicache  # noqa: E402
-from dllm_jax.generate import GenerationConfig, layout  # noqa: E402
+from dllm_jax.decoding.caches import bicache  # noqa: E402
+from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
+from dllm_jax.decoding.generate import layout  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def profile(model, n: int, gen_lengths, threshold: float, seed: int = 7):
     sim_fn = jax.jit(bicache.kv_similarity, static_argnames=("config",))
     ratios, sims = [], []
     for gen in gen_lengths:
-        gc = GenerationConfig(gen_length=gen, block_length=gen, steps=gen, prompt_bucket=1)
+        gc = GenerationConfig.from_options(gen_length=gen, block_length=gen, steps=gen, prompt_bucket=1)
         for task in G.TASKS:
             for pl in G.PLACEMENTS:
                 rows = [G.render(p, pl, vocab) for p in G.generate(task, "heldout", n, seed=seed)]

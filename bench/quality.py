@@ -85,9 +85,9 @@ def build_cells(model, tasks, placements, n: int, seed: int):
 
 def run_mode(model, cells, mode: str, gen_kwargs: dict, batch: int, progress: bool):
     """Decode every row of every cell with one mode; returns per-cell correct counts and stats."""
-    from dllm_jax.generate import GenerationConfig, answer_tokens, generate
+    from dllm_jax.decoding import GenerationConfig, answer_tokens, generate
 
-    gc = GenerationConfig(**{**gen_kwargs, **MODES[mode]})
+    gc = GenerationConfig.from_options(**{**gen_kwargs, **MODES[mode]})
     rows = [(ci, r) for ci, (_, _, rs) in enumerate(cells) for r in rs]
     n_chunks = math.ceil(len(rows) / batch)
     bs = math.ceil(len(rows) / n_chunks)  # equal chunk sizes (last one padded): one compiled shape
@@ -109,8 +109,8 @@ def run_mode(model, cells, mode: str, gen_kwargs: dict, batch: int, progress: bo
         nfe.append(out.nfe)
         seconds += out.seconds
     return correct, {"nfe_per_batch_mean": float(np.mean(nfe)), "device_seconds": round(seconds, 3),
-                     "wall_seconds": round(time.time() - t0, 2), "batch": bs, "generation_config": {
-                         k: v for k, v in vars(gc).items() if not k.startswith("_")}}
+                     "wall_seconds": round(time.time() - t0, 2), "batch": bs,
+                     "generation_options": {**gen_kwargs, **MODES[mode]}}
 
 
 def plot(rows, modes, path: Path) -> None:

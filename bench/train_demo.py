@@ -47,14 +47,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from dllm_jax import checkpoint  # noqa: E402
 from dllm_jax.config import ModelConfig  # noqa: E402
-from dllm_jax.modeling import cast_params, forward, init_params  # noqa: E402
+from dllm_jax.decoding import GenerationConfig, answer_tokens, generate  # noqa: E402
+from dllm_jax.io import checkpoint  # noqa: E402
+from dllm_jax.io.loading import Model  # noqa: E402
 from dllm_jax.models import FAMILIES  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 from dllm_jax.tasks import vocab as V  # noqa: E402
-from dllm_jax.generate import GenerationConfig, answer_tokens, generate  # noqa: E402
-from dllm_jax.loading import Model  # noqa: E402
+from dllm_jax.transformer import Kernels, forward  # noqa: E402
+from dllm_jax.transformer.params import cast_params, init_params  # noqa: E402
 
 GEN_LENGTH = 8
 SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
@@ -146,7 +147,7 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         x = jnp.where(masked, config.mask_token_id, tokens)
         positions = jnp.broadcast_to(pos, (b, t))
         logits = predictions(forward(cast_params(params, cfg_c.jnp_dtype), cfg_c, x, positions, key_mask=valid,
-                                     attention_backend=backend).logits, config)
+                                     kernels=Kernels(attention=backend)).logits, config)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / ratio[:, 0] / jnp.sum(region, axis=1)
         ans_ce = jnp.sum(jnp.where(masked & answer, ce, 0.0)) / jnp.maximum(jnp.sum(masked & answer), 1)
@@ -266,7 +267,7 @@ def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int =
     v = V.vocab()
     cfg = config.replace(dtype="bfloat16")
     model = Model(cfg, cast_params(params, jnp.bfloat16))
-    gc = GenerationConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, steps=GEN_LENGTH, cache="none")
+    gc = GenerationConfig.from_options(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, steps=GEN_LENGTH, cache="none")
     out = {}
     for task in G.TASKS:
         probs = G.generate(task, "heldout", n, seed=seed)

@@ -49,9 +49,9 @@ def test_bench_generate_fp8_bf16_twin_loop_and_trace(tmp_path):
 
 
 def test_bench_generate_helpers():
-    """--twin parses GenerationConfig fields; the plot takes each (model, mode, batch)'s newest primary row."""
+    """--twin parses generation options; the plot takes each (model, mode, batch)'s newest primary row."""
     bg = _load("bench_generate")
-    assert bg.parse_twin("attention_backend=cudnn") == ("attention_backend", "cudnn")
+    assert bg.parse_twin("attention=cudnn") == ("attention", "cudnn")
     assert bg.parse_twin("threshold=0.9") == ("threshold", 0.9) and bg.parse_twin("stop_at_eos=false")[1] is False
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         bg.parse_twin("no_such_field=1")

@@ -120,25 +120,6 @@ def test_training_smoke_reduces_loss():
     assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
 
 
-def test_lookup_probe_smoke(tmp_path):
-    """bench/probe_lookup.py (the key-match probe of issue 6): a few steps on 2-fact lookups write a curve of
-    finite losses and one-shot accuracies in [0, 1] at the logged steps; a row cut shorter than the data is
-    refused before training."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import probe_lookup
-
-    out = tmp_path / "curve.json"
-    probe_lookup.main(["--steps", "4", "--log-every", "2", "--pool", "200", "--batch", "8", "--out", str(out)])
-    data = json.loads(out.read_text())
-    assert [r["step"] for r in data["rows"]] == [2, 4] and data["meta"]["level"] == 0
-    for r in data["rows"]:
-        assert np.isfinite(r["loss"]) and r["loss"] > 0 and 0.0 <= r["one_shot"] <= 1.0
-    with pytest.raises(SystemExit, match="cut"):
-        probe_lookup.main(["--steps", "1", "--pool", "200", "--cut", "10"])
-
-
 def test_lr_schedule_holds_the_peak_then_decays():
     train = _bench("train_demo")
     peak, warmup, total, hold = 1e-3, 10, 100, 40

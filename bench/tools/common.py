@@ -20,10 +20,11 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # package imports (the only ones of tools/; re-point here when the package moves)
-from dllm_jax.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.config import ModelConfig  # noqa: E402
-from dllm_jax.generate import layout, resolve_backend  # noqa: E402
-from dllm_jax.modeling import param_shapes  # noqa: E402
+from dllm_jax.decoding.caches.base import DecodeInputs  # noqa: E402
+from dllm_jax.decoding.generate import layout  # noqa: E402
+from dllm_jax.transformer.kernels import Kernels  # noqa: E402
+from dllm_jax.transformer.params import param_shapes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 HBM_BYTES_PER_S = 4.3e12  # achievable HBM bandwidth of an H200
@@ -80,10 +81,14 @@ def decode_inputs(model, gc, prompts: list[list[int]]) -> tuple[jax.Array, Decod
     strategy's forwards take, to time them apart from the decode loop."""
     cfg = model.config
     x, pos, km, frozen, p = layout(prompts, cfg, gc)
-    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.block_length,
-                       1 if cfg.family == "dream" else 0, resolve_backend(gc, cfg, False), padded=False,
-                       norm_rope_backend=gc.norm_rope_backend)
+    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.schedule.block_length,
+                       1 if cfg.family == "dream" else 0, kernels(model, gc), padded=False)
     return jnp.asarray(x), inp
+
+
+def kernels(model, gc) -> Kernels:
+    """The kernels generate resolves for an unpadded batch of this model."""
+    return Kernels.resolve(gc.kernels, model.config, model.params, padded=False)
 
 
 def time_call(fn: Callable[[], Any], reps: int = 5, warmup: int = 1) -> tuple[float, float]:

@@ -166,6 +166,16 @@ class GenerationConfig:
         return resolve(self.sampler)
 
     @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """Every option `from_options` takes."""
+        import inspect
+
+        explicit = set(inspect.signature(cls.from_options).parameters) - {"rest"}
+        sampler = {f.name for f in dataclasses.fields(FamilySampler)} - {"family"}
+        own = {f.name for f in dataclasses.fields(cls)} - {"schedule", "sampler", "cache", "kernels"}
+        return frozenset(explicit | sampler | own | {"sampler"})
+
+    @classmethod
     def from_options(cls, *, gen_length: int = 128, block_length: int = 32, steps: int | None = None,
                      threshold: float | None = None, factor: float | None = None, cache: str = "none",
                      affix: str = "none", anchor_ratio: float = 0.2, shallow_depth: int | None = None,
@@ -175,6 +185,9 @@ class GenerationConfig:
         Sampler options (temperature, remasking, alg, alg_temp, top_p, top_k, eps, and sampler="llada"|"dream"
         to force a family's sampler) go to `FamilySampler`; cfg_scale, stop_at_eos, extra_stop_ids, prompt_bucket
         to the config itself. steps None: one token per step."""
+        unknown = set(rest) - cls.option_names()
+        if unknown:
+            raise TypeError(f"unknown generation option(s) {sorted(unknown)}")
         sampler_keys = {f.name for f in dataclasses.fields(FamilySampler)} - {"family"}
         sampler_opts = {k: rest.pop(k) for k in list(rest) if k in sampler_keys}
         family = rest.pop("sampler", None)
