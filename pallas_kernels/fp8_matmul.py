@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import os
 from typing import Any
 
 import jax
@@ -33,9 +32,6 @@ from pallas_kernels.gpu_info import H200_SMS, num_sms
 E4M3_MAX = 448.0
 GROUP = 128  # K group of the activation scales and both dims of the weight blocks
 FP8 = jnp.float8_e4m3fn
-# Weight scales reach the kernel through the TMA pipeline (True) or as a scalar
-# global load per K step (False; slower, kept as a fallback).
-DEFAULT_WS_PREFETCH = os.environ.get("FP8_WS_PREFETCH", "1") != "0"
 
 
 # --------------------------------------------------------------------------
@@ -155,18 +151,8 @@ class Fp8MatmulConfig:
   stage, one TMA multicast to both) or along N (they share the activation tile A). Cuts the L2 -> shared memory
   traffic of the shared operand in half when compute bound; the scale rows are still loaded per CTA (they are
   too small to split between the two: TMA destinations must be 128-byte aligned).
-  ``overlap_steps``: software-pipeline the promotion across pipeline steps: a stage's last K group is promoted at
-  the start of the next step, after that step's first wgmmas are issued, so each warpgroup keeps a wgmma in flight
-  across the stage boundary (its barrier waits included). The stage is then released one step late
-  (BlockSpec delay_release=1), which costs one prefetched stage. Exact, but slower on the H200: ptxas serialises
-  the wgmmas once an in-flight accumulator is read across the step (bench/NOTES.md v10); kept for experiments.
-  ``pingpong``: the two compute warpgroups take turns at the tensor cores (FA3's schedule): after issuing a
-  stage's wgmmas a warpgroup meets the other at a shared barrier before it waits for and promotes them, and
-  warpgroup 1 starts each work unit one meeting behind. So one warpgroup's promotion and barrier waits run while
-  the other's wgmmas keep the tensor cores busy, instead of both promoting at once with the tensor cores idle.
-  No accumulator is read across the meeting, so ptxas has nothing to serialise (unlike ``overlap_steps``); the
-  partials are added in the same order as without it (bit-identical output). Slower on the H200: 1.17-1.20x at
-  M = 256 against the default tiling without it (bench/NOTES.md v15); kept for experiments.
+  The weight scales of each K step reach shared memory through the TMA pipeline with the tiles, as a 128-byte row
+  per CTA (`expand_weight_scales`; column tiles: `column_scale_table`).
   ``out_slots``: shared-memory buffers per warpgroup for the epilogue's chunks (2: a chunk is written while the
   previous one is stored; 1: each store is waited for, half the epilogue's shared memory, which can leave room
   for one more pipeline stage).
@@ -178,9 +164,6 @@ class Fp8MatmulConfig:
   the tile: the last tile starts at N - tile (it recomputes a few columns of its neighbour, bit-identically).
   With ``wg_dimension`` N the two warpgroups take the two halves of N (warpgroup 0 columns [s, s + 144), warpgroup
   1 columns N/2 + [s, s + 144)), as the fused SwiGLU pairs gate and up, so no TMA box exceeds 256 rows.
-  ``early_release``: a warpgroup hands its stage back to the memory warpgroup as soon as the stage's last wgmma is
-  done and the stage's scales are in registers, before it promotes the last group (DeepGEMM's order), instead of
-  after; the refill of that stage then starts one promotion earlier. The same arithmetic in the same order.
   """
   wg_tile_m: int = 64
   wg_tile_n: int = 128
@@ -190,14 +173,9 @@ class Fp8MatmulConfig:
   epi_tile_n: int = 64
   grid_minor_dim: Dim = Dim.N
   grid_tile_width: int = 8
-  ctas_per_sm: int = 1
-  ws_prefetch: bool = dataclasses.field(default_factory=lambda: DEFAULT_WS_PREFETCH)
   groups_per_step: int = 1
   cluster_dimension: Dim | None = None
   out_slots: int = 2
-  overlap_steps: bool = False
-  pingpong: bool = False
-  early_release: bool = False
 
   def __post_init__(self):
     if self.wg_tile_m != 64:
@@ -206,9 +184,8 @@ class Fp8MatmulConfig:
       raise ValueError(f"wg_tile_n must be 32, 64, 128, or a multiple of 16 in (128, 192] (column tiles), got "
                        f"{self.wg_tile_n}")
     if self.column_scales:
-      if not self.ws_prefetch or self.cluster_dimension is not None or self.overlap_steps or self.pingpong:
-        raise ValueError(f"column tiles (wg_tile_n={self.wg_tile_n}) need ws_prefetch and no cluster, "
-                         "overlap_steps or pingpong")
+      if self.cluster_dimension is not None:
+        raise ValueError(f"column tiles (wg_tile_n={self.wg_tile_n}) run without a cluster")
       if self.epi_tile_n not in (16, 32, 64) or self.wg_tile_n % self.epi_tile_n:
         raise ValueError(f"epi_tile_n={self.epi_tile_n} must be 16, 32 or 64 and divide wg_tile_n={self.wg_tile_n}")
     if not 2 <= self.max_concurrent_steps <= 8:
@@ -222,18 +199,8 @@ class Fp8MatmulConfig:
       raise ValueError(f"CTA N tile must be >= 64 (16-byte scale rows), got {self.cta_tile_n}")
     if self.groups_per_step not in (1, 2, 4):
       raise ValueError(f"groups_per_step must be 1, 2 or 4, got {self.groups_per_step}")
-    if self.overlap_steps and self.max_concurrent_steps < 3:
-      raise ValueError("overlap_steps releases each stage one step late: it needs max_concurrent_steps >= 3, got "
-                       f"{self.max_concurrent_steps}")
-    if self.pingpong and self.overlap_steps:
-      raise ValueError("pingpong and overlap_steps are two schedules of the same pipeline body: choose one")
-    if self.early_release and self.overlap_steps:
-      raise ValueError("early_release is a schedule of the plain pipeline body: overlap_steps releases its stages "
-                       "a step late instead")
     if self.out_slots not in (1, 2):
       raise ValueError(f"out_slots must be 1 or 2, got {self.out_slots}")
-    if self.ctas_per_sm not in (1, 2, 3, 4):
-      raise ValueError(f"ctas_per_sm must be 1..4, got {self.ctas_per_sm}")
     c = self.cluster_dimension
     # Dim is an IntEnum: False / 0 would compare equal to Dim.M, so only None or a Dim is accepted
     if c is not None and not isinstance(c, Dim):
@@ -281,15 +248,14 @@ TUNED_SMS = H200_SMS
 
 
 def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
-  """Heuristic from the H200 sweeps (bench/NOTES.md): fine N tiles and split-K
+  """Heuristic from the H200 sweeps: fine N tiles and split-K
   when weight-bandwidth bound (enough work units for 132 SMs), 128x128 CTA
   tiles (2 warpgroups of 64x128) when compute bound."""
   narrow = _narrow_config(m, n, k)
-  wide = wide_small_m_config(m, n, k) if m <= 64 and WIDE_SMALL_M else None
+  wide = wide_small_m_config(m, n, k) if m <= 64 else None
   column = column_small_m_config(m, n, k)
   if wide is None and column is None:
-    return _with_default_pingpong(
-        _with_default_overlap(_with_default_cluster(_with_default_groups(narrow, m, k), m, n), k), m)
+    return _with_default_cluster(_with_default_groups(narrow, m, k), m, n)
   # The kernel streams at a per-SM rate, so what decides is how evenly the work units fill the waves of 132 SMs;
   # at equal fill, fewer split-K partials, then the wide tiles. Traced at M = 32 (fp8_small_m_h200.json run
   # v6b): LLaDA gate/up 28.4 us wide (96 units) vs 31.1 narrow (192); LLaDA down 18.2 wide (split 8) vs 16.8
@@ -303,7 +269,7 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
   best = max((c for c in (narrow, wide, column) if c is not None), key=rank)
   if best is column:
     return column  # its K groups per stage: column_small_m_config's
-  return _with_default_pingpong(_with_default_overlap(_with_default_groups(best, m, k), k), m)
+  return _with_default_groups(best, m, k)
 
 
 # K groups per pipeline stage of the default configs (Fp8MatmulConfig.groups_per_step), where they divide a work
@@ -317,14 +283,8 @@ def default_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 #   461.1. Where the third stage does not fit next to two 32-wide epilogue slots (split-K's fp32 epilogue: the down
 #   GEMM at M = 256), one slot (out_slots=1) makes room for it: run v10a, M = 256, LLaDA down 23.3 vs 26.8 us (the
 #   1-group, 4-stage tiling that was the default), Dream down 32.1 vs 37.0; two groups on 2 stages lost (28.0, 39.0).
-#   Else 1 group. The epilogue's extra stores cost nothing visible. FP8_ONE_SLOT=0 turns the one-slot rule off
-#   (benchmarks compare in one process by setting ONE_SLOT_EPILOGUE).
-# FP8_GROUPS_PER_STEP forces a count at every M, with the epilogue as it is (benchmarks compare in one process by
-# setting this attribute).
-GROUPS_PER_STEP: int | None = int(os.environ["FP8_GROUPS_PER_STEP"]) if "FP8_GROUPS_PER_STEP" in os.environ else None
-if GROUPS_PER_STEP not in (None, 1, 2, 4):
-  raise ValueError(f"FP8_GROUPS_PER_STEP must be 1, 2 or 4, got {GROUPS_PER_STEP}")
-ONE_SLOT_EPILOGUE = os.environ.get("FP8_ONE_SLOT", "1") != "0"
+#   Else 1 group. The epilogue's extra stores cost nothing visible.
+DEFAULT_GROUPS_PER_STEP = 2
 
 
 def model_epilogue_dtype(cfg: Fp8MatmulConfig):
@@ -334,17 +294,16 @@ def model_epilogue_dtype(cfg: Fp8MatmulConfig):
 
 
 def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfig:
-  g = GROUPS_PER_STEP or 2
-  if g == 1 or (k // GROUP // cfg.split_k) % g:
+  if (k // GROUP // cfg.split_k) % DEFAULT_GROUPS_PER_STEP:
     return cfg
-  grouped = dataclasses.replace(cfg, groups_per_step=g)
-  if m <= 64 or GROUPS_PER_STEP is not None:
+  grouped = dataclasses.replace(cfg, groups_per_step=DEFAULT_GROUPS_PER_STEP)
+  if m <= 64:
     return grouped if stages_that_fit(grouped, jnp.float32) >= 2 else cfg
   # stages counted for the model's bf16 output; an fp32 out_dtype still runs this config, on the 2 stages that then
   # fit (fit_stages)
   thin = dataclasses.replace(grouped, epi_tile_n=min(32, cfg.epi_tile_n))
   one_slot = dataclasses.replace(thin, out_slots=1)
-  for candidate in (thin, one_slot) if ONE_SLOT_EPILOGUE else (thin,):
+  for candidate in (thin, one_slot):
     if stages_that_fit(candidate, model_epilogue_dtype(candidate)) >= 3:
       return candidate
   return cfg
@@ -356,51 +315,18 @@ def _with_default_groups(cfg: Fp8MatmulConfig, m: int, k: int) -> Fp8MatmulConfi
 # * M = 4096 (fp8_small_m_h200.json run v9a): LLaDA gate/up 634.3 vs 654.6 us, down 313.6 vs 316.6, Dream gate/up
 #   863.0 vs 922.5, down 418.7 vs 426.3; along M (the pair shares the weight tile) 638.3 / 317.5 / 865.8 / 421.9.
 #   Again in fp8_matmul_h200.json run v9: 647.9 vs 663.4, 323.5 vs 325.7, 878.6 vs 911.9, 433.3 vs 439.5; and at
-#   M = 16384 (LLaDA) 2670.7 vs 2964.2 and 1314.6 vs 1347.2 (there the unclustered 3-stage tiling was slower than
-#   v8's 2 stages, 2822.8: FP8_CLUSTER=0 is not the v8 kernel at that M).
+#   M = 16384 (LLaDA) 2670.7 vs 2964.2 and 1314.6 vs 1347.2.
 # * M = 1024 (run v9): gate/up 169.8 vs 172.7 (LLaDA), 226.8 vs 231.6 (Dream; LLaDA 1536 / Dream 2368 CTA tiles,
 #   11.6 / 17.9 waves) but down 83.6 vs 82.2 and 121.3 vs 119.1 (256 / 224 tiles, < 2 waves): hence the 4-wave floor.
-# FP8_CLUSTER=0 turns it off (benchmarks compare in one process by setting CLUSTER_FROM_M = None).
-CLUSTER_FROM_M: int | None = 1024 if os.environ.get("FP8_CLUSTER", "1") != "0" else None
+CLUSTER_FROM_M = 1024
 CLUSTER_MIN_WAVES = 4
 
 
 def _with_default_cluster(cfg: Fp8MatmulConfig, m: int, n: int) -> Fp8MatmulConfig:
-  if (CLUSTER_FROM_M is None or m < CLUSTER_FROM_M or n % (2 * cfg.cta_tile_n)
+  if (m < CLUSTER_FROM_M or n % (2 * cfg.cta_tile_n)
       or _units(m, n, cfg) < CLUSTER_MIN_WAVES * TUNED_SMS):
     return cfg
   return dataclasses.replace(cfg, cluster_dimension=Dim.N)
-
-
-# overlap_steps on the default configs (where 3 stages fit: one is given up to the late release): OFF, because it
-# loses everywhere. Built in v9; run v10a on the H200 (fp8_small_m_h200.json): bit-identical to the default order at
-# 10 shapes, but 1.02-1.09x slower at M = 32 and 1.37-3.57x slower from M = 256 (LLaDA gate/up M = 4096,
-# unclustered: 2090 vs 649 us with two groups per stage, 1028 vs 715 with one): ptxas serialises its wgmmas
-# (bench/results/ptxas_fp8_h200.json); see bench/NOTES.md v10. FP8_OVERLAP_STEPS=1 turns it on
-# (benchmarks compare in one process by setting this attribute).
-OVERLAP_STEPS = os.environ.get("FP8_OVERLAP_STEPS", "0") == "1"
-
-
-# pingpong (the two compute warpgroups take turns at the tensor cores, Fp8MatmulConfig.pingpong) on the default
-# configs from this M on (not where overlap_steps is on: the two exclude each other); None: nowhere, the default,
-# because it lost everywhere it was timed (fp8_small_m_h200.json run v15a, M = 256: 1.17-1.20x slower).
-# FP8_PINGPONG=<M> sets it, FP8_PINGPONG=0 turns it off (benchmarks compare in one process by setting this attribute).
-PINGPONG_FROM_M: int | None = None
-if os.environ.get("FP8_PINGPONG"):
-  PINGPONG_FROM_M = int(os.environ["FP8_PINGPONG"]) or None
-
-
-def _with_default_pingpong(cfg: Fp8MatmulConfig, m: int) -> Fp8MatmulConfig:
-  if PINGPONG_FROM_M is None or m < PINGPONG_FROM_M or cfg.overlap_steps:
-    return cfg
-  return dataclasses.replace(cfg, pingpong=True)
-
-
-def _with_default_overlap(cfg: Fp8MatmulConfig, k: int) -> Fp8MatmulConfig:
-  if (not OVERLAP_STEPS or cfg.max_concurrent_steps < 3 or stages_that_fit(cfg, model_epilogue_dtype(cfg)) < 3
-      or k // GROUP // cfg.split_k // cfg.groups_per_step < 2):
-    return cfg
-  return dataclasses.replace(cfg, overlap_steps=True)
 
 
 def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
@@ -415,19 +341,17 @@ def _units(m: int, n: int, cfg: Fp8MatmulConfig) -> int:
 # (1.62x XLA bf16's 64.9 against 1.47x), one K group per stage 41.1. At M = 256 the same tiles along M (528 tiles,
 # exactly 4 waves) were slower than the 128 x 128 default (76.2 vs 68.1 us), and 192-wide tiles for LLaDA-8B's
 # gate/up too (58.4 vs 47.5): ptxas caps the compute warpgroups at 168 registers, and the wider accumulators spill.
-# FP8_COLUMN_TILES=0 turns them off (benchmarks compare in one process by setting COLUMN_TILES).
-COLUMN_TILES = os.environ.get("FP8_COLUMN_TILES", "1") != "0"
 COLUMN_TILE_N = 144
 COLUMN_MIN_FILL = 0.95  # of the last wave
 
 
 def column_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
   """The column tiling for (m, n, k), m <= 64, where its tiles fill their waves of TUNED_SMS SMs to at least
-  COLUMN_MIN_FILL (no split-K); None elsewhere or with COLUMN_TILES off."""
-  if not COLUMN_TILES or m > 64 or n % 16:
+  COLUMN_MIN_FILL (no split-K); None elsewhere."""
+  if m > 64 or n % 16:
     return None
   cfg = Fp8MatmulConfig(wg_dimension=Dim.N, wg_tile_n=COLUMN_TILE_N, epi_tile_n=16, max_concurrent_steps=6,
-                        groups_per_step=GROUPS_PER_STEP or 2)
+                        groups_per_step=DEFAULT_GROUPS_PER_STEP)
   if n // 2 < COLUMN_TILE_N or (k // GROUP) % cfg.groups_per_step or stages_that_fit(cfg, jnp.bfloat16) < 2:
     return None
   units = _units(m, n, cfg)
@@ -457,8 +381,6 @@ def _narrow_config(m: int, n: int, k: int) -> Fp8MatmulConfig:
 # v6c), so finer tiles and more split-K units were all slower (LLaDA gate/up at M = 32: 30.9 us at 128-wide
 # tiles, 33.0 with split-K 2, 31.6 at 64-wide, run v6a), and
 # the wide tiles win only where they leave fewer SMs idle in the last wave (`default_config`).
-# FP8_WIDE_SMALL_M=0 keeps the 128-wide tiles everywhere (benchmarks compare the two in one process).
-WIDE_SMALL_M = os.environ.get("FP8_WIDE_SMALL_M", "1") != "0"
 
 
 def wide_small_m_config(m: int, n: int, k: int) -> Fp8MatmulConfig | None:
@@ -556,29 +478,20 @@ def column_scale_table(ws, n: int, cfg: Fp8MatmulConfig, xp=jnp):
   return xp.where(xp.asarray(c < tn), table, 0.0).astype(xp.float32)
 
 
-def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, profile_dir=None,
-                     swiglu: bool = False, columns: tuple[int, int] | None = None):
+def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, interpret, swiglu: bool = False):
   """swiglu=True (`fp8_gate_up_swiglu`): wq is [gate | up] (2F rows); CTA tile j pairs gate block j (warpgroup 0)
   with up block j (warpgroup 1), and the epilogue writes silu(gate) * up quantised 1x128 (aq [Mp, F] e4m3,
-  as_t [F/128, Mp]) instead of the GEMM's output. columns=(start, count): only output columns [start, start +
-  count) of wq's N, written as an output of count columns (`fp8_matmul_tail_split`); ws stays wq's whole table."""
+  as_t [F/128, Mp]) instead of the GEMM's output."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   mp, k = xq_p.shape
-  col0, n = columns or (0, wq.shape[0])  # n: the columns this call computes, from weight row col0 on
+  n = wq.shape[0]
   assert not swiglu or swiglu_fusable(cfg), cfg  # fp8_gate_up_swiglu checked it
   column = cfg.column_scales
   paired = column and cfg.wg_dimension == Dim.N  # the two warpgroups take the two halves of N
-  if column and (swiglu or columns is not None):
-    raise ValueError("fp8 kernel: column tiles run neither the fused SwiGLU epilogue nor a column range")
   if column:
     check_column_tiling(n, cfg, "fp8 kernel")
-  if columns is not None and (swiglu or col0 < 0 or n <= 0 or col0 % cfg.cta_tile_n or col0 + n > wq.shape[0]
-                              or n % cfg.cluster_tile_n):
-    raise ValueError(f"fp8 kernel: columns (start, count) = {columns} must lie inside the weights' N = "
-                     f"{wq.shape[0]}, start a multiple of the CTA N tile {cfg.cta_tile_n}, count a positive "
-                     f"multiple of the {cfg.cluster_tile_n}-column tile, and not with the fused SwiGLU epilogue")
   tm, tn = cfg.wg_tile_m, cfg.wg_tile_n
   ctm, ctn = cfg.cta_tile_m, cfg.cta_tile_n
   split = cfg.split_k
@@ -586,20 +499,12 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   gps = cfg.groups_per_step
   step_k = gps * GROUP
   wsc = ws_cols(cfg)
-  ws_prefetch = cfg.ws_prefetch
   if kg % split:
     raise ValueError(f"split_k={split} must divide K/128={kg}")
   if (kg // split) % gps:
     raise ValueError(f"groups_per_step={gps} must divide the K groups of a work unit, K/128/split_k = "
                      f"{kg // split}")
-  if interpret and cfg.overlap_steps:
-    raise ValueError("fp8_matmul: overlap_steps cannot run in the GPU simulator (interpret=True has no rule for "
-                     "the accumulator store it needs); run it on a GPU or use overlap_steps=False")
   ksteps = kg // split // gps  # pipeline steps per work unit
-  if cfg.overlap_steps and ksteps < 2:
-    # with one step per unit the late release never happens and the memory warpgroup would run into the next unit
-    raise ValueError(f"fp8_matmul: overlap_steps needs >= 2 pipeline steps per work unit, got {ksteps} "
-                     f"(K/128 = {kg}, split_k = {split}, groups_per_step = {gps})")
   if mp % cfg.cluster_tile_m:
     raise ValueError(f"padded M={mp} must be a multiple of {cfg.cluster_tile_m} (the cluster's M tile)")
   if not column and n % cfg.cluster_tile_n:
@@ -613,18 +518,12 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   acc_dtype = jnp.float32 if split > 1 else (jnp.bfloat16 if swiglu else out_dtype)
   epi_m, epi_n = tm, min(cfg.epi_tile_n, tn)
   num_out_slots = cfg.epilogue_slots
-  # the profiler's event buffers and the fused epilogue's tiles share the shared memory with the stages
-  reserve = PROFILE_SMEM_BYTES if profile_dir else 0
-  if swiglu:
-    reserve += _swiglu_smem(cfg)
+  # the fused epilogue's tiles share the shared memory with the stages
+  reserve = _swiglu_smem(cfg) if swiglu else 0
   if stages_that_fit(cfg, acc_dtype, reserve) < 2:
     raise ValueError(f"fp8_matmul: two pipeline stages of {cfg} do not fit in {SMEM_BYTES} bytes of shared memory "
                      f"next to a {jnp.dtype(acc_dtype).name} epilogue; use fewer groups_per_step or narrower tiles")
   stages = fit_stages(cfg, acc_dtype, reserve)
-  if cfg.overlap_steps and stages < 3:
-    # one stage is held by the late release: on 2 stages nothing would be prefetched
-    raise ValueError(f"fp8_matmul: overlap_steps needs 3 pipeline stages, only {stages} fit next to a "
-                     f"{jnp.dtype(acc_dtype).name} epilogue for {cfg}")
 
   swz = plgpu.find_swizzle(GROUP * 8, "fp8 operand")  # 128 B rows
   in_transforms = (plgpu.TilingTransform((8, swz)), plgpu.SwizzleTransform(swz))
@@ -634,7 +533,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
                     plgpu.SwizzleTransform(out_swz))
 
   def fp8_matmul_kernel(a_gmem, b_gmem, xs_gmem, ws_gmem, *outs, out_smem, up_smem=None, q_smem=None, s_smem=None,
-                        handover=None, turns=None):
+                        handover=None):
     if swiglu:
       aq_gmem, as_gmem = outs
       up_ready, up_free = handover.at[0], handover.at[1]
@@ -648,8 +547,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
       ws_block = (gps, 2, tn // wsc) if swiglu else (gps, ctn // wsc)
 
     def get_pipeline(body, compute_context):
-      # overlap_steps: a stage's last wgmma is still in flight when its body returns: release the stage a step later
-      spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, delay_release=int(cfg.overlap_steps))
+      spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
       # the operand both CTAs of a cluster read is multicast: B (weights) along M, A (activations) along N
       a_multicast = ("cluster",) if cfg.cluster_dimension == Dim.N else ()
       b_multicast = ("cluster",) if cfg.cluster_dimension == Dim.M else ()
@@ -662,12 +560,12 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
               spec(b_block, lambda kk: (0,) * (len(b_block) - 1) + (kk,), transforms=in_transforms,
                    collective_axes=b_multicast),
               spec((gps, ctm), lambda kk: (kk, 0)),
-          ] + ([spec(ws_block, lambda kk: (kk,) + (0,) * (len(ws_block) - 1))] if ws_prefetch else []),
+              spec(ws_block, lambda kk: (kk,) + (0,) * (len(ws_block) - 1)),
+          ],
           wg_axis="wg",
           num_compute_wgs=2,
           max_concurrent_steps=stages,
           compute_context=compute_context,
-          manual_consumed_barriers=cfg.early_release,  # mma_body arrives on them itself
       )
 
     ignore = lambda *_, **__: None
@@ -678,8 +576,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             a_gmem.at[:, pl.ds(0, ksteps * step_k)],
             b_gmem.at[..., pl.ds(0, ksteps * step_k)],
             xs_gmem.at[pl.ds(0, ksteps * gps), :],
-            *([ws_gmem.at[pl.ds(0, ksteps * gps), 0] if column else ws_gmem.at[pl.ds(0, ksteps * gps)]]
-              if ws_prefetch else [])),
+            ws_gmem.at[pl.ds(0, ksteps * gps), 0] if column else ws_gmem.at[pl.ds(0, ksteps * gps)]),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs):
@@ -695,8 +592,7 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         elif cfg.cluster_dimension == Dim.N:
           n_idx = n_idx * 2 + lax.axis_index("cluster")
         cta_m = pl.ds(m_idx * ctm, ctm)
-        cta_n = pl.ds(n_idx * ctn, ctn)  # output columns; the weight rows are col0 further on
-        w_col = col0 + n_idx * ctn
+        cta_n = pl.ds(n_idx * ctn, ctn)
         if cfg.wg_dimension == Dim.M:
           wg_m = pl.ds(wg_idx * tm, tm)
           wg_n = slice(None)
@@ -704,7 +600,6 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
           wg_m = slice(None)
           wg_n = pl.ds(wg_idx * tn, tn)
         wg_ws = 0 if cfg.wg_dimension == Dim.M else wg_idx * (tn // wsc)
-        nblk = (w_col + (0 if cfg.wg_dimension == Dim.M else wg_idx * tn)) // GROUP
         g0 = ks * ksteps * gps  # first K group of this work unit
         # column tiles: the first column of this tile in each warpgroup's span (the last tile ends at the span's end)
         start = lax.min(n_idx * tn, span - tn) if column else None
@@ -752,122 +647,45 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
             plgpu.copy_smem_to_gmem(q_smem, aq_gmem.at[cta_m, pl.ds(n_idx * tn, tn)])
             plgpu.copy_smem_to_gmem(s_smem, as_gmem.at[n_idx, cta_m])
 
-        overlap = cfg.overlap_steps
-        unit_accs = []  # overlap_steps: the unit's accumulators, allocated around its pipeline (compute_context)
-
-        def zero_tile():
-          return plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
-
         def compute_context(eval_pipeline):
-          zeros = zero_tile()
+          zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
           finish = swiglu_epilogue if swiglu else epilogue
-          if not overlap:
-            # pingpong: warpgroup 1 meets warpgroup 0 once more at the start of a unit (so it issues each stage after
-            # warpgroup 0 has), warpgroup 0 once more at its end, before its epilogue (so neither waits on the
-            # other's epilogue, the fused SwiGLU's hand-over included)
-            if cfg.pingpong:
-              pl.when(wg_idx == 1)(take_turn)
-            out = eval_pipeline(zeros)
-            if cfg.pingpong:
-              pl.when(wg_idx == 0)(take_turn)
-            finish(out)
-            return
+          finish(eval_pipeline(zeros))
 
-          def run(*acc_refs):  # zeroed at allocation: the first step promotes the "previous" last group as 0 * 0
-            unit_accs[:] = acc_refs
-            out, pending = eval_pipeline((zeros, jnp.zeros((tm,), jnp.float32)))
-            last = plgpu.wgmma_accumulator_load(acc_refs[-1], wait_n=0)  # the last step's last group
-            finish(out + last * lax.broadcast_in_dim(pending, (tm, tn), [0]))
-
-          pl.run_scoped(run, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
-
-        def take_turn():
-          """pingpong: meet the other compute warpgroup (both arrive, then wait for the phase)."""
-          if cfg.pingpong:
-            with jax.named_scope("turn"):
-              plgpu.barrier_arrive(turns)
-              plgpu.barrier_wait(turns)
-
-        def row_scale(idx, j, xs_smem, ws_smem):
+        def row_scale(j, xs_smem, ws_smem):
           """x_scale[rows] * w_scale of K group j of this pipeline step: [tm]; column tiles: (x_scale[rows] [tm],
           w_scale[columns] [tn])."""
           if column:
-            return xs_smem[j, wg_m], ws_smem[0][j, wg_idx if paired else 0, pl.ds(0, tn)]
+            return xs_smem[j, wg_m], ws_smem[j, wg_idx if paired else 0, pl.ds(0, tn)]
           if swiglu:
-            w_scale = ws_smem[0][j, wg_idx, 0]
-          elif ws_prefetch:
-            w_scale = ws_smem[0][j, wg_ws]
+            w_scale = ws_smem[j, wg_idx, 0]
           else:
-            w_scale = ws_gmem[g0 + idx * gps + j, nblk]
+            w_scale = ws_smem[j, wg_ws]
           return xs_smem[j, wg_m] * w_scale
 
-        def promote(out, acc_ref, wait_n, rows, name, release=None):
+        def promote(out, acc_ref, wait_n, rows):
           """out + the partial in acc_ref (once at most wait_n later wgmmas are in flight) x rows() [tm], the row
-          scales (read after the wait); release(), if given, runs once the scales are read, before the FMAs."""
-          with jax.named_scope(f"wait{name}"):
-            part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
-          with jax.named_scope(f"promote{name}"):
-            scales = rows()
-            if release is not None:
-              release()
-            if column:
-              xsc, wsc_ = scales
-              return out + part * lax.broadcast_in_dim(xsc, (tm, tn), [0]) * lax.broadcast_in_dim(wsc_, (tm, tn), [1])
-            return out + part * lax.broadcast_in_dim(scales, (tm, tn), [0])
+          scales (read after the wait)."""
+          part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
+          scales = rows()
+          if column:
+            xsc, wsc_ = scales
+            return out + part * lax.broadcast_in_dim(xsc, (tm, tn), [0]) * lax.broadcast_in_dim(wsc_, (tm, tn), [1])
+          return out + part * lax.broadcast_in_dim(scales, (tm, tn), [0])
 
-        # named scopes: ranges of Mosaic GPU's in-kernel profiler (recorded only with profile_dir)
         def issue(acc_ref, j, a_smem, b_smem):
           ks_ = pl.ds(j * GROUP, GROUP)
           b = b_smem.at[wg_idx, :, ks_] if swiglu or paired else b_smem.at[wg_n, ks_]
           plgpu.wgmma(acc_ref, a_smem.at[wg_m, ks_], b.transpose((1, 0)))
 
-        def overlapped_body(idxs, a_smem, b_smem, xs_smem, *rest):
-          """overlap_steps: groups 0..G-2 issued, then the previous step's last group (done once G-1 wgmmas are in
-          flight) promoted, then group G-1 issued and left in flight across the step boundary (its stage is released
-          a step late); its row scale is carried to the next step (2 floats per thread), read while the stage is
-          still held."""
-          *ws_smem, (out, pending) = rest
-          zeros = zero_tile()
-          with jax.named_scope("issue"):
-            for j in range(gps - 1):
-              unit_accs[j][...] = zeros
-              issue(unit_accs[j], j, a_smem, b_smem)
-          out = promote(out, unit_accs[-1], gps - 1, lambda: pending, "_prev")
-          with jax.named_scope("issue"):
-            unit_accs[-1][...] = zeros
-            issue(unit_accs[-1], gps - 1, a_smem, b_smem)
-          for j in range(gps - 1):
-            out = promote(out, unit_accs[j], gps - 1 - j, lambda j=j: row_scale(idxs[0], j, xs_smem, ws_smem), j)
-
-          # the unit's last step: its stage is not waited for by a later step of this pipeline, and the next unit's
-          # loads may refill it as soon as the pipeline returns, so its wgmma must be done before (the promotion
-          # after the pipeline waits for it anyway)
-          @pl.when(idxs[0] == ksteps - 1)
-          def _drain():
-            plgpu.wgmma_wait(0)
-
-          return out, row_scale(idxs[0], gps - 1, xs_smem, ws_smem)
-
-        def mma_body(idxs, a_smem, b_smem, xs_smem, *rest):
-          *rest, acc = rest
-          # early_release: the pipeline passes one consumed barrier per input after the inputs
-          ws_smem, consumed = rest[:int(ws_prefetch)], rest[int(ws_prefetch):]
-
-          def release():
-            for barrier in consumed:
-              plgpu.barrier_arrive(barrier)
-
+        def mma_body(_, a_smem, b_smem, xs_smem, ws_smem, acc):
           def mmas(*acc_refs):  # one fresh (zeroed) accumulator per K group of the stage
-            with jax.named_scope("issue"):
-              for j, acc_ref in enumerate(acc_refs):
-                issue(acc_ref, j, a_smem, b_smem)
-            take_turn()  # pingpong: the other warpgroup issues its stage while this one waits and promotes
+            for j, acc_ref in enumerate(acc_refs):
+              issue(acc_ref, j, a_smem, b_smem)
             out = acc
             for j, acc_ref in enumerate(acc_refs):
               # group j is done once at most gps-1-j later wgmmas are in flight: its promotion overlaps them
-              last = j == gps - 1  # its wait is for every wgmma of the stage: A and B are read
-              out = promote(out, acc_ref, gps - 1 - j, lambda j=j: row_scale(idxs[0], j, xs_smem, ws_smem), j,
-                            release=release if consumed and last else None)
+              out = promote(out, acc_ref, gps - 1 - j, lambda j=j: row_scale(j, xs_smem, ws_smem))
             return out
 
           return pl.run_scoped(mmas, *[plgpu.ACC((tm, tn), jnp.float32)] * gps)
@@ -875,28 +693,26 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
         k_range = pl.ds(g0 * GROUP, ksteps * step_k)
         if column:
           b_unit = b_gmem.at[:, pl.ds(start, tn), k_range] if paired else b_gmem.at[pl.ds(start, tn), k_range]
-          ws_unit = [ws_gmem.at[pl.ds(g0, ksteps * gps), n_idx]]
+          ws_unit = ws_gmem.at[pl.ds(g0, ksteps * gps), n_idx]
         elif swiglu:
           b_unit = b_gmem.at[:, pl.ds(n_idx * tn, tn), k_range]
-          ws_unit = [ws_gmem.at[pl.ds(g0, ksteps * gps), :, pl.ds(n_idx * (tn // wsc), tn // wsc)]]
+          ws_unit = ws_gmem.at[pl.ds(g0, ksteps * gps), :, pl.ds(n_idx * (tn // wsc), tn // wsc)]
         else:
-          b_unit = b_gmem.at[pl.ds(w_col, ctn), k_range]
-          ws_unit = ([ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(w_col // wsc, ctn // wsc)]]
-                     if ws_prefetch else [])
-        get_pipeline(overlapped_body if overlap else mma_body, compute_context)(
-            a_gmem.at[cta_m, k_range], b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], *ws_unit,
+          b_unit = b_gmem.at[pl.ds(n_idx * ctn, ctn), k_range]
+          ws_unit = ws_gmem.at[pl.ds(g0, ksteps * gps), pl.ds(n_idx * ctn // wsc, ctn // wsc)]
+        get_pipeline(mma_body, compute_context)(
+            a_gmem.at[cta_m, k_range], b_unit, xs_gmem.at[pl.ds(g0, ksteps * gps), cta_m], ws_unit,
             allocations=pipeline_allocs,
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   units = split * m_iters * n_iters  # cluster work units
-  grid = max(1, min(units, num_sms() * cfg.ctas_per_sm // cluster))  # clusters
+  # one CTA per SM: a second one does not fit beside it (registers), it would only queue behind it
+  grid = max(1, min(units, num_sms() // cluster))  # clusters
   out_shape = (split, mp, n) if split > 1 else (mp, n)
   scratch = dict(out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), acc_dtype, transforms=out_transforms))
   out_type = jax.ShapeDtypeStruct(out_shape, acc_dtype)
-  if cfg.pingpong:
-    scratch.update(turns=plgpu.Barrier(num_arrivals=2))  # one arrival per compute warpgroup
   if paired:
     wq = wq.reshape(2, n // 2, k)
   if swiglu:
@@ -915,10 +731,8 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     kw["interpret"] = interpret if not isinstance(interpret, bool) else InterpretGPUParams()
-  profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir, profile_bounds_check=True) \
-      if profile_dir else {}
   f = plgpu.kernel(
-      fp8_matmul_kernel,  # its name reaches the profiler trace (kernel_trace counts it as a GEMM)
+      fp8_matmul_kernel,  # its name reaches profiler traces (bench/kernel_trace.py counts it as a GEMM)
       out_type=out_type,
       grid=(grid,),
       grid_names=("cluster_grid",),
@@ -926,28 +740,20 @@ def _fp8_kernel_call(xq_p, xs_t, wq, ws, *, cfg: Fp8MatmulConfig, out_dtype, int
       cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=scratch,
       **kw,
   )
   return f(xq_p, wq, xs_t, ws)
 
 
-# Events per warpgroup recorded by Mosaic GPU's in-kernel profiler (`profile_dir=`; bench/profile_fp8_kernel.py):
-# enough for the first ~60 pipeline steps of a work unit; later events are dropped (bounds-checked).
-PROFILE_EVENTS = 256
-PROFILE_SMEM_BYTES = 3 * 16 * PROFILE_EVENTS  # their shared-memory buffers: 3 warpgroups x 4 words per range
-
-
 def kernel_weight_scales(ws: jax.Array, n: int, cfg: Fp8MatmulConfig) -> jax.Array:
-  """ws [N/128, K/128] -> the kernel's weight-scale operand for `cfg` (an expanded [K/128, N/cols] table with
-  ws_prefetch, else ws.T; column tiles: `column_scale_table`). Expanding costs a broadcast kernel per call (XLA does
-  not hoist it out of a loop): the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes
-  the table in."""
+  """ws [N/128, K/128] -> the kernel's weight-scale operand for `cfg` (an expanded [K/128, N/cols] table; column
+  tiles: `column_scale_table`). Expanding costs a broadcast kernel per call (XLA does not hoist it out of a loop):
+  the FFN path expands once at load time (`dllm_jax.fp8.with_kernel_scales`) and passes the table in."""
   if cfg.column_scales:
     return column_scale_table(ws, n, cfg)
-  return expand_weight_scales(ws, n, ws_cols(cfg)) if cfg.ws_prefetch else ws.T
+  return expand_weight_scales(ws, n, ws_cols(cfg))
 
 
 def pad_activations(xq: jax.Array, xs: jax.Array, mp: int) -> tuple[jax.Array, jax.Array]:
@@ -977,22 +783,20 @@ def _check_padded_operands(xq_p, xs_t, wq, ws_k, cfg: Fp8MatmulConfig, what: str
     check_column_tiling(n, cfg, what)
     want = column_scale_table_shape(n, k, cfg)
   else:
-    want = (kg, n // ws_cols(cfg)) if cfg.ws_prefetch else (kg, -(-n // GROUP))
+    want = (kg, n // ws_cols(cfg))
   if ws_k.shape != want:
     raise ValueError(f"{what}: weight scales must be {want} for this config, got {ws_k.shape}")
 
 
 def fp8_matmul_padded(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax.Array, *, cfg: Fp8MatmulConfig,
-                      out_dtype=jnp.bfloat16, interpret: Any = False, profile_dir: str | None = None) -> jax.Array:
+                      out_dtype=jnp.bfloat16, interpret: Any = False) -> jax.Array:
   """The Mosaic GPU kernel on operands already in its layouts (the FFN path: `fp8_quantize` writes them).
 
-  xq_p [Mp, K] e4m3 (Mp a multiple of the cluster M tile, `padded_rows`), xs_t [K/128, Mp] fp32, wq [N, K] e4m3, ws_k from
-  `kernel_weight_scales`. Returns y [Mp, N] out_dtype, or with cfg.split_k > 1 the fp32 partials [split, Mp, N]
-  (the consumer sums them: the SwiGLU quantiser, or the residual add). profile_dir: write a Mosaic GPU in-kernel
-  trace (per-warpgroup ranges of the K-step body) there, for `bench/profile_fp8_kernel.py`."""
+  xq_p [Mp, K] e4m3 (Mp a multiple of the cluster M tile, `padded_rows`), xs_t [K/128, Mp] fp32, wq [N, K] e4m3,
+  ws_k from `kernel_weight_scales`. Returns y [Mp, N] out_dtype, or with cfg.split_k > 1 the fp32 partials
+  [split, Mp, N] (the consumer sums them: the SwiGLU quantiser, or the residual add)."""
   _check_padded_operands(xq_p, xs_t, wq, ws_k, cfg, "fp8_matmul_padded")
-  return _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret,
-                          profile_dir=profile_dir)
+  return _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
 
 
 def _swiglu_smem(cfg: Fp8MatmulConfig) -> int:
@@ -1002,15 +806,14 @@ def _swiglu_smem(cfg: Fp8MatmulConfig) -> int:
 
 def swiglu_fusable(cfg: Fp8MatmulConfig) -> bool:
   """Whether `fp8_gate_up_swiglu` can run with this gate/up tiling: each warpgroup owns one whole 128-wide block
-  (its quantisation group), no split-K partials, weight scales through the pipeline, no CTA cluster, and two
-  pipeline stages fit next to the epilogue's buffers."""
-  return (cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1 and cfg.ws_prefetch
+  (its quantisation group), no split-K partials, no CTA cluster, and two pipeline stages fit next to the epilogue's
+  buffers."""
+  return (cfg.wg_dimension == Dim.N and cfg.wg_tile_n == GROUP and cfg.split_k == 1
           and cfg.cluster_dimension is None and stages_that_fit(cfg, jnp.bfloat16, _swiglu_smem(cfg)) >= 2)
 
 
 def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: jax.Array, *,
-                       cfg: Fp8MatmulConfig, interpret: Any = False, profile_dir: str | None = None
-                       ) -> tuple[jax.Array, jax.Array]:
+                       cfg: Fp8MatmulConfig, interpret: Any = False) -> tuple[jax.Array, jax.Array]:
   """The FFN's gate/up GEMM with SwiGLU and the down GEMM's activation quantisation in its epilogue.
 
   xq_p [Mp, K] e4m3, xs_t [K/128, Mp], w_gu [2F, K] e4m3 (gate rows, then up rows), ws_k: the standard scale
@@ -1021,96 +824,28 @@ def fp8_gate_up_swiglu(xq_p: jax.Array, xs_t: jax.Array, w_gu: jax.Array, ws_k: 
   n = w_gu.shape[0]
   if not swiglu_fusable(cfg):
     raise ValueError(f"fp8_gate_up_swiglu: needs swiglu_fusable(cfg) (64 x 128 warpgroup tiles along N, no "
-                     f"split-K, ws_prefetch), got {cfg}")
+                     f"split-K, no cluster), got {cfg}")
   if n % (2 * GROUP):
     raise ValueError(f"fp8_gate_up_swiglu: w_gu must have 2F rows with F % 128 == 0, got {w_gu.shape}")
   _check_padded_operands(xq_p, xs_t, w_gu, ws_k, cfg, "fp8_gate_up_swiglu")
-  return _fp8_kernel_call(xq_p, xs_t, w_gu, ws_k, cfg=cfg, out_dtype=jnp.bfloat16, interpret=interpret,
-                          profile_dir=profile_dir, swiglu=True)
+  return _fp8_kernel_call(xq_p, xs_t, w_gu, ws_k, cfg=cfg, out_dtype=jnp.bfloat16, interpret=interpret, swiglu=True)
 
 
-# A GEMM whose CTA tiles fill a few whole waves of the SMs and a small last one (Dream-7B's gate/up at block-step M:
-# 296 tiles on 132 SMs = 2 waves + 32 tiles, run as 3 waves with 100 SMs idle in the last) can run as two kernels:
-# the whole waves as they are, then the last wave's tiles split along K into enough short units for the GPU
-# (32 tiles x split-K 4 = 128 units of a quarter of the K loop), their fp32 partials summed by XLA. Prediction from
-# the per-SM streaming rate (~37 GB/s, bench/NOTES.md v6): Dream gate/up at M = 32 from ~45 us to ~34-38 (sum and
-# concatenation included). Block-step M only (<= 64: weight streaming, where waves decide). Timed on the H200
-# (fp8_small_m_h200.json run v11a): SLOWER, 48.0 vs 43.7 us busy per call: the whole waves are HBM bound, so only the
-# last wave's ~13 us could shrink and the extra kernels cost more (bench/NOTES.md v11). OFF: FP8_TAIL_SPLIT=1 (or
-# this attribute, read when the FFN is traced) for the FFN path; the standalone `fp8_matmul` runs it only when asked
-# (tail_split=True).
-TAIL_SPLIT = os.environ.get("FP8_TAIL_SPLIT", "0") == "1"
-
-
-@dataclasses.dataclass(frozen=True)
-class TailSplit:
-  """Columns [0, n_main) on `main` (whole waves), columns [n_main, N) on `tail` (split-K > 1)."""
-  n_main: int
-  main: Fp8MatmulConfig
-  tail: Fp8MatmulConfig
-
-
-def tail_split_plan(m: int, n: int, k: int, force: bool = False) -> TailSplit | None:
-  """The two-kernel plan for (m, n, k), m <= 64, where the default tiling's last wave on TUNED_SMS SMs is at most
-  half full (after at least one whole wave), with the largest split-K that keeps the tail's units within one
-  wave; None where it does not apply (the default is split-K already, clustered, or fills its waves) or
-  TAIL_SPLIT is off (force=True ignores the switch: sweeps and tests)."""
-  if not (TAIL_SPLIT or force) or m > 64:
-    return None
-  sms = TUNED_SMS
-  cfg = default_config(m, n, k)
-  if (cfg.split_k > 1 or cfg.cluster_dimension is not None or cfg.overlap_steps or cfg.column_scales
-          or n % cfg.cta_tile_n):
-    return None
-  m_tiles, n_tiles = -(-m // cfg.cta_tile_m), n // cfg.cta_tile_n
-  waves = _units(m, n, cfg) // sms
-  main_tiles = waves * sms // m_tiles  # whole columns of tiles that fit the whole waves
-  tail_tiles = n_tiles - main_tiles
-  if waves < 1 or not tail_tiles or m_tiles * tail_tiles > sms // 2:
-    return None
-  kg = k // GROUP
-  splits = [s_ for s_ in range(2, kg + 1) if kg % s_ == 0 and m_tiles * tail_tiles * s_ <= sms and kg // s_ >= 2]
-  if not splits:
-    return None
-  # the tail's K groups per stage by the default rule for its split-K units
-  tail = _with_default_groups(dataclasses.replace(cfg, split_k=max(splits), groups_per_step=1), m, k)
-  return TailSplit(n_main=main_tiles * cfg.cta_tile_n, main=cfg, tail=tail)
-
-
-def fp8_matmul_tail_split(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws_k: jax.Array, *, plan: TailSplit,
-                          out_dtype=jnp.bfloat16, interpret: Any = False) -> jax.Array:
-  """`fp8_matmul_padded` of one GEMM as the two kernels of `plan` (operands as there; ws_k: the table for
-  plan.main, which the tail's tiling shares). Returns y [Mp, N] out_dtype; the tail's split-K partials are
-  summed in fp32 before the one rounding to out_dtype, as a one-kernel split-K GEMM's consumer does."""
-  n = wq.shape[0]
-  main, tail = plan.main, plan.tail
-  if (tail.split_k < 2 or (ws_cols(main), main.ws_prefetch, main.cluster_tile_m) !=
-          (ws_cols(tail), tail.ws_prefetch, tail.cluster_tile_m) or not 0 < plan.n_main < n):
-    raise ValueError(f"fp8_matmul_tail_split: needs a split-K tail that shares the main tiling's scale table "
-                     f"layout and M tile, and 0 < n_main < N={n}, got {plan}")
-  _check_padded_operands(xq_p, xs_t, wq, ws_k, main, "fp8_matmul_tail_split")
-  kw = dict(out_dtype=out_dtype, interpret=interpret)
-  y_main = _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=main, columns=(0, plan.n_main), **kw)
-  y_tail = _fp8_kernel_call(xq_p, xs_t, wq, ws_k, cfg=tail, columns=(plan.n_main, n - plan.n_main), **kw)
-  return jnp.concatenate([y_main.astype(out_dtype), y_tail.sum(axis=0).astype(out_dtype)], axis=1)
-
-
-def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas",
-               interpret: Any = False, config: Fp8MatmulConfig | None = None, tail_split: bool = False):
+def fp8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array, *, out_dtype=jnp.bfloat16,
+               backend: str = "pallas", interpret: Any = False, config: Fp8MatmulConfig | None = None) -> jax.Array:
   """y = dequant(xq, xs) @ dequant(wq, ws).T  -> [M, N] out_dtype.
 
   xq [M, K] e4m3, xs [M, K//128] f32, wq [N, K] e4m3, ws [ceil(N/128), K//128] f32.
   backend "xla": reference numerics anywhere; "pallas": Mosaic GPU kernel
-  (N must be a multiple of the cluster N tile -- 128 with the default configs). tail_split (with config None):
-  the two-kernel `tail_split_plan` where it applies (opt-in; slower where timed, bench/NOTES.md v11).
+  (N must be a multiple of the cluster N tile -- 128 with the default configs).
 
-  The tiling (config None: `default_config`, which reads this module's switches) is chosen here, outside the
-  jitted body it keys, so flipping a switch between calls gives a new program, never a cached one.
+  The tiling (config None: `default_config`) is chosen here, outside the jitted body it keys (a patched
+  `default_config` gives a new program, never a cached one).
   """
   m, n, k = _check_operands(xq, xs, wq, ws)
   if backend not in ("pallas", "xla"):
     raise ValueError(f"fp8_matmul: backend must be 'pallas' or 'xla', got {backend!r}")
-  cfg = plan = None
+  cfg = None
   if backend == "pallas":
     cfg = config or default_config(m, n, k)
     if cfg.column_scales:
@@ -1121,12 +856,11 @@ def fp8_matmul(xq, xs, wq, ws, *, out_dtype=jnp.bfloat16, backend: str = "pallas
           "use backend='xla' for ragged N")
     if (k // GROUP) % cfg.split_k:
       raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
-    plan = tail_split_plan(m, n, k, force=True) if tail_split and config is None else None
-  return _fp8_matmul_jit(xq, xs, wq, ws, out_dtype=out_dtype, interpret=interpret, cfg=cfg, plan=plan)
+  return _fp8_matmul_jit(xq, xs, wq, ws, out_dtype=out_dtype, interpret=interpret, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "cfg", "plan"))
-def _fp8_matmul_jit(xq, xs, wq, ws, *, out_dtype, interpret, cfg: Fp8MatmulConfig | None, plan: TailSplit | None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "cfg"))
+def _fp8_matmul_jit(xq, xs, wq, ws, *, out_dtype, interpret, cfg: Fp8MatmulConfig | None):
   """fp8_matmul's program: the reference (cfg None) or the kernel on the given tiling."""
   if cfg is None:
     return fp8_matmul_reference(xq, xs, wq, ws, out_dtype)
@@ -1134,12 +868,9 @@ def _fp8_matmul_jit(xq, xs, wq, ws, *, out_dtype, interpret, cfg: Fp8MatmulConfi
   mp = padded_rows(m, cfg)
   xq_p, xs_t = pad_activations(xq, xs, mp)
   ws_k = kernel_weight_scales(ws, n, cfg)
-  if plan is not None:
-    y = fp8_matmul_tail_split(xq_p, xs_t, wq, ws_k, plan=plan, out_dtype=out_dtype, interpret=interpret)
-  else:
-    y = fp8_matmul_padded(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
-    if cfg.split_k > 1:
-      y = y.sum(axis=0).astype(out_dtype)
+  y = fp8_matmul_padded(xq_p, xs_t, wq, ws_k, cfg=cfg, out_dtype=out_dtype, interpret=interpret)
+  if cfg.split_k > 1:
+    y = y.sum(axis=0).astype(out_dtype)
   return y[:m] if mp != m else y
 
 

@@ -3,7 +3,7 @@
 The FP8 GEMM (`fp8_matmul.py`) wants its activations as e4m3 rows padded to the CTA tile, xq [Mp, K], and their
 1x128 scales transposed, xs_t [K/128, Mp] (one TMA row of scales per K step). Built from plain jnp, the two FP8
 inputs of a layer cost ~7 small XLA kernels (RMSNorm, two amax reductions, four pads, a transpose: 0.33 ms of a
-4.55 ms LLaDA-8B batch-1 block step on an H200, bench/NOTES.md v5). Here each is one kernel:
+4.55 ms LLaDA-8B batch-1 block step on an H200). Here each is one kernel:
 
   * `rmsnorm_quantize(x, weight, residual=)`: the attention residual add (x + residual in x.dtype, also written
     out: the FFN's own residual), the FFN's RMSNorm (fp32 statistics, rounded to x.dtype, times the weight,
@@ -27,15 +27,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._util import check_pow2
 from pallas_kernels.fp8_matmul import FP8, GROUP, quantize_activations, quantize_rows, swiglu_quantize
 
 try:
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
-
-def _is_pow2(x: int) -> bool:
-  return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,10 +45,8 @@ class QuantizeBlocks:
   groups: int = 1
 
   def __post_init__(self):
-    if not _is_pow2(self.block_m) or self.block_m > 128:
-      raise ValueError(f"QuantizeBlocks.block_m must be a power of two <= 128, got {self.block_m!r}")
-    if not _is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(f"QuantizeBlocks.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+    check_pow2("QuantizeBlocks", "block_m", self.block_m, 128)
+    check_pow2("QuantizeBlocks", "num_warps", self.num_warps, 16)
     if not isinstance(self.groups, int) or not 1 <= self.groups <= 16:
       raise ValueError(f"QuantizeBlocks.groups must be an int in [1, 16], got {self.groups!r}")
 

@@ -4,9 +4,9 @@ After a layer's fused q/k/v projection, XLA runs three kernels per layer at a ca
 q and k (one concatenate fusion) and one dynamic-update-slice each for K and V into the layer's cache buffer
 (~6 us together per LLaDA-8B layer at batch 1 on the H200). Here one kernel reads the projection output once,
 writes the rotated q, and stores the rotated k and the v of every written token straight into the cache buffers,
-which are aliased to its outputs (updated in place; nothing else of them is touched). Measured (bench/NOTES.md
-v12): 6.5 vs 7.6 us per layer at LLaDA-8B batch 8, but no gain at batch 1 (XLA had fused RoPE into the q/k/v
-GEMM's split-K reduction) and slower over a block start's 4096 tokens; used by the opt-in `dllm_jax/fused_layers.py`.
+which are aliased to its outputs (updated in place; nothing else of them is touched). On the projection output
+itself: 6.5 vs 7.6 us per layer at LLaDA-8B batch 8 on the H200, no gain at batch 1 (XLA had fused RoPE into the
+q/k/v GEMM's split-K reduction) and slower over a block start's 4096 tokens.
 
 Layout and semantics
 --------------------
@@ -19,12 +19,12 @@ Layout and semantics
   activation dtype (Dream), as `dllm_jax.layers.apply_rope` does.
 Returns (q [B, n, Hq, D] rotated, k_cache, v_cache).
 
-``qkv`` may also be the projection's split-K partials, [S, B, n, (Hq + 2 Hkv) * D] fp32
-(`pallas_kernels.residual_rmsnorm.linear_partials`), with the projection's ``bias`` [(Hq + 2 Hkv) * D] or None:
-the kernel then forms the projection output itself, round(sum of the partials + bias) in the activation dtype
-(``out_dtype``), exactly what the GEMM's epilogue would have written. At a block step's 32 rows XLA splits the q/k/v
-GEMM's K and reduces the partials in the kernels that rotate and write (three per layer); taking the partials here
-leaves one (bench/NOTES.md v14).
+``qkv`` may also be the projection's split-K partials, [S, B, n, (Hq + 2 Hkv) * D] fp32 (`linear_partials`: one
+batched GEMM), with the projection's ``bias`` [(Hq + 2 Hkv) * D] or None: the kernel then forms the projection
+output itself, round(sum of the partials + bias) in the activation dtype (``out_dtype``), exactly what the GEMM's
+epilogue would have written (`projection_from_partials`). At a block step's 32 rows XLA splits the q/k/v GEMM's K
+and reduces the partials in the kernels that rotate and write (three per layer); taking the partials here leaves
+one: the default GPU block step's path.
 
 Grid: one program per (token, block of heads); heads are tile rows, so any head count works (rows past the last
 head are masked).
@@ -36,18 +36,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.residual_rmsnorm import projection_from_partials
+from pallas_kernels._util import check_pow2, is_pow2
 
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
-
-
-def _is_pow2(x: int) -> bool:
-  return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,10 +54,29 @@ class RopeBlocks:
   num_warps: int = 4
 
   def __post_init__(self):
-    if not _is_pow2(self.block_h) or self.block_h > 64:
-      raise ValueError(f"RopeBlocks.block_h must be a power of two <= 64, got {self.block_h!r}")
-    if not _is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(f"RopeBlocks.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+    check_pow2("RopeBlocks", "block_h", self.block_h, 64)
+    check_pow2("RopeBlocks", "num_warps", self.num_warps, 16)
+
+
+def linear_partials(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+  """x [M, K] @ w [K, N] as `splits` fp32 partial products [splits, M, N] over consecutive K chunks (one batched
+  GEMM; their sum is x @ w with fp32 accumulation). K must be a multiple of splits."""
+  m, k = x.shape
+  if w.ndim != 2 or w.shape[0] != k or splits < 1 or k % splits:
+    raise ValueError(f"linear_partials: need x [M, K], w [K, N] and K % splits == 0, got x {x.shape}, w {w.shape}, "
+                     f"splits={splits}")
+  return jnp.einsum("msk,skn->smn", x.reshape(m, splits, k // splits), w.reshape(splits, k // splits, w.shape[1]),
+                    preferred_element_type=jnp.float32,
+                    precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
+
+
+def projection_from_partials(partials: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+  """[S, ..., N] fp32 split-K partials (+ bias [N]) -> the projection output in dtype: one rounding of the fp32 sum,
+  as `dllm_jax.layers.Linear` rounds (bias added in fp32 before it). What the kernel forms from partials."""
+  y = partials.sum(axis=0)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(dtype)
 
 
 def _rotate(x: jax.Array, rot: jax.Array, cos: jax.Array, sin: jax.Array, rope_fp32: bool, dtype) -> jax.Array:
@@ -185,7 +201,7 @@ def _check(qkv, cos, sin, k_cache, v_cache, write_mask, q_heads, kv_heads, bias=
   if hkv != kv_heads or q_heads % kv_heads:
     raise ValueError(f"rope_kv_write: kv_heads={kv_heads} must match the cache's {hkv} heads and divide "
                      f"q_heads={q_heads}")
-  if d % 2 or not _is_pow2(d):
+  if d % 2 or not is_pow2(d):
     raise ValueError(f"rope_kv_write: head_dim must be an even power of two (one register row), got {d}")
   if qkv.ndim != 3 or qkv.shape[0] != b or qkv.shape[2] != (q_heads + 2 * kv_heads) * d:
     raise ValueError(f"rope_kv_write: qkv must be [B={b}, n, (Hq + 2 Hkv) * D = {(q_heads + 2 * kv_heads) * d}], "

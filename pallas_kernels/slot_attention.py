@@ -14,12 +14,14 @@ Layout and semantics
 * No causal mask.  fp32 accumulation.  Natural-log online-softmax state (m, l, o):
   out = o / l,  m = running max of scaled logits (-inf where no key was seen), l = sum exp(s - m).
 * ``init_state`` continues an earlier state: attention over KV = A u B equals
-  ``slot_attention(.., B, init_state=slot_attention(.., A, return_state=True))``.
+  ``slot_attention(.., B, init_state=slot_attention(.., A, return_state=True))``; ``merge_states``
+  merges two states over disjoint key sets.
 
 Kernel: one program per (q block, kv split, kv head, batch row).  The split over the KV length
-(decode-style split-K) gives enough programs at block-step shapes (q_len 32, batch 1); partial states
-are merged with a tiny XLA epilogue (``merge_states``).  With one split and no state requested the
-kernel writes the normalised output directly in q.dtype.
+(decode-style split-K) gives enough programs at block-step shapes (q_len 32, batch 1); the partial
+states are merged by a second small Pallas kernel into the normalised output (or by XLA into a state
+when one is requested).  With one split and no state requested the kernel writes the normalised
+output directly in q.dtype.
 
 The K/V gather is done inside the kernel: the table slice of a KV tile is loaded as an int32 vector
 and used as a row index (``k_ref[rows, :]``), each row being a contiguous D-vector.
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._util import check_pow2
 from pallas_kernels.gpu_info import H200_SMS
 
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
@@ -45,29 +48,22 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "AttentionState", "BlockSizes", "slot_attention", "slot_attention_reference",
-    "finalize_state", "merge_states", "write_kv", "attention", "contiguous_read_table",
-    "BACKENDS",
+    "finalize_state", "merge_states", "empty_state", "contiguous_read_table",
 ]
 
-BACKENDS = ("xla", "pallas")
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite start value of the running max inside the kernel (base-2 domain)
 _NUM_SMS = H200_SMS  # only used by the split heuristic
-# The split heuristic keeps at least this many KV tiles per split (read per call; benchmark variants change it).
-# In a block step on the H200 (bench/NOTES.md v12, calls of 8 steps): one-tile splits beat 4-tile splits at batch
-# 1 (LLaDA-8B 4.98 vs 5.04 ms, Dream-7B 4.45 vs 4.50: more programs in flight), and no split beat 2 at Dream's
-# batch 8 (6.70 vs 6.79: 128 programs already nearly fill the GPU), hence also SPLIT_BELOW_SMS.
-MIN_TILES_PER_SPLIT = 1
-SPLIT_BELOW_SMS = _NUM_SMS // 2  # split the KV length only when the grid has at most this many programs
-# Split-K partials of the plain output path stored as o / l in q's dtype (bf16 in the model) and merged by weight
-# l * exp(m - max m): half the partials' bytes. The state path always keeps fp32 o. Read per call like the split rule.
-BF16_PARTIALS = False
-# The split-K merge of the plain output path (weights exp(m - max m), the weighted sums over the splits, o / l) as one
+# The split heuristic splits the KV length into one-tile splits, and only when the grid has at most SPLIT_BELOW_SMS
+# programs. In a block step on the H200 (calls of 8 steps): one-tile splits beat 4-tile splits at batch 1 (LLaDA-8B
+# 4.98 vs 5.04 ms, Dream-7B 4.45 vs 4.50: more programs in flight), and no split beat 2 at Dream's batch 8 (6.70 vs
+# 6.79: 128 programs already nearly fill the GPU).
+SPLIT_BELOW_SMS = _NUM_SMS // 2
+# The split-K merge of the plain output path (weights exp(m - max m), the weighted sums over the splits, o / l) is one
 # Pallas kernel instead of XLA's two fusions (a reduction for the weights, then the weighted sum): one launch fewer
-# per layer of a block step. On the H200 (bench/NOTES.md v14, per step in a loop): LLaDA-8B batch 1 4.585 vs 4.639
-# ms, Dream-7B batch 1 4.201 vs 4.217; batch 8 does not split. Read per call like the split rule.
-MERGE_KERNEL = True
+# per layer of a block step (H200, per step in a loop: LLaDA-8B batch 1 4.585 vs 4.639 ms, Dream-7B batch 1 4.201
+# vs 4.217; batch 8 does not split).
 MERGE_BLOCK_ROWS = 8  # (token, head) rows per merge program: a block step's 1024 rows make 128 programs
 
 
@@ -80,10 +76,6 @@ class AttentionState(NamedTuple):
 
 def _next_pow2(x: int) -> int:
   return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _is_pow2(x: int) -> bool:
-  return x >= 1 and (x & (x - 1)) == 0
 
 
 def default_block_q(q_len: int, q_heads: int, kv_heads: int) -> int:
@@ -115,14 +107,11 @@ class BlockSizes:
   kv_splits: int | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or not _is_pow2(v):
-        raise ValueError(f"BlockSizes.{name} must be a positive power of two, got {v!r}")
+    check_pow2("BlockSizes", "block_q", self.block_q)
+    check_pow2("BlockSizes", "block_k", self.block_k)
     if self.block_k < 16:
       raise ValueError(f"BlockSizes.block_k must be >= 16, got {self.block_k}")
-    if not isinstance(self.num_warps, int) or not _is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(f"BlockSizes.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+    check_pow2("BlockSizes", "num_warps", self.num_warps, 16)
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages!r}")
     if self.kv_splits is not None and (not isinstance(self.kv_splits, int) or self.kv_splits < 1):
@@ -130,11 +119,11 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, *, batch: int, q_len: int, kv_len: int, q_heads: int, kv_heads: int,
-                  head_dim: int, split_rule: tuple[int, int] | None = None) -> "BlockSizes":
-    """Heuristic defaults, from the H200 sweeps in bench/NOTES.md (Triton lowering).
+                  head_dim: int) -> "BlockSizes":
+    """Heuristic defaults, from H200 sweeps (Triton lowering).
 
     Full forward (q_len > 64): 128 rows x 64 keys, 4 warps, 3 stages (8 warps was 15-35% slower).
-    Block step (q_len <= 64; device times of `sweep_block_attention.py`, NOTES v13): 32 rows for MHA (the 32
+    Block step (q_len <= 64; device times of `sweep_block_attention.py`): 32 rows for MHA (the 32
     tokens), 64 for GQA. MHA: when the grid is small enough to be split over the KV length, 128-key tiles (fewer
     programs and partials to merge) with no software pipelining when each split is one tile; up to 3 waves of
     programs 64-key tiles on 3 stages; beyond, 128-key tiles on 2 stages (v12's choice). GQA: 64-key tiles on 3
@@ -144,38 +133,34 @@ class BlockSizes:
     gp = _next_pow2(q_heads // kv_heads)
     small_q = q_len <= 64
     block_q = default_block_q(q_len, q_heads, kv_heads)
-    rule = split_rule or (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)
     nq = pl.cdiv(q_len, block_q)
     base = batch * kv_heads * nq  # programs before any KV split
     block_k, num_warps, num_stages = 64, 4, 3
     if small_q and gp == 1:
-      if base <= rule[1]:
+      if base <= SPLIT_BELOW_SMS:
         block_k = 128
       elif base >= 3 * _NUM_SMS:  # (32-key tiles on 3 stages won 7% here at kv 512 but lost 19% at kv 2048)
         block_k, num_stages = 128, 2
-    elif small_q and rule[1] < base < _NUM_SMS:
+    elif small_q and SPLIT_BELOW_SMS < base < _NUM_SMS:
       block_k = 128
     block_k = min(block_k, max(16, _next_pow2(kv_len)))
     bs = cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, kv_splits=None)
-    if small_q and gp == 1 and base <= rule[1]:  # split over the KV length: pipeline only multi-tile splits
-      _, tiles_per_split = _choose_splits(bs, batch=batch, kv_heads=kv_heads, num_q_blocks=nq, kv_len=kv_len,
-                                          split_rule=rule)
+    if small_q and gp == 1 and base <= SPLIT_BELOW_SMS:  # split over the KV length: pipeline only multi-tile splits
+      _, tiles_per_split = _choose_splits(bs, batch=batch, kv_heads=kv_heads, num_q_blocks=nq, kv_len=kv_len)
       bs = dataclasses.replace(bs, num_stages=1 if tiles_per_split == 1 else 2)
     return bs
 
 
-def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
-                   split_rule: tuple[int, int] = (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)) -> tuple[int, int]:
+def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len) -> tuple[int, int]:
   """Returns (kv_splits, tiles_per_split)."""
   n_tiles = max(1, pl.cdiv(kv_len, bs.block_k))
   if bs.kv_splits is not None:
     splits = min(bs.kv_splits, n_tiles)
   else:
     base = batch * kv_heads * num_q_blocks
-    min_tiles, split_below = split_rule
     splits = 1
-    if base <= split_below:  # under half a wave: split KV up to ~2 waves, >= min_tiles tiles a split
-      splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles // min_tiles, 16))
+    if base <= SPLIT_BELOW_SMS:  # under half a wave: split KV up to ~2 waves (as few as one tile a split)
+      splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles, 16))
   tiles_per_split = pl.cdiv(n_tiles, splits)
   splits = pl.cdiv(n_tiles, tiles_per_split)
   return splits, tiles_per_split
@@ -187,7 +172,7 @@ def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len,
 def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, group: int,
                            group_pad: int, block_q: int, block_k: int, tiles_per_split: int,
                            q_len_max: int, kv_len_max: int, q_heads: int, kv_heads: int,
-                           qk_scale: float, normalised_partials: bool = False):
+                           qk_scale: float):
   if contiguous:
     tbl_ref = None
     q_ref, k_ref, v_ref, *out_refs = refs
@@ -267,8 +252,6 @@ def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, g
   if state_out:
     o_ref, m_ref, l_ref = out_refs
     seen = row_ok & (l > 0.0)
-    if normalised_partials:  # o / l in o_ref's dtype (bf16): half the partials' bytes
-      o = o * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)[:, None]
     plgpu.store(o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0).astype(o_ref.dtype),
                 mask=st_mask)
     # m and l in o's row order (t * Hq + h): merging the splits is then elementwise over one layout
@@ -301,14 +284,14 @@ def merge_states(a: AttentionState, b: AttentionState) -> AttentionState:
 def _merge_split_rows(m, l, o):
   """m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D] (the kernel's row order) -> (m, l, o) over all N splits, in that
   order. In one layout the merge is a reduction over N plus elementwise ops (the state's [B, Hq, Tq] layout cost
-  two transposes and two more small kernels per call: ~6 us of a block step's attention, bench/NOTES.md v12)."""
+  two transposes and two more small kernels per call: ~6 us of a block step's attention)."""
   mx = jnp.max(m, axis=0)
   m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
   w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
   return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
 
 
-def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, splits: int, rows: int, block_r: int, normalised: bool):
+def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, splits: int, rows: int, block_r: int):
   i = pl.program_id(0)
   r = i * block_r + jnp.arange(block_r, dtype=jnp.int32)
   live = r < rows
@@ -322,8 +305,6 @@ def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, splits: int, rows: int, block
     w = jnp.where(jnp.isneginf(ms[s]), 0.0, jnp.exp(ms[s] - m_safe))
     l_s = plgpu.load(l_ref.at[s, r], mask=live, other=0.0)
     o_s = plgpu.load(o_ref.at[s, r[:, None], cols], mask=live[:, None], other=0.0).astype(jnp.float32)
-    if normalised:  # bf16 partials hold o / l
-      o_s = o_s * l_s[:, None]
     l_sum = l_sum + w * l_s
     o_sum = o_sum + w[:, None] * o_s
   ok = l_sum > 0
@@ -331,15 +312,14 @@ def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, splits: int, rows: int, block
   plgpu.store(out_ref.at[r[:, None], cols], out.astype(out_ref.dtype), mask=live[:, None])
 
 
-def _merge_normalise_pallas(m, l, o, dtype, *, normalised: bool, interpret: bool) -> jax.Array:
+def _merge_normalise_pallas(m, l, o, dtype, *, interpret: bool) -> jax.Array:
   """The split-K partials (m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D]) -> the normalised output [B, Tq, Hq, D] in
-  dtype, as `_normalise(*_merge_split_rows(...)[1:], dtype)` computes it, in one kernel. normalised: o holds o / l
-  (BF16_PARTIALS)."""
+  dtype, as `_normalise(*_merge_split_rows(...)[1:], dtype)` computes it, in one kernel."""
   splits, b, tq, hq, d = o.shape
   rows = b * tq * hq
   block_r = MERGE_BLOCK_ROWS
   out = pl.pallas_call(
-      functools.partial(_merge_kernel, splits=splits, rows=rows, block_r=block_r, normalised=normalised),
+      functools.partial(_merge_kernel, splits=splits, rows=rows, block_r=block_r),
       grid=(pl.cdiv(rows, block_r),),
       in_specs=[pl.BlockSpec((splits, rows), lambda i: (0, 0)), pl.BlockSpec((splits, rows), lambda i: (0, 0)),
                 pl.BlockSpec((splits, rows, d), lambda i: (0, 0, 0))],
@@ -425,25 +405,20 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # --------------------------------------------------------------------------------------------
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret",
-                                             "split_rule", "normalised_partials", "merge_kernel"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret"))
 def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret, split_rule, normalised_partials=False,
-                           merge_kernel=False):
+                           return_state, block_sizes, interpret):
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
   contiguous = read_table is None
   group = Hq // Hkv
   group_pad = _next_pow2(group)
-  bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D,
-                                             split_rule=split_rule)
+  bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
   if bs.block_q * group_pad < 16:
     raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got "
                      f"{bs.block_q} * {group_pad}")
   nq = pl.cdiv(Tq, bs.block_q)
-  splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S,
-                               split_rule=split_rule)
+  splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
   state_out = return_state or init_state is not None or splits > 1
-  normalised_partials = normalised_partials and state_out and not return_state and init_state is None
 
   q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
   kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
@@ -457,7 +432,7 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
       _slot_attention_kernel, contiguous=contiguous, state_out=state_out, group=group,
       group_pad=group_pad, block_q=bs.block_q, block_k=bs.block_k, tiles_per_split=tps,
       q_len_max=Tq, kv_len_max=S, q_heads=Hq, kv_heads=Hkv,
-      qk_scale=float(scale) * _LOG2E, normalised_partials=normalised_partials)
+      qk_scale=float(scale) * _LOG2E)
 
   grid = (nq, splits, Hkv, B)
   in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
@@ -472,8 +447,7 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   ]
   args += [q2, k2, v2]
   if state_out:
-    out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D),
-                                      q.dtype if normalised_partials else jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
                  jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
                  jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
@@ -500,13 +474,9 @@ def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_
   o = o.reshape(splits, B, Tq, Hq, D)
   m = m.reshape(splits, B, Tq, Hq)
   l = l.reshape(splits, B, Tq, Hq)
-  if merge_kernel and splits > 1 and not return_state and init_state is None:
-    return _merge_normalise_pallas(m, l, o, q.dtype, normalised=normalised_partials, interpret=interpret)
-  if normalised_partials:  # back to o = o_hat * l in fp32: then the merge is the fp32 partials' one
-    o = o.astype(jnp.float32) * l[..., None]
+  if not return_state and init_state is None:  # split-K partials of the plain output: merged by one kernel
+    return _merge_normalise_pallas(m, l, o, q.dtype, interpret=interpret)
   m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
-  if not return_state and init_state is None:  # straight to the output: no state layout
-    return _normalise(l, o, q.dtype)
   state = AttentionState(jnp.swapaxes(m, 1, 2), jnp.swapaxes(l, 1, 2), o)  # the state's [B, Hq, Tq] layout
   if init_state is not None:
     state = merge_states(AttentionState(*init_state), state)
@@ -575,76 +545,27 @@ def slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, 
 # --------------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------------
-def slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None, init_state=None,
-                   return_state=False, block_sizes: BlockSizes | None = None, interpret=False,
-                   backend: str = "pallas"):
-  """Bidirectional attention of q over the K/V slots listed in read_table.
+def slot_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, read_table: jax.Array | None,
+                   q_lens: jax.Array, kv_lens: jax.Array, *, scale: float | None = None,
+                   init_state: AttentionState | None = None, return_state: bool = False,
+                   block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array | AttentionState:
+  """Bidirectional attention of q over the K/V slots listed in read_table (the Pallas kernel; interpret=True
+  runs it on the CPU; `slot_attention_reference` is the pure-jnp version).
 
   Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
   return_state=True.  See the module docstring for the layout.
   """
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  if backend == "xla":
-    return slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, scale=scale,
-                                    init_state=init_state, return_state=return_state)
-  if backend != "pallas":
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
   if init_state is not None:
     init_state = AttentionState(*init_state)
   B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
-  # module switches and the default tiling are read here, not in the cached trace: a changed value is a new program
-  split_rule = (MIN_TILES_PER_SPLIT, SPLIT_BELOW_SMS)
+  # the default tiling is resolved here, not in the cached trace: a patched heuristic is a new program
   if block_sizes is None:
-    block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D,
-                                         split_rule=split_rule)
+    block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
   return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
                                 scale=float(scale), return_state=bool(return_state),
-                                block_sizes=block_sizes, interpret=bool(interpret), split_rule=split_rule,
-                                normalised_partials=BF16_PARTIALS, merge_kernel=MERGE_KERNEL)
+                                block_sizes=block_sizes, interpret=bool(interpret))
 
-
-def attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, backend: str = "xla",
-              interpret=False, **kw):
-  """Backend switch used by the model: 'xla' = pure-jnp reference (any device),
-  'pallas' = the Pallas kernel (GPU; interpret=True runs it on the CPU)."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend == "xla":
-    kw.pop("block_sizes", None)
-    return slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, **kw)
-  return slot_attention(q, k_pool, v_pool, read_table, q_lens, kv_lens, interpret=interpret,
-                        backend="pallas", **kw)
-
-
-@functools.partial(jax.jit, donate_argnums=())
-def write_kv(k_pool, v_pool, write_slots, k_new, v_new, write_mask=None):
-  """Scatters k_new/v_new [B, T, Hkv, D] into the pools [P, Hkv, D] at write_slots [B, T].
-
-  Masked-out entries (write_mask False) are dropped.  Duplicate slots within one call leave an
-  unspecified one of the written values.  Donate the pools at the caller's jit for in-place updates.
-  """
-  if k_pool.ndim != 3 or v_pool.shape != k_pool.shape:
-    raise ValueError(f"pools must be [P, Hkv, D] and equal: k_pool {_shape_str(k_pool)}, "
-                     f"v_pool {_shape_str(v_pool)}")
-  if write_slots.ndim != 2:
-    raise ValueError(f"write_slots must be [B, T], got write_slots {_shape_str(write_slots)}")
-  want = (*write_slots.shape, *k_pool.shape[1:])
-  if k_new.shape != want or v_new.shape != want:
-    raise ValueError(f"k_new/v_new must be {want}, got k_new {_shape_str(k_new)}, "
-                     f"v_new {_shape_str(v_new)}")
-  if write_mask is not None and write_mask.shape != write_slots.shape:
-    raise ValueError(f"write_mask must be {tuple(write_slots.shape)}, got "
-                     f"write_mask {_shape_str(write_mask)}")
-  P = k_pool.shape[0]
-  slots = write_slots.astype(jnp.int32)
-  if write_mask is not None:
-    slots = jnp.where(write_mask, slots, P)  # out of range -> dropped
-  slots = slots.reshape(-1)
-  k_pool = k_pool.at[slots].set(k_new.reshape(-1, *k_pool.shape[1:]).astype(k_pool.dtype),
-                                mode="drop")
-  v_pool = v_pool.at[slots].set(v_new.reshape(-1, *v_pool.shape[1:]).astype(v_pool.dtype),
-                                mode="drop")
-  return k_pool, v_pool

@@ -1,5 +1,5 @@
-"""The per-layer fusion kernels of issue 7 against their references: residual add + RMSNorm
-(pallas_kernels/residual_rmsnorm.py) and RoPE + K/V cache write (pallas_kernels/rope_kv_write.py).
+"""RoPE + K/V cache write (pallas_kernels/rope_kv_write.py) against its reference, and the split-K partials that
+feed it.
 
 On the CPU the Triton kernels run interpreted; on a GPU compiled (the same tests, both ways)."""
 
@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.layers import RMSNorm, apply_rope, rope_cos_sin
-from pallas_kernels import residual_rmsnorm as R
+from dllm_jax.layers import apply_rope, rope_cos_sin
 from pallas_kernels import rope_kv_write as K
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -29,82 +28,27 @@ def _assert_rounding_close(got, ref, dtype):
   np.testing.assert_allclose(got, ref, rtol=2.0**-7, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------- residual + RMSNorm
-NORM_CASES = [(1, 128, jnp.bfloat16), (33, 384, jnp.bfloat16), (5, 100, jnp.float32), (70, 3584, jnp.bfloat16),
-              (1030, 64, jnp.bfloat16)]  # one row; ragged width; fp32; Dream's width; > 1024 rows (4 per program)
-
-
-@pytest.mark.parametrize("m,d,dtype", NORM_CASES)
-def test_residual_rmsnorm_matches_add_then_the_models_rmsnorm(m, d, dtype):
-  x = (jax.random.normal(jax.random.key(m), (m, d)) * jnp.exp(jnp.linspace(-2, 2, d))).astype(dtype)
-  delta = (3 * jax.random.normal(jax.random.key(m + 1), (m, d))).astype(dtype)
-  w = (1 + 0.3 * jax.random.normal(jax.random.key(7), (d,))).astype(dtype)
-  s, h = R.residual_rmsnorm(x, delta, w, eps=1e-5, interpret=INTERPRET)
-  assert s.dtype == h.dtype == dtype and s.shape == h.shape == (m, d)
-  np.testing.assert_array_equal(_f32(s), _f32(x + delta))  # the residual stream: one rounding, exactly XLA's
-  model_h = RMSNorm(1e-5, dtype).apply({"params": {"scale": w}}, x + delta)
-  _assert_rounding_close(h, model_h, dtype)
-  sr, hr = R.residual_rmsnorm_reference(x, delta, w, 1e-5)
-  np.testing.assert_array_equal(_f32(sr), _f32(s))
-  _assert_rounding_close(h, hr, dtype)
-
-
-@pytest.mark.parametrize("parts,m,d,dtype", [(1, 3, 128, jnp.bfloat16), (4, 33, 384, jnp.bfloat16),
-                                               (3, 5, 100, jnp.float32)])
-def test_residual_rmsnorm_sums_split_k_partials_first(parts, m, d, dtype):
-  """delta as a GEMM's split-K partials [S, M, d] fp32: s = x + round(sum of the partials), as if the GEMM had
-  reduced them itself; the partials come from `linear_partials`, whose sum is the plain product."""
-  k = 64 * parts
+# ----------------------------------------------------------------------------------- split-K partials
+@pytest.mark.parametrize("parts,dtype", [(4, jnp.bfloat16), (3, jnp.float32)])
+def test_linear_partials_sum_to_the_product(parts, dtype):
+  """`linear_partials`: [S, M, N] fp32 partial products over consecutive K chunks, whose sum is x @ w, which
+  `projection_from_partials` rounds once (with a bias: test_rope_kv_write_from_split_k_partials)."""
+  m, d, k = 33, 384, 64 * parts
   a = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
   w = (0.1 * jax.random.normal(jax.random.key(m + 1), (k, d))).astype(dtype)
-  p = R.linear_partials(a, w, parts)
+  p = K.linear_partials(a, w, parts)
   assert p.shape == (parts, m, d) and p.dtype == jnp.float32
   full = jnp.dot(a.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   np.testing.assert_allclose(_f32(p.sum(0)), _f32(full), rtol=1e-4, atol=1e-4)
-  x = jax.random.normal(jax.random.key(m + 2), (m, d)).astype(dtype)
-  scale = (1 + 0.3 * jax.random.normal(jax.random.key(7), (d,))).astype(dtype)
-  s, h = R.residual_rmsnorm(x, p, scale, eps=1e-5, interpret=INTERPRET)
-  delta = R.projection_from_partials(p, None, dtype)
-  if dtype == jnp.float32:
-    np.testing.assert_allclose(_f32(s), _f32(x + delta), rtol=1e-6, atol=1e-6)
-  else:  # the partials' fp32 sum rounds to the same bf16 nearly always, whatever the order
-    assert np.mean(_f32(s) == _f32(x + delta)) > 0.99
-  _assert_rounding_close(h, RMSNorm(1e-5, dtype).apply({"params": {"scale": scale}}, s), dtype)
-  sr, hr = R.residual_rmsnorm_reference(x, p, scale, 1e-5)
-  np.testing.assert_allclose(_f32(sr), _f32(s), rtol=2.0**-7, atol=1e-6)
-
-
-def test_residual_rmsnorm_rejects_misshapen_partials():
-  x = jnp.zeros((4, 64), jnp.bfloat16)
-  w = jnp.ones((64,), jnp.bfloat16)
-  with pytest.raises(ValueError, match="split-K partials"):
-    R.residual_rmsnorm(x, jnp.zeros((2, 4, 32), jnp.float32), w, eps=1e-5, interpret=True)
-  with pytest.raises(ValueError, match="split-K partials"):
-    R.residual_rmsnorm(x, jnp.zeros((2, 4, 64), jnp.bfloat16), w, eps=1e-5, interpret=True)
+  chunk = k // parts  # partial j is the product over K chunk j
+  np.testing.assert_allclose(_f32(p[1]), _f32(jnp.dot(a[:, chunk:2 * chunk].astype(jnp.float32),
+                                                      w[chunk:2 * chunk].astype(jnp.float32),
+                                                      precision=jax.lax.Precision.HIGHEST)), rtol=1e-4, atol=1e-4)
+  y = K.projection_from_partials(p, None, dtype)  # the projection output: the fp32 product rounded once
+  assert y.dtype == dtype
+  _assert_rounding_close(y, full.astype(dtype), dtype)
   with pytest.raises(ValueError, match="K % splits"):
-    R.linear_partials(jnp.zeros((4, 96)), jnp.zeros((96, 8)), 5)
-
-
-def test_residual_rmsnorm_without_delta_only_normalises():
-  x = jax.random.normal(jax.random.key(0), (9, 256)).astype(jnp.bfloat16)
-  x = x.at[3].set(0.0)  # an all-zero row: h = 0 (rsqrt(eps) * 0), never NaN
-  w = jnp.linspace(0.5, 1.5, 256).astype(jnp.bfloat16)
-  s, h = R.residual_rmsnorm(x, None, w, eps=1e-6, interpret=INTERPRET)
-  np.testing.assert_array_equal(_f32(s), _f32(x))
-  _assert_rounding_close(h, RMSNorm(1e-6, jnp.bfloat16).apply({"params": {"scale": w}}, x), jnp.bfloat16)
-  assert np.all(_f32(h)[3] == 0)
-
-
-def test_residual_rmsnorm_rejects_bad_shapes():
-  x = jnp.zeros((4, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match="weight"):
-    R.residual_rmsnorm(x, None, jnp.ones((32,), jnp.bfloat16), eps=1e-5, interpret=True)
-  with pytest.raises(ValueError, match="delta must match"):
-    R.residual_rmsnorm(x, jnp.zeros((4, 64), jnp.float32), jnp.ones((64,), jnp.bfloat16), eps=1e-5, interpret=True)
-  with pytest.raises(ValueError, match="d <= 8192"):
-    R.residual_rmsnorm(jnp.zeros((1, 9000)), None, jnp.ones((9000,)), eps=1e-5, interpret=True)
-  with pytest.raises(ValueError, match="power of two"):
-    R.NormBlocks(block_m=3)
+    K.linear_partials(jnp.zeros((4, 96)), jnp.zeros((96, 8)), 5)
 
 
 # --------------------------------------------------------------------------------- RoPE + K/V write

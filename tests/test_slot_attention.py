@@ -7,6 +7,7 @@ also prove that every output element is written (poisoned outputs are fully over
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +15,33 @@ import numpy as np
 import pytest
 
 from pallas_kernels import slot_attention as sa
-from pallas_kernels.shapes import ATTENTION_TEST_SHAPES
 
 INTERPRET = jax.default_backend() != "gpu"
 OUT_TOL = 2.5e-2  # bf16 output (p is rounded to bf16 before the PV dot)
+
+
+class AttnTestCase(NamedTuple):
+  name: str
+  batch: int
+  q_len: int
+  kv_len: int      # S (table width)
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  q_lens: tuple
+  kv_lens: tuple
+  block_q: int
+  block_k: int
+  kv_splits: int | None
+
+
+# Small CPU-interpretable cases: GQA 1/4/7, head_dim 64/128, ragged lengths (0, 1, not a multiple
+# of the block), single and split KV.
+ATTENTION_TEST_SHAPES = [
+    AttnTestCase("mha_d128", 3, 24, 80, 2, 2, 128, (24, 5, 24), (80, 1, 0), 32, 64, 1),
+    AttnTestCase("gqa4_d64_split2", 2, 40, 100, 8, 2, 64, (40, 17), (100, 37), 16, 32, 2),
+    AttnTestCase("gqa7_d128_split3", 2, 16, 160, 14, 2, 128, (16, 9), (130, 64), 16, 64, 3),
+]
 
 
 def _make_problem(seed, B, Tq, S, Hq, Hkv, D, q_lens, kv_lens, shared=None, dtype=jnp.bfloat16):
@@ -141,8 +165,8 @@ def test_chaining_through_state_equals_one_call():
   _check_out(ref_chain, full, q_lens, kv_lens)
 
 
-def test_contiguous_cache_and_dispatch():
-  """read_table=None: contiguous per-row cache [B, S, Hkv, D]; and the backend switch."""
+def test_contiguous_cache():
+  """read_table=None: contiguous per-row cache [B, S, Hkv, D], on the default tiling; the same as the table path."""
   B, Tq, S, Hq, Hkv, D = 2, 32, 64, 4, 1, 128
   q_lens, kv_lens = (32, 20), (64, 33)
   rng = np.random.default_rng(3)
@@ -156,13 +180,11 @@ def test_contiguous_cache_and_dispatch():
   ql, kl = jnp.asarray(q_lens, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
   tbl = sa.contiguous_read_table(B, S)
   kp, vp = kc.reshape(B * S, Hkv, D), vc.reshape(B * S, Hkv, D)
-  ref = sa.attention(q, kp, vp, tbl, ql, kl, backend="xla")
+  ref = sa.slot_attention_reference(q, kp, vp, tbl, ql, kl)
   ref2 = sa.slot_attention_reference(q, kc, vc, None, ql, kl)
   np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(ref2, np.float32))
-  out = sa.attention(q, kc, vc, None, ql, kl, backend="pallas", interpret=INTERPRET)  # defaults
+  out = sa.slot_attention(q, kc, vc, None, ql, kl, interpret=INTERPRET)  # defaults
   _check_out(out, ref, q_lens, kv_lens)
-  with pytest.raises(ValueError, match="backend"):
-    sa.attention(q, kp, vp, tbl, ql, kl, backend="cuda")
 
 
 def test_jit_vmap_scan_friendly():
@@ -186,27 +208,6 @@ def test_jit_vmap_scan_friendly():
     ref = sa.slot_attention_reference(qs[i], ks[i], vs[i], tbl, ql, kl)
     _check_out(out_v[i], ref, q_lens, kv_lens)
     _check_out(out_s[i], ref, q_lens, kv_lens)
-
-
-def test_write_kv_then_read():
-  rng = np.random.default_rng(5)
-  P, Hkv, D, B, T = 40, 2, 64, 2, 6
-  kp = jnp.asarray(rng.standard_normal((P, Hkv, D)), jnp.bfloat16)
-  vp = jnp.asarray(rng.standard_normal((P, Hkv, D)), jnp.bfloat16)
-  slots = jnp.asarray(rng.permutation(P)[:B * T].reshape(B, T), jnp.int32)
-  kn = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.bfloat16)
-  vn = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.bfloat16)
-  mask = jnp.asarray(rng.random((B, T)) < 0.6)
-  k2, v2 = sa.write_kv(kp, vp, slots, kn, vn, mask)
-  ek, ev = np.asarray(kp).copy(), np.asarray(vp).copy()
-  s, m = np.asarray(slots), np.asarray(mask)
-  ek[s[m]] = np.asarray(kn)[m]
-  ev[s[m]] = np.asarray(vn)[m]
-  np.testing.assert_array_equal(np.asarray(k2), ek)
-  np.testing.assert_array_equal(np.asarray(v2), ev)
-  assert not np.array_equal(np.asarray(k2), np.asarray(kp))
-  k3, _ = sa.write_kv(kp, vp, slots, kn, vn)  # no mask: everything written
-  np.testing.assert_array_equal(np.asarray(k3)[s.reshape(-1)], np.asarray(kn).reshape(-1, Hkv, D))
 
 
 def test_validation_errors():
@@ -251,54 +252,22 @@ def _pallas_calls(jaxpr) -> list:
   return found
 
 
-def test_split_rule_is_read_per_call_not_from_a_cached_trace(monkeypatch):
-  """MIN_TILES_PER_SPLIT (the heuristic's tiles per KV split) changes the program even after a call with the old
-  value was traced, and the result stays the reference's."""
+def test_split_heuristic_takes_one_tile_per_split():
+  """Under half a wave of programs the KV length is split into one-tile splits (as many programs as tiles)."""
   B, Tq, S, Hq, Hkv, D = 1, 16, 256, 2, 2, 64
   q, kp, vp, tbl, ql, kl = _make_problem(31, B, Tq, S, Hq, Hkv, D, (16,), (256,))
   bs = sa.BlockSizes(block_q=16, block_k=32, kv_splits=None)  # 8 tiles; 2 programs: far under a wave
-
-  def splits() -> int:
-    jaxpr = jax.make_jaxpr(lambda *a: sa.slot_attention(*a, block_sizes=bs, interpret=True))(q, kp, vp, tbl, ql, kl)
-    eqn = _attention_call(jaxpr.jaxpr)
-    return eqn.outvars[0].aval.shape[0]  # the state outputs are [splits, B, ...]
-
-  assert sa.MIN_TILES_PER_SPLIT == 1 and splits() == 8  # one tile a split: as many programs as tiles
-  monkeypatch.setattr(sa, "MIN_TILES_PER_SPLIT", 4)
-  assert splits() == 2
-  out = sa.slot_attention(q, kp, vp, tbl, ql, kl, block_sizes=bs, interpret=INTERPRET)
-  _check_out(out, sa.slot_attention_reference(q, kp, vp, tbl, ql, kl), (16,), (256,))
+  jaxpr = jax.make_jaxpr(lambda *a: sa.slot_attention(*a, block_sizes=bs, interpret=True))(q, kp, vp, tbl, ql, kl)
+  assert _attention_call(jaxpr.jaxpr).outvars[0].aval.shape[0] == 8  # the state outputs are [splits, B, ...]
 
 
-@pytest.mark.parametrize("case", [c for c in ATTENTION_TEST_SHAPES if (c.kv_splits or 1) > 1], ids=lambda c: c.name)
-def test_bf16_partials_match_reference(case, monkeypatch):
-  """BF16_PARTIALS: split-K partials stored as o / l in q's dtype and merged by weight l * exp(m - max m) give the
-  reference's output, zeros for rows without keys or past q_len; the state path keeps its fp32 accumulator."""
-  args = _make_problem(7, case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads, case.head_dim,
-                       case.q_lens, case.kv_lens)
-  bs = sa.BlockSizes(block_q=case.block_q, block_k=case.block_k, kv_splits=case.kv_splits)
-  monkeypatch.setattr(sa, "BF16_PARTIALS", True)
-  jaxpr = jax.make_jaxpr(lambda *a: sa.slot_attention(*a, block_sizes=bs, interpret=True))(*args)
-  eqn = _attention_call(jaxpr.jaxpr)
-  assert eqn.outvars[0].aval.dtype == jnp.bfloat16 and eqn.outvars[0].aval.shape[0] == case.kv_splits
-  out = sa.slot_attention(*args, block_sizes=bs, interpret=INTERPRET)
-  _check_out(out, sa.slot_attention_reference(*args), case.q_lens, case.kv_lens)
-  st = sa.slot_attention(*args, block_sizes=bs, interpret=INTERPRET, return_state=True)
-  assert st.o.dtype == jnp.float32
-  _check_state(st, sa.slot_attention_reference(*args, return_state=True), case.q_lens, case.kv_lens)
-
-
-@pytest.mark.parametrize("bf16_partials", [False, True])
-@pytest.mark.parametrize("case", [c for c in ATTENTION_TEST_SHAPES if (c.kv_splits or 1) > 1], ids=lambda c: c.name)
-def test_merge_kernel_matches_reference(case, bf16_partials, monkeypatch):
-  """MERGE_KERNEL: the split-K merge and the normalisation as one Pallas kernel (a second pallas_call in place of
-  XLA's fusions) give the reference's output, zeros for rows without keys or past q_len, with fp32 or bf16
-  partials; the state path is untouched (no merge kernel)."""
+def test_split_partials_merge_in_one_kernel():
+  """With KV splits the plain output's merge and normalisation are one second pallas_call (its output checked by
+  test_output_and_state_match_reference); a requested state is merged by XLA, with no merge kernel."""
+  case = ATTENTION_TEST_SHAPES[1]
   args = _make_problem(8, case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads, case.head_dim,
                        case.q_lens, case.kv_lens)
   bs = sa.BlockSizes(block_q=case.block_q, block_k=case.block_k, kv_splits=case.kv_splits)
-  monkeypatch.setattr(sa, "MERGE_KERNEL", True)
-  monkeypatch.setattr(sa, "BF16_PARTIALS", bf16_partials)
 
   def kernels(**kw) -> list[str]:
     jaxpr = jax.make_jaxpr(lambda *a: sa.slot_attention(*a, block_sizes=bs, interpret=True, **kw))(*args)
@@ -306,12 +275,6 @@ def test_merge_kernel_matches_reference(case, bf16_partials, monkeypatch):
 
   assert kernels() == ["slot_attention", "slot_attention_merge"]
   assert kernels(return_state=True) == ["slot_attention"]
-  out = sa.slot_attention(*args, block_sizes=bs, interpret=INTERPRET)
-  ref = sa.slot_attention_reference(*args)
-  _check_out(out, ref, case.q_lens, case.kv_lens)
-  monkeypatch.setattr(sa, "MERGE_KERNEL", False)  # the same partials merged by XLA: equal to rounding
-  xla = sa.slot_attention(*args, block_sizes=bs, interpret=INTERPRET)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla, np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_default_tiling_is_read_per_call_not_from_a_cached_trace(monkeypatch):
