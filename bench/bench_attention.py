@@ -34,7 +34,7 @@ from tools import common, trace  # noqa: E402
 
 # package imports (re-point here when the package moves)
 from pallas_kernels import slot_attention as sa  # noqa: E402  slot_attention, slot_attention_reference, BlockSizes
-from pallas_kernels.shapes import ATTENTION_BENCH_SHAPES  # noqa: E402
+from tools.shapes import ATTENTION_BENCH_SHAPES  # noqa: E402
 
 SMOKE = common.SMOKE_ON_CPU  # tiny shapes, the kernel interpreted
 FA3_TILINGS = ((64, 64, 2), (64, 128, 2), (64, 64, 4), (64, 128, 3))  # (block_q, block_kv, stages)

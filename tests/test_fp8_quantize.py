@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax import fp8
 from dllm_jax.config import ModelConfig
-from dllm_jax.layers import RMSNorm
-from dllm_jax.modeling import init_params, stack_layers, unstack_layers
+from dllm_jax.transformer import ffn
+from dllm_jax.transformer import params as P
+from dllm_jax.transformer.layers import RMSNorm
+from dllm_jax.transformer.params import init_params, stack_layers, unstack_layers
 from pallas_kernels import fp8_matmul as F
 from pallas_kernels import fp8_quantize as Q
 
@@ -127,8 +128,6 @@ def test_quantizer_default_tilings(monkeypatch):
   """The block-step tilings swept in v15 (8 rows per SwiGLU program up to 256 padded rows, 16 warps per RMSNorm row
   of >= 2048); the FFN plan carries them, and a default is read per call, outside the jitted body (a patched one
   applies to the next call with the same shapes instead of a cached trace)."""
-  from dllm_jax import fp8
-
   gu = jnp.ones((16, 2 * 256), jnp.bfloat16)
   Q.swiglu_quantize_t(gu, interpret=INTERPRET)  # traced and cached with the default tiling
   monkeypatch.setattr(Q.QuantizeBlocks, "for_swiglu", classmethod(lambda cls, mp: cls(block_m=32)))
@@ -141,10 +140,10 @@ def test_quantizer_default_tilings(monkeypatch):
   assert Q.QuantizeBlocks.for_rmsnorm(4096, 256).num_warps == 16
   assert Q.QuantizeBlocks.for_rmsnorm(128, 32).num_warps == 4
   assert Q.QuantizeBlocks.for_rmsnorm(4096, 4096).num_warps == 4  # block starts: not swept, unchanged
-  plan = fp8.ffn_plan(256, 2 * 12288, 4096)
+  plan = ffn.ffn_plan(256, 2 * 12288, 4096)
   assert not plan.fused and plan.swiglu_blocks == Q.QuantizeBlocks.for_swiglu(256)
   assert plan.norm_blocks == Q.QuantizeBlocks.for_rmsnorm(4096, 256)
-  assert fp8.ffn_plan(32, 2 * 12288, 4096).swiglu_blocks is None  # fused into the gate/up GEMM's epilogue
+  assert ffn.ffn_plan(32, 2 * 12288, 4096).swiglu_blocks is None  # fused into the gate/up GEMM's epilogue
 
 
 def test_quantizer_errors():
@@ -172,18 +171,18 @@ CFG = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=2, n_hea
 
 @pytest.fixture(scope="module")
 def unrolled_fp8():
-  q, c8 = fp8.quantize_params(init_params(CFG, jax.random.key(0), std=0.05), CFG)
+  q, c8 = P.quantize_params(init_params(CFG, jax.random.key(0), std=0.05), CFG)
   return unstack_layers(q), c8
 
 
 def test_kernel_scale_tables_built_once_and_dropped_when_stacked(unrolled_fp8):
   params, c8 = unrolled_fp8
   mlp = params["layers"][1]["mlp_fp8"]
-  for src, w in fp8.KERNEL_SCALES.items():
+  for src, w in P.KERNEL_SCALES.items():
     n, k = mlp[w].shape
     for cfg in (F.Fp8MatmulConfig(wg_dimension=F.Dim.N, wg_tile_n=64),  # 128-wide CTA tiles, and 256-wide
                 F.Fp8MatmulConfig(wg_dimension=F.Dim.N, wg_tile_n=128, epi_tile_n=32)):
-      table = mlp[fp8.kernel_scale_key(src, F.ws_cols(cfg))]
+      table = mlp[P.kernel_scale_key(src, F.ws_cols(cfg))]
       np.testing.assert_array_equal(np.asarray(table), np.asarray(F.kernel_weight_scales(mlp[src], n, cfg)))
   assert sorted(stack_layers(params, c8)["layers"]["mlp_fp8"]) == ["s_down", "s_gu", "w_down", "w_gu"]
 
@@ -192,8 +191,8 @@ def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
   params, c8 = unrolled_fp8
   lp = params["layers"][1]
   x = jax.random.normal(jax.random.key(3), (2, 21, CFG.d_model)).astype(jnp.bfloat16)  # 42 rows: padded to 64
-  ref = fp8.ffn_residual(params, c8, lp, 1, x, backend="xla")
-  out = fp8.ffn_residual(params, c8, lp, 1, x, backend="pallas", interpret=INTERPRET)
+  ref = ffn.fp8_ffn_residual(params, c8, lp, 1, x, backend="xla")
+  out = ffn.fp8_ffn_residual(params, c8, lp, 1, x, backend="pallas", interpret=INTERPRET)
   d_ref = np.asarray(ref, np.float32) - np.asarray(x, np.float32)
   d_out = np.asarray(out, np.float32) - np.asarray(x, np.float32)
   assert float(np.abs(d_ref).max()) > 1e-2  # the FFN contributes
@@ -201,10 +200,10 @@ def test_fp8_ffn_on_the_kernels_matches_the_xla_path(unrolled_fp8):
   assert np.linalg.norm(d_out - d_ref) / np.linalg.norm(d_ref) < 2e-2
   # the kernel path reads the load-time scale tables: zeroing one removes the FFN's contribution
   cols = F.ws_cols(F.default_config(42, CFG.d_model, CFG.mlp_hidden))
-  key = fp8.kernel_scale_key("s_down", cols)
+  key = P.kernel_scale_key("s_down", cols)
   poisoned = {**lp, "mlp_fp8": {**lp["mlp_fp8"], key: jnp.zeros_like(lp["mlp_fp8"][key])}}
   np.testing.assert_array_equal(
-      np.asarray(fp8.ffn_residual(params, c8, poisoned, 1, x, backend="pallas", interpret=INTERPRET)),
+      np.asarray(ffn.fp8_ffn_residual(params, c8, poisoned, 1, x, backend="pallas", interpret=INTERPRET)),
       np.asarray(x))
 
 
@@ -213,27 +212,27 @@ def test_fp8_ffn_on_column_tiles_reads_their_load_time_table(monkeypatch):
   fill them): the load-time per-column table is built where the rule picks the tiling, the FFN equals the XLA
   path, and zeroing that table removes the FFN's contribution (so it is what the kernel reads)."""
   cfg_256 = dataclasses.replace(CFG, d_model=256, n_heads=8)  # K = 256: the column tiling's two K groups per stage
-  q, c8 = fp8.quantize_params(init_params(cfg_256, jax.random.key(1), std=0.05), cfg_256)
+  q, c8 = P.quantize_params(init_params(cfg_256, jax.random.key(1), std=0.05), cfg_256)
   params = unstack_layers(q)
   monkeypatch.setattr(F, "TUNED_SMS", 2)
   lp = params["layers"][1]
-  mlp = fp8.with_kernel_scales(fp8.without_kernel_scales(lp["mlp_fp8"]))
+  mlp = P.with_kernel_scales(P.without_kernel_scales(lp["mlp_fp8"]))
   n, k = mlp["w_gu"].shape
   cfg = F.column_small_m_config(32, n, k)
   assert cfg is not None and cfg.column_scales
-  key = fp8.column_scale_key("s_gu", cfg)
+  key = P.column_scale_key("s_gu", cfg)
   assert key in mlp and "s_down_col" not in " ".join(mlp)  # the down GEMM (128 columns) has no column tiling
   x = jax.random.normal(jax.random.key(5), (32, cfg_256.d_model)).astype(jnp.bfloat16)
   scale = lp["ffn_norm"]["scale"]
-  ref = fp8.ffn_residual(params, c8, lp, 1, x[None], backend="xla")[0]
-  out = fp8.fp8_ffn_pallas(x, scale, c8.rms_eps, mlp, INTERPRET, gate_up=(cfg, False))
+  ref = ffn.fp8_ffn_residual(params, c8, lp, 1, x[None], backend="xla")[0]
+  out = ffn.fp8_ffn_pallas(x, scale, c8.rms_eps, mlp, INTERPRET, gate_up=(cfg, False))
   d_ref = np.asarray(ref, np.float32) - np.asarray(x, np.float32)
   d_out = np.asarray(out, np.float32) - np.asarray(x, np.float32)
   assert float(np.abs(d_ref).max()) > 1e-2
   assert np.linalg.norm(d_out - d_ref) / np.linalg.norm(d_ref) < 2e-2
   poisoned = {**mlp, key: jnp.zeros_like(mlp[key])}
   np.testing.assert_array_equal(
-      np.asarray(fp8.fp8_ffn_pallas(x, scale, c8.rms_eps, poisoned, INTERPRET, gate_up=(cfg, False))),
+      np.asarray(ffn.fp8_ffn_pallas(x, scale, c8.rms_eps, poisoned, INTERPRET, gate_up=(cfg, False))),
       np.asarray(x))
 
 
@@ -246,14 +245,14 @@ def test_fp8_ffn_takes_the_attention_residual(unrolled_fp8, layer):
   x = jax.random.normal(jax.random.key(5), (2, 21, CFG.d_model)).astype(jnp.bfloat16)
   o = (2 * jax.random.normal(jax.random.key(6), x.shape)).astype(jnp.bfloat16)
   for backend in ("xla", "pallas"):
-    added = np.asarray(fp8.ffn_residual(params, c8, lp, layer, x + o, backend=backend, interpret=INTERPRET), np.float32)
-    fused = np.asarray(fp8.ffn_residual(params, c8, lp, layer, x, backend=backend, interpret=INTERPRET, attn_out=o),
+    added = np.asarray(ffn.fp8_ffn_residual(params, c8, lp, layer, x + o, backend=backend, interpret=INTERPRET), np.float32)
+    fused = np.asarray(ffn.fp8_ffn_residual(params, c8, lp, layer, x, backend=backend, interpret=INTERPRET, attn_out=o),
                        np.float32)
     _same(fused, added, np.asarray(x + o, np.float32))
   # the stacked layers' scan path: a traced layer index (lax.cond), the same result
-  traced = jax.jit(lambda i: fp8.ffn_residual(params, c8, lp, i, x, backend="xla", attn_out=o))(layer)
+  traced = jax.jit(lambda i: ffn.fp8_ffn_residual(params, c8, lp, i, x, backend="xla", attn_out=o))(layer)
   _same(np.asarray(traced, np.float32),
-        np.asarray(fp8.ffn_residual(params, c8, lp, layer, x + o, backend="xla"), np.float32),
+        np.asarray(ffn.fp8_ffn_residual(params, c8, lp, layer, x + o, backend="xla"), np.float32),
         np.asarray(x + o, np.float32))
 
 
@@ -278,11 +277,11 @@ def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp
   assert F.swiglu_fusable(wide)
   b, n, d = x.shape
   scale = lp["ffn_norm"]["scale"]
-  fused = fp8.fp8_ffn_pallas(x.reshape(b * n, d), scale, c8.rms_eps, lp["mlp_fp8"], INTERPRET,
+  fused = ffn.fp8_ffn_pallas(x.reshape(b * n, d), scale, c8.rms_eps, lp["mlp_fp8"], INTERPRET,
                              residual=o.reshape(b * n, d), gate_up=(wide, True))
-  unfused = fp8.fp8_ffn_pallas(x.reshape(b * n, d), scale, c8.rms_eps, lp["mlp_fp8"], INTERPRET,
+  unfused = ffn.fp8_ffn_pallas(x.reshape(b * n, d), scale, c8.rms_eps, lp["mlp_fp8"], INTERPRET,
                                residual=o.reshape(b * n, d), gate_up=(wide, False))
-  ref = fp8.ffn_residual(params, c8, lp, 1, x, backend="xla", attn_out=o).reshape(b * n, d)
+  ref = ffn.fp8_ffn_residual(params, c8, lp, 1, x, backend="xla", attn_out=o).reshape(b * n, d)
   s = np.asarray(x + o, np.float32).reshape(b * n, d)
   d_ref = np.asarray(ref, np.float32) - s
   for out in (fused, unfused):
@@ -296,14 +295,14 @@ def test_fp8_layers_share_one_traced_body_of_kernels(monkeypatch):
   Triton kernel once per program): lowered once per layer, LLaDA-8B's 31 FP8 layers made the first compile of a
   generate program take 126 s on the H200 (7.6 s in bf16)."""
   cfg = dataclasses.replace(CFG, n_layers=4)
-  q, c8 = fp8.quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)
+  q, c8 = P.quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)
   params = unstack_layers(q)
   x = jnp.zeros((2, 21, cfg.d_model), jnp.bfloat16)
 
   def bodies():
     def forward(params, x):  # a new function per trace: make_jaxpr caches the trace of one
       for i, lp in enumerate(params["layers"]):
-        x = fp8.ffn_residual(params, c8, lp, i, x, backend="pallas", attn_out=x)
+        x = ffn.fp8_ffn_residual(params, c8, lp, i, x, backend="pallas", attn_out=x)
       return x
 
     eqns = [e for e in jax.make_jaxpr(forward)(params, x).eqns if e.primitive.name in ("jit", "pjit")
@@ -317,8 +316,8 @@ def test_fp8_layers_share_one_traced_body_of_kernels(monkeypatch):
   # sits in a custom_vmap_call)
   assert body.count("custom_vmap_call") == 2 and body.count("jit") + body.count("pjit") >= 2, body
   # a tiling chosen differently at the next trace (a benchmark flipping a module switch) is a new body
-  plan = fp8.gate_up_plan(42, 2 * cfg.mlp_hidden, cfg.d_model)
-  monkeypatch.setattr(fp8, "gate_up_plan",
+  plan = ffn.gate_up_plan(42, 2 * cfg.mlp_hidden, cfg.d_model)
+  monkeypatch.setattr(ffn, "gate_up_plan",
                       lambda m, f2, d: (dataclasses.replace(plan[0], wg_tile_n=32, epi_tile_n=32), plan[1]))
   assert bodies()[1].isdisjoint(shared)
 
@@ -336,9 +335,7 @@ def test_splitk_residual_add_matches_sum_then_add(splits, m, m_pad, d):
     Q.splitk_residual_add(p[0], x, interpret=True)
 
 
-def test_gate_up_plan_fuses_where_the_default_tiling_allows(monkeypatch):
-  assert fp8.gate_up_plan(32, 24576, 4096)[1]  # LLaDA-8B block step: 256-wide tiles, fused
-  assert not fp8.gate_up_plan(32, 37888, 3584)[1]  # Dream-7B: column tiles (one wave) fill the waves better
-  assert not fp8.gate_up_plan(256, 24576, 4096)[1]  # batch 8: 64-row warpgroup tiles along M
-  monkeypatch.setattr(fp8, "FUSE_SWIGLU", False)
-  assert not fp8.gate_up_plan(32, 24576, 4096)[1]
+def test_gate_up_plan_fuses_where_the_default_tiling_allows():
+  assert ffn.gate_up_plan(32, 24576, 4096)[1]  # LLaDA-8B block step: 256-wide tiles, fused
+  assert not ffn.gate_up_plan(32, 37888, 3584)[1]  # Dream-7B: column tiles (one wave) fill the waves better
+  assert not ffn.gate_up_plan(256, 24576, 4096)[1]  # batch 8: 64-row warpgroup tiles along M

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.layers import apply_rope, rope_cos_sin
+from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import rope_kv_write as K
 
 INTERPRET = jax.default_backend() != "gpu"

@@ -46,15 +46,19 @@ class FfnPlan(NamedTuple):
     swiglu_blocks: Any = None  # QuantizeBlocks of the SwiGLU quantiser (unfused gate/up)
 
 
+def gate_up_plan(m: int, f2: int, d: int) -> tuple[F.Fp8MatmulConfig, bool]:
+    """(tiling, fused) of the gate/up GEMM for m rows: the default tiling, writing silu(gate) * up already quantised
+    where that tiling allows it (LLaDA-8B at block-step M). Forcing the 256-wide tiles to fuse was slower for
+    Dream-7B (3.72 vs 3.66 ms per batch-1 block step)."""
+    cfg = F.default_config(m, f2, d)
+    return cfg, F.swiglu_fusable(cfg)
+
+
 def ffn_plan(m: int, f2: int, d: int, gate_up: tuple | None = None) -> FfnPlan:
-    """The FFN's tilings for m rows, chosen outside the jitted kernels. The gate/up GEMM writes silu(gate) * up
-    already quantised where its tiling allows it (LLaDA-8B at block-step M); forcing the 256-wide tiles to fuse
-    was slower for Dream-7B (3.72 vs 3.66 ms per batch-1 block step). gate_up: a (config, fused) pair instead of
-    the default (tests)."""
-    if gate_up is None:
-        cfg = F.default_config(m, f2, d)
-        gate_up = (cfg, F.swiglu_fusable(cfg))
-    cfg_gu, fused = gate_up
+    """The FFN's tilings for m rows, chosen outside the jitted kernels (so a tiling chosen differently at the next
+    trace is a new program, never a cached trace of the old one). gate_up: a (config, fused) pair instead of
+    `gate_up_plan`'s (tests)."""
+    cfg_gu, fused = gate_up or gate_up_plan(m, f2, d)
     down = F.default_config(m, d, f2 // 2)
     mp = F.padded_rows(m, cfg_gu, down)
     return FfnPlan(cfg_gu, fused, down, QuantizeBlocks.for_rmsnorm(d, m),
@@ -101,16 +105,17 @@ def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret,
 
 
 def fp8_ffn_residual(params: dict, config: ModelConfig, layer_params: dict, layer_index: Any, x: Array,
-                     attn_out: Array, backend: str = "xla", interpret: bool = False) -> Array:
-    """s + FFN(ffn_norm(s)) of one layer [B, n, d], s = x + attn_out: bf16 SwiGLU for layer 0, FP8 for the rest.
+                     attn_out: Array | None = None, backend: str = "xla", interpret: bool = False) -> Array:
+    """s + FFN(ffn_norm(s)) of one layer [B, n, d], s = x + attn_out (when given): bf16 SwiGLU for layer 0, FP8 for
+    the rest.
 
     backend "xla": RMSNorm, jnp quantisation, the dequantising reference GEMM; "pallas" (the GPU default):
     `fp8_ffn_pallas` (the residual add fused into its RMSNorm kernel). The unrolled layer loop picks layer 0's
     path statically; the scan over stacked layers uses a lax.cond on its traced index."""
     norm = RMSNorm(config.rms_eps, config.jnp_dtype)
 
-    def first(x, o):
-        s = x + o
+    def first(x, o):  # o: attn_out or None (an empty pytree, also through lax.cond)
+        s = x if o is None else x + o
         h = norm.apply({"params": layer_params["ffn_norm"]}, s)
         return s + SwiGLU(config.mlp_hidden, config.jnp_dtype).apply({"params": params["mlp_first"]}, h)
 
@@ -119,8 +124,8 @@ def fp8_ffn_residual(params: dict, config: ModelConfig, layer_params: dict, laye
             b, n, d = x.shape
             scale = layer_params["ffn_norm"]["scale"]
             return fp8_ffn_pallas(x.reshape(b * n, d), scale, config.rms_eps, layer_params["mlp_fp8"], interpret,
-                                  residual=o.reshape(b * n, d)).reshape(b, n, d)
-        s = x + o
+                                  residual=None if o is None else o.reshape(b * n, d)).reshape(b, n, d)
+        s = x if o is None else x + o
         h = norm.apply({"params": layer_params["ffn_norm"]}, s)
         return s + F.fp8_ffn(h, layer_params["mlp_fp8"], backend=backend, out_dtype=h.dtype)
 

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.transformer.block import Block
-from pallas_kernels.residual_rmsnorm import linear_partials  # TODO(merge kernels-trim): rope_kv_write
-from pallas_kernels.rope_kv_write import rope_kv_write
+from pallas_kernels.rope_kv_write import linear_partials, rope_kv_write
 
 Array = jax.Array
 # Up to this many tokens per forward (a block step at batch 1-2). At batch 8 (256 tokens) the kernel on the rounded

@@ -1,4 +1,4 @@
-"""Attention shapes of the slot-attention benchmarks (bench/bench_attention.py, bench/sweep_block_attention.py)."""
+"""Attention shapes of the slot-attention benchmark (bench/bench_attention.py)."""
 from __future__ import annotations
 
 from typing import NamedTuple
