@@ -62,6 +62,10 @@ class AnchoredState:
     window: Array  # [B, W] int32 slots forwarded at every block start: [anchors | request prompt | generation]
     writes: Array  # [B, W] bool: False on filler slots (and on a suffix affix's last token, see anchor_inputs)
     importance: Array  # [B, T] float32: the probe's score per position (0 outside the affix), for inspection
+    # where the blocks sit in every row's window: buffer column `block_col` is at window index `block_index` (the
+    # generation region's start in `generate`; the current block's column in the serving engine)
+    block_col: Array | int = 0
+    block_index: Array | int = 0
 
 
 def anchor_inputs(spans: Sequence[tuple[int, int] | None], pads: np.ndarray, prompt_len: int, total_len: int,
@@ -217,8 +221,10 @@ def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KV
         # in position order; the fillers (marked past the end) sort last, where anchor_writes is already False
         anchors = jnp.sort(jnp.where(anchor_writes, top, x.shape[1]), axis=1)
         anchors = jnp.where(anchor_writes, anchors, inp.prompt_len).astype(jnp.int32)
-    return AnchoredState(kv=out.cache, window=jnp.concatenate([anchors, a.request], axis=1),
-                         writes=jnp.concatenate([anchor_writes, a.request_writes], axis=1), importance=importance)
+    window = jnp.concatenate([anchors, a.request], axis=1)
+    gen_index = window.shape[1] - (x.shape[1] - inp.prompt_len)  # the generation region ends every row's window
+    return AnchoredState(kv=out.cache, window=window, writes=jnp.concatenate([anchor_writes, a.request_writes], axis=1),
+                         importance=importance, block_col=inp.prompt_len, block_index=gen_index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +239,7 @@ class AnchoredRefresh(BlockStartOnly):
         raise ValueError("the affix cache's state comes from acache.prepare (it needs the affix spans)")
 
     def block_start(self, params, config, inp: DecodeInputs, state: AnchoredState, x, block_start):
-        w = state.window.shape[1]
-        gen_offset = w - (x.shape[1] - inp.prompt_len)  # the generation region ends every row's window
-        idx = gen_offset + (block_start - inp.prompt_len) + jnp.arange(inp.block_length) - inp.shift
+        idx = state.block_index + (block_start - state.block_col) + jnp.arange(inp.block_length) - inp.shift
         at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
         out = _forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
         return out.logits, dataclasses.replace(state, kv=out.cache)

@@ -1,0 +1,321 @@
+"""`Engine`: many requests over one paged KV pool, continuous batching at block boundaries, shared affixes stored once.
+
+    engine = Engine(model, EngineConfig(max_batch=16))
+    doc = engine.register_affix(document_ids)                  # or found automatically in repeated prompts
+    rid = engine.add_request(question_ids, config, affix=doc)   # errors here, before any device work
+    while engine.has_unfinished():
+        for out in engine.step():                              # one block of every running request
+            ...                                                # out.tokens: the block's new answer tokens
+
+Each iteration admits waiting requests (FIFO) while pages and batch slots last, builds the K/V of newly needed
+affixes alone (once per affix, whatever its placement), runs ACache's probe for newly admitted requests, then one
+block of every running request (grouped by schedule and sampler, one device call per group: the block start and all
+its steps). A request's tokens are those of `dllm_jax.generate` on that request alone with the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Shallow
+from dllm_jax.decoding.loop import BlockRunner
+from dllm_jax.engine.affix_index import AffixIndex
+from dllm_jax.engine.block_manager import BlockManager, pages_for
+from dllm_jax.engine.kv_pool import kv_bytes_per_token
+from dllm_jax.engine.request import BlockOutput, Request, Status
+from dllm_jax.engine.runner import STRATEGY, ModelRunner
+from dllm_jax.engine.scheduler import QueueFull, Scheduler
+from dllm_jax.transformer import KernelChoice, Kernels
+from dllm_jax.transformer.params import unstack_layers
+
+__all__ = ["AffixHandle", "Engine", "EngineConfig", "QueueFull", "RequestError"]
+CPU_DEFAULT_BUDGET = 1 << 30  # bytes of KV pool where the device reports no free memory (the CPU)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses at submit: the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """max_batch: requests decoded together in one device call (and the most running at once). kv_budget_bytes: the
+    pool's size; None = kv_fraction of the device's free memory (1 GiB where the device reports none, the CPU).
+    page_size: tokens per page. max_model_len: the longest prompt + generation (default: the model's maximum,
+    at most 4096). max_queue: waiting requests beyond which add_request raises QueueFull. auto_affix: find shared
+    spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
+    shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
+    GPU, XLA's gather elsewhere)."""
+
+    max_batch: int = 16
+    kv_budget_bytes: int | None = None
+    kv_fraction: float = 0.5
+    page_size: int = 16
+    max_model_len: int | None = None
+    max_queue: int = 4096
+    auto_affix: bool = True
+    min_affix_tokens: int = 64
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ValueError(f"EngineConfig.kv_budget_bytes={self.kv_budget_bytes} must be positive")
+        if not 0 < self.kv_fraction <= 1:
+            raise ValueError(f"EngineConfig.kv_fraction={self.kv_fraction} must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
+        KernelChoice(attention=self.attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class AffixHandle:
+    """A registered affix (`Engine.register_affix`)."""
+
+    key: str
+    tokens: tuple[int, ...]
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig | None = None):
+        self.model, self.config = model, config or EngineConfig()
+        mc = model.config
+        self.max_len = min(self.config.max_model_len or min(mc.max_seq_len, 4096), mc.max_seq_len)
+        budget = self.config.kv_budget_bytes or self._free_memory_budget()
+        num_pages = int(budget // (kv_bytes_per_token(mc) * self.config.page_size))
+        if num_pages < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no page of {self.config.page_size} tokens")
+        self.block_manager = BlockManager(num_pages, self.config.page_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_batch, self.config.max_batch,
+                                   self.config.max_queue)
+        # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
+        params = unstack_layers(model.params)
+        kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
+        self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len,
+                                  self.config.max_batch, kernels)
+        m = self.config.min_affix_tokens
+        self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.counters = dict(requests=0, finished=0, aborted=0, generated_tokens=0, blocks=0, probes=0,
+                             affix_builds=0, affix_hits=0)
+
+    def _free_memory_budget(self) -> int:
+        stats = jax.devices()[0].memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return int(free * self.config.kv_fraction) if free > 0 else CPU_DEFAULT_BUDGET
+
+    # ---- submitting ---------------------------------------------------------------------------------------------
+    def register_affix(self, tokens: Sequence[int]) -> AffixHandle:
+        """Declare a span many requests will contain (a system prompt, few-shot examples, a document): requests
+        naming the handle, or containing its tokens anywhere, share its one stored copy."""
+        toks = tuple(int(t) for t in tokens)
+        self._check_tokens(toks, "affix")
+        key = self.affixes.register(toks)
+        return AffixHandle(key, toks)
+
+    def add_request(self, prompt: Sequence[int], config: GenerationConfig | None = None, *,
+                    affix: AffixHandle | tuple[int, int] | str | None = "auto", seed: int = 0,
+                    request_id: str | None = None, on_block: Callable[[BlockOutput], Any] | None = None) -> str:
+        """Queue a request; returns its id. config: the decoding settings (cache "dual"; its affix technique, if
+        any, says how a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier
+        prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). Raises
+        RequestError for bad input and QueueFull when the queue is at its bound, before any device work."""
+        gc = config or GenerationConfig(cache=CacheConfig("dual"))
+        prompt = [int(t) for t in prompt]
+        self._check_config(gc)
+        self._check_tokens(prompt, "prompt")
+        if len(prompt) + gc.schedule.gen_length > self.max_len:
+            raise RequestError(f"prompt of {len(prompt)} tokens + gen_length {gc.schedule.gen_length} exceeds the "
+                               f"engine's maximum length {self.max_len}")
+        span = self._affix_span(prompt, gc, affix)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, prompt, gc, span, seed, on_block)
+        if gc.cache.affix is not None and span is not None and isinstance(gc.cache.affix, Shallow):
+            req.depth = self._depth(req)
+        if not self.scheduler.fits_ever(req):
+            raise RequestError(f"request {rid} needs {pages_for(req.private_tokens(), self.config.page_size)} pages "
+                               f"(plus its affix), more than the whole pool's {self.block_manager.num_pages}")
+        self.scheduler.add(req)
+        req.key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+        self._requests[rid] = req
+        self.counters["requests"] += 1
+        return rid
+
+    def _check_tokens(self, toks: Sequence[int], what: str) -> None:
+        if len(toks) == 0:
+            raise RequestError(f"the {what} is empty")
+        v = self.model.config.vocab_size
+        bad = [t for t in toks if not 0 <= t < v]
+        if bad:
+            raise RequestError(f"the {what} has token ids outside [0, {v}): {bad[:5]}")
+
+    def _check_config(self, gc: GenerationConfig) -> None:
+        if not isinstance(gc, GenerationConfig):
+            raise RequestError(f"config must be a GenerationConfig, got {type(gc).__name__}")
+        if gc.cache.mode != "dual":
+            raise RequestError(f"the engine decodes with the dual cache: cache={gc.cache.mode!r} is not served")
+        if gc.cache.refresh != "block" or gc.cfg_scale:
+            raise RequestError("the engine serves refresh='block' without classifier-free guidance")
+        if isinstance(gc.cache.affix, Shallow):
+            raise RequestError("BiCache (Shallow) is not served by the engine yet; use dllm_jax.generate")
+        try:
+            gc.check_model(self.model.config)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def _affix_span(self, prompt: list[int], gc: GenerationConfig, affix) -> tuple[int, int] | None:
+        if affix is None or gc.cache.affix is None:
+            return None
+        if isinstance(affix, AffixHandle):
+            at = _find(prompt, affix.tokens)
+            if at is None:
+                raise RequestError(f"the prompt does not contain the affix {affix.key}")
+            return at, at + len(affix.tokens)
+        if isinstance(affix, str):
+            if affix != "auto":
+                raise RequestError(f"affix={affix!r}: expected 'auto', a handle, a (start, end) span or None")
+            if not self.config.auto_affix:
+                return None
+            match = self.affixes.observe(prompt)
+            return None if match is None else (match.start, match.end)
+        try:
+            s, e = (int(v) for v in affix)
+        except (TypeError, ValueError):
+            raise RequestError(f"affix={affix!r}: expected 'auto', a handle, a (start, end) span or None") from None
+        if not 0 <= s < e <= len(prompt):
+            raise RequestError(f"affix span ({s}, {e}) is not a non-empty span of the {len(prompt)}-token prompt")
+        return s, e
+
+    def _depth(self, req: Request) -> int:
+        from dllm_jax.decoding.caches.bicache import batch_depth
+
+        t = req.config.cache.affix
+        return batch_depth(self.model.config, [req.affix_span], [len(req.prompt)], req.gen_length, t.depth,
+                           dict(t.table) if t.table else None)
+
+    # ---- running ------------------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def step(self) -> list[BlockOutput]:
+        """One scheduling iteration: admit, build new affixes, probe, then one block of every running request."""
+        outputs: list[BlockOutput] = []
+        admitted = self.scheduler.admit()
+        for r in admitted:
+            entry = r.affix_entry
+            if entry is not None and not entry.ready:
+                self.runner.build_affix(entry.tokens, self.block_manager.slots(entry.pages, len(entry.tokens)))
+                self.block_manager.mark_ready(entry)
+                self.counters["affix_builds"] += 1
+            elif entry is not None:
+                self.counters["affix_hits"] += 1
+        to_probe = [r for r in admitted if r.anchor_count > 0]
+        for i in range(0, len(to_probe), self.config.max_batch):
+            chunk = to_probe[i:i + self.config.max_batch]
+            for r, importance in zip(chunk, self.runner.probe(chunk, self.block_manager)):
+                k = r.anchor_count
+                order = np.argsort(-importance, kind="stable")[:k]  # ties: the earlier token
+                r.anchors = sorted(int(j) + r.affix_span[0] for j in order)
+                r.nfe += 1
+            self.counters["probes"] += len(chunk)
+        for group in self.scheduler.batches(self._program):
+            tokens, keys, steps = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+            now = time.perf_counter()
+            for r, blk, key in zip(group, tokens, keys):
+                outputs.append(self._commit(r, blk.tolist(), key, steps, now))
+            self.counters["blocks"] += 1
+        return outputs
+
+    def _program(self, req: Request) -> BlockRunner:
+        """What one compiled program runs: the schedule, the sampler and the step loop (affix data are inputs)."""
+        gc = req.config
+        group = GenerationConfig(gc.schedule, gc.sampler_for(self.model.config), CacheConfig("dual"), gc.kernels)
+        return BlockRunner(self.model.config, group, STRATEGY, group.sampler)
+
+    def _commit(self, r: Request, block: list[int], key, steps: int, now: float) -> BlockOutput:
+        stops = set(r.config.stop_token_ids(self.model.config))
+        before = len(r.answer(tuple(stops)))
+        ended = r.config.stop_at_eos and any(t in stops for t in r.generated)
+        r.generated.extend(block)
+        r.key, r.nfe = np.asarray(key, np.uint32), r.nfe + steps
+        if r.first_block_time is None:
+            r.first_block_time = now
+        new = [] if ended else r.answer(tuple(stops))[before:] if r.config.stop_at_eos else block
+        stopped = r.config.stop_at_eos and any(t in stops for t in block)
+        reason = "stop" if stopped else "length" if r.blocks_done == r.n_blocks else None
+        self.counters["generated_tokens"] += len(new)
+        if reason is not None:
+            self._finish(r, reason, now)
+        out = BlockOutput(r.request_id, r.blocks_done - 1, new, reason is not None, reason)
+        if r.on_block is not None:
+            r.on_block(out)
+        return out
+
+    def _finish(self, r: Request, reason: str, now: float | None = None) -> None:
+        self.scheduler.finish(r)
+        r.finish_reason, r.finish_time = reason, now or time.perf_counter()
+        self.counters["finished" if reason != "abort" else "aborted"] += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (waiting or running) and free its pages. False if it is unknown or already done."""
+        r = self._requests.get(request_id)
+        if r is None or r.status == Status.FINISHED:
+            return False
+        self._finish(r, "abort")
+        if r.on_block is not None:
+            r.on_block(BlockOutput(r.request_id, r.blocks_done - 1, [], True, "abort"))
+        return True
+
+    def request(self, request_id: str) -> Request:
+        return self._requests[request_id]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's record (the server does this once it has answered)."""
+        r = self._requests.get(request_id)
+        if r is not None and r.status == Status.FINISHED:
+            del self._requests[request_id]
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
+                 affix: Any = "auto", seeds: Sequence[int] | None = None, progress: bool = True) -> list[list[int]]:
+        """Serve a list of prompts to the end (a progress bar over blocks); returns each one's answer tokens."""
+        ids = [self.add_request(p, config, affix=affix, seed=seeds[i] if seeds else 0) for i, p in enumerate(prompts)]
+        total = sum(self._requests[i].n_blocks for i in ids)
+        with tqdm(total=total, desc="blocks", unit="block", disable=not progress) as bar:
+            while any(self._requests[i].status != Status.FINISHED for i in ids):
+                outs = self.step()
+                bar.update(sum(1 for o in outs if o.request_id in ids))
+        stops = lambda r: tuple(r.config.stop_token_ids(self.model.config))  # noqa: E731
+        answers = [self._requests[i].answer(stops(self._requests[i])) for i in ids]
+        for i in ids:
+            self.release(i)
+        return answers
+
+    # ---- state --------------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return dict(self.counters, waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+                    pages_total=bm.num_pages, pages_free=bm.num_free_pages, pages_used=bm.num_used_pages,
+                    pages_shared=bm.num_shared_pages, pages_cached=bm.num_cached_pages,
+                    kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
+                    compiles=self.runner.compiles)
+
+
+def _find(prompt: list[int], tokens: Sequence[int]) -> int | None:
+    n = len(tokens)
+    first = tokens[0]
+    for i in range(len(prompt) - n + 1):
+        if prompt[i] == first and prompt[i:i + n] == list(tokens):
+            return i
+    return None
+

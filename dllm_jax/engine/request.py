@@ -1,0 +1,120 @@
+"""A request as the engine sees it: its prompt (with the shared affix it reuses, if any), its decoding settings, its
+host-side state, and what it streams back (`BlockOutput`, one per committed block)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from dllm_jax.decoding.config import Anchors, GenerationConfig, NaiveReuse, Shallow
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued: no pages yet
+    RUNNING = "running"  # admitted: pages reserved, decoding block by block
+    FINISHED = "finished"  # stop token, length, or aborted: pages freed
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOutput:
+    """One committed block of one request (what a stream yields)."""
+
+    request_id: str
+    block: int  # index of the block in the generation region
+    tokens: list[int]  # the block's new answer tokens (cut before a stop token)
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A request: prompt token ids, optionally the [start, end) span of a shared affix inside them, and its settings.
+    The engine fills in the rest."""
+
+    request_id: str
+    prompt: list[int]
+    config: GenerationConfig
+    affix_span: tuple[int, int] | None = None
+    seed: int = 0
+    on_block: Callable[[BlockOutput], Any] | None = None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # host state, owned by the engine
+    status: Status = Status.WAITING
+    generated: list[int] = dataclasses.field(default_factory=list)  # committed tokens, whole blocks
+    pages: list[int] = dataclasses.field(default_factory=list)  # private pages
+    affix_entry: Any = None  # block_manager.AffixEntry while running with a shared affix
+    anchors: list[int] = dataclasses.field(default_factory=list)  # ACache: prompt indices recomputed per block
+    probed: bool = False
+    key: np.ndarray | None = None  # the request's PRNG key data (advances only at its own steps)
+    nfe: int = 0
+    depth: int = 0  # BiCache: layers reusing the shared prefix
+    first_block_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+
+    # ---- settings -----------------------------------------------------------------------------------------------
+    @property
+    def gen_length(self) -> int:
+        return self.config.schedule.gen_length
+
+    @property
+    def block_length(self) -> int:
+        return self.config.schedule.block_length
+
+    @property
+    def n_blocks(self) -> int:
+        return self.config.schedule.n_blocks
+
+    @property
+    def technique(self):
+        """The affix technique in force: the config's, or None when the request has no shared affix."""
+        return self.config.cache.affix if self.affix_span is not None else None
+
+    @property
+    def affix_len(self) -> int:
+        return 0 if self.affix_span is None else self.affix_span[1] - self.affix_span[0]
+
+    @property
+    def shares_affix(self) -> bool:
+        """Whether the affix's non-anchor tokens read the one stored copy (all techniques but BiCache, whose deeper
+        layers recompute the prefix with the request and so keep it privately)."""
+        return isinstance(self.technique, (NaiveReuse, Anchors))
+
+    @property
+    def anchor_count(self) -> int:
+        from dllm_jax.decoding.caches.acache import anchor_count
+
+        t = self.technique
+        return anchor_count(self.affix_len, t.ratio) if isinstance(t, Anchors) else 0
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + self.gen_length
+
+    def private_tokens(self) -> int:
+        """Slots a request writes: everything but a shared affix's non-anchor tokens."""
+        shared = self.affix_len - self.anchor_count if self.shares_affix else 0
+        return self.total_len - shared
+
+    def own_prompt_indices(self) -> list[int]:
+        """Prompt indices recomputed at block starts besides the anchors: everything outside a shared affix."""
+        if self.technique is None:
+            return list(range(len(self.prompt)))
+        s, e = self.affix_span
+        return [j for j in range(len(self.prompt)) if not s <= j < e]
+
+    # ---- progress -----------------------------------------------------------------------------------------------
+    @property
+    def blocks_done(self) -> int:
+        return len(self.generated) // self.block_length
+
+    def answer(self, stop_ids: tuple[int, ...]) -> list[int]:
+        """Generated tokens up to (excluding) the first stop token."""
+        for i, t in enumerate(self.generated):
+            if t in stop_ids:
+                return self.generated[:i]
+        return list(self.generated)

@@ -1,0 +1,89 @@
+"""Which requests run: a FIFO waiting queue, admission while pages and batch slots last, and the running requests
+grouped into device calls at block boundaries. Host bookkeeping only (no arrays).
+
+Admission is strictly first come, first served: when the head of the queue does not fit yet, nobody behind it is
+admitted past it, so a long request is never starved by a stream of short ones; it waits until running requests
+finish and free their pages. A request that could never fit (more pages than the whole pool) is refused at submit.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Hashable, Iterable
+
+from dllm_jax.engine.block_manager import BlockManager, OutOfPages, pages_for
+from dllm_jax.engine.request import Request, Status
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: try again later (the server answers 429)."""
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_running: int, max_batch: int, max_queue: int):
+        self.bm = block_manager
+        self.max_running, self.max_batch, self.max_queue = max_running, max_batch, max_queue
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    # ---- queue ---------------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"the waiting queue holds {self.max_queue} requests")
+        self.waiting.append(req)
+
+    def pages_needed(self, req: Request) -> tuple[int, tuple[int, ...] | None]:
+        """(private pages, the affix tokens whose stored copy the request holds, or None)."""
+        affix = None
+        if req.technique is not None:
+            s, e = req.affix_span
+            affix = tuple(req.prompt[s:e])
+        return pages_for(req.private_tokens(), self.bm.page_size), affix
+
+    def fits_ever(self, req: Request) -> bool:
+        private, affix = self.pages_needed(req)
+        return private + (0 if affix is None else pages_for(len(affix), self.bm.page_size)) <= self.bm.num_pages
+
+    def admit(self) -> list[Request]:
+        """Admit from the head of the queue while a batch slot and its pages are free (all or nothing per request:
+        its affix entry first, then every private page it will ever write)."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            private, affix = self.pages_needed(req)
+            if not self.bm.plan_admission(private, affix):
+                break
+            try:
+                req.pages, req.affix_entry, _ = self.bm.admit(private, affix, owner=req.request_id)
+            except OutOfPages:  # plan_admission said yes: only a bug gets here
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    # ---- running -------------------------------------------------------------------------------------------------
+    def batches(self, key: Callable[[Request], Hashable]) -> list[list[Request]]:
+        """The running requests grouped by `key` (what one compiled program can run together), in admission order,
+        in chunks of at most max_batch."""
+        groups: dict[Hashable, list[Request]] = collections.OrderedDict()
+        for r in self.running:
+            groups.setdefault(key(r), []).append(r)
+        return [g[i:i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)]
+
+    def finish(self, req: Request) -> None:
+        """Free a running request's pages and its hold on the affix at once; drop a waiting one from the queue."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self.bm.free(req.pages, owner=req.request_id)
+            if req.affix_entry is not None:
+                self.bm.release_affix(req.affix_entry)
+            req.pages, req.affix_entry = [], None
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting
