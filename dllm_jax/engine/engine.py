@@ -30,7 +30,7 @@ from dllm_jax.engine.affix_index import AffixIndex
 from dllm_jax.engine.block_manager import BlockManager, pages_for
 from dllm_jax.engine.kv_pool import kv_bytes_per_token
 from dllm_jax.engine.request import BlockOutput, Request, Status
-from dllm_jax.engine.runner import STRATEGY, ModelRunner
+from dllm_jax.engine.runner import STRATEGY, ModelRunner, backend_compiles, bucket
 from dllm_jax.engine.scheduler import QueueFull, Scheduler
 from dllm_jax.transformer import KernelChoice, Kernels
 from dllm_jax.transformer.params import unstack_layers
@@ -147,7 +147,7 @@ class Engine:
             raise RequestError(f"request {rid} needs {pages_for(req.private_tokens(), self.config.page_size)} pages "
                                f"(plus its affix), more than the whole pool's {self.block_manager.num_pages}")
         self.scheduler.add(req)
-        req.key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+        req.key = seed_key(seed)
         self._requests[rid] = req
         self.counters["requests"] += 1
         return rid
@@ -301,6 +301,34 @@ class Engine:
             self.release(i)
         return answers
 
+    def warmup(self, samples: Sequence[tuple[Sequence[int], GenerationConfig | None, Any]]) -> int:
+        """Compile, before serving, every program traffic like `samples` ((prompt, config, affix) triples) needs:
+        its shapes become the floor of every call (a batch within them runs a warmed program), at every batch size
+        up to max_batch. Nothing is written to the pool. Returns the XLA compilations it took."""
+        before = backend_compiles()
+        seed_key(0)  # the tiny program that turns a seed into a key, compiled once here
+        reqs = []
+        for prompt, config, affix in samples:
+            gc = config or GenerationConfig(cache=CacheConfig("dual"))
+            self._check_config(gc)
+            prompt = [int(t) for t in prompt]
+            span = self._affix_span(prompt, gc, affix) if affix != "auto" else None
+            if affix == "auto" and gc.cache.affix is not None:  # what discovery would find, without remembering
+                m = self.affixes.match(prompt)
+                span = None if m is None else (m.start, m.end)
+            reqs.append(Request("warmup", prompt, gc, span))
+        env = self.runner.envelope
+        for r in reqs:
+            n_shared = r.affix_len - r.anchor_count if r.shares_affix else 0
+            env["A"] = max(env["A"], bucket(r.affix_len) if n_shared or r.anchor_count else 0)  # the probe reads all
+            env["R"] = max(env["R"], bucket(r.private_tokens()))
+            env["W"] = max(env["W"], bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length))
+            env["rotate"] = env["rotate"] or bool(r.affix_span and r.affix_span[0] and r.shares_affix)
+        runners = list(dict.fromkeys(self._program(r) for r in reqs))
+        affix_len = max([bucket(r.affix_len) for r in reqs if r.technique is not None] or [0])
+        self.runner.warm(runners, any(r.anchor_count for r in reqs), affix_len)
+        return backend_compiles() - before
+
     # ---- state --------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
@@ -309,6 +337,11 @@ class Engine:
                     pages_shared=bm.num_shared_pages, pages_cached=bm.num_cached_pages,
                     kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
                     compiles=self.runner.compiles)
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """The key data `jax.random.key(seed)` holds: the request's random stream starts where generate's does."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
 
 
 def _find(prompt: list[int], tokens: Sequence[int]) -> int | None:

@@ -1,18 +1,20 @@
 """The paged KV pool on the device, and `PagedKV`: the view of it one batched forward reads and writes.
 
 The pool is, per layer, K and V arrays of `num_pages * page_size` slots [S, Hkv, D], preallocated once from a byte
-budget (`pool_pages`). `block_manager.BlockManager` hands out the pages on the host; nothing here knows about
-requests.
+budget. `block_manager.BlockManager` hands out the pages on the host; nothing here knows about requests.
 
 `PagedKV` is what `transformer.forward` takes as its cache (it has the write / attend / keys / length methods of
 `KVCache`), so the cache techniques of `decoding/caches` run on the pool unchanged:
   * writes address *buffer columns* (the decoding loop's [B, T] token buffer): `col_slots [B, T]` maps each column to
     the private slot it writes (S, past the pool's end, for columns that must not be written: pads and the shared
     affix, whose one stored copy serves every request);
-  * reads address a *read list* per row: `read_slots [B, R]` (the first `read_len[b]` are the row's keys, in any
-    order: attention does not depend on it). A shared affix is stored with K rotated at its own positions 0..A-1;
-    placed at RoPE offset p it is read rotated by `read_delta = p` more (RoPE rotations compose), so one copy
-    serves every placement: prefix (p = 0: no rotation at all), infix and suffix.
+  * reads address two *read lists* per row: the shared affix's slots (`shared_slots`, the first `shared_len[b]`
+    read) and the row's private slots (`own_slots`, the first `own_len[b]`). Attention does not depend on the order
+    of its keys. The shared affix is stored with K rotated at its own positions 0..A-1; placed at RoPE offset p it
+    must read as rotated by p more. RoPE scores depend only on position differences, <R(i) q, R(j + p) k> =
+    <R(i - p) q, R(j) k>, so the query is rotated back by p for that list instead (the kernel path: the small query,
+    not every key); the jnp path rotates the gathered keys forward. Either way one copy serves every placement:
+    prefix (p = 0: no rotation at all), infix and suffix.
 """
 
 from __future__ import annotations
@@ -36,30 +38,19 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * config.jnp_dtype.itemsize
 
 
-def pool_pages(config: ModelConfig, page_size: int, budget_bytes: int) -> int:
-    """How many pages of `page_size` tokens a byte budget holds."""
-    return int(budget_bytes // (kv_bytes_per_token(config) * page_size))
-
-
-def allocate_pool(config: ModelConfig, num_slots: int) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-    """Zeroed per-layer K and V pools [num_slots, Hkv, D] in the model's dtype."""
-    shape = (num_slots, config.n_kv_heads, config.head_dim)
-    make = jax.jit(lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers)))
-    return make(), make()
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
     k: tuple[Array, ...]  # L x [S, Hkv, D]
     v: tuple[Array, ...]
     col_slots: Array  # [B, T] int32: the slot each buffer column writes (S: never written)
-    read_slots: Array  # [B, R] int32: the slots of each row's keys (the first read_len[b] are read)
-    read_len: Array  # [B] int32
-    read_delta: Array  # [B, R] int32: RoPE rotation applied at read time (a shared affix's placement offset)
+    shared_slots: Array  # [B, A] int32: the shared affix copy's slots a row reads (the first shared_len[b])
+    shared_len: Array  # [B] int32
+    shared_delta: Array  # [B] int32: the affix's RoPE offset in the row (its placement)
+    own_slots: Array  # [B, R] int32: the row's private slots (the first own_len[b])
+    own_len: Array  # [B] int32
     rope_theta: float = dataclasses.field(metadata=dict(static=True))
-    rope_fp32: bool = dataclasses.field(metadata=dict(static=True))
-    rotate: bool = dataclasses.field(metadata=dict(static=True))  # any nonzero read_delta in the batch
+    rotate: bool = dataclasses.field(metadata=dict(static=True))  # any row with a nonzero shared_delta
 
     @property
     def per_layer(self) -> bool:
@@ -67,7 +58,8 @@ class PagedKV:
 
     @property
     def length(self) -> int:
-        return self.read_slots.shape[1]
+        """Width of the key index space of `keys` and the probe: [shared list | own list]."""
+        return self.shared_slots.shape[1] + self.own_slots.shape[1]
 
     @property
     def num_slots(self) -> int:
@@ -88,25 +80,45 @@ class PagedKV:
         return dataclasses.replace(self, k=self.k[:i] + (new_k,) + self.k[i + 1:],
                                    v=self.v[:i] + (new_v,) + self.v[i + 1:])
 
-    def keys(self, i: int) -> Array:
-        """Layer i's keys of every row's read list [B, R, Hkv, D], rotated to their placement."""
-        k = jnp.take(self.k[i], self.read_slots, axis=0)
-        if not self.rotate:
-            return k
-        cos, sin = rope_cos_sin(self.read_delta, k.shape[-1], self.rope_theta)
-        return apply_rope(k.astype(jnp.float32), cos, sin, fp32=True).astype(k.dtype)
+    def key_mask(self) -> Array:
+        """[B, A + R]: which entries of [shared list | own list] are keys."""
+        def lens(width, n):
+            return jnp.arange(width, dtype=jnp.int32)[None, :] < n[:, None]
 
-    def read_mask(self) -> Array:
-        return jnp.arange(self.length, dtype=jnp.int32)[None, :] < self.read_len[:, None]
+        return jnp.concatenate([lens(self.shared_slots.shape[1], self.shared_len),
+                                lens(self.own_slots.shape[1], self.own_len)], axis=1)
+
+    def keys(self, i: int) -> Array:
+        """Layer i's keys [B, A + R, Hkv, D] (shared list rotated to each row's placement, then the own list)."""
+        shared = jnp.take(self.k[i], self.shared_slots, axis=0)
+        if self.rotate:
+            cos, sin = rope_cos_sin(jnp.broadcast_to(self.shared_delta[:, None], self.shared_slots.shape),
+                                    shared.shape[-1], self.rope_theta)
+            shared = apply_rope(shared.astype(jnp.float32), cos, sin, fp32=True).astype(shared.dtype)
+        return jnp.concatenate([shared, jnp.take(self.k[i], self.own_slots, axis=0)], axis=1)
 
     def attend(self, i: int, q: Array, key_mask: Array | None, kernels) -> Array:
-        """Layer i's attention of q [B, n, Hq, D] over each row's read list. The pool defines the keys: a caller's
-        key mask (over buffer columns) has no meaning here and must be None."""
+        """Layer i's attention of q [B, n, Hq, D] over each row's two read lists. The pool defines the keys: a
+        caller's key mask (over buffer columns) has no meaning here and must be None."""
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
-        if kernels.attention != "xla" and not self.rotate:  # the slot kernel reads the pool through the table
-            b, n = q.shape[:2]
-            return sa.slot_attention(q, self.k[i], self.v[i], self.read_slots, jnp.full((b,), n, jnp.int32),
-                                     self.read_len, interpret=kernels.interpret)
-        v = jnp.take(self.v[i], self.read_slots, axis=0)
-        return attend_reference(q, self.keys(i), v, self.read_mask())
+        if kernels.attention == "xla":
+            v = jnp.concatenate([jnp.take(self.v[i], self.shared_slots, axis=0),
+                                 jnp.take(self.v[i], self.own_slots, axis=0)], axis=1)
+            return attend_reference(q, self.keys(i), v, self.key_mask())
+        # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
+        # as an online-softmax state, continued over the own list
+        b, n = q.shape[:2]
+        q_lens = jnp.full((b,), n, jnp.int32)
+        if self.shared_slots.shape[1] == 0:  # nothing shared in this batch
+            return sa.slot_attention(q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len,
+                                     interpret=kernels.interpret)
+        qs = q
+        if self.rotate:
+            cos, sin = rope_cos_sin(jnp.broadcast_to(-self.shared_delta[:, None], (b, n)), q.shape[-1],
+                                    self.rope_theta)
+            qs = apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)
+        state = sa.slot_attention(qs, self.k[i], self.v[i], self.shared_slots, q_lens, self.shared_len,
+                                  return_state=True, interpret=kernels.interpret)
+        return sa.slot_attention(q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len, init_state=state,
+                                 interpret=kernels.interpret)

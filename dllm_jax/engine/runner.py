@@ -37,15 +37,30 @@ from dllm_jax.transformer import XLA, Kernels, forward
 
 Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
+_COMPILES = [0]
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+def backend_compiles() -> int:
+    """XLA compilations in this process so far (every program jax compiled, the engine's and anyone's): the count
+    that must not move while a warmed-up engine serves."""
+    if not _COMPILES[1:]:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _COMPILES.append(True)
+    return _COMPILES[0]
 
 
 def bucket(n: int, smallest: int = 16) -> int:
-    """n rounded up to the ladder 16, 24, 32, 48, 64, 96, ... (powers of two and their 1.5x: at most a third of a
-    shape is padding)."""
-    size = smallest
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return size
+    """n rounded up to a multiple of an eighth of its power of two (16, 18, ..., 64, 72, ..., 1024, 1152, ...): at
+    most an eighth of a shape is padding, and a workload of similar lengths compiles few shapes."""
+    if n <= smallest:
+        return smallest
+    step = max(1 << (int(n - 1).bit_length() - 4), 1)
+    return -(-n // step) * step
 
 
 def batch_bucket(n: int, max_batch: int) -> int:
@@ -62,14 +77,15 @@ class Layout:
     x: np.ndarray
     positions: np.ndarray
     col_slots: np.ndarray
-    read_slots: np.ndarray
-    read_len: np.ndarray
-    read_delta: np.ndarray
-    read_shared: np.ndarray  # [B, R] bool: the entry reads the shared affix copy
+    shared_slots: np.ndarray
+    shared_len: np.ndarray
+    shared_delta: np.ndarray
+    own_slots: np.ndarray
+    own_len: np.ndarray
     window: np.ndarray
     writes: np.ndarray
-    block_col: int
-    block_index: int
+    block_col: int  # the buffer column where every row's current block starts
+    block_index: np.ndarray  # [B] int32: where it sits in each row's window
     keys: np.ndarray  # [B, 2] uint32 key data
 
 
@@ -85,6 +101,8 @@ class ModelRunner:
         self.k, self.v = zeros(), zeros()
         self.shapes_seen: set = set()
         self.compiles = 0
+        # the smallest shapes every call uses (set by Engine.warmup): a batch within them runs a warmed program
+        self.envelope = dict(A=0, R=0, W=0, rotate=False)
 
     # ---- bookkeeping of compiled shapes ----------------------------------------------------------------------------
     def _note(self, key) -> None:
@@ -117,7 +135,7 @@ class ModelRunner:
         t = self.buffer_len
         starts = [len(r.prompt) + (0 if probe else r.blocks_done) * r.block_length for r in reqs]
         c = max(starts)
-        rows_pre, rows_tail, rows_read = [], [], []
+        rows_window, rows_read = [], []
         x = np.full((b, t), pad_id, np.int32)
         pos = np.zeros((b, t), np.int32)
         col_slots = np.full((b, t), self.num_slots, np.int32)
@@ -130,18 +148,13 @@ class ModelRunner:
             pos[i, cols] = np.arange(p + g)
             priv = self._private_slots(r, bm)
             col_slots[i, cols[priv >= 0]] = priv[priv >= 0]
-            # the read list: shared affix tokens (rotated by the affix's start) then private ones
+            # the read lists: the shared affix copy's tokens (in affix order) and the private ones
             shared_idx = np.flatnonzero(priv < 0)
+            shared = np.zeros(0, np.int64)
             if len(shared_idx):
-                s = r.affix_span[0]
                 entry_slots = np.asarray(bm.slots(r.affix_entry.pages, r.affix_len), np.int64)
-                read = (entry_slots[shared_idx - s], np.full(len(shared_idx), s), np.ones(len(shared_idx), bool))
-            else:
-                read = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
-            private_idx = np.flatnonzero(priv >= 0)
-            rows_read.append((np.concatenate([read[0], priv[private_idx]]),
-                              np.concatenate([read[1], np.zeros(len(private_idx), np.int64)]),
-                              np.concatenate([read[2], np.zeros(len(private_idx), bool)])))
+                shared = entry_slots[shared_idx - r.affix_span[0]]
+            rows_read.append((shared, r.affix_span[0] if len(shared) else 0, priv[priv >= 0]))
             # the window: anchors, own prompt tokens, then P - 1 right before the generation region, always (Dream
             # predicts the first generated token from the entry before the block), unwritten when it is shared
             anchors = r.anchors if not probe else []
@@ -149,36 +162,63 @@ class ModelRunner:
             last_written = (p - 1) in anchors or (p - 1) in r.own_prompt_indices()
             entries = [(j, True) for j in recomputed] + [(p - 1, last_written)]
             k = 0 if probe else r.blocks_done
-            head = entries + [(p + j, True) for j in range(k * r.block_length)]
-            tail = [(p + j, True) for j in range(k * r.block_length, g)]
-            rows_pre.append([(cols[j], w) for j, w in head])
-            rows_tail.append([(cols[j], w) for j, w in tail])
-        r_len = bucket(max(len(rr[0]) for rr in rows_read))
-        read_slots = np.zeros((b, r_len), np.int32)
-        read_len = np.zeros(b, np.int32)
-        read_delta = np.zeros((b, r_len), np.int32)
-        read_shared = np.zeros((b, r_len), bool)
-        for i, (sl, de, sh) in enumerate(rows_read):
-            read_slots[i, :len(sl)], read_delta[i, :len(de)], read_shared[i, :len(sh)] = sl, de, sh
-            read_len[i] = len(sl)
-        w_block = max(len(h) for h in rows_pre)
-        w = bucket(w_block + max(len(tl) for tl in rows_tail))
+            rows_window.append(([(cols[j], w) for j, w in entries] + [(cols[p + j], True) for j in range(g)],
+                                len(entries) + k * r.block_length))
+        env = self.envelope
+        n_shared = max(len(sh) for sh, _, _ in rows_read)
+        a_len = max(bucket(n_shared) if n_shared else 0, env["A"])  # no shared list when nothing in the batch shares
+        r_len = max(bucket(max(len(own) for _, _, own in rows_read)), env["R"])
+        shared_slots, own_slots = np.zeros((b, a_len), np.int32), np.zeros((b, r_len), np.int32)
+        shared_len, own_len, shared_delta = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, (sh, delta, own) in enumerate(rows_read):
+            shared_slots[i, :len(sh)], own_slots[i, :len(own)] = sh, own
+            shared_len[i], own_len[i], shared_delta[i] = len(sh), len(own), delta
+        w = max(bucket(max(len(entries) for entries, _ in rows_window)), env["W"])
         window = np.full((b, w), c, np.int32)  # fillers: the current block's first column, never written
         writes = np.zeros((b, w), bool)
-        for i, (head, tail) in enumerate(zip(rows_pre, rows_tail)):
-            at = w_block - len(head)
-            for j, (col, wr) in enumerate(head + tail):
-                window[i, at + j], writes[i, at + j] = col, wr
+        block_index = np.zeros(b, np.int32)
+        for i, (entries, at) in enumerate(rows_window):
+            window[i, :len(entries)] = [col for col, _ in entries]
+            writes[i, :len(entries)] = [wr for _, wr in entries]
+            block_index[i] = at
         keys = np.zeros((b, 2), np.uint32)
         for i, r in enumerate(reqs):
             keys[i] = r.key
-        return Layout(x, pos, col_slots, read_slots, read_len, read_delta, read_shared, window, writes, c, w_block,
-                      keys)
+        return Layout(x, pos, col_slots, shared_slots, shared_len, shared_delta, own_slots, own_len, window, writes,
+                      c, block_index, keys)
 
     def _paged(self, lay: Layout) -> tuple[dict, bool]:
-        arrays = dict(col_slots=lay.col_slots, read_slots=lay.read_slots, read_len=lay.read_len,
-                      read_delta=lay.read_delta)
-        return {k: jnp.asarray(v) for k, v in arrays.items()}, bool((lay.read_delta != 0).any())
+        arrays = dict(col_slots=lay.col_slots, shared_slots=lay.shared_slots, shared_len=lay.shared_len,
+                      shared_delta=lay.shared_delta, own_slots=lay.own_slots, own_len=lay.own_len)
+        return ({k: put(v) for k, v in arrays.items()},
+                bool((lay.shared_delta != 0).any()) or self.envelope["rotate"])
+
+    def _shape(self, lay: Layout) -> tuple:
+        return lay.x.shape[0], lay.shared_slots.shape[1], lay.own_slots.shape[1], lay.window.shape[1]
+
+    def warm(self, runners: Sequence[BlockRunner], probe: bool, affix_len: int) -> None:
+        """Run every program of this envelope once on empty rows (nothing is written), at every batch bucket."""
+        b, sizes = 1, []
+        while b < self.max_batch:
+            sizes.append(b)
+            b *= 2
+        sizes.append(self.max_batch)
+        if affix_len:
+            self.build_affix([0] * affix_len, [self.num_slots] * affix_len)  # slots past the pool: dropped
+        env = self.envelope
+        for b in sizes:
+            lay = Layout(x=np.full((b, self.buffer_len), self.config.pad_token_id, np.int32),
+                         positions=np.zeros((b, self.buffer_len), np.int32),
+                         col_slots=np.full((b, self.buffer_len), self.num_slots, np.int32),
+                         shared_slots=np.zeros((b, env["A"]), np.int32), shared_len=np.zeros(b, np.int32),
+                         shared_delta=np.zeros(b, np.int32), own_slots=np.zeros((b, env["R"]), np.int32),
+                         own_len=np.zeros(b, np.int32), window=np.zeros((b, env["W"]), np.int32),
+                         writes=np.zeros((b, env["W"]), bool), block_col=0, block_index=np.zeros(b, np.int32),
+                         keys=np.zeros((b, 2), np.uint32))
+            if probe:
+                self._probe_call(lay)
+            for runner in runners:
+                self._block_call(lay, runner)
 
     # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
@@ -190,38 +230,42 @@ class ModelRunner:
         sl = np.full(n, self.num_slots, np.int32)
         sl[:a] = slots
         self._note(("affix", n))
-        self.k, self.v = _build_affix(self.params, self.k, self.v, jnp.asarray(ids), jnp.asarray(sl), jnp.int32(a),
+        self.k, self.v = _build_affix(self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)),
                                       config=self.config)
 
     def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
         """ACache's one-shot probe of newly admitted requests (one NFE): per request the importance of each affix
         token (the [MASK] queries' softmax mass over the affix keys, summed over heads and layers)."""
-        lay = self.layout(reqs, bm, probe=True)
+        imp = self._probe_call(self.layout(reqs, bm, probe=True))
+        return [imp[i, :r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
+
+    def _probe_call(self, lay: Layout) -> np.ndarray:
         paged, rotate = self._paged(lay)
-        self._note(("probe", lay.x.shape[0], lay.read_slots.shape[1], lay.window.shape[1], rotate))
-        imp, self.k, self.v = _probe(self.params, self.k, self.v, jnp.asarray(lay.x), jnp.asarray(lay.positions),
-                                     paged, jnp.asarray(lay.window), jnp.asarray(lay.writes),
-                                     jnp.asarray(lay.read_shared), config=self.config, rotate=rotate,
+        self._note(("probe", *self._shape(lay), rotate))
+        imp, self.k, self.v = _probe(self.params, self.k, self.v, put(lay.x), put(lay.positions), paged,
+                                     put(lay.window), put(lay.writes), config=self.config, rotate=rotate,
                                      kernels=self.kernels)
-        imp = np.asarray(imp)
-        out = []
-        for i, r in enumerate(reqs):
-            n_shared = r.affix_len  # the shared entries lead the read list, in affix order
-            out.append(imp[i, :n_shared])
-        return out
+        return np.asarray(imp)
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps)."""
-        lay = self.layout(reqs, bm)
+        blk, keys, steps = self._block_call(self.layout(reqs, bm), runner)
+        return blk[:len(reqs)], keys[:len(reqs)], steps
+
+    def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
         paged, rotate = self._paged(lay)
         static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
-        self._note(("block", runner, lay.x.shape[0], lay.read_slots.shape[1], lay.window.shape[1], rotate))
+        self._note(("block", runner, *self._shape(lay), rotate))
         blk, keys, steps, self.k, self.v = _run_block(
-            self.params, self.k, self.v, jnp.asarray(lay.x), jnp.asarray(lay.positions), paged,
-            jnp.asarray(lay.window), jnp.asarray(lay.writes), jnp.asarray(lay.keys), jnp.int32(lay.block_col),
-            jnp.int32(lay.block_index), runner=runner, rotate=rotate, kernels=self.kernels,
-            static_steps=static_steps)
-        return np.asarray(blk)[:len(reqs)], np.asarray(keys)[:len(reqs)], int(steps)
+            self.params, self.k, self.v, put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes),
+            put(lay.keys), put(np.int32(lay.block_col)), put(lay.block_index), runner=runner, rotate=rotate,
+            kernels=self.kernels, static_steps=static_steps)
+        return np.asarray(blk), np.asarray(keys), int(steps)
+
+
+def put(a: np.ndarray) -> Array:
+    """Host array -> device (a transfer: jnp.asarray would compile a small program per new shape)."""
+    return jax.device_put(a)
 
 
 def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInputs:
@@ -232,7 +276,7 @@ def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInp
 
 
 def _view(config, k, v, paged: dict, rotate: bool) -> PagedKV:
-    return PagedKV(k=k, v=v, **paged, rope_theta=config.rope_theta, rope_fp32=config.rope_fp32, rotate=rotate)
+    return PagedKV(k=k, v=v, **paged, rope_theta=config.rope_theta, rotate=rotate)
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k", "v"))
@@ -248,11 +292,13 @@ def _build_affix(params, k, v, ids, slots, length, *, config):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rotate", "kernels"), donate_argnames=("k", "v"))
-def _probe(params, k, v, x, positions, paged, window, writes, read_shared, *, config, rotate, kernels):
+def _probe(params, k, v, x, positions, paged, window, writes, *, config, rotate, kernels):
     inp = _inputs(config, positions, 1, kernels)
     kv = _view(config, k, v, paged, rotate)
     tokens = jnp.take_along_axis(x, window, axis=1)
-    probe = affix_importance_probe(read_shared, (tokens == config.mask_token_id) & writes)
+    a = kv.shared_slots.shape[1]
+    shared_keys = kv.key_mask() & (jnp.arange(kv.length) < a)[None]  # the shared list leads the key space
+    probe = affix_importance_probe(shared_keys, (tokens == config.mask_token_id) & writes)
     out = _forward_window(params, config, inp, kv, x, window, writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe)
     return out.probe, out.cache.k, out.cache.v
 

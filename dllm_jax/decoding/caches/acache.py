@@ -62,8 +62,8 @@ class AnchoredState:
     window: Array  # [B, W] int32 slots forwarded at every block start: [anchors | request prompt | generation]
     writes: Array  # [B, W] bool: False on filler slots (and on a suffix affix's last token, see anchor_inputs)
     importance: Array  # [B, T] float32: the probe's score per position (0 outside the affix), for inspection
-    # where the blocks sit in every row's window: buffer column `block_col` is at window index `block_index` (the
-    # generation region's start in `generate`; the current block's column in the serving engine)
+    # where the blocks sit in the window: buffer column `block_col` is at window index `block_index`, one for every
+    # row (the generation region's start in `generate`) or one per row [B] (the current block in the serving engine)
     block_col: Array | int = 0
     block_index: Array | int = 0
 
@@ -239,7 +239,8 @@ class AnchoredRefresh(BlockStartOnly):
         raise ValueError("the affix cache's state comes from acache.prepare (it needs the affix spans)")
 
     def block_start(self, params, config, inp: DecodeInputs, state: AnchoredState, x, block_start):
-        idx = state.block_index + (block_start - state.block_col) + jnp.arange(inp.block_length) - inp.shift
+        first = jnp.reshape(state.block_index + (block_start - state.block_col), (-1, 1))  # per row, or one for all
+        idx = first + jnp.arange(inp.block_length) - inp.shift
         at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
         out = _forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
         return out.logits, dataclasses.replace(state, kv=out.cache)

@@ -1,0 +1,239 @@
+"""The serving engine (dllm_jax/engine) on tiny fp32 checkpoints: every request's tokens equal `generate` on that
+request alone with the same settings, whatever shares its batch and whenever it arrives; one stored copy of a
+shared affix at any placement; a pool smaller than the demand drains; a warmed-up engine compiles nothing more; bad
+requests are refused at submit."""
+
+import numpy as np
+import pytest
+
+from dllm_jax import GenerationConfig, answer_tokens, generate
+from dllm_jax.decoding.caches import acache
+from dllm_jax.engine.block_manager import pages_for
+from dllm_jax.engine.engine import Engine, EngineConfig, RequestError
+from dllm_jax.engine.request import Status
+from dllm_jax.engine.runner import backend_compiles, bucket
+from dllm_jax.engine.scheduler import QueueFull
+
+opts = GenerationConfig.from_options
+RNG = np.random.default_rng(0)
+AFFIX = RNG.integers(0, 80, 20).tolist()
+OWN = [RNG.integers(0, 80, n).tolist() for n in (5, 9, 3, 6, 1, 7)]
+# (prompt, the affix's span): prefix, infix and suffix placements, own parts of mixed lengths
+PLACED = [(AFFIX + OWN[0], (0, 20)), (OWN[1][:2] + AFFIX + OWN[1][2:], (2, 22)), (OWN[2] + AFFIX, (3, 23)),
+          (AFFIX + OWN[3], (0, 20)), (OWN[4] + AFFIX + OWN[5], (1, 21))]
+
+
+def engine_for(model, **kw) -> Engine:
+    return Engine(model, EngineConfig(**{"max_batch": 4, "kv_budget_bytes": 1 << 22, "min_affix_tokens": 8, **kw}))
+
+
+def solo(model, prompt, gc, span=None, seed=0):
+    """generate on the request alone: the reference every engine answer must equal."""
+    shared = acache.build_shared_affix(model.params, model.config, AFFIX) if gc.cache.affix is not None else None
+    out = generate(model, [prompt], gc, seed=seed, shared_affix=shared,
+                   affix_spans=[span] if gc.cache.affix is not None else None)
+    return answer_tokens(out.tokens, model.config, gc)[0]
+
+
+def serve(engine, items, arrival_seed=None):
+    """Submit (prompt, config, span, seed) items, in order or spread over the first steps at random; run to the end.
+    Returns each item's answer, checking that every request was answered exactly once."""
+    ids = [None] * len(items)
+    order = list(range(len(items)))
+    rng = np.random.default_rng(arrival_seed)
+    if arrival_seed is not None:
+        rng.shuffle(order)
+    pending, seen = list(order), {}
+    while pending or engine.has_unfinished():
+        for _ in range(len(pending) if arrival_seed is None else int(rng.integers(0, 3))):
+            if pending:
+                i = pending.pop(0)
+                prompt, gc, span, seed = items[i]
+                ids[i] = engine.add_request(prompt, gc, affix=span, seed=seed)
+        for out in engine.step():
+            assert not seen.get(out.request_id, False), "a request answered after it finished"
+            seen[out.request_id] = out.finished
+    assert all(seen[i] for i in ids)
+    answers = []
+    for i, rid in enumerate(ids):
+        r = engine.request(rid)
+        answers.append(r.answer(tuple(r.config.stop_token_ids(engine.model.config))))
+    return answers
+
+
+SETTINGS = {
+    "dual": dict(cache="dual"),
+    "anchors_0": dict(cache="dual", affix="anchors", anchor_ratio=0.0),
+    "anchors_0.2": dict(cache="dual", affix="anchors", anchor_ratio=0.2),
+    "anchors_1": dict(cache="dual", affix="anchors", anchor_ratio=1.0),
+    "threshold": dict(cache="dual", affix="anchors", anchor_ratio=0.2, threshold=0.3),
+}
+
+
+@pytest.mark.parametrize("name", ["llada", "dream"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_tokens_equal_solo_generate(name, setting, models_fp32):
+    """Mixed placements and lengths in one batch, arriving at random steps: each answer is the solo one."""
+    m = models_fp32[name]
+    gc = opts(gen_length=8, block_length=4, steps=8, stop_at_eos=False, **SETTINGS[setting])
+    items = [(p, gc, span, i) for i, (p, span) in enumerate(PLACED)]
+    engine = engine_for(m)
+    got = serve(engine, items, arrival_seed=1)
+    assert got == [solo(m, p, gc, span, seed) for p, gc, span, seed in items]
+    assert engine.block_manager.num_used_pages == 0  # everything freed
+
+
+def test_mixed_settings_lengths_and_sampling_share_the_engine(models_fp32):
+    """Different schedules, samplers (temperature > 0: each request's randomness is its own, as decoded alone),
+    techniques and generation lengths in one engine, with stop tokens on."""
+    m = models_fp32["llada_gqa_tied"]
+    configs = [opts(gen_length=8, block_length=4, steps=8, cache="dual"),
+               opts(gen_length=12, block_length=4, steps=6, cache="dual", affix="anchors", anchor_ratio=0.3),
+               opts(gen_length=8, block_length=8, steps=8, cache="dual", temperature=0.7),
+               opts(gen_length=8, block_length=4, threshold=0.5, cache="dual", affix="naive")]
+    items = [(p, configs[i % len(configs)], span, 7 * i) for i, (p, span) in enumerate(PLACED + PLACED[:3])]
+    got = serve(engine_for(m), items, arrival_seed=3)
+    assert got == [solo(m, p, gc, span, seed) for p, gc, span, seed in items]
+
+
+def test_one_stored_copy_at_every_placement(models_fp32):
+    """N requests on one affix build its K/V once and hold its pages once, at prefix, infix and suffix placements;
+    each request's private pages hold only what it writes; the entry stays cached for the next request."""
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2,
+              stop_at_eos=False)
+    engine = engine_for(m, max_batch=8)
+    bm = engine.block_manager
+    ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED]
+    engine.step()  # admits all, builds the affix once, probes, runs block 0
+    affix_pages = pages_for(len(AFFIX), bm.page_size)
+    private = [pages_for(engine.request(i).private_tokens(), bm.page_size) for i in ids]
+    assert engine.counters["affix_builds"] == 1 and engine.counters["affix_hits"] == len(PLACED) - 1
+    assert bm.stats.misses == 1 and bm.num_shared_pages == affix_pages
+    assert bm.num_used_pages == affix_pages + sum(private)
+    k = acache.anchor_count(len(AFFIX), 0.2)
+    assert all(engine.request(i).private_tokens() == len(engine.request(i).prompt) - len(AFFIX) + k + 8 for i in ids)
+    while engine.has_unfinished():
+        engine.step()
+    assert bm.num_used_pages == 0 and bm.num_cached_pages == affix_pages
+    engine.add_request(PLACED[0][0], gc, affix=PLACED[0][1])
+    engine.step()
+    assert engine.counters["affix_builds"] == 1  # a hit on the cached copy
+    bm.check_invariants()
+
+
+def test_affixes_found_without_registration_and_by_handle(models_fp32):
+    """"auto": a span repeated from an earlier prompt is shared (a second request reuses the first one's copy);
+    a registered handle is located in the prompt; both decode as with the explicit span."""
+    m = models_fp32["dream"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2,
+              stop_at_eos=False)
+    engine = engine_for(m)
+    first = engine.add_request(PLACED[1][0], gc)  # nothing seen before: no affix
+    assert engine.request(first).affix_span is None
+    second = engine.add_request(PLACED[2][0], gc)  # shares AFFIX (and nothing else) with the first prompt
+    assert engine.request(second).affix_span == PLACED[2][1]
+    handle = engine.register_affix(AFFIX)
+    third = engine.add_request(PLACED[4][0], gc, affix=handle)
+    assert engine.request(third).affix_span == PLACED[4][1]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.request(second).answer(()) == solo(m, PLACED[2][0], gc, PLACED[2][1])
+    assert engine.request(third).answer(()) == solo(m, PLACED[4][0], gc, PLACED[4][1])
+    with pytest.raises(RequestError, match="does not contain the affix"):
+        engine.add_request(OWN[0], gc, affix=handle)
+
+
+def test_a_pool_smaller_than_the_demand_drains(models_fp32):
+    """Room for about two requests at a time: every request waits its turn (FIFO), finishes once, with its solo
+    tokens; the pool is idle at the end."""
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
+    per_request = max(pages_for(len(p) + 8, 16) for p, _ in PLACED)
+    budget = 2 * per_request * 16 * m.config.n_layers * 2 * m.config.n_kv_heads * m.config.head_dim * 4
+    engine = engine_for(m, kv_budget_bytes=budget)
+    assert engine.block_manager.num_pages == 2 * per_request
+    items = [(p, gc, None, 0) for p, _ in PLACED * 2]
+    most_running = []
+    ids = [engine.add_request(p, gc_, affix=None) for p, gc_, _, _ in items]
+    while engine.has_unfinished():
+        engine.step()
+        most_running.append(len(engine.scheduler.running))
+    assert max(most_running) <= 2 and len(engine.scheduler.waiting) == 0
+    answers = [engine.request(i).answer(()) for i in ids]
+    assert answers == [solo(m, p, gc) for p, _, _, _ in items]
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_no_compilation_after_warmup(models_fp32):
+    """After warm-up on samples of the traffic, serving a mix of it in random arrival orders compiles nothing
+    (counted by XLA's own compile events)."""
+    m = models_fp32["llada"]
+    share = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2)
+    plain = opts(gen_length=8, block_length=4, steps=8, cache="dual")
+    engine = engine_for(m)
+    engine.warmup([(p, share, span) for p, span in PLACED] + [(p, plain, None) for p, _ in PLACED])
+    items = [(p, share if i % 2 else plain, span, i) for i, (p, span) in enumerate(PLACED * 2)]
+    before = backend_compiles()
+    serve(engine, items, arrival_seed=5)
+    serve(engine, items[::-1], arrival_seed=6)
+    assert backend_compiles() == before
+
+
+def test_abort_frees_pages_and_streams_the_end(models_fp32):
+    m = models_fp32["llada"]
+    gc = opts(gen_length=12, block_length=4, steps=12, cache="dual", stop_at_eos=False)
+    engine = engine_for(m)
+    seen = []
+    rid = engine.add_request(PLACED[0][0], gc, affix=None, on_block=seen.append)
+    waiting = engine.add_request(PLACED[1][0], gc, affix=None)
+    engine.step()
+    assert seen[0].block == 0 and len(seen[0].tokens) == 4 and not seen[0].finished
+    assert engine.abort(rid) and engine.abort(waiting) is False or True
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
+    assert not engine.abort(rid)  # already finished
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_used_pages == 0 and engine.request(rid).status == Status.FINISHED
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(prompt=[]), "the prompt is empty"),
+    (dict(prompt=[1, 2, 500]), "outside"),
+    (dict(prompt=[1] * 250), "exceeds the engine's maximum length"),
+    (dict(affix=(3, 2)), "is not a non-empty span"),
+    (dict(affix=(0, 99)), "is not a non-empty span"),
+    (dict(affix="everything"), "expected 'auto'"),
+    (dict(config=GenerationConfig.from_options(cache="prefix")), "dual cache"),
+    (dict(config=GenerationConfig.from_options(cfg_scale=1.0)), "classifier-free"),
+    (dict(request_id="taken"), "already in use"),
+])
+def test_bad_requests_are_refused_at_submit(kw, msg, models_fp32):
+    engine = engine_for(models_fp32["llada"])
+    engine.add_request([1, 2, 3], opts(gen_length=8, block_length=4, steps=8, cache="dual"), request_id="taken")
+    args = dict(prompt=[1, 2, 3, 4, 5], config=opts(gen_length=8, block_length=4, steps=8, cache="dual",
+                                                    affix="anchors"), affix=None)
+    args.update(kw)
+    with pytest.raises(RequestError, match=msg):
+        engine.add_request(args.pop("prompt"), args.pop("config"), **args)
+    assert len(engine.scheduler.waiting) == 1  # nothing half-queued
+    with pytest.raises(ValueError, match="anchor ratio"):
+        opts(cache="dual", affix="anchors", anchor_ratio=1.5)
+
+
+def test_requests_that_can_never_fit_and_a_full_queue(models_fp32):
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual")
+    tiny = engine_for(m, kv_budget_bytes=16 * m.config.n_layers * 2 * m.config.n_kv_heads * m.config.head_dim * 4)
+    with pytest.raises(RequestError, match="more than the whole pool"):
+        tiny.add_request([1] * 40, gc)
+    engine = engine_for(m, max_queue=2)
+    engine.add_request([1, 2], gc)
+    engine.add_request([1, 2], gc)
+    with pytest.raises(QueueFull):
+        engine.add_request([1, 2], gc)
+
+
+def test_bucket_ladder():
+    assert [bucket(n) for n in (1, 16, 17, 100, 525, 1344)] == [16, 16, 18, 104, 576, 1408]
+    assert all(bucket(n) >= n and bucket(n) <= n * 1.125 + 16 for n in range(1, 5000, 7))
