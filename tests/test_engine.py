@@ -205,7 +205,7 @@ def test_abort_frees_pages_and_streams_the_end(models_fp32):
     (dict(affix=(0, 99)), "is not a non-empty span"),
     (dict(affix="everything"), "expected 'auto'"),
     (dict(config=GenerationConfig.from_options(cache="prefix")), "dual cache"),
-    (dict(config=GenerationConfig.from_options(cfg_scale=1.0)), "classifier-free"),
+    (dict(config=GenerationConfig.from_options(cache="dual", refresh="step")), "refresh='block'"),
     (dict(request_id="taken"), "already in use"),
 ])
 def test_bad_requests_are_refused_at_submit(kw, msg, models_fp32):

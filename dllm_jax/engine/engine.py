@@ -30,7 +30,7 @@ from dllm_jax.engine.affix_index import AffixIndex
 from dllm_jax.engine.block_manager import BlockManager, pages_for
 from dllm_jax.engine.kv_pool import kv_bytes_per_token
 from dllm_jax.engine.request import BlockOutput, Request, Status
-from dllm_jax.engine.runner import STRATEGY, ModelRunner, backend_compiles, bucket
+from dllm_jax.engine.runner import STRATEGY, ModelRunner, Shape, backend_compiles, bucket
 from dllm_jax.engine.scheduler import QueueFull, Scheduler
 from dllm_jax.transformer import KernelChoice, Kernels
 from dllm_jax.transformer.params import unstack_layers
@@ -51,7 +51,8 @@ class EngineConfig:
     at most 4096). max_queue: waiting requests beyond which add_request raises QueueFull. auto_affix: find shared
     spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
     shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
-    GPU, XLA's gather elsewhere)."""
+    GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: powers of two up to
+    max_batch; (max_batch,) compiles one shape per program at the cost of padding small batches)."""
 
     max_batch: int = 16
     kv_budget_bytes: int | None = None
@@ -62,6 +63,7 @@ class EngineConfig:
     auto_affix: bool = True
     min_affix_tokens: int = 64
     attention: str = "auto"
+    batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens"):
@@ -74,6 +76,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
         KernelChoice(attention=self.attention)
+        if self.batch_sizes is not None and (not self.batch_sizes or max(self.batch_sizes) != self.max_batch
+                                             or min(self.batch_sizes) < 1):
+            raise ValueError(f"EngineConfig.batch_sizes={self.batch_sizes} must be positive sizes ending at "
+                             f"max_batch={self.max_batch}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +106,13 @@ class Engine:
         params = unstack_layers(model.params)
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
         self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len,
-                                  self.config.max_batch, kernels)
+                                  self.config.batch_sizes or _powers_of_two(self.config.max_batch), kernels)
         m = self.config.min_affix_tokens
         self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.counters = dict(requests=0, finished=0, aborted=0, generated_tokens=0, blocks=0, probes=0,
-                             affix_builds=0, affix_hits=0)
+                             probe_seconds=0.0, affix_builds=0, affix_hits=0, peak_pages=0)
 
     def _free_memory_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() or {}
@@ -212,6 +218,7 @@ class Engine:
         """One scheduling iteration: admit, build new affixes, probe, then one block of every running request."""
         outputs: list[BlockOutput] = []
         admitted = self.scheduler.admit()
+        self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
         for r in admitted:
             entry = r.affix_entry
             if entry is not None and not entry.ready:
@@ -223,7 +230,10 @@ class Engine:
         to_probe = [r for r in admitted if r.anchor_count > 0]
         for i in range(0, len(to_probe), self.config.max_batch):
             chunk = to_probe[i:i + self.config.max_batch]
-            for r, importance in zip(chunk, self.runner.probe(chunk, self.block_manager)):
+            t0 = time.perf_counter()
+            importances = self.runner.probe(chunk, self.block_manager)
+            self.counters["probe_seconds"] += time.perf_counter() - t0
+            for r, importance in zip(chunk, importances):
                 k = r.anchor_count
                 order = np.argsort(-importance, kind="stable")[:k]  # ties: the earlier token
                 r.anchors = sorted(int(j) + r.affix_span[0] for j in order)
@@ -317,16 +327,18 @@ class Engine:
                 m = self.affixes.match(prompt)
                 span = None if m is None else (m.start, m.end)
             reqs.append(Request("warmup", prompt, gc, span))
-        env = self.runner.envelope
-        for r in reqs:
-            n_shared = r.affix_len - r.anchor_count if r.shares_affix else 0
-            env["A"] = max(env["A"], bucket(r.affix_len) if n_shared or r.anchor_count else 0)  # the probe reads all
-            env["R"] = max(env["R"], bucket(r.private_tokens()))
-            env["W"] = max(env["W"], bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length))
-            env["rotate"] = env["rotate"] or bool(r.affix_span and r.affix_span[0] and r.shares_affix)
+        shapes = []
+        for r in reqs:  # what each request needs alone (the probe reads the whole affix as shared)
+            shares = r.technique is not None and (r.shares_affix or r.anchor_count)
+            shapes.append(Shape(W=bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length),
+                                R=bucket(r.private_tokens()), A=bucket(r.affix_len) if shares else 0,
+                                rotate=bool(shares and r.affix_span[0])))
+        # and their union, for batches that mix them
+        shapes.append(Shape(max(s.W for s in shapes), max(s.R for s in shapes), max(s.A for s in shapes),
+                            any(s.rotate for s in shapes)))
         runners = list(dict.fromkeys(self._program(r) for r in reqs))
         affix_len = max([bucket(r.affix_len) for r in reqs if r.technique is not None] or [0])
-        self.runner.warm(runners, any(r.anchor_count for r in reqs), affix_len)
+        self.runner.warm(sorted(set(shapes)), runners, any(r.anchor_count for r in reqs), affix_len)
         return backend_compiles() - before
 
     # ---- state --------------------------------------------------------------------------------------------------
@@ -337,6 +349,14 @@ class Engine:
                     pages_shared=bm.num_shared_pages, pages_cached=bm.num_cached_pages,
                     kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
                     compiles=self.runner.compiles)
+
+
+def _powers_of_two(n: int) -> tuple[int, ...]:
+    sizes, b = [], 1
+    while b < n:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes) + (n,)
 
 
 def seed_key(seed: int) -> np.ndarray:

@@ -52,6 +52,7 @@ class Request:
     key: np.ndarray | None = None  # the request's PRNG key data (advances only at its own steps)
     nfe: int = 0
     depth: int = 0  # BiCache: layers reusing the shared prefix
+    plan: Any = None  # the runner's cached layout of the request (runner.RowPlan), by anchor set
     first_block_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None

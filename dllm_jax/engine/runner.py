@@ -63,11 +63,31 @@ def bucket(n: int, smallest: int = 16) -> int:
     return -(-n // step) * step
 
 
-def batch_bucket(n: int, max_batch: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max(max_batch, n))
+@dataclasses.dataclass(frozen=True, order=True)
+class Shape:
+    """The shape of one device call besides its batch: the shared and private read lists (A, R), the block-start
+    window (W) and whether a shared affix is read rotated (an infix or suffix placement)."""
+
+    W: int
+    R: int
+    A: int
+    rotate: bool
+
+    def covers(self, other: "Shape") -> bool:
+        return (self.W >= other.W and self.R >= other.R and self.A >= other.A
+                and (self.rotate or not other.rotate))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """A request's layout in its own logical indices (prompt, then generation region)."""
+
+    private: np.ndarray  # [P + G] the private slot of each index, -1 where the shared copy is read
+    shared: np.ndarray  # the shared copy's slots the request reads (its affix's non-anchor tokens, in order)
+    delta: int  # the affix's RoPE offset (its start)
+    window: np.ndarray  # the logical indices a block start recomputes
+    writes: np.ndarray  # which of them write their K/V
+    gen_index: int  # where the generation region starts in the window
 
 
 @dataclasses.dataclass
@@ -87,13 +107,16 @@ class Layout:
     block_col: int  # the buffer column where every row's current block starts
     block_index: np.ndarray  # [B] int32: where it sits in each row's window
     keys: np.ndarray  # [B, 2] uint32 key data
+    rotate: bool  # read the shared list rotated (rotation by 0 changes no bit, so a warmed rotating program serves
+    # prefix rows too)
 
 
 class ModelRunner:
-    def __init__(self, params: dict, config: ModelConfig, num_slots: int, max_len: int, max_batch: int,
-                 kernels: Kernels):
+    def __init__(self, params: dict, config: ModelConfig, num_slots: int, max_len: int,
+                 batch_sizes: Sequence[int], kernels: Kernels):
         self.params, self.config = params, config
-        self.num_slots, self.max_len, self.max_batch = num_slots, max_len, max_batch
+        self.num_slots, self.max_len = num_slots, max_len
+        self.batch_sizes = tuple(sorted(batch_sizes))
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
         self.kernels = kernels
         shape = (num_slots, config.n_kv_heads, config.head_dim)
@@ -101,8 +124,8 @@ class ModelRunner:
         self.k, self.v = zeros(), zeros()
         self.shapes_seen: set = set()
         self.compiles = 0
-        # the smallest shapes every call uses (set by Engine.warmup): a batch within them runs a warmed program
-        self.envelope = dict(A=0, R=0, W=0, rotate=False)
+        # the shapes compiled at warm-up: a call runs the smallest one that covers what it needs
+        self.warmed: list[Shape] = []
 
     # ---- bookkeeping of compiled shapes ----------------------------------------------------------------------------
     def _note(self, key) -> None:
@@ -111,114 +134,106 @@ class ModelRunner:
             self.compiles += 1
 
     # ---- layouts ---------------------------------------------------------------------------------------------------
-    def _private_slots(self, r: Request, bm) -> np.ndarray:
-        """Per logical index of the request (prompt, then generation region): its private slot, or -1 for a shared
-        affix token read from the stored copy. Private order: own prompt tokens, the anchor slots, the generation
-        region (fixed before the anchors are known)."""
+    def plan(self, r: Request, bm, probe: bool = False) -> RowPlan:
+        """What does not change between a request's blocks (cached on the request until its anchors change)."""
+        key = (probe, tuple(r.anchors))
+        if r.plan is not None and r.plan[0] == key:
+            return r.plan[1]
+        p, g = len(r.prompt), r.gen_length
+        # private slots per logical index (prompt, then generation region): own prompt tokens, the anchor slots,
+        # the generation region (an order fixed before the anchors are known); -1: read from the shared copy
         slots = np.asarray(bm.slots(r.pages, r.private_tokens()), np.int64)
-        p = len(r.prompt)
-        out = np.full(r.total_len, -1, np.int64)
-        own = r.own_prompt_indices() if r.shares_affix else list(range(p))
-        out[own] = slots[:len(own)]
-        k = r.anchor_count
-        if r.anchors:
-            out[r.anchors] = slots[len(own):len(own) + len(r.anchors)]
-        out[p:] = slots[len(own) + k:]
-        return out
+        own = np.asarray(r.own_prompt_indices() if r.shares_affix else range(p), np.int64)
+        priv = np.full(p + g, -1, np.int64)
+        priv[own] = slots[:len(own)]
+        anchors = np.asarray([] if probe else r.anchors, np.int64)
+        priv[anchors] = slots[len(own):len(own) + len(anchors)]
+        priv[p:] = slots[len(own) + r.anchor_count:]
+        shared_idx = np.flatnonzero(priv < 0)
+        shared = np.zeros(0, np.int64)
+        if len(shared_idx):
+            shared = np.asarray(bm.slots(r.affix_entry.pages, r.affix_len), np.int64)[shared_idx - r.affix_span[0]]
+        # the block-start window (logical indices): anchors, own prompt tokens, then P - 1 right before the
+        # generation region, always (Dream predicts the first generated token from the entry before the block),
+        # unwritten when it is shared, then the generation region
+        recomputed = np.concatenate([anchors, np.asarray(r.own_prompt_indices(), np.int64)])
+        recomputed = recomputed[recomputed != p - 1]
+        window = np.concatenate([recomputed, [p - 1], p + np.arange(g)])
+        writes = np.ones(len(window), bool)
+        writes[len(recomputed)] = priv[p - 1] >= 0
+        plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, len(recomputed) + 1)
+        r.plan = (key, plan)
+        return plan
 
     def layout(self, reqs: Sequence[Request], bm, probe: bool = False) -> Layout:
         """The device inputs of one call over `reqs` (each at its current block; for the probe, at block 0 and with
-        no anchors yet). The window lists what a block start recomputes."""
+        no anchors yet)."""
         cfg = self.config
-        mask_id, pad_id = cfg.mask_token_id, cfg.pad_token_id
-        b = batch_bucket(len(reqs), self.max_batch)
+        b = next((n for n in self.batch_sizes if n >= len(reqs)), len(reqs))
         t = self.buffer_len
-        starts = [len(r.prompt) + (0 if probe else r.blocks_done) * r.block_length for r in reqs]
+        plans = [self.plan(r, bm, probe) for r in reqs]
+        done = [0 if probe else r.blocks_done for r in reqs]
+        starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
         c = max(starts)
-        rows_window, rows_read = [], []
-        x = np.full((b, t), pad_id, np.int32)
-        pos = np.zeros((b, t), np.int32)
-        col_slots = np.full((b, t), self.num_slots, np.int32)
-        for i, r in enumerate(reqs):
+        need = Shape(W=bucket(max(len(pl.window) for pl in plans)),
+                     R=bucket(max(int((pl.private >= 0).sum()) for pl in plans)),
+                     A=bucket(max(len(pl.shared) for pl in plans)) if any(len(pl.shared) for pl in plans) else 0,
+                     rotate=any(pl.delta for pl in plans))
+        shape = min((s for s in self.warmed if s.covers(need)), default=need)
+        lay = Layout(x=np.full((b, t), cfg.pad_token_id, np.int32), positions=np.zeros((b, t), np.int32),
+                     col_slots=np.full((b, t), self.num_slots, np.int32),
+                     shared_slots=np.zeros((b, shape.A), np.int32), shared_len=np.zeros(b, np.int32),
+                     shared_delta=np.zeros(b, np.int32), own_slots=np.zeros((b, shape.R), np.int32),
+                     own_len=np.zeros(b, np.int32),
+                     window=np.full((b, shape.W), c, np.int32),  # fillers: the current block's column, unwritten
+                     writes=np.zeros((b, shape.W), bool), block_col=c, block_index=np.zeros(b, np.int32),
+                     keys=np.zeros((b, 2), np.uint32), rotate=shape.rotate)
+        for i, (r, pl) in enumerate(zip(reqs, plans)):
             p, g = len(r.prompt), r.gen_length
-            pad = c - starts[i]
-            cols = pad + np.arange(p + g)
-            gen = r.generated if not probe else []
-            x[i, cols] = np.asarray(r.prompt + gen + [mask_id] * (g - len(gen)), np.int32)
-            pos[i, cols] = np.arange(p + g)
-            priv = self._private_slots(r, bm)
-            col_slots[i, cols[priv >= 0]] = priv[priv >= 0]
-            # the read lists: the shared affix copy's tokens (in affix order) and the private ones
-            shared_idx = np.flatnonzero(priv < 0)
-            shared = np.zeros(0, np.int64)
-            if len(shared_idx):
-                entry_slots = np.asarray(bm.slots(r.affix_entry.pages, r.affix_len), np.int64)
-                shared = entry_slots[shared_idx - r.affix_span[0]]
-            rows_read.append((shared, r.affix_span[0] if len(shared) else 0, priv[priv >= 0]))
-            # the window: anchors, own prompt tokens, then P - 1 right before the generation region, always (Dream
-            # predicts the first generated token from the entry before the block), unwritten when it is shared
-            anchors = r.anchors if not probe else []
-            recomputed = [j for j in anchors + r.own_prompt_indices() if j != p - 1]
-            last_written = (p - 1) in anchors or (p - 1) in r.own_prompt_indices()
-            entries = [(j, True) for j in recomputed] + [(p - 1, last_written)]
-            k = 0 if probe else r.blocks_done
-            rows_window.append(([(cols[j], w) for j, w in entries] + [(cols[p + j], True) for j in range(g)],
-                                len(entries) + k * r.block_length))
-        env = self.envelope
-        n_shared = max(len(sh) for sh, _, _ in rows_read)
-        a_len = max(bucket(n_shared) if n_shared else 0, env["A"])  # no shared list when nothing in the batch shares
-        r_len = max(bucket(max(len(own) for _, _, own in rows_read)), env["R"])
-        shared_slots, own_slots = np.zeros((b, a_len), np.int32), np.zeros((b, r_len), np.int32)
-        shared_len, own_len, shared_delta = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        for i, (sh, delta, own) in enumerate(rows_read):
-            shared_slots[i, :len(sh)], own_slots[i, :len(own)] = sh, own
-            shared_len[i], own_len[i], shared_delta[i] = len(sh), len(own), delta
-        w = max(bucket(max(len(entries) for entries, _ in rows_window)), env["W"])
-        window = np.full((b, w), c, np.int32)  # fillers: the current block's first column, never written
-        writes = np.zeros((b, w), bool)
-        block_index = np.zeros(b, np.int32)
-        for i, (entries, at) in enumerate(rows_window):
-            window[i, :len(entries)] = [col for col, _ in entries]
-            writes[i, :len(entries)] = [wr for _, wr in entries]
-            block_index[i] = at
-        keys = np.zeros((b, 2), np.uint32)
-        for i, r in enumerate(reqs):
-            keys[i] = r.key
-        return Layout(x, pos, col_slots, shared_slots, shared_len, shared_delta, own_slots, own_len, window, writes,
-                      c, block_index, keys)
+            pad = c - starts[i]  # every row's current block starts at column c
+            gen = [] if probe else r.generated
+            lay.x[i, pad:pad + p] = r.prompt
+            lay.x[i, pad + p:pad + p + len(gen)] = gen
+            lay.x[i, pad + p + len(gen):pad + p + g] = cfg.mask_token_id
+            lay.positions[i, pad:pad + p + g] = np.arange(p + g)
+            mine = pl.private >= 0
+            lay.col_slots[i, pad + np.flatnonzero(mine)] = pl.private[mine]
+            own = pl.private[mine]
+            lay.own_slots[i, :len(own)], lay.own_len[i] = own, len(own)
+            lay.shared_slots[i, :len(pl.shared)], lay.shared_len[i], lay.shared_delta[i] = pl.shared, len(pl.shared), pl.delta
+            lay.window[i, :len(pl.window)], lay.writes[i, :len(pl.window)] = pad + pl.window, pl.writes
+            lay.block_index[i] = pl.gen_index + done[i] * r.block_length
+            lay.keys[i] = r.key
+        return lay
 
     def _paged(self, lay: Layout) -> tuple[dict, bool]:
         arrays = dict(col_slots=lay.col_slots, shared_slots=lay.shared_slots, shared_len=lay.shared_len,
                       shared_delta=lay.shared_delta, own_slots=lay.own_slots, own_len=lay.own_len)
-        return ({k: put(v) for k, v in arrays.items()},
-                bool((lay.shared_delta != 0).any()) or self.envelope["rotate"])
+        return {k: put(v) for k, v in arrays.items()}, lay.rotate
 
     def _shape(self, lay: Layout) -> tuple:
         return lay.x.shape[0], lay.shared_slots.shape[1], lay.own_slots.shape[1], lay.window.shape[1]
 
-    def warm(self, runners: Sequence[BlockRunner], probe: bool, affix_len: int) -> None:
-        """Run every program of this envelope once on empty rows (nothing is written), at every batch bucket."""
-        b, sizes = 1, []
-        while b < self.max_batch:
-            sizes.append(b)
-            b *= 2
-        sizes.append(self.max_batch)
+    def warm(self, shapes: Sequence[Shape], runners: Sequence[BlockRunner], probe: bool, affix_len: int) -> None:
+        """Run every program of these shapes once on empty rows (nothing is written), at every batch size."""
         if affix_len:
             self.build_affix([0] * affix_len, [self.num_slots] * affix_len)  # slots past the pool: dropped
-        env = self.envelope
-        for b in sizes:
-            lay = Layout(x=np.full((b, self.buffer_len), self.config.pad_token_id, np.int32),
-                         positions=np.zeros((b, self.buffer_len), np.int32),
-                         col_slots=np.full((b, self.buffer_len), self.num_slots, np.int32),
-                         shared_slots=np.zeros((b, env["A"]), np.int32), shared_len=np.zeros(b, np.int32),
-                         shared_delta=np.zeros(b, np.int32), own_slots=np.zeros((b, env["R"]), np.int32),
-                         own_len=np.zeros(b, np.int32), window=np.zeros((b, env["W"]), np.int32),
-                         writes=np.zeros((b, env["W"]), bool), block_col=0, block_index=np.zeros(b, np.int32),
-                         keys=np.zeros((b, 2), np.uint32))
-            if probe:
-                self._probe_call(lay)
-            for runner in runners:
-                self._block_call(lay, runner)
+        for shape in shapes:
+            if shape not in self.warmed:
+                self.warmed.append(shape)
+            for b in self.batch_sizes:
+                t = self.buffer_len
+                lay = Layout(x=np.full((b, t), self.config.pad_token_id, np.int32), positions=np.zeros((b, t), np.int32),
+                             col_slots=np.full((b, t), self.num_slots, np.int32),
+                             shared_slots=np.zeros((b, shape.A), np.int32), shared_len=np.zeros(b, np.int32),
+                             shared_delta=np.zeros(b, np.int32), own_slots=np.zeros((b, shape.R), np.int32),
+                             own_len=np.zeros(b, np.int32), window=np.zeros((b, shape.W), np.int32),
+                             writes=np.zeros((b, shape.W), bool), block_col=0, block_index=np.zeros(b, np.int32),
+                             keys=np.zeros((b, 2), np.uint32), rotate=shape.rotate)
+                if probe and shape.A:
+                    self._probe_call(lay)
+                for runner in runners:
+                    self._block_call(lay, runner)
 
     # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:

@@ -1,0 +1,244 @@
+"""How fast and how lean does the serving engine run many requests that share an affix? LLaDA-8B shapes, random
+bf16 weights (speed does not depend on them).
+
+Workloads in the terms of SGLang's `bench_serving --dataset-name generated-shared-prefix`: one group of
+--requests prompts, each a shared affix of --affix-len tokens (the "system prompt") and --question-len tokens of
+its own, placed as a prefix [affix | own], an infix [own[:half] | affix | own[half:]] or a suffix [own | affix];
+--output-len generated tokens, block 32, 8 steps a block (64 steps: random weights never pass a threshold).
+  closed16      a closed loop: 16 requests in flight, the next submitted as one finishes
+  poisson_R     open loop: Poisson arrivals at R requests/s
+Rows (`sharing`): off (the dual cache, every request its own copy of the affix), on (one stored copy; ACache at
+`ratio` 0, 0.2 and 1), generate (per-call `dllm_jax.generate` at batch 16 on the same prompts, the reference).
+Columns: tokens_per_s (generated tokens / wall time of the whole workload), p50_s / p99_s (request latency, from
+its arrival to its last block), peak_kv_bytes (pages held at the peak), probe_ms_per_request, max_requests_16gib
+(how many such requests a 16 GiB KV pool holds at once: the shared copy once plus each request's private pages),
+compiles_after_warmup (XLA compilations during the timed run), and the same-run ratios to sharing off.
+Writes bench/results/serve_h200.json (rows merged by --run label; serve_cpu_smoke.json on the CPU) and a plot.
+
+    PYTHONPATH=. python bench/bench_serve.py --run NAME                       # the closed16 rows at 1024 tokens
+    PYTHONPATH=. python bench/bench_serve.py --affix-len 2048 --ratios 0 0.2 --placements prefix --run NAME
+    PYTHONPATH=. python bench/bench_serve.py --workloads poisson_2 poisson_4 poisson_8 --ratios 0.2 --run NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools import common  # noqa: E402
+
+# package imports (re-point here when the package moves)
+from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
+from dllm_jax.decoding.generate import generate  # noqa: E402
+from dllm_jax.engine.engine import Engine, EngineConfig  # noqa: E402
+from dllm_jax.engine.kv_pool import kv_bytes_per_token  # noqa: E402
+from dllm_jax.engine.runner import backend_compiles  # noqa: E402
+from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
+from dllm_jax.transformer.params import unstack_layers  # noqa: E402
+
+GIB = 1 << 30
+
+
+def prompts_for(placement: str, affix: list[int], own: list[list[int]]) -> list[tuple[list[int], tuple[int, int]]]:
+    out = []
+    for q in own:
+        head = {"prefix": [], "infix": q[:len(q) // 2], "suffix": q}[placement]
+        tail = {"prefix": q, "infix": q[len(q) // 2:], "suffix": []}[placement]
+        out.append((head + affix + tail, (len(head), len(head) + len(affix))))
+    return out
+
+
+def gen_config(args, ratio: float | None) -> GenerationConfig:
+    extra = {} if ratio is None else dict(affix="anchors", anchor_ratio=ratio)
+    return GenerationConfig.from_options(gen_length=args.output_len, block_length=args.block_len,
+                                         steps=args.output_len // args.block_len * args.steps_per_block,
+                                         cache="dual", stop_at_eos=False, **extra)
+
+
+def drive(engine: Engine, items, workload: str, concurrency: int, rng) -> dict:
+    """Serve (prompt, span) items under the workload; returns timings."""
+    gc_items = list(items)
+    arrivals = None
+    if workload.startswith("poisson_"):
+        rate = float(workload.split("_", 1)[1])
+        arrivals = np.cumsum(rng.exponential(1.0 / rate, len(gc_items)))
+    t0 = time.perf_counter()
+    submitted, ids, done = 0, [], 0
+    while done < len(gc_items):
+        now = time.perf_counter() - t0
+        if arrivals is None:  # closed loop: keep `concurrency` in flight
+            while submitted < len(gc_items) and submitted - done < concurrency:
+                prompt, gc, span = gc_items[submitted]
+                ids.append(engine.add_request(prompt, gc, affix=span))
+                submitted += 1
+        else:
+            while submitted < len(gc_items) and arrivals[submitted] <= now:
+                prompt, gc, span = gc_items[submitted]
+                ids.append(engine.add_request(prompt, gc, affix=span))
+                engine.request(ids[-1]).arrival = t0 + arrivals[submitted]
+                submitted += 1
+            if not engine.has_unfinished() and submitted < len(gc_items):
+                time.sleep(max(0.0, arrivals[submitted] - now))
+                continue
+        done += sum(1 for o in engine.step() if o.finished)
+    wall = time.perf_counter() - t0
+    reqs = [engine.request(i) for i in ids]
+    lat = np.array([r.finish_time - r.arrival for r in reqs])
+    return reqs, dict(seconds=wall, tokens=sum(len(r.generated) for r in reqs),
+                      p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)),
+                      ttfb_p50_s=float(np.median([r.first_block_time - r.arrival for r in reqs])))
+
+
+def engine_row(model, args, workload: str, placement: str, ratio: float | None, items, budget: int) -> dict:
+    gc = gen_config(args, ratio)
+    engine = Engine(model, EngineConfig(max_batch=args.concurrency, kv_budget_bytes=budget,
+                                        max_model_len=args.max_len, batch_sizes=(args.concurrency,),
+                                        min_affix_tokens=min(64, args.affix_len)))
+    spans = [span if ratio is not None else None for _, span in items]
+    warm = engine.warmup([(p, gc, s) for (p, _), s in zip(items[:2], spans[:2])])
+    before = backend_compiles()
+    reqs, timing = drive(engine, [(p, gc, s) for (p, _), s in zip(items, spans)], workload, args.concurrency,
+                   np.random.default_rng(0))
+    per_token = kv_bytes_per_token(model.config)
+    page_bytes = engine.block_manager.page_size * per_token
+    private = -(-reqs[0].private_tokens() // engine.block_manager.page_size) * page_bytes
+    shared = -(-args.affix_len // engine.block_manager.page_size) * page_bytes if ratio is not None else 0
+    c = engine.counters
+    return dict(workload=workload, affix_len=args.affix_len, placement=placement,
+                sharing="off" if ratio is None else "on", technique="dual" if ratio is None else "acache",
+                ratio=ratio, transport="python", tokens_per_s=timing["tokens"] / timing["seconds"], **timing,
+                peak_kv_bytes=c["peak_pages"] * page_bytes,
+                probe_ms_per_request=1e3 * c["probe_seconds"] / c["probes"] if c["probes"] else None,
+                max_requests_16gib=int((16 * GIB - shared) // private), compiles_after_warmup=backend_compiles() - before,
+                warmup_compiles=warm, requests=len(items), private_bytes_per_request=private, shared_bytes=shared)
+
+
+def generate_row(model, args, workload: str, placement: str, items) -> dict:
+    """The per-call reference: generate at batch `concurrency` over the same prompts (dual cache, no sharing)."""
+    gc = gen_config(args, None)
+    prompts = [p for p, _ in items]
+    b = args.concurrency
+    generate(model, prompts[:b], gc)  # compile
+    t0 = time.perf_counter()
+    lat = []
+    for i in range(0, len(prompts), b):
+        generate(model, prompts[i:i + b], gc)
+        lat += [time.perf_counter() - t0] * len(prompts[i:i + b])
+    wall = time.perf_counter() - t0
+    return dict(workload=workload, affix_len=args.affix_len, placement=placement, sharing="generate",
+                technique="dual", ratio=None, transport="python", tokens_per_s=len(prompts) * args.output_len / wall,
+                seconds=wall, p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)),
+                peak_kv_bytes=b * (len(prompts[0]) + args.output_len) * kv_bytes_per_token(model.config),
+                probe_ms_per_request=None, max_requests_16gib=None, compiles_after_warmup=0, requests=len(prompts))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    labels = [f"{r['workload']} {r['placement']} {r['affix_len']}" for r in rows]
+    keys = list(dict.fromkeys(labels))
+    kinds = list(dict.fromkeys(f"{r['sharing']}{'' if r['ratio'] is None else ' r' + format(r['ratio'], 'g')}"
+                               for r in rows))
+    series = []
+    for kind in kinds:
+        ys = []
+        for k in keys:
+            hit = [r["tokens_per_s"] for r, lab in zip(rows, labels) if lab == k and
+                   f"{r['sharing']}{'' if r['ratio'] is None else ' r' + format(r['ratio'], 'g')}" == kind]
+            ys.append(hit[-1] if hit else 0)
+        series.append((kind, ys))
+    common.grouped_bars(path, keys, series, "tokens / s", "serving engine: shared affix, 16 in flight (this run)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llada-8b", choices=list(common.MODELS))
+    ap.add_argument("--workloads", nargs="+", default=["closed16"], help="closed16 and/or poisson_RATE")
+    ap.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
+    ap.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")
+    ap.add_argument("--no-off", action="store_true", help="skip the sharing-off rows")
+    ap.add_argument("--no-generate", action="store_true", help="skip the per-call generate reference")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--affix-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--block-len", type=int, default=32)
+    ap.add_argument("--steps-per-block", type=int, default=8)
+    ap.add_argument("--kv-budget-gib", type=float, default=16.0)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting new rows after this long")
+    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
+    ap.add_argument("--out", default=str(common.RESULTS))
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = common.MODELS[args.model]
+    params = common.random_params(cfg)
+    if resolve_layer_layout("auto") == "unrolled":
+        params = unstack_layers(params)
+    model = Model(cfg, params)
+    args.max_len = args.affix_len + args.question_len + args.output_len
+    rng = np.random.default_rng(0)
+    hi = min(100_000, cfg.vocab_size - 3)
+    affix = rng.integers(0, hi, args.affix_len).tolist()
+    own = [rng.integers(0, hi, args.question_len).tolist() for _ in range(args.requests)]
+    budget = int(args.kv_budget_gib * GIB)
+    rows, skipped = [], []
+    for workload in args.workloads:
+        for placement in args.placements:
+            items = prompts_for(placement, affix, own)
+            plan = ([] if args.no_off else [None]) + list(args.ratios)
+            for ratio in plan:
+                if time.perf_counter() - t_start > args.budget_s:
+                    skipped.append(dict(workload=workload, placement=placement, ratio=ratio))
+                    continue
+                try:
+                    row = engine_row(model, args, workload, placement, ratio, items, budget)
+                except Exception as e:  # noqa: BLE001  one failing row must not lose the run
+                    print(f"FAILED {workload} {placement} ratio {ratio}: {type(e).__name__}: {e}", flush=True)
+                    skipped.append(dict(workload=workload, placement=placement, ratio=ratio, error=str(e)[:300]))
+                    continue
+                base = next((r for r in rows if r["sharing"] == "off" and r["workload"] == workload
+                             and r["placement"] == placement and r["affix_len"] == args.affix_len), None)
+                if base is not None and row is not base:
+                    row["speedup_vs_off"] = row["tokens_per_s"] / base["tokens_per_s"]
+                    row["peak_kv_vs_off"] = row["peak_kv_bytes"] / base["peak_kv_bytes"]
+                    if row["max_requests_16gib"] and base["max_requests_16gib"]:
+                        row["capacity_vs_off"] = row["max_requests_16gib"] / base["max_requests_16gib"]
+                rows.append(row)
+                print(f"[{time.perf_counter() - t_start:5.0f}s] {workload} {placement} {row['sharing']} "
+                      f"r={ratio}: {row['tokens_per_s']:8.1f} tok/s p50 {row['p50_s']:.2f}s p99 {row['p99_s']:.2f}s "
+                      f"peak KV {row['peak_kv_bytes'] / GIB:.2f} GiB x{row.get('speedup_vs_off', 1):.2f} "
+                      f"compiles {row['compiles_after_warmup']}", flush=True)
+                save(args, rows, skipped)
+            if not args.no_generate and workload == "closed16" and placement == args.placements[0]:
+                row = generate_row(model, args, workload, placement, items)
+                off = next((r for r in rows if r["sharing"] == "off" and r["workload"] == workload
+                            and r["placement"] == placement), None)
+                if off is not None:
+                    off["vs_generate"] = off["tokens_per_s"] / row["tokens_per_s"]
+                rows.append(row)
+                print(f"[{time.perf_counter() - t_start:5.0f}s] generate b{args.concurrency}: "
+                      f"{row['tokens_per_s']:8.1f} tok/s", flush=True)
+                save(args, rows, skipped)
+    path = save(args, rows, skipped)
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def save(args, rows, skipped) -> Path:
+    meta = common.meta(model=args.model, weights="random bf16", affix_len=args.affix_len,
+                       question_len=args.question_len, output_len=args.output_len, block_length=args.block_len,
+                       steps_per_block=args.steps_per_block, requests=args.requests, concurrency=args.concurrency,
+                       kv_budget_gib=args.kv_budget_gib, skipped=skipped,
+                       dataset="generated-shared-prefix: 1 group, --requests prompts, shared affix + own question",
+                       baseline="sharing off (dual cache, own copy) and per-call generate at batch 16, same run")
+    name = "serve_h200.json" if not common.SMOKE_ON_CPU else "serve_cpu_smoke.json"
+    return common.write_results(name, meta, rows, args.out, args.run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
