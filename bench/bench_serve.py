@@ -115,7 +115,9 @@ def engine_row(model, args, workload: str, placement: str, ratio: float | None, 
                 peak_kv_bytes=c["peak_pages"] * page_bytes,
                 probe_ms_per_request=1e3 * c["probe_seconds"] / c["probes"] if c["probes"] else None,
                 max_requests_16gib=int((16 * GIB - shared) // private), compiles_after_warmup=backend_compiles() - before,
-                warmup_compiles=warm, requests=len(items), private_bytes_per_request=private, shared_bytes=shared)
+                warmup_compiles=warm, requests=len(items), private_bytes_per_request=private, shared_bytes=shared,
+                block_host_s=engine.runner.host_seconds, block_device_s=engine.runner.device_seconds,
+                probe_s=c["probe_seconds"], block_calls=c["blocks"])
 
 
 def generate_row(model, args, workload: str, placement: str, items) -> dict:

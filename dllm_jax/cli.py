@@ -1,4 +1,5 @@
-"""`dllm-jax` command line: `generate` text with a LLaDA/Dream checkpoint (the bundled default model if none).
+"""`dllm-jax` command line: `generate` text with a LLaDA/Dream checkpoint (the bundled default model if none), or
+`serve` it over an OpenAI-compatible HTTP API.
 
 Bad input (a flag out of range, a backend this machine cannot run, a missing or malformed model directory) is
 one line on stderr naming the flag or file, exit status 2, before any device work; `--debug` shows the traceback.
@@ -57,21 +58,13 @@ def non_negative(text: str) -> float:
 
 
 def model_generation_defaults(path: Path | None) -> dict:
-    """gen_length / block_length / steps defaults from the model's generation_config.json (HF's file; we read
-    max_new_tokens, block_length and steps): a model trained on short answers (the bundled demo model answers in 8
-    tokens) says so there, so the plain command works without flags."""
-    f = path / "generation_config.json" if path else None
-    if f is None or not f.is_file():
-        return {}
+    from dllm_jax.io.checkpoint import CheckpointError
+    from dllm_jax.io.loading import generation_defaults
+
     try:
-        cfg = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{f} is not valid JSON: {e}") from None
-    out = {}
-    for ours, theirs in (("gen_length", "max_new_tokens"), ("block_length", "block_length"), ("steps", "steps")):
-        if isinstance(cfg.get(theirs), int) and cfg[theirs] > 0:
-            out[ours] = cfg[theirs]
-    return out
+        return generation_defaults(path)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
 
 
 def generation_config(args: argparse.Namespace, defaults: dict):
@@ -128,6 +121,40 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    import dllm_jax
+    from dllm_jax import KernelChoice
+    from dllm_jax.engine.engine import EngineConfig
+    from dllm_jax.server.app import ServeSettings
+    from dllm_jax.server.run import serve
+
+    try:
+        KernelChoice(attention=args.attention).check_device()
+    except ValueError as e:
+        raise UsageError(f"argument --attention: {e}") from None
+    try:
+        engine_config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, attention=args.attention,
+                                     kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)) if args.kv_budget_gib
+                                     else None, max_model_len=args.max_model_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        model = dllm_jax.load(args.model, dtype=args.dtype, progress=True)
+    except (dllm_jax.CheckpointError, dllm_jax.ConfigError, FileNotFoundError) as e:
+        raise UsageError(str(e).splitlines()[0] if not args.debug else str(e)) from e
+    if model.tokenizer is None:
+        raise UsageError(f"{model.path} has no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
+    name = args.model_name or (model.path.name if args.model else "dllm-jax-demo")
+    settings = ServeSettings(model_name=name, api_key=args.api_key, temperature=args.temperature,
+                             affix_technique=args.affix_technique, anchor_ratio=args.anchor_ratio)
+    model_generation_defaults(model.path)  # a broken generation_config.json is one line here, not a 500 later
+    try:
+        return serve(model, engine_config, settings, args.host, args.port,
+                     log_level="info" if args.verbose else "warning")
+    except OSError as e:
+        raise UsageError(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+
+
 def build_parser() -> Parser:
     ap = Parser(prog=PROG, description="Diffusion language model inference in JAX (LLaDA, Dream).")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -155,6 +182,31 @@ def build_parser() -> Parser:
     g.add_argument("--seed", type=int, default=0, help="random seed (matters only with --temperature > 0)")
     g.add_argument("--verbose", action="store_true", help="print the model's notice and a timing line on stderr")
     g.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+
+    v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    v.add_argument("--model", default=None, help="converted or HF-layout directory (default: the bundled model)")
+    v.add_argument("--model-name", default=None, help="the name clients send as `model` (default: the directory's)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    v.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together (and at once)")
+    v.add_argument("--max-queue", type=positive_int, default=1024,
+                   help="requests waiting for admission beyond which the server answers 429")
+    v.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="KV pool size in GiB (default: half the device's free memory; 1 GiB on the CPU)")
+    v.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + answer served (default: the model's maximum, at most 4096)")
+    v.add_argument("--affix-technique", choices=["none", "naive", "anchors"], default="none",
+                   help="default reuse of a shared affix (a system prompt or document repeated across requests): "
+                        "none = exact; anchors = ACache (faster, approximate); requests may override")
+    v.add_argument("--anchor-ratio", type=float, default=0.2, help="default ACache anchor ratio (0..1)")
+    v.add_argument("--temperature", type=non_negative, default=0.0,
+                   help="default sampling temperature when a request sets none (0: greedy)")
+    v.add_argument("--attention", choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"], default="auto",
+                   help="attention kernel (auto: the paged slot kernel on a GPU, XLA elsewhere)")
+    v.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    v.add_argument("--verbose", action="store_true", help="uvicorn's access log")
+    v.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return ap
 
 
@@ -163,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
-        return run_generate(args)
+        return run_serve(args) if args.command == "serve" else run_generate(args)
     except UsageError as e:
         if debug:
             raise

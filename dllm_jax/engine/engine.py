@@ -348,7 +348,8 @@ class Engine:
                     pages_total=bm.num_pages, pages_free=bm.num_free_pages, pages_used=bm.num_used_pages,
                     pages_shared=bm.num_shared_pages, pages_cached=bm.num_cached_pages,
                     kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
-                    compiles=self.runner.compiles)
+                    programs=self.runner.compiles, block_host_seconds=self.runner.host_seconds,
+                    block_device_seconds=self.runner.device_seconds)
 
 
 def _powers_of_two(n: int) -> tuple[int, ...]:

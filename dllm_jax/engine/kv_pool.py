@@ -58,8 +58,8 @@ class PagedKV:
 
     @property
     def length(self) -> int:
-        """Width of the key index space of `keys` and the probe: [shared list | own list]."""
-        return self.shared_slots.shape[1] + self.own_slots.shape[1]
+        """Width of the key index space of `keys` (what ACache's probe scores): the shared list."""
+        return self.shared_slots.shape[1]
 
     @property
     def num_slots(self) -> int:
@@ -80,22 +80,21 @@ class PagedKV:
         return dataclasses.replace(self, k=self.k[:i] + (new_k,) + self.k[i + 1:],
                                    v=self.v[:i] + (new_v,) + self.v[i + 1:])
 
-    def key_mask(self) -> Array:
-        """[B, A + R]: which entries of [shared list | own list] are keys."""
-        def lens(width, n):
-            return jnp.arange(width, dtype=jnp.int32)[None, :] < n[:, None]
+    def shared_mask(self) -> Array:
+        """[B, A]: which entries of the shared list are keys."""
+        return jnp.arange(self.shared_slots.shape[1], dtype=jnp.int32)[None, :] < self.shared_len[:, None]
 
-        return jnp.concatenate([lens(self.shared_slots.shape[1], self.shared_len),
-                                lens(self.own_slots.shape[1], self.own_len)], axis=1)
+    def own_mask(self) -> Array:
+        return jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
 
     def keys(self, i: int) -> Array:
-        """Layer i's keys [B, A + R, Hkv, D] (shared list rotated to each row's placement, then the own list)."""
+        """Layer i's shared keys [B, A, Hkv, D], rotated to each row's placement (what ACache's probe scores)."""
         shared = jnp.take(self.k[i], self.shared_slots, axis=0)
-        if self.rotate:
-            cos, sin = rope_cos_sin(jnp.broadcast_to(self.shared_delta[:, None], self.shared_slots.shape),
-                                    shared.shape[-1], self.rope_theta)
-            shared = apply_rope(shared.astype(jnp.float32), cos, sin, fp32=True).astype(shared.dtype)
-        return jnp.concatenate([shared, jnp.take(self.k[i], self.own_slots, axis=0)], axis=1)
+        if not self.rotate:
+            return shared
+        cos, sin = rope_cos_sin(jnp.broadcast_to(self.shared_delta[:, None], self.shared_slots.shape),
+                                shared.shape[-1], self.rope_theta)
+        return apply_rope(shared.astype(jnp.float32), cos, sin, fp32=True).astype(shared.dtype)
 
     def attend(self, i: int, q: Array, key_mask: Array | None, kernels) -> Array:
         """Layer i's attention of q [B, n, Hq, D] over each row's two read lists. The pool defines the keys: a
@@ -103,9 +102,10 @@ class PagedKV:
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
         if kernels.attention == "xla":
+            k = jnp.concatenate([self.keys(i), jnp.take(self.k[i], self.own_slots, axis=0)], axis=1)
             v = jnp.concatenate([jnp.take(self.v[i], self.shared_slots, axis=0),
                                  jnp.take(self.v[i], self.own_slots, axis=0)], axis=1)
-            return attend_reference(q, self.keys(i), v, self.key_mask())
+            return attend_reference(q, k, v, jnp.concatenate([self.shared_mask(), self.own_mask()], axis=1))
         # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
         # as an online-softmax state, continued over the own list
         b, n = q.shape[:2]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -55,11 +56,11 @@ def backend_compiles() -> int:
 
 
 def bucket(n: int, smallest: int = 16) -> int:
-    """n rounded up to a multiple of an eighth of its power of two (16, 18, ..., 64, 72, ..., 1024, 1152, ...): at
-    most an eighth of a shape is padding, and a workload of similar lengths compiles few shapes."""
+    """n rounded up to a multiple of a sixteenth of its power of two (16, 17, ..., 512, 544, ..., 1024, 1088, ...):
+    at most 1/16 of a shape is padding, and a workload of similar lengths compiles few shapes."""
     if n <= smallest:
         return smallest
-    step = max(1 << (int(n - 1).bit_length() - 4), 1)
+    step = max(1 << (int(n - 1).bit_length() - 5), 1)
     return -(-n // step) * step
 
 
@@ -124,6 +125,7 @@ class ModelRunner:
         self.k, self.v = zeros(), zeros()
         self.shapes_seen: set = set()
         self.compiles = 0
+        self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
         # the shapes compiled at warm-up: a call runs the smallest one that covers what it needs
         self.warmed: list[Shape] = []
 
@@ -264,7 +266,12 @@ class ModelRunner:
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps)."""
-        blk, keys, steps = self._block_call(self.layout(reqs, bm), runner)
+        t0 = time.perf_counter()
+        lay = self.layout(reqs, bm)
+        t1 = time.perf_counter()
+        blk, keys, steps = self._block_call(lay, runner)
+        self.host_seconds += t1 - t0
+        self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
         return blk[:len(reqs)], keys[:len(reqs)], steps
 
     def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
@@ -311,9 +318,7 @@ def _probe(params, k, v, x, positions, paged, window, writes, *, config, rotate,
     inp = _inputs(config, positions, 1, kernels)
     kv = _view(config, k, v, paged, rotate)
     tokens = jnp.take_along_axis(x, window, axis=1)
-    a = kv.shared_slots.shape[1]
-    shared_keys = kv.key_mask() & (jnp.arange(kv.length) < a)[None]  # the shared list leads the key space
-    probe = affix_importance_probe(shared_keys, (tokens == config.mask_token_id) & writes)
+    probe = affix_importance_probe(kv.shared_mask(), (tokens == config.mask_token_id) & writes)
     out = _forward_window(params, config, inp, kv, x, window, writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe)
     return out.probe, out.cache.k, out.cache.v
 

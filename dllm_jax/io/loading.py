@@ -19,6 +19,21 @@ from dllm_jax.transformer import params as P
 DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "default_model"
 
 
+def generation_defaults(path: Path | None) -> dict:
+    """gen_length / block_length / steps defaults from a model's generation_config.json (HF's file; we read
+    max_new_tokens, block_length and steps): a model trained on short answers (the bundled demo model answers in 8
+    tokens) says so there. {} when there is none; CheckpointError when it is not valid JSON."""
+    f = path / "generation_config.json" if path else None
+    if f is None or not f.is_file():
+        return {}
+    cfg = ckpt.read_json(f)
+    out = {}
+    for ours, theirs in (("gen_length", "max_new_tokens"), ("block_length", "block_length"), ("steps", "steps")):
+        if isinstance(cfg.get(theirs), int) and cfg[theirs] > 0:
+            out[ours] = cfg[theirs]
+    return out
+
+
 @dataclasses.dataclass
 class Model:
     config: ModelConfig

@@ -181,8 +181,7 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     affix_keys: [B, S] bool; mask_queries: [B, n] bool (the window's [MASK] positions, fillers excluded)."""
 
     def probe(q: Array, k: Array) -> Array:
-        # fp32 scores whatever the activation dtype: the ranking must not depend on bf16 rounding
-        scores = grouped_scores(q.astype(jnp.float32), k.astype(jnp.float32))
+        scores = grouped_scores(q, k)  # fp32 accumulation (exact bf16 products on the GPU's tensor cores)
         scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
         m = jnp.max(scores, axis=-1, keepdims=True)
         p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros

@@ -1,0 +1,261 @@
+"""The OpenAI-compatible HTTP API on the engine (FastAPI; run by uvicorn, see `dllm-jax serve`).
+
+POST /v1/completions, POST /v1/chat/completions (stream: one server-sent event per committed block, then [DONE];
+usage in the last chunk and in the plain body), GET /v1/models, GET /health, GET /metrics (Prometheus).
+Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}}: 400 for a bad field, an unknown
+model or a request too long; 401 without the API key; 429 when the queue is full; 503 while draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette.sse import EventSourceResponse
+
+from dllm_jax.decoding.config import GenerationConfig
+from dllm_jax.engine.engine import RequestError
+from dllm_jax.engine.request import BlockOutput
+from dllm_jax.engine.scheduler import QueueFull
+from dllm_jax.server.metrics import ServerMetrics
+from dllm_jax.server.protocol import (AffixMessage, AffixText, APIError, ChatRequest, CompletionRequest, Diffusion,
+                                      completion_body, new_id, parse, usage)
+from dllm_jax.server.service import EngineService
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """Server-side defaults of the request fields (see protocol.py)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_tokens: int = 32
+    block_length: int = 32
+    steps_per_token: float = 1.0
+    temperature: float = 0.0
+    affix_technique: str = "none"
+    anchor_ratio: float = 0.2
+
+
+class Answer:
+    """A request's text as its blocks arrive: stop strings cut it (held back until they cannot start in what is
+    still to come), max_tokens caps it."""
+
+    def __init__(self, tokenizer, stops: list[str], max_tokens: int):
+        self.tok, self.stops, self.max_tokens = tokenizer, stops, max_tokens
+        self.ids: list[int] = []
+        self.emitted = ""
+        self.finish: str | None = None
+
+    def add(self, out: BlockOutput) -> str:
+        """The text to send now (may be empty); sets `finish` when the answer is complete."""
+        self.ids = (self.ids + out.tokens)[:self.max_tokens]
+        text = self.tok.decode(self.ids)
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        if cut >= 0:
+            text, self.finish = text[:cut], "stop"
+        elif len(self.ids) >= self.max_tokens:
+            self.finish = "length"
+        elif out.finished:
+            self.finish = "length" if out.finish_reason == "length" else "stop"
+        visible = text
+        if self.finish is None:  # hold back what may be the start of a stop string or of a split character
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            visible = text[:len(text) - hold] if hold else text
+            visible = visible.rstrip("\ufffd")
+        delta = visible[len(self.emitted):] if visible.startswith(self.emitted) else ""
+        self.emitted = visible if visible.startswith(self.emitted) else self.emitted
+        return delta
+
+
+def create_app(service: EngineService, settings: ServeSettings, defaults: dict | None = None) -> FastAPI:
+    """The ASGI app on a started EngineService. defaults: the model's generation_config.json values."""
+    app = FastAPI(title="dllm-jax", docs_url=None, redoc_url=None)
+    model = service.engine.model
+    metrics = ServerMetrics(service, settings.model_name)
+    defaults = defaults or {}
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if settings.api_key and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {settings.api_key}":
+                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dllm-jax"}]}
+
+    @app.get("/health")
+    async def health():
+        if service.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await _json(request))
+        if isinstance(req.prompt, list):
+            prompt = [int(t) for t in req.prompt]
+        else:
+            prompt = model.tokenizer.encode(req.prompt)
+        return await _serve(request, req, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatRequest, await _json(request))
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        prompt = model.encode_chat(messages)
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
+        return await _serve(request, req, prompt, chat=True)
+
+    async def _serve(request: Request, req: Diffusion, prompt: list[int], chat: bool):
+        if req.model != settings.model_name:
+            raise APIError(400, f"unknown model {req.model!r}: this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+        if service.draining:
+            raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
+        config, max_tokens = _config(req, settings, defaults)
+        affix = _affix(req, prompt, model.tokenizer)
+        try:
+            rid, stream = await service.submit(prompt, config, affix, req.seed or 0)
+        except QueueFull as e:
+            raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
+        except RequestError as e:
+            code = "context_length_exceeded" if "maximum length" in str(e) else None
+            raise APIError(400, str(e), code=code) from None
+        answer = Answer(model.tokenizer, req.stop, max_tokens)
+        cid = new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            return EventSourceResponse(_events(rid, stream, answer, cid, req.model, len(prompt), chat),
+                                       ping=15, sep="\n")
+        return await _collect(request, rid, stream, answer, cid, req.model, len(prompt), chat)
+
+    async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
+        out = await stream.get()
+        if out.finish_reason == "abort" and answer.finish is None:
+            raise APIError(503, "the request was stopped by the server (shutting down or a device failure)")
+        delta = answer.add(out)
+        if answer.finish is not None and not out.finished:
+            service.abort(rid)  # cut by a stop string or max_tokens: free its pages now
+        return delta
+
+    async def _collect(request, rid, stream, answer, cid, model_name, n_prompt, chat):
+        try:
+            while answer.finish is None:
+                get = asyncio.ensure_future(_next(stream, rid, answer))
+                while not get.done():
+                    await asyncio.wait({get}, timeout=0.5)
+                    if not get.done() and await request.is_disconnected():
+                        get.cancel()
+                        service.abort(rid)
+                        return Response(status_code=499)
+                get.result()
+        except asyncio.CancelledError:
+            service.abort(rid)
+            raise
+        return completion_body(cid, model_name, answer.emitted, answer.finish, usage(n_prompt, len(answer.ids)),
+                               chat)
+
+    async def _events(rid, stream, answer, cid, model_name, n_prompt, chat):
+        first = True
+        try:
+            while answer.finish is None:
+                delta = await _next(stream, rid, answer)
+                done = answer.finish is not None
+                if delta or done or first:
+                    use = usage(n_prompt, len(answer.ids)) if done else None
+                    body = completion_body(cid, model_name, delta, answer.finish, use, chat, chunk=True, first=first)
+                    first = False
+                    yield json.dumps(body)
+            yield "[DONE]"
+        except APIError as e:
+            yield json.dumps(e.body())
+        finally:
+            if answer.finish is None:  # the client went away (or the server stopped it): free its pages
+                service.abort(rid)
+
+    return app
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _config(req: Diffusion, s: ServeSettings, defaults: dict) -> tuple[GenerationConfig, int]:
+    """The engine settings of a request: its fields over the server's defaults over the model's."""
+    max_tokens = req.max_tokens or defaults.get("gen_length", s.max_tokens)
+    block = min(req.block_length or defaults.get("block_length", s.block_length), max_tokens)
+    gen_length = math.ceil(max_tokens / block) * block
+    n_blocks = gen_length // block
+    per_token = defaults["steps"] / defaults["gen_length"] if "steps" in defaults and "gen_length" in defaults \
+        else s.steps_per_token
+    steps = req.steps or max(n_blocks, round(gen_length * per_token / n_blocks) * n_blocks)
+    technique = req.affix_technique or s.affix_technique
+    try:
+        config = GenerationConfig.from_options(
+            gen_length=gen_length, block_length=block, steps=steps, threshold=req.threshold, cache="dual",
+            affix=technique, anchor_ratio=s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio,
+            temperature=s.temperature if req.temperature is None else req.temperature, top_p=req.top_p)
+    except ValueError as e:
+        param = next((f for f in ("steps", "block_length", "threshold", "temperature") if f in str(e)), None)
+        raise APIError(400, str(e), param=param) from None
+    return config, max_tokens
+
+
+def _affix(req: Diffusion, prompt: list[int], tokenizer) -> Any:
+    """The engine's affix argument: "auto", None, or the (start, end) token span the request names."""
+    if req.affix == "auto":
+        return "auto"
+    if req.affix == "none":
+        return None
+    if isinstance(req.affix, AffixMessage):
+        messages = getattr(req, "messages", None)
+        if messages is None or req.affix.message >= len(messages):
+            raise APIError(400, f"affix.message={req.affix.message} names no message of this request",
+                           param="affix.message")
+        text = messages[req.affix.message].content
+    else:
+        assert isinstance(req.affix, AffixText)
+        text = req.affix.text
+        if isinstance(getattr(req, "prompt", None), str) and text not in req.prompt:
+            raise APIError(400, "affix.text is not part of the prompt", param="affix.text")
+    for candidate in (text, " " + text, text.strip()):
+        ids = tokenizer.encode(candidate)
+        at = _find(prompt, ids)
+        if ids and at is not None:
+            return at, at + len(ids)
+    raise APIError(400, "the affix's tokens are not a contiguous part of the tokenized prompt (tokenization across "
+                        "its boundary differs): name a span that starts and ends at word boundaries",
+                   param="affix")
+
+
+def _find(hay: list[int], needle: list[int]) -> int | None:
+    n = len(needle)
+    for i in range(len(hay) - n + 1):
+        if hay[i:i + n] == needle:
+            return i
+    return None
+

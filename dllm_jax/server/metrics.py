@@ -1,0 +1,64 @@
+"""Prometheus metrics of a server (its own registry: two servers in one process never share counters).
+
+Gauges and counters are read from the engine when scraped; the latency histograms are fed as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self, service, model_name: str):
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(service))
+        self.first_block = Histogram("dllm_jax_time_to_first_block_seconds", "Arrival to the first committed block",
+                                     buckets=BUCKETS, registry=self.registry)
+        self.latency = Histogram("dllm_jax_request_latency_seconds", "Arrival to the last block",
+                                 buckets=BUCKETS, registry=self.registry)
+        self._seen = 0
+
+    def render(self) -> bytes:
+        finished = self.service.latencies
+        for ttfb, total in finished[self._seen:]:  # fed here: the engine thread never touches the registry
+            self.first_block.observe(ttfb)
+            self.latency.observe(total)
+        self._seen = len(finished)
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        s = self.service.engine.stats()
+        gauges = {
+            "requests_waiting": ("Requests queued for admission", s["waiting"]),
+            "requests_running": ("Requests admitted and decoding", s["running"]),
+            "kv_pages_total": ("Pages of the KV pool", s["pages_total"]),
+            "kv_pages_used": ("Pages held by running requests and their affixes", s["pages_used"]),
+            "kv_pages_shared": ("Pages of stored affix copies held by running requests", s["pages_shared"]),
+            "kv_pages_cached": ("Pages of stored affix copies no request holds (evictable)", s["pages_cached"]),
+            "kv_bytes_used": ("Bytes of the KV pool in use", s["kv_bytes_used"]),
+            "generation_tokens_per_second": ("Generated tokens per second over the last 10 s",
+                                             self.service.tokens_per_second()),
+            "draining": ("1 while the server finishes its requests before exiting", int(self.service.draining)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"dllm_jax_{name}", doc, value=value)
+        counters = {
+            "requests": ("Requests accepted", s["requests"]),
+            "requests_finished": ("Requests finished (stop or length)", s["finished"]),
+            "requests_aborted": ("Requests aborted (client gone, stop string, shutdown)", s["aborted"]),
+            "generation_tokens": ("Answer tokens generated", s["generated_tokens"]),
+            "affix_hits": ("Requests that reused a stored affix copy", s["affix_hits"]),
+            "affix_builds": ("Affix copies computed", s["affix_builds"]),
+            "blocks": ("Device calls that ran one block of a batch", s["blocks"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"dllm_jax_{name}", doc, value=value)

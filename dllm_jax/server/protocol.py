@@ -1,0 +1,160 @@
+"""The OpenAI API's request and response shapes, with the diffusion settings as extra body fields.
+
+Extra fields (what `extra_body` of the official client sends), each optional with a server-side default:
+  steps            denoising steps over the whole answer (default: the model's steps per token, else one per token)
+  block_length     semi-autoregressive block (default: the model's generation_config.json, else 32)
+  threshold        Fast-dLLM parallel decoding: commit every token at least this confident (then steps is ignored)
+  affix_technique  "none" (exact: the dual cache), "naive" or "anchors" (ACache): how a shared affix is reused
+  anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact)
+  affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
+                   repeated across requests), "none", {"text": "..."} (completions: a part of the prompt) or
+                   {"message": i} (chat: the content of message i)
+OpenAI fields this engine has no use for are accepted at their neutral values (logprobs null, echo false,
+penalties 0, ...) and refused otherwise; unknown fields are refused, naming them (a typo never passes silently).
+`temperature` defaults to 0 (greedy, as LLaDA's and Dream's own generate), not the API's 1: set it to sample.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# OpenAI fields accepted at these values only (anything else is a 400 naming the field)
+NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
+           "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
+           "suffix": (None,), "user": "any", "stream_options": "any", "service_tier": "any", "store": "any",
+           "metadata": "any", "parallel_tool_calls": "any", "tool_choice": ("none", None), "tools": (None, [])}
+
+
+class AffixText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1)
+
+
+class AffixMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: int = Field(ge=0)
+
+
+class Diffusion(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")  # checked against NEUTRAL in `check_extra`
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    seed: int | None = None
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    steps: int | None = Field(None, ge=1)
+    block_length: int | None = Field(None, ge=1)
+    threshold: float | None = Field(None, gt=0, le=1)
+    affix_technique: Literal["none", "naive", "anchors"] | None = None
+    anchor_ratio: float | None = Field(None, ge=0, le=1)
+    affix: Literal["auto", "none"] | AffixText | AffixMessage = "auto"
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stops
+
+    def check_extra(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            allowed = NEUTRAL.get(name)
+            if allowed is None:
+                raise ValueError(f"unrecognized request argument: {name}")
+            if allowed != "any" and value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported by this engine")
+
+
+class CompletionRequest(Diffusion):
+    prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (send several requests: they are batched)")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatRequest(Diffusion):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def parse(model_cls: type[Diffusion], body: Any) -> Diffusion:
+    """The request, or an APIError 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = model_cls.model_validate(body)
+        req.check_extra()
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":")[-1].strip().split("=")[0]) from None
+    return req
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None, chat: bool,
+                    chunk: bool = False, first: bool = False) -> dict:
+    """A response or a stream chunk of either endpoint."""
+    if chat:
+        if chunk:
+            delta = {"content": text} if not first else {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if use is not None:
+        body["usage"] = use
+    return body
