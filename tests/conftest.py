@@ -15,6 +15,11 @@ if int(os.environ.get("NPROC") or 0) < 8:  # an inherited NPROC=2 would hang tho
 import fixtures  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak-requests", type=int, default=100,
+                     help="requests of the server soak test (the long version: 1000)")
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """Every fixture checkpoint written once in its HF release layout (with byte-level tokenizer files)."""

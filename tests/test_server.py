@@ -1,0 +1,303 @@
+"""The OpenAI-compatible server (`dllm-jax serve`) on the bundled model: a real uvicorn on 127.0.0.1 (port 0),
+driven by the official `openai` client and httpx. Streamed text equals the plain body equals `dllm_jax.generate`;
+every error has its status and OpenAI shape; a client that disconnects frees its pages; a soak of concurrent
+clients gets every answer once and right; SIGTERM drains."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from openai import OpenAI
+
+import dllm_jax
+from dllm_jax import GenerationConfig, answer_tokens, generate
+from dllm_jax.cli import DEMO_PROMPT
+from dllm_jax.decoding.caches import acache
+from dllm_jax.engine.engine import Engine, EngineConfig
+from dllm_jax.io.loading import generation_defaults
+from dllm_jax.server import EngineService, ServeSettings, create_app
+from dllm_jax.server.run import bind
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "dllm-jax-demo"
+DOC = ("document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
+       "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 .")
+KEYS = ["rabbit", "feather", "yogurt", "wizard", "bottle", "compass"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # fp32: the engine's answers equal generate's bit for bit there (bf16 sums its attention in another order)
+    return dllm_jax.load(dtype="float32")
+
+
+class Server:
+    """An app on a started engine thread, served by uvicorn in a background thread."""
+
+    def __init__(self, model, api_key=None, **engine_kw):
+        engine = Engine(model, EngineConfig(**{"max_batch": 16, "kv_budget_bytes": 64 << 20, **engine_kw}))
+        self.service = EngineService(engine).start()
+        self.app = create_app(self.service, ServeSettings(model_name=NAME, api_key=api_key),
+                              generation_defaults(model.path))
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="error", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.02)
+
+    def client(self, key="unused") -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.service.stop()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model)
+    yield s
+    s.close()
+
+
+def solo(model, prompt_ids, config, affix_tokens=None):
+    shared = None
+    spans = None
+    if affix_tokens is not None:
+        shared = acache.build_shared_affix(model.params, model.config, affix_tokens)
+        at = next(i for i in range(len(prompt_ids)) if prompt_ids[i:i + len(affix_tokens)] == affix_tokens)
+        spans = [(at, at + len(affix_tokens))]
+    out = generate(model, [prompt_ids], config, shared_affix=shared, affix_spans=spans)
+    return model.tokenizer.decode(answer_tokens(out.tokens, model.config, config)[0])
+
+
+def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model):
+    c = server.client()
+    chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DEMO_PROMPT}], temperature=0)
+    assert chat.choices[0].message.content == "1 0 4" and chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens == 3 and chat.usage.prompt_tokens == len(model.encode_chat(DEMO_PROMPT))
+    chunks = list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DEMO_PROMPT}],
+                                            stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "1 0 4"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.total_tokens == chat.usage.total_tokens
+    ref = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")  # the model's defaults
+    assert solo(model, model.encode_chat(DEMO_PROMPT), ref) == "1 0 4"
+    # a completion over several blocks, streamed one event per block
+    extra = dict(block_length=4, steps=16)
+    plain = c.completions.create(model=NAME, prompt=DEMO_PROMPT, max_tokens=16, extra_body=extra)
+    stream = list(c.completions.create(model=NAME, prompt=DEMO_PROMPT, max_tokens=16, stream=True, extra_body=extra))
+    assert "".join(ch.choices[0].text for ch in stream) == plain.choices[0].text
+    assert len(stream) >= 2 and stream[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    want = solo(model, model.tokenizer.encode(DEMO_PROMPT),
+                GenerationConfig.from_options(gen_length=16, block_length=4, steps=16, cache="dual"))
+    assert plain.choices[0].text == want
+    models = c.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_stop_strings_and_shared_affix_fields(server, model):
+    c = server.client()
+    prompt = f"{DOC} question : what is the code of wizard ? reply with the digits ."
+    full = c.completions.create(model=NAME, prompt=prompt, max_tokens=8).choices[0].text
+    words = full.split(" ")
+    assert len(words) >= 3
+    stop = " " + words[2]
+    cut = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, stop=[stop, "never there"])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # the document named as the shared affix, reused by ACache at ratio 1 (exact): the same answer
+    exact = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, extra_body=dict(
+        affix_technique="anchors", anchor_ratio=1.0, affix={"text": DOC}))
+    assert exact.choices[0].text == full
+    assert server.metric("dllm_jax_affix_builds_total") >= 1
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(f"{server.url}{path}", json=body, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    ({"model": NAME, "prompt": "x", "steps": 0}, 400, "steps", None),
+    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
+    ({"model": NAME, "prompt": "x", "stepz": 4}, 400, None, None),
+    ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
+    ({"model": NAME, "prompt": "x", "max_tokens": 8, "block_length": 3, "steps": 4}, 400, "steps", None),
+    ({"model": NAME, "prompt": ""}, 400, "prompt", None),
+    ({"model": NAME, "messages": []}, 400, "messages", None),
+    ({"model": "gpt-5", "prompt": "x"}, 400, "model", "model_not_found"),
+    ({"model": NAME, "prompt": "x " * 1100}, 400, None, "context_length_exceeded"),
+    ({"model": NAME, "prompt": "the code", "affix": {"text": "rabbit"}}, 400, "affix.text", None),
+])
+def test_bad_requests(server, body, status, param, code):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"] and (param is None or err["param"] == param) and err["code"] == code
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_api_key(model):
+    s = Server(model, api_key="sekret")
+    try:
+        r = _post(s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = _post(s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT},
+                  headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        ok = s.client("sekret").completions.create(model=NAME, prompt=DEMO_PROMPT)
+        assert ok.choices[0].text
+        assert httpx.get(f"{s.url}/health").status_code == 200  # health and metrics need no key
+    finally:
+        s.close()
+
+
+def test_queue_full_and_draining(model):
+    s = Server(model, max_batch=1, max_queue=1)
+    try:
+        long = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 128, "block_length": 8, "steps": 128}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*[client.post(f"{s.url}/v1/completions", json=long) for _ in range(4)])
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+        r429 = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+        assert r429.json()["error"]["code"] == "queue_full"
+        s.service.drain()
+        r = _post(s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{s.url}/health").status_code == 503
+    finally:
+        s.close()
+
+
+def test_disconnect_mid_stream_frees_the_pages(server):
+    before = server.metric("dllm_jax_requests_aborted_total")
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 512, "block_length": 8, "steps": 512,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # the first block arrived: the request holds pages now; leave
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if (server.metric("dllm_jax_requests_aborted_total") > before
+                and server.metric("dllm_jax_kv_pages_used") == 0):
+            break
+        time.sleep(0.1)
+    assert server.metric("dllm_jax_requests_aborted_total") == before + 1
+    assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
+
+
+def test_soak(model, request):
+    """N requests (100 by default, --soak-requests 1000 for the long one) from 64 concurrent clients, mixed lengths,
+    half sharing one document: every request answered once, each answer equal to its solo run, the pool idle at the
+    end. Bounded in time."""
+    n = request.config.getoption("--soak-requests")
+    s = Server(model, max_batch=16, max_queue=4096)
+    rng = np.random.default_rng(0)
+    jobs = []
+    for i in range(n):
+        key = KEYS[int(rng.integers(len(KEYS)))]
+        shared = i % 2 == 0
+        question = f"question : what is the code of {key} ? reply with the digits ."
+        prompt = f"{DOC} {question}" if shared else f"{question} {DOC}" if rng.random() < 0.5 else question
+        max_tokens = int(rng.choice([4, 8, 16]))
+        extra = dict(affix_technique="anchors", anchor_ratio=0.5, affix={"text": DOC}) if shared else {}
+        jobs.append((prompt, max_tokens, extra))
+
+    async def run():
+        sem = asyncio.Semaphore(64)
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(job):
+                prompt, max_tokens, extra = job
+                async with sem:
+                    r = await client.post(f"{s.url}/v1/completions",
+                                          json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **extra})
+                    return r.status_code, r.json()
+            return await asyncio.wait_for(asyncio.gather(*[one(j) for j in jobs]), timeout=600)
+
+    try:
+        t0 = time.time()
+        results = asyncio.run(run())
+        assert all(code == 200 for code, _ in results), [b for c, b in results if c != 200][:3]
+        ids = [body["id"] for _, body in results]
+        assert len(set(ids)) == n  # every request answered once
+        cache = {}
+        doc_ids = model.tokenizer.encode(DOC)
+        for (prompt, max_tokens, extra), (_, body) in zip(jobs, results):
+            key = (prompt, max_tokens, bool(extra))
+            if key not in cache:
+                block = min(8, max_tokens)
+                gc = GenerationConfig.from_options(
+                    gen_length=-(-max_tokens // block) * block, block_length=block,
+                    steps=-(-max_tokens // block) * block, cache="dual",
+                    **(dict(affix="anchors", anchor_ratio=0.5) if extra else {}))
+                cache[key] = solo(model, model.tokenizer.encode(prompt), gc, doc_ids if extra else None)
+            want = cache[key]
+            got = body["choices"][0]["text"]
+            assert got == want, (prompt, got, want)
+        assert s.metric("dllm_jax_kv_pages_used") == 0 and s.metric("dllm_jax_requests_waiting") == 0
+        assert s.metric("dllm_jax_requests_finished_total") == n
+        assert time.time() - t0 < 600
+    finally:
+        s.close()
+
+
+def test_sigterm_finishes_what_runs_then_exits(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", "--dtype", "float32"],
+                            cwd=REPO, env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
+        body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 256, "block_length": 8, "steps": 256,
+                "stream": True}
+        got = []
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                got.extend(line for line in r.iter_lines() if line.startswith("data:"))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.time() + 60
+        while not got and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": DEMO_PROMPT}, timeout=10)
+        assert r.status_code == 503
+        t.join(120)
+        assert got[-1] == "data: [DONE]"  # the running request finished
+        finish = json.loads(got[-2][5:])["choices"][0]["finish_reason"]
+        assert finish in ("stop", "length")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
