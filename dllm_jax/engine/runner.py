@@ -56,12 +56,10 @@ def backend_compiles() -> int:
 
 
 def bucket(n: int, smallest: int = 16) -> int:
-    """n rounded up to a multiple of a sixteenth of its power of two (16, 17, ..., 512, 544, ..., 1024, 1088, ...):
-    at most 1/16 of a shape is padding, and a workload of similar lengths compiles few shapes."""
-    if n <= smallest:
-        return smallest
-    step = max(1 << (int(n - 1).bit_length() - 5), 1)
-    return -(-n // step) * step
+    """n rounded up to a multiple of 16, or of a sixteenth of its power of two past 512 (..., 512, 544, ..., 1024,
+    1088, ...): at most 1/16 of a long shape is padding, and a workload of similar lengths compiles few shapes."""
+    step = max(smallest, 1 << max(int(n - 1).bit_length() - 5, 0))
+    return max(smallest, -(-n // step) * step)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
