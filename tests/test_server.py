@@ -222,11 +222,11 @@ def test_soak(model, request):
     rng = np.random.default_rng(0)
     jobs = []
     for i in range(n):
-        key = KEYS[int(rng.integers(len(KEYS)))]
+        key = KEYS[int(rng.integers(3))]
         shared = i % 2 == 0
         question = f"question : what is the code of {key} ? reply with the digits ."
         prompt = f"{DOC} {question}" if shared else f"{question} {DOC}" if rng.random() < 0.5 else question
-        max_tokens = int(rng.choice([4, 8, 16]))
+        max_tokens = int(rng.choice([4, 8]))
         extra = dict(affix_technique="anchors", anchor_ratio=0.5, affix={"text": DOC}) if shared else {}
         jobs.append((prompt, max_tokens, extra))
 
