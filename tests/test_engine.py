@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dllm_jax import GenerationConfig, answer_tokens, generate
-from dllm_jax.decoding.caches import acache
+from dllm_jax.decoding.caches import acache, bicache
+from dllm_jax.decoding.config import Shallow
 from dllm_jax.engine.block_manager import pages_for
 from dllm_jax.engine.engine import Engine, EngineConfig, RequestError
 from dllm_jax.engine.request import Status
@@ -29,7 +30,8 @@ def engine_for(model, **kw) -> Engine:
 
 def solo(model, prompt, gc, span=None, seed=0):
     """generate on the request alone: the reference every engine answer must equal."""
-    shared = acache.build_shared_affix(model.params, model.config, AFFIX) if gc.cache.affix is not None else None
+    build = bicache.build_shared_prefix if isinstance(gc.cache.affix, Shallow) else acache.build_shared_affix
+    shared = build(model.params, model.config, AFFIX) if gc.cache.affix is not None else None
     out = generate(model, [prompt], gc, seed=seed, shared_affix=shared,
                    affix_spans=[span] if gc.cache.affix is not None else None)
     return answer_tokens(out.tokens, model.config, gc)[0]
@@ -68,13 +70,15 @@ SETTINGS = [  # every request of a test runs one of these, all in one engine: a 
     dict(cache="dual", affix="anchors", anchor_ratio=1.0),
     dict(cache="dual", affix="anchors", anchor_ratio=0.2, threshold=0.3),
     dict(cache="dual", affix="naive", temperature=0.7),  # a request's randomness is its own, as decoded alone
+    dict(cache="dual", affix="shallow", shallow_depth=1),  # BiCache
 ]
 
 
 @pytest.mark.parametrize("name", ["llada", "dream"])
 def test_tokens_equal_solo_generate(name, models_fp32):
-    """No sharing, ACache at ratio 0 / 0.2 / 1, threshold and fixed steps, sampling, mixed placements, lengths and
-    schedules in one engine, the requests arriving at random steps: each answer is the request's solo one."""
+    """No sharing, ACache at ratio 0 / 0.2 / 1, BiCache, threshold and fixed steps, sampling, mixed placements,
+    lengths and schedules in one engine, the requests arriving at random steps: each answer is the request's solo
+    one."""
     m = models_fp32[name]
     items = []
     for j, setting in enumerate(SETTINGS):  # each setting on two placements, every placement twice or more
@@ -163,9 +167,12 @@ def test_no_compilation_after_warmup(models_fp32):
     m = models_fp32["llada"]
     share = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2)
     plain = opts(gen_length=8, block_length=4, steps=8, cache="dual")
+    shallow = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_depth=1)
     engine = engine_for(m, batch_sizes=(2, 4))
-    engine.warmup([(PLACED[1][0], share, PLACED[1][1]), (PLACED[0][0], plain, None)])
-    items = [(p, share if i % 2 else plain, span, i) for i, (p, span) in enumerate(PLACED * 2)]
+    engine.warmup([(PLACED[1][0], share, PLACED[1][1]), (PLACED[0][0], plain, None),
+                   (PLACED[2][0], shallow, PLACED[2][1])])
+    kinds = [plain, share, shallow]
+    items = [(p, kinds[i % 3], span, i) for i, (p, span) in enumerate(PLACED * 2)]
     before = backend_compiles()
     serve(engine, items, arrival_seed=5)
     assert backend_compiles() == before

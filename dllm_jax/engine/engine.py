@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from dllm_jax.decoding.caches.bicache import ShallowReuse
+from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Shallow
 from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.engine.affix_index import AffixIndex
@@ -173,8 +175,6 @@ class Engine:
             raise RequestError(f"the engine decodes with the dual cache: cache={gc.cache.mode!r} is not served")
         if gc.cache.refresh != "block" or gc.cfg_scale:
             raise RequestError("the engine serves refresh='block' without classifier-free guidance")
-        if isinstance(gc.cache.affix, Shallow):
-            raise RequestError("BiCache (Shallow) is not served by the engine yet; use dllm_jax.generate")
         try:
             gc.check_model(self.model.config)
         except ValueError as e:
@@ -219,14 +219,24 @@ class Engine:
         outputs: list[BlockOutput] = []
         admitted = self.scheduler.admit()
         self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
+        bm = self.block_manager
         for r in admitted:
             entry = r.affix_entry
-            if entry is not None and not entry.ready:
-                self.runner.build_affix(entry.tokens, self.block_manager.slots(entry.pages, len(entry.tokens)))
-                self.block_manager.mark_ready(entry)
+            if entry is None:
+                continue
+            if not entry.ready:
+                self.runner.build_affix(entry.tokens, bm.slots(entry.pages, len(entry.tokens)))
+                bm.mark_ready(entry, payload={})
                 self.counters["affix_builds"] += 1
-            elif entry is not None:
+            else:
                 self.counters["affix_hits"] += 1
+            if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden states (once), its K/V placed
+                if "hidden" not in entry.payload:
+                    entry.payload["hidden"] = self.runner.prefix_hidden(entry.tokens)
+                r.prefix_hidden = entry.payload["hidden"]  # the runner takes the rows entering layer r.depth
+                s, e = r.affix_span
+                private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
+                self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
         to_probe = [r for r in admitted if r.anchor_count > 0]
         for i in range(0, len(to_probe), self.config.max_batch):
             chunk = to_probe[i:i + self.config.max_batch]
@@ -251,7 +261,8 @@ class Engine:
         """What one compiled program runs: the schedule, the sampler and the step loop (affix data are inputs)."""
         gc = req.config
         group = GenerationConfig(gc.schedule, gc.sampler_for(self.model.config), CacheConfig("dual"), gc.kernels)
-        return BlockRunner(self.model.config, group, STRATEGY, group.sampler)
+        strategy = ShallowReuse(DualCache(), req.depth) if isinstance(req.technique, Shallow) else STRATEGY
+        return BlockRunner(self.model.config, group, strategy, group.sampler)
 
     def _commit(self, r: Request, block: list[int], key, steps: int, now: float) -> BlockOutput:
         stops = set(r.config.stop_token_ids(self.model.config))
@@ -326,16 +337,24 @@ class Engine:
             if affix == "auto" and gc.cache.affix is not None:  # what discovery would find, without remembering
                 m = self.affixes.match(prompt)
                 span = None if m is None else (m.start, m.end)
-            reqs.append(Request("warmup", prompt, gc, span))
+            req = Request("warmup", prompt, gc, span)
+            if span is not None and isinstance(gc.cache.affix, Shallow):
+                req.depth = self._depth(req)
+            reqs.append(req)
         shapes = []
         for r in reqs:  # what each request needs alone (the probe reads the whole affix as shared)
             shares = r.technique is not None and (r.shares_affix or r.anchor_count)
             shapes.append(Shape(W=bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length),
-                                R=bucket(r.private_tokens()), A=bucket(r.affix_len) if shares else 0,
+                                R=bucket(r.private_tokens()), A=bucket(r.affix_len) if r.technique else 0,
                                 rotate=bool(shares and r.affix_span[0])))
+            if isinstance(r.technique, Shallow):  # BiCache: its prefix's placed K/V (the hidden states: below)
+                self.runner.place([0] * r.affix_len, [self.runner.num_slots] * r.affix_len, 0)
         # and their union, for batches that mix them
         shapes.append(Shape(max(s.W for s in shapes), max(s.R for s in shapes), max(s.A for s in shapes),
                             any(s.rotate for s in shapes)))
+        for r in reqs:
+            if isinstance(r.technique, Shallow):
+                self.runner.warm_hidden(r.affix_len, r.depth, sorted({s.A for s in shapes if s.A >= r.affix_len}))
         runners = list(dict.fromkeys(self._program(r) for r in reqs))
         affix_len = max([bucket(r.affix_len) for r in reqs if r.technique is not None] or [0])
         self.runner.warm(sorted(set(shapes)), runners, any(r.anchor_count for r in reqs), affix_len)

@@ -53,6 +53,7 @@ class Request:
     nfe: int = 0
     depth: int = 0  # BiCache: layers reusing the shared prefix
     plan: Any = None  # the runner's cached layout of the request (runner.RowPlan), by anchor set
+    prefix_hidden: Any = None  # BiCache: its affix's hidden states alone entering every layer [L + 1, A, d] (device)
     first_block_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None

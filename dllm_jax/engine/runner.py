@@ -28,13 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, affix_importance_probe, _forward_window
+from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, _forward_window, affix_importance_probe
 from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, _layer_inputs
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.loop import BlockRunner, fixed_step_count
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
 from dllm_jax.transformer import XLA, Kernels, forward
+from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 
 Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
@@ -108,6 +110,12 @@ class Layout:
     keys: np.ndarray  # [B, 2] uint32 key data
     rotate: bool  # read the shared list rotated (rotation by 0 changes no bit, so a warmed rotating program serves
     # prefix rows too)
+    # BiCache rows: the deep window (every real column), where the shallow window's hidden states go in it, and
+    # where each row's prefix starts in it
+    deep: np.ndarray | None = None
+    deep_writes: np.ndarray | None = None
+    splice_at: np.ndarray | None = None
+    prefix_at: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -160,14 +168,15 @@ class ModelRunner:
         recomputed = recomputed[recomputed != p - 1]
         window = np.concatenate([recomputed, [p - 1], p + np.arange(g)])
         writes = np.ones(len(window), bool)
-        writes[len(recomputed)] = priv[p - 1] >= 0
+        s, e = r.affix_span if r.technique is not None else (0, 0)
+        writes[len(recomputed)] = not s <= p - 1 < e or (p - 1) in anchors  # a shared P - 1 keeps its K/V
         plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, len(recomputed) + 1)
         r.plan = (key, plan)
         return plan
 
-    def layout(self, reqs: Sequence[Request], bm, probe: bool = False) -> Layout:
+    def layout(self, reqs: Sequence[Request], bm, probe: bool = False, shallow: bool = False) -> Layout:
         """The device inputs of one call over `reqs` (each at its current block; for the probe, at block 0 and with
-        no anchors yet)."""
+        no anchors yet; shallow: BiCache rows, with their deep window)."""
         cfg = self.config
         b = next((n for n in self.batch_sizes if n >= len(reqs)), len(reqs))
         t = self.buffer_len
@@ -175,10 +184,11 @@ class ModelRunner:
         done = [0 if probe else r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
         c = max(starts)
+        # A: the shared list; for BiCache rows the width of their prefixes' hidden states
+        widest = max(r.affix_len if shallow else len(pl.shared) for r, pl in zip(reqs, plans))
         need = Shape(W=bucket(max(len(pl.window) for pl in plans)),
                      R=bucket(max(int((pl.private >= 0).sum()) for pl in plans)),
-                     A=bucket(max(len(pl.shared) for pl in plans)) if any(len(pl.shared) for pl in plans) else 0,
-                     rotate=any(pl.delta for pl in plans))
+                     A=bucket(widest) if widest else 0, rotate=any(pl.delta for pl in plans))
         shape = min((s for s in self.warmed if s.covers(need)), default=need)
         lay = Layout(x=np.full((b, t), cfg.pad_token_id, np.int32), positions=np.zeros((b, t), np.int32),
                      col_slots=np.full((b, t), self.num_slots, np.int32),
@@ -204,6 +214,17 @@ class ModelRunner:
             lay.window[i, :len(pl.window)], lay.writes[i, :len(pl.window)] = pad + pl.window, pl.writes
             lay.block_index[i] = pl.gen_index + done[i] * r.block_length
             lay.keys[i] = r.key
+        if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
+            f = shape.R
+            lay.deep, lay.deep_writes = np.full((b, f), c, np.int32), np.zeros((b, f), bool)
+            lay.splice_at, lay.prefix_at = np.full((b, shape.W), f, np.int32), np.full(b, f, np.int32)
+            for i, (r, pl) in enumerate(zip(reqs, plans)):
+                n, pad = r.total_len, c - starts[i]
+                lay.deep[i, :n], lay.deep_writes[i, :n] = pad + np.arange(n), True
+                spliced = pl.writes | (pl.window == len(r.prompt) - 1)
+                lay.splice_at[i, :len(pl.window)] = np.where(spliced, pl.window, f)
+                lay.prefix_at[i] = r.affix_span[0] if r.affix_span else f
+                lay.block_index[i] = len(r.prompt) + done[i] * r.block_length
         return lay
 
     def _paged(self, lay: Layout) -> tuple[dict, bool]:
@@ -233,7 +254,14 @@ class ModelRunner:
                 if probe and shape.A:
                     self._probe_call(lay)
                 for runner in runners:
-                    self._block_call(lay, runner)
+                    if isinstance(runner.strategy, ShallowReuse):
+                        f, w = shape.R, shape.W
+                        lay.deep, lay.deep_writes = np.zeros((b, f), np.int32), np.zeros((b, f), bool)
+                        lay.splice_at, lay.prefix_at = np.full((b, w), f, np.int32), np.full(b, f, np.int32)
+                        zero = jnp.zeros((shape.A, self.config.d_model), self.config.jnp_dtype)
+                        self._shallow_call(lay, runner, [zero] * b)
+                    else:
+                        self._block_call(lay, runner)
 
     # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
@@ -265,9 +293,14 @@ class ModelRunner:
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps)."""
         t0 = time.perf_counter()
-        lay = self.layout(reqs, bm)
+        shallow = isinstance(runner.strategy, ShallowReuse)
+        lay = self.layout(reqs, bm, shallow=shallow)
         t1 = time.perf_counter()
-        blk, keys, steps = self._block_call(lay, runner)
+        if shallow:
+            rows = [_hidden_rows(r.prefix_hidden, depth=r.depth, rows=lay.shared_slots.shape[1]) for r in reqs]
+            blk, keys, steps = self._shallow_call(lay, runner, rows)
+        else:
+            blk, keys, steps = self._block_call(lay, runner)
         self.host_seconds += t1 - t0
         self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
         return blk[:len(reqs)], keys[:len(reqs)], steps
@@ -281,6 +314,40 @@ class ModelRunner:
             put(lay.keys), put(np.int32(lay.block_col)), put(lay.block_index), runner=runner, rotate=rotate,
             kernels=self.kernels, static_steps=static_steps)
         return np.asarray(blk), np.asarray(keys), int(steps)
+
+    def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array]) -> tuple:
+        """One block of BiCache rows: each row's prefix hidden state [A, d] (at its depth) goes in by row."""
+        paged, rotate = self._paged(lay)
+        stacked = _stack_rows(tuple(hidden), lay.x.shape[0])
+        static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
+        self._note(("shallow", runner, *self._shape(lay), stacked.shape[1]))
+        blk, keys, steps, self.k, self.v = _run_shallow_block(
+            self.params, self.k, self.v, put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes),
+            put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked, put(lay.keys),
+            put(np.int32(lay.block_col)), put(lay.block_index), runner=runner, kernels=self.kernels,
+            static_steps=static_steps)
+        return np.asarray(blk), np.asarray(keys), int(steps)
+
+    # ---- BiCache's shared prefix ---------------------------------------------------------------------------------
+    def prefix_hidden(self, tokens: Sequence[int]) -> Array:
+        """The hidden state entering every layer of an affix computed alone [L + 1, A, d] (built once per entry)."""
+        self._note(("hidden", len(tokens)))
+        return _layer_inputs(self.params, self.config, put(np.asarray([tokens], np.int32)))
+
+
+    def warm_hidden(self, affix_len: int, depth: int, widths: Sequence[int]) -> None:
+        """Compile what a BiCache request's first block takes: its prefix's hidden rows at these widths."""
+        hidden = self.prefix_hidden([0] * affix_len)
+        for w in widths:
+            _hidden_rows(hidden, depth=depth, rows=w)
+
+    def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
+        """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
+        n = bucket(len(src))
+        s_, d_ = np.zeros(n, np.int32), np.full(n, self.num_slots, np.int32)
+        s_[:len(src)], d_[:len(dst)] = src, dst
+        self._note(("place", n))
+        self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
 
 
 def put(a: np.ndarray) -> Array:
@@ -331,6 +398,51 @@ def _run_block(params, k, v, x, positions, paged, window, writes, keys, block_co
     kv = _view(config, k, v, paged, rotate)
     state = AnchoredState(kv=kv, window=window, writes=writes, importance=jnp.zeros((x.shape[0], 1), jnp.float32),
                           block_col=block_col, block_index=block_index)
+    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
+    s = runner.run_block(params, inp, s, block_col, static_steps)
+    blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, bl, axis=1)
+    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
+
+
+@functools.partial(jax.jit, static_argnames=("depth", "rows"))
+def _hidden_rows(hidden, depth, rows):
+    """An entry's hidden state entering layer `depth`, padded to `rows` (one shape per affix bucket)."""
+    return jnp.pad(hidden[depth], ((0, rows - hidden.shape[1]), (0, 0)))
+
+
+_stack = jax.jit(lambda rows: jnp.stack(rows))
+
+
+def _stack_rows(hidden: tuple, b: int) -> Array:
+    """[b, A, d] from each row's padded hidden state (zeros for the padding rows)."""
+    zero = jnp.zeros_like(hidden[0]) if hidden else None
+    return _stack(tuple(hidden) + (zero,) * (b - len(hidden)))
+
+
+@functools.partial(jax.jit, static_argnames=("theta",), donate_argnames=("k", "v"))
+def _place(k, v, src, dst, offset, *, theta):
+    cos, sin = rope_cos_sin(jnp.broadcast_to(offset, (1, src.shape[0])), k[0].shape[-1], theta)
+    new_k, new_v = [], []
+    for kl, vl in zip(k, v):
+        rotated = apply_rope(kl[src][None].astype(jnp.float32), cos, sin, fp32=True)[0].astype(kl.dtype)
+        new_k.append(kl.at[dst].set(rotated, mode="drop"))
+        new_v.append(vl.at[dst].set(vl[src], mode="drop"))
+    return tuple(new_k), tuple(new_v)
+
+
+@functools.partial(jax.jit, static_argnames=("runner", "kernels", "static_steps"), donate_argnames=("k", "v"))
+def _run_shallow_block(params, k, v, x, positions, paged, window, writes, deep, deep_writes, splice_at, prefix_at,
+                       hidden, keys, block_col, block_index, *, runner, kernels, static_steps):
+    config = runner.config
+    bl = runner.gc.schedule.block_length
+    inp = _inputs(config, positions, bl, kernels)
+    kv = _view(config, k, v, paged, False)
+    b, f = deep.shape
+    rows = jnp.arange(b)[:, None]
+    at = prefix_at[:, None] + jnp.arange(hidden.shape[1])[None]
+    prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype).at[rows, at].set(hidden, mode="drop")
+    state = ShallowState(kv=kv, prefix_hidden=prefix, window=window, writes=writes, deep=deep, deep_writes=deep_writes,
+                         splice_at=splice_at, block_col=block_col, block_index=block_index)
     s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
     s = runner.run_block(params, inp, s, block_col, static_steps)
     blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, bl, axis=1)

@@ -143,9 +143,18 @@ def _layer_inputs(params, config, x):
 @dataclasses.dataclass(frozen=True)
 class ShallowState:
     kv: KVCache
-    prefix_hidden: Array  # [B, T, d] the prefix-alone hidden state entering layer `depth` (zero elsewhere)
+    prefix_hidden: Array  # [B, T or F, d] the prefix-alone hidden state entering layer `depth` (zero elsewhere)
     window: Array  # [B, W] int32 slots of the request's own positions (acache.anchor_inputs' request part)
     writes: Array  # [B, W] bool
+    # The deeper layers run on the whole buffer (`generate`) or on a gathered deep window [B, F] of buffer columns
+    # (the serving engine, whose buffer is wider than any row): then prefix_hidden is in the deep window's space,
+    # splice_at [B, W] says where each shallow-window entry's hidden state goes there (F: nowhere), and buffer
+    # column block_col is at deep-window index block_index [B].
+    deep: Array | None = None
+    deep_writes: Array | None = None
+    splice_at: Array | None = None
+    block_col: Array | int = 0
+    block_index: Array | int = 0
 
 
 def prefix_alone_state(params, config, inp: DecodeInputs, x: Array, prefix: Array, window: Array, writes: Array,
@@ -194,12 +203,22 @@ class ShallowReuse(BlockStartOnly):
         # the window's hidden states replace the buffer's where it wrote, and at P - 1 even when that is affix:
         # Dream predicts the first generated token there, so its query runs in context in every layer (as with
         # the naive reuse); filler entries are dropped
-        splice = state.writes | (state.window == inp.prompt_len - 1)
-        slots = jnp.where(splice, state.window, x.shape[1])
-        full = state.prefix_hidden.at[jnp.arange(b)[:, None], slots].set(
-            shallow.hidden.astype(state.prefix_hidden.dtype), mode="drop")
-        deep = forward(params, config, full, inp.positions, key_mask=inp.attn_mask, cache=shallow.cache,
-                       layers=(self.depth, config.n_layers), logits_at=block_logit_index(inp, block_start, 0, b),
-                       kernels=inp.kernels)
+        rows = jnp.arange(b)[:, None]
+        if state.deep is None:
+            splice = state.writes | (state.window == inp.prompt_len - 1)
+            at = jnp.where(splice, state.window, x.shape[1])
+        else:
+            at = state.splice_at
+        full = state.prefix_hidden.at[rows, at].set(shallow.hidden.astype(state.prefix_hidden.dtype), mode="drop")
+        if state.deep is None:
+            deep = forward(params, config, full, inp.positions, key_mask=inp.attn_mask, cache=shallow.cache,
+                           layers=(self.depth, config.n_layers), logits_at=block_logit_index(inp, block_start, 0, b),
+                           kernels=inp.kernels)
+        else:
+            first = jnp.reshape(state.block_index + (block_start - state.block_col), (-1, 1))
+            logits_at = jnp.maximum(first + jnp.arange(inp.block_length) - inp.shift, 0)
+            deep = forward(params, config, full, gather_rows(inp.positions, state.deep), key_mask=inp.attn_mask,
+                           cache=shallow.cache, write=CacheWrite.scatter(state.deep, state.deep_writes),
+                           layers=(self.depth, config.n_layers), logits_at=logits_at, kernels=inp.kernels)
         return deep.logits, dataclasses.replace(state, kv=deep.cache)
 
