@@ -137,6 +137,20 @@ class Engine:
         any, says how a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier
         prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). Raises
         RequestError for bad input and QueueFull when the queue is at its bound, before any device work."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        req = self.plan_request(prompt, config, affix, rid)
+        req.seed, req.on_block, req.key = seed, on_block, seed_key(seed)
+        self.scheduler.add(req)
+        self._requests[rid] = req
+        self.counters["requests"] += 1
+        return rid
+
+    def plan_request(self, prompt: Sequence[int], config: GenerationConfig | None = None, affix: Any = "auto",
+                     request_id: str = "planned", remember: bool = True) -> Request:
+        """The checked request `add_request` would queue (RequestError otherwise), with its affix span resolved
+        and, for BiCache, its depth; not queued. remember=False: affix discovery does not record the prompt."""
         gc = config or GenerationConfig(cache=CacheConfig("dual"))
         prompt = [int(t) for t in prompt]
         self._check_config(gc)
@@ -144,21 +158,13 @@ class Engine:
         if len(prompt) + gc.schedule.gen_length > self.max_len:
             raise RequestError(f"prompt of {len(prompt)} tokens + gen_length {gc.schedule.gen_length} exceeds the "
                                f"engine's maximum length {self.max_len}")
-        span = self._affix_span(prompt, gc, affix)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._requests:
-            raise RequestError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, gc, span, seed, on_block)
-        if gc.cache.affix is not None and span is not None and isinstance(gc.cache.affix, Shallow):
+        req = Request(request_id, prompt, gc, self._affix_span(prompt, gc, affix, remember))
+        if isinstance(req.technique, Shallow):
             req.depth = self._depth(req)
         if not self.scheduler.fits_ever(req):
-            raise RequestError(f"request {rid} needs {pages_for(req.private_tokens(), self.config.page_size)} pages "
-                               f"(plus its affix), more than the whole pool's {self.block_manager.num_pages}")
-        self.scheduler.add(req)
-        req.key = seed_key(seed)
-        self._requests[rid] = req
-        self.counters["requests"] += 1
-        return rid
+            raise RequestError(f"request {request_id} needs {pages_for(req.private_tokens(), self.config.page_size)} "
+                               f"pages (plus its affix), more than the whole pool's {self.block_manager.num_pages}")
+        return req
 
     def _check_tokens(self, toks: Sequence[int], what: str) -> None:
         if len(toks) == 0:
@@ -180,7 +186,8 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def _affix_span(self, prompt: list[int], gc: GenerationConfig, affix) -> tuple[int, int] | None:
+    def _affix_span(self, prompt: list[int], gc: GenerationConfig, affix, remember: bool = True
+                    ) -> tuple[int, int] | None:
         if affix is None or gc.cache.affix is None:
             return None
         if isinstance(affix, AffixHandle):
@@ -193,7 +200,7 @@ class Engine:
                 raise RequestError(f"affix={affix!r}: expected 'auto', a handle, a (start, end) span or None")
             if not self.config.auto_affix:
                 return None
-            match = self.affixes.observe(prompt)
+            match = self.affixes.observe(prompt) if remember else self.affixes.match(prompt)
             return None if match is None else (match.start, match.end)
         try:
             s, e = (int(v) for v in affix)
@@ -207,8 +214,11 @@ class Engine:
         from dllm_jax.decoding.caches.bicache import batch_depth
 
         t = req.config.cache.affix
-        return batch_depth(self.model.config, [req.affix_span], [len(req.prompt)], req.gen_length, t.depth,
-                           dict(t.table) if t.table else None)
+        try:
+            return batch_depth(self.model.config, [req.affix_span], [len(req.prompt)], req.gen_length, t.depth,
+                               dict(t.table) if t.table else None)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     # ---- running ------------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -328,19 +338,7 @@ class Engine:
         up to max_batch. Nothing is written to the pool. Returns the XLA compilations it took."""
         before = backend_compiles()
         seed_key(0)  # the tiny program that turns a seed into a key, compiled once here
-        reqs = []
-        for prompt, config, affix in samples:
-            gc = config or GenerationConfig(cache=CacheConfig("dual"))
-            self._check_config(gc)
-            prompt = [int(t) for t in prompt]
-            span = self._affix_span(prompt, gc, affix) if affix != "auto" else None
-            if affix == "auto" and gc.cache.affix is not None:  # what discovery would find, without remembering
-                m = self.affixes.match(prompt)
-                span = None if m is None else (m.start, m.end)
-            req = Request("warmup", prompt, gc, span)
-            if span is not None and isinstance(gc.cache.affix, Shallow):
-                req.depth = self._depth(req)
-            reqs.append(req)
+        reqs = [self.plan_request(prompt, config, affix, "warmup", remember=False) for prompt, config, affix in samples]
         shapes = []
         for r in reqs:  # what each request needs alone (the probe reads the whole affix as shared)
             shares = r.technique is not None and (r.shares_affix or r.anchor_count)

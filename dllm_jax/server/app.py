@@ -24,8 +24,8 @@ from dllm_jax.engine.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
 from dllm_jax.server.metrics import ServerMetrics
-from dllm_jax.server.protocol import (AffixMessage, AffixText, APIError, ChatRequest, CompletionRequest, Diffusion,
-                                      completion_body, new_id, parse, usage)
+from dllm_jax.server.protocol import (AffixMessage, AffixSpan, AffixText, APIError, ChatRequest, CompletionRequest,
+                                      Diffusion, completion_body, new_id, parse, usage)
 from dllm_jax.server.service import EngineService
 
 
@@ -231,6 +231,8 @@ def _affix(req: Diffusion, prompt: list[int], tokenizer) -> Any:
         return "auto"
     if req.affix == "none":
         return None
+    if isinstance(req.affix, AffixSpan):
+        return req.affix.start, req.affix.end  # the engine checks it against the prompt
     if isinstance(req.affix, AffixMessage):
         messages = getattr(req, "messages", None)
         if messages is None or req.affix.message >= len(messages):

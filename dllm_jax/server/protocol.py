@@ -7,8 +7,8 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   affix_technique  "none" (exact: the dual cache), "naive" or "anchors" (ACache): how a shared affix is reused
   anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact)
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
-                   repeated across requests), "none", {"text": "..."} (completions: a part of the prompt) or
-                   {"message": i} (chat: the content of message i)
+                   repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
+                   {"message": i} (chat: the content of message i) or {"start": s, "end": e} (token positions)
 OpenAI fields this engine has no use for are accepted at their neutral values (logprobs null, echo false,
 penalties 0, ...) and refused otherwise; unknown fields are refused, naming them (a typo never passes silently).
 `temperature` defaults to 0 (greedy, as LLaDA's and Dream's own generate), not the API's 1: set it to sample.
@@ -39,6 +39,14 @@ class AffixMessage(BaseModel):
     message: int = Field(ge=0)
 
 
+class AffixSpan(BaseModel):
+    """Token positions [start, end) of the prompt (for prompts sent as token ids)."""
+
+    model_config = ConfigDict(extra="forbid")
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+
 class Diffusion(BaseModel):
     """The fields both endpoints share."""
 
@@ -56,7 +64,7 @@ class Diffusion(BaseModel):
     threshold: float | None = Field(None, gt=0, le=1)
     affix_technique: Literal["none", "naive", "anchors"] | None = None
     anchor_ratio: float | None = Field(None, ge=0, le=1)
-    affix: Literal["auto", "none"] | AffixText | AffixMessage = "auto"
+    affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan = "auto"
 
     @field_validator("stop")
     @classmethod
