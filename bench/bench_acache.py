@@ -50,10 +50,14 @@ def requests(cfg, affix: list[int], batch: int, request_len: int, rng) -> list[l
 
 def gen_config(kind: str, value) -> GenerationConfig:
     """kind: "dual", "anchors" (value: the ratio) or "shallow" (value: the depth; None: the published table)."""
-    extra = {"dual": {}, "anchors": dict(affix="anchors", anchor_ratio=value),
-             "shallow": dict(affix="shallow", shallow_depth=value)}[kind]
-    return GenerationConfig.from_options(gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual",
-                                         stop_at_eos=False, **extra)
+    extra = {
+        "dual": {},
+        "anchors": dict(affix="anchors", anchor_ratio=value),
+        "shallow": dict(affix="shallow", shallow_depth=value),
+    }[kind]
+    return GenerationConfig.from_options(
+        gen_length=GEN, block_length=BLOCK, steps=STEPS, cache="dual", stop_at_eos=False, **extra
+    )
 
 
 def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple[float, int | None]:
@@ -66,11 +70,11 @@ def block_start_ms(model: Model, gc: GenerationConfig, prompts, shared) -> tuple
         state = strategy_for(gc.cache.mode).init(model.params, cfg, inp, x)
     else:  # the library's own set-up (caches/affix.py), as generate runs it
         spans, entry, prefix_entry = affix.resolve_spans(gc, cfg, prompts, None, shared)
-        a = affix.affix_inputs(gc, cfg, prompts, spans, entry, prefix_entry, np.asarray(inp.key_mask),
-                               inp.prompt_len, x.shape[1])
+        a = affix.affix_inputs(
+            gc, cfg, prompts, spans, entry, prefix_entry, np.asarray(inp.key_mask), inp.prompt_len, x.shape[1]
+        )
         depth = a.depth
-        state, _ = jax.jit(affix.initial_state, static_argnames=("config",))(model.params, cfg, inp, x,
-                                                                              inp.frozen, a)
+        state, _ = jax.jit(affix.initial_state, static_argnames=("config",))(model.params, cfg, inp, x, inp.frozen, a)
     strat = strategy_for(gc.cache.mode, gc.cache.affix_name, depth)
     bs = inp.prompt_len + 2 * gc.schedule.block_length
     call = common.fused_loop(lambda p, st: strat.block_start(p, cfg, inp, st, x, bs), model.params, state)
@@ -88,22 +92,43 @@ def bench_row(model: Model, kind: str, value, batch: int, prompts, shared, reps:
     ms_start, depth = block_start_ms(model, gc, prompts, kw.get("shared_affix"))
     a_len = len(shared["anchors"])
     own = len(prompts[0]) - a_len + GEN
-    window = {"dual": out.prompt_len + GEN, "anchors": (acache.anchor_count(a_len, value or 0.0) + own),
-              "shallow": own}[kind]  # shallow: layers < depth only; the others forward the whole buffer
+    window = {
+        "dual": out.prompt_len + GEN,
+        "anchors": (acache.anchor_count(a_len, value or 0.0) + own),
+        "shallow": own,
+    }[kind]  # shallow: layers < depth only; the others forward the whole buffer
     mode = "dual" if kind == "dual" else f"{kind}_{'table' if value is None else f'{value:g}'}"
-    return {"mode": mode, "kind": kind, "anchor_ratio": value if kind == "anchors" else None,
-            "shallow_depth": depth, "batch": batch, "seconds": sec, "nfe": out.nfe,
-            "tokens_per_s": batch * GEN / sec, "ms_per_nfe": 1e3 * sec / out.nfe, "ms_block_start": ms_start,
-            "block_start_window_tokens": window, "compile_s": max(first - sec, 0.0),
-            "attention": common.kernels(model, gc).attention}
+    return {
+        "mode": mode,
+        "kind": kind,
+        "anchor_ratio": value if kind == "anchors" else None,
+        "shallow_depth": depth,
+        "batch": batch,
+        "seconds": sec,
+        "nfe": out.nfe,
+        "tokens_per_s": batch * GEN / sec,
+        "ms_per_nfe": 1e3 * sec / out.nfe,
+        "ms_block_start": ms_start,
+        "block_start_window_tokens": window,
+        "compile_s": max(first - sec, 0.0),
+        "attention": common.kernels(model, gc).attention,
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
     batches = sorted({r["batch"] for r in rows})
-    series = [(m, [next((r["tokens_per_s"] for r in rows if r["mode"] == m and r["batch"] == b), 0) for b in batches])
-              for m in dict.fromkeys(r["mode"] for r in rows)]
-    common.grouped_bars(path, [f"batch {b}" for b in batches], series, "tokens / s",
-                        "shared-affix caches vs dual cache (shared affix built once; this run's rows)", log=True)
+    series = [
+        (m, [next((r["tokens_per_s"] for r in rows if r["mode"] == m and r["batch"] == b), 0) for b in batches])
+        for m in dict.fromkeys(r["mode"] for r in rows)
+    ]
+    common.grouped_bars(
+        path,
+        [f"batch {b}" for b in batches],
+        series,
+        "tokens / s",
+        "shared-affix caches vs dual cache (shared affix built once; this run's rows)",
+        log=True,
+    )
 
 
 def main(argv=None) -> int:
@@ -111,8 +136,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llada-8b", choices=list(common.MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2])
-    ap.add_argument("--shallow-depths", nargs="*", default=["table"],
-                    help="BiCache rows: depths, or 'table' for the paper's table (LLaDA-8B / Dream-7B only)")
+    ap.add_argument(
+        "--shallow-depths",
+        nargs="*",
+        default=["table"],
+        help="BiCache rows: depths, or 'table' for the paper's table (LLaDA-8B / Dream-7B only)",
+    )
     ap.add_argument("--affix-len", type=int, default=1024)
     ap.add_argument("--request-len", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
@@ -135,12 +164,17 @@ def main(argv=None) -> int:
         shared[kind] = build(model.params, cfg, affix_ids)
         jax.block_until_ready(shared[kind].k if kind == "anchors" else shared[kind].hidden)
         build_ms[kind] = 1e3 * (time.perf_counter() - t0)
-    print(f"[{time.perf_counter() - t_start:5.0f}s] {args.model} ready; shared affix of {args.affix_len} tokens "
-          f"built in {build_ms['anchors']:.1f} ms (K/V) / {build_ms['shallow']:.1f} ms (+ hidden states), once",
-          flush=True)
+    print(
+        f"[{time.perf_counter() - t_start:5.0f}s] {args.model} ready; shared affix of {args.affix_len} tokens "
+        f"built in {build_ms['anchors']:.1f} ms (K/V) / {build_ms['shallow']:.1f} ms (+ hidden states), once",
+        flush=True,
+    )
     rows, skipped = [], []
-    kinds = ([("dual", None)] + [("anchors", r) for r in args.ratios]
-             + [("shallow", None if d == "table" else int(d)) for d in args.shallow_depths])
+    kinds = (
+        [("dual", None)]
+        + [("anchors", r) for r in args.ratios]
+        + [("shallow", None if d == "table" else int(d)) for d in args.shallow_depths]
+    )
     plan = [(b, kind, value) for b in args.batches for kind, value in kinds]
     for batch, kind, value in plan:
         mode = f"{kind} {value}"
@@ -160,9 +194,12 @@ def main(argv=None) -> int:
             row["block_start_speedup_vs_dual"] = base["ms_block_start"] / row["ms_block_start"]
         rows.append(row)
         mode = row["mode"]
-        print(f"[{time.perf_counter() - t_start:5.0f}s] {mode:14s} b{batch:<3d} {row['tokens_per_s']:8.1f} tok/s "
-              f"NFE {row['nfe']}  start {row['ms_block_start']:7.2f} ms ({row['block_start_window_tokens']} tokens)"
-              f"  x{row.get('speedup_vs_dual', 1.0):.3f} vs dual  compile {row['compile_s']:.0f}s", flush=True)
+        print(
+            f"[{time.perf_counter() - t_start:5.0f}s] {mode:14s} b{batch:<3d} {row['tokens_per_s']:8.1f} tok/s "
+            f"NFE {row['nfe']}  start {row['ms_block_start']:7.2f} ms ({row['block_start_window_tokens']} tokens)"
+            f"  x{row.get('speedup_vs_dual', 1.0):.3f} vs dual  compile {row['compile_s']:.0f}s",
+            flush=True,
+        )
         save(args, rows, skipped, build_ms)
     path = save(args, rows, skipped, build_ms)
     plot(rows, path.with_suffix(".png"))
@@ -171,11 +208,20 @@ def main(argv=None) -> int:
 
 
 def save(args, rows, skipped, build_ms) -> Path:
-    meta = common.meta(model=args.model, weights="random bf16", affix_length=args.affix_len,
-                       request_length=args.request_len, gen_length=GEN, block_length=BLOCK, steps=STEPS,
-                       placement="prefix", shared_build_ms=build_ms, skipped=skipped,
-                       schedule="fixed 64 steps (8 per block), stop_at_eos off, dual cache inside blocks",
-                       baseline="dual (full recompute at block starts) in the same run")
+    meta = common.meta(
+        model=args.model,
+        weights="random bf16",
+        affix_length=args.affix_len,
+        request_length=args.request_len,
+        gen_length=GEN,
+        block_length=BLOCK,
+        steps=STEPS,
+        placement="prefix",
+        shared_build_ms=build_ms,
+        skipped=skipped,
+        schedule="fixed 64 steps (8 per block), stop_at_eos off, dual cache inside blocks",
+        baseline="dual (full recompute at block starts) in the same run",
+    )
     name = "acache_h200.json" if not common.SMOKE_ON_CPU else "acache_cpu_smoke.json"
     return common.write_results(name, meta, rows, args.out, args.run)
 

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tools import common, trace  # noqa: E402
+from tools.shapes import ATTENTION_BENCH_SHAPES  # noqa: E402
 
 # package imports (re-point here when the package moves)
 from pallas_kernels import slot_attention as sa  # noqa: E402  slot_attention, slot_attention_reference, BlockSizes
-from tools.shapes import ATTENTION_BENCH_SHAPES  # noqa: E402
 
 SMOKE = common.SMOKE_ON_CPU  # tiny shapes, the kernel interpreted
 FA3_TILINGS = ((64, 64, 2), (64, 128, 2), (64, 64, 4), (64, 128, 3))  # (block_q, block_kv, stages)
@@ -55,10 +55,12 @@ def make_inputs(shape, seed=0):
 
 def chain(fn, inner):
     """jit of `inner` dependent calls: q <- fn(q, *rest)."""
+
     def run(q, *rest):
         for _ in range(inner):
             q = fn(q, *rest)
         return q
+
     return jax.jit(run)
 
 
@@ -71,6 +73,7 @@ def time_us(f, args, inner, outer, repeats):
         for _ in range(outer):
             out = f(*args)
         out.block_until_ready()
+
     return 1e6 * common.time_call(calls, reps=repeats)[0] / (inner * outer)
 
 
@@ -112,8 +115,14 @@ def mgpu_fa3(q, k, v, ref, inner, timing):
 
 def bench_shape(shape, inner, timing, fa3=False) -> dict:
     q, kc, vc, kp, vp, table, ql, kl = make_inputs(shape)
-    bs = sa.BlockSizes.get_default(batch=shape.batch, q_len=shape.q_len, kv_len=shape.kv_len,
-                                   q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim)
+    bs = sa.BlockSizes.get_default(
+        batch=shape.batch,
+        q_len=shape.q_len,
+        kv_len=shape.kv_len,
+        q_heads=shape.q_heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+    )
 
     def attn(q_, k_, v_, t_):
         return sa.slot_attention(q_, k_, v_, t_, ql, kl, block_sizes=bs, interpret=SMOKE)
@@ -126,24 +135,30 @@ def bench_shape(shape, inner, timing, fa3=False) -> dict:
         return cudnn(q_, jnp.take(kp_, t_, axis=0), jnp.take(vp_, t_, axis=0))
 
     ref = sa.slot_attention_reference(q, kp, vp, table, ql, kl)
-    timed = {"pallas": (chain(attn, inner), (q, kp, vp, table)),
-             "pallas_contiguous": (chain(lambda q_, k_, v_: attn(q_, k_, v_, None), inner), (q, kc, vc)),
-             "cudnn_contiguous": (chain(cudnn, inner), (q, kc, vc)),
-             "xla_gather_cudnn": (chain(gather_cudnn, inner), (q, kp, vp, table))}
+    timed = {
+        "pallas": (chain(attn, inner), (q, kp, vp, table)),
+        "pallas_contiguous": (chain(lambda q_, k_, v_: attn(q_, k_, v_, None), inner), (q, kc, vc)),
+        "cudnn_contiguous": (chain(cudnn, inner), (q, kc, vc)),
+        "xla_gather_cudnn": (chain(gather_cudnn, inner), (q, kp, vp, table)),
+    }
     row = {"case": shape.case, **shape._asdict(), "block_sizes": repr(bs)}
     for key, (f, args) in timed.items():
         row[f"{key}_us"] = round(time_us(f, args, inner, **timing), 2)
     for key in ("pallas", "cudnn_contiguous", "xla_gather_cudnn"):
         row[f"{key}_device_us"] = device_us(*timed[key], inner)
-    row.update(rel_err=rel_err(attn(q, kp, vp, table), ref), rel_err_contiguous=rel_err(attn(q, kc, vc, None), ref),
-               rel_err_cudnn=rel_err(cudnn(q, kc, vc), ref))
+    row.update(
+        rel_err=rel_err(attn(q, kp, vp, table), ref),
+        rel_err_contiguous=rel_err(attn(q, kc, vc, None), ref),
+        rel_err_cudnn=rel_err(cudnn(q, kc, vc), ref),
+    )
     ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
     for base, suffix in (("cudnn_contiguous", "cudnn"), ("xla_gather_cudnn", "gather_cudnn")):
         row[f"speedup_vs_{suffix}"] = ratio(row[f"{base}_us"], row["pallas_us"])
         row[f"speedup_vs_{suffix}_device"] = ratio(row[f"{base}_device_us"], row["pallas_device_us"])
     if fa3:
         row["mgpu_fa3_contiguous_us"], row["mgpu_fa3_config"], row["rel_err_mgpu_fa3"] = mgpu_fa3(
-            q, kc, vc, ref, inner, timing)
+            q, kc, vc, ref, inner, timing
+        )
     return row
 
 
@@ -152,13 +167,24 @@ def plot(rows: list[dict], path: Path) -> None:
     where the row has it."""
     newest = list({r["case"]: r for r in rows}.values())
     best = lambda r, k: r.get(f"{k}_device_us") or r.get(f"{k}_us")  # noqa: E731
-    series = [(label, [best(r, k) for r in newest]) for k, label in (
-        ("pallas", "slot kernel (gather inside)"), ("cudnn_contiguous", "cuDNN, contiguous K/V"),
-        ("xla_gather_cudnn", "XLA gather + cuDNN"))]
+    series = [
+        (label, [best(r, k) for r in newest])
+        for k, label in (
+            ("pallas", "slot kernel (gather inside)"),
+            ("cudnn_contiguous", "cuDNN, contiguous K/V"),
+            ("xla_gather_cudnn", "XLA gather + cuDNN"),
+        )
+    ]
     if any(r.get("mgpu_fa3_contiguous_us") for r in newest):
         series.append(("jax FA3 (Mosaic GPU), contiguous", [r.get("mgpu_fa3_contiguous_us") for r in newest]))
-    common.grouped_bars(path, [r["case"] for r in newest], series, "us per call (device time where traced)",
-                        "attention, bf16, head_dim 128", log=True)
+    common.grouped_bars(
+        path,
+        [r["case"] for r in newest],
+        series,
+        "us per call (device time where traced)",
+        "attention, bf16, head_dim 128",
+        log=True,
+    )
 
 
 def main(argv=None):
@@ -174,20 +200,28 @@ def main(argv=None):
     t_start = time.time()
     shapes = ATTENTION_BENCH_SHAPES
     if SMOKE:  # tiny shapes, one of each kind
-        shapes = [s._replace(batch=1, q_len=min(s.q_len, 32), kv_len=64, q_heads=s.q_heads // 4,
-                             kv_heads=max(1, s.kv_heads // 4)) for s in shapes[::3]]
+        shapes = [
+            s._replace(
+                batch=1, q_len=min(s.q_len, 32), kv_len=64, q_heads=s.q_heads // 4, kv_heads=max(1, s.kv_heads // 4)
+            )
+            for s in shapes[::3]
+        ]
     shapes = [s for s in shapes if not args.shapes or any(x in s.case for x in args.shapes.split(","))]
     timing = dict(outer=args.outer, repeats=args.repeats)
-    meta = common.meta(dtype="bfloat16", timing=f"median of {args.repeats} x ({args.outer} dispatches x "
-                                                f"{args.inner} chained calls)")
+    meta = common.meta(
+        dtype="bfloat16", timing=f"median of {args.repeats} x ({args.outer} dispatches x {args.inner} chained calls)"
+    )
     out = Path(args.out)
     rows = []
     for shape in shapes:
         rows.append(bench_shape(shape, args.inner, timing, args.fa3))
         r = rows[-1]
-        print(f"{r['case']:30s} pallas {r['pallas_us']:8.1f} us  cudnn {r['cudnn_contiguous_us']:8.1f}  gather+cudnn "
-              f"{r['xla_gather_cudnn_us']:8.1f}  device: pallas {r['pallas_device_us']} cudnn "
-              f"{r['cudnn_contiguous_device_us']} x{r['speedup_vs_cudnn_device']}  err {r['rel_err']:.1e}", flush=True)
+        print(
+            f"{r['case']:30s} pallas {r['pallas_us']:8.1f} us  cudnn {r['cudnn_contiguous_us']:8.1f}  gather+cudnn "
+            f"{r['xla_gather_cudnn_us']:8.1f}  device: pallas {r['pallas_device_us']} cudnn "
+            f"{r['cudnn_contiguous_device_us']} x{r['speedup_vs_cudnn_device']}  err {r['rel_err']:.1e}",
+            flush=True,
+        )
         path = common.write_results(out.name, meta, rows, out.parent, args.run)
     plot(json.loads(path.read_text())["rows"], out.with_suffix(".png"))
     print(f"wrote {out} in {time.time() - t_start:.0f} s")

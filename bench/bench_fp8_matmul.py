@@ -86,10 +86,19 @@ def bench_shape(model, m, n, k) -> dict:
     rows = min(m, 2048)  # the fp32 HIGHEST-precision reference over 16384 rows takes minutes
     xq, xs, wq, ws = sets[0]["q"]
     y = fp8(xq, xs, wq, ws)[:rows]
-    row["rel_err"] = float(jnp.max(jnp.abs(y.astype(jnp.float32) - (ref := F.fp8_matmul_reference(
-        xq[:rows], xs[:rows], wq, ws, out_dtype=jnp.float32)))) / jnp.max(jnp.abs(ref)))
-    nk = timeit(lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16),
-                [(s["x"], s["w"]) for s in sets])
+    row["rel_err"] = float(
+        jnp.max(
+            jnp.abs(
+                y.astype(jnp.float32)
+                - (ref := F.fp8_matmul_reference(xq[:rows], xs[:rows], wq, ws, out_dtype=jnp.float32))
+            )
+        )
+        / jnp.max(jnp.abs(ref))
+    )
+    nk = timeit(
+        lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16),
+        [(s["x"], s["w"]) for s in sets],
+    )
     kn = timeit(lambda x, wt: jnp.dot(x, wt, preferred_element_type=jnp.bfloat16), [(s["x"], s["w"].T) for s in sets])
     row["xla_bf16_us"] = min(nk[0], kn[0])
     row["xla_bf16_device_us"] = min((d for d in (nk[1], kn[1]) if d), default=None)
@@ -98,10 +107,13 @@ def bench_shape(model, m, n, k) -> dict:
     except Exception as e:  # noqa: BLE001  (not every backend has an e4m3 GEMM)
         row["xla_fp8_per_tensor_us"], row["xla_fp8_error"] = None, repr(e)[:200]
     flops = 2.0 * m * n * k
-    row.update(fp8_tflops=flops / row["fp8_us"] / 1e6, xla_bf16_tflops=flops / row["xla_bf16_us"] / 1e6,
-               speedup_vs_bf16=row["xla_bf16_us"] / row["fp8_us"],
-               floor_bytes_us=(m * k + n * k + 2 * m * n) / common.HBM_BYTES_PER_S * 1e6,
-               floor_flops_us=flops / common.FP8_FLOPS_PER_S * 1e6)
+    row.update(
+        fp8_tflops=flops / row["fp8_us"] / 1e6,
+        xla_bf16_tflops=flops / row["xla_bf16_us"] / 1e6,
+        speedup_vs_bf16=row["xla_bf16_us"] / row["fp8_us"],
+        floor_bytes_us=(m * k + n * k + 2 * m * n) / common.HBM_BYTES_PER_S * 1e6,
+        floor_flops_us=flops / common.FP8_FLOPS_PER_S * 1e6,
+    )
     for key in ("device", "kernel"):
         mine, bf16 = row[f"fp8_{key}_us"], row["xla_bf16_device_us"]
         row[f"speedup_vs_bf16_{key}"] = bf16 / mine if mine and bf16 else None
@@ -121,9 +133,11 @@ def plot(rows, path):
     for ax, key in zip(axes[0], keys):
         rs = sorted((r for r in newest if (r["model"], r["N"], r["K"]) == key), key=lambda r: r["M"])
         tf = lambda r, *ks: next((2 * r["M"] * r["N"] * r["K"] / r[k] / 1e6 for k in ks if r.get(k)), None)  # noqa
-        for ks, style, label in ((("fp8_device_us", "fp8_us"), "o-", "FP8 block-scaled (ours)"),
-                                 (("xla_bf16_device_us", "xla_bf16_us"), "s-", "XLA bf16"),
-                                 (("xla_fp8_per_tensor_us",), "^-", "XLA fp8 per-tensor (wall)")):
+        for ks, style, label in (
+            (("fp8_device_us", "fp8_us"), "o-", "FP8 block-scaled (ours)"),
+            (("xla_bf16_device_us", "xla_bf16_us"), "s-", "XLA bf16"),
+            (("xla_fp8_per_tensor_us",), "^-", "XLA fp8 per-tensor (wall)"),
+        ):
             ax.plot([r["M"] for r in rs], [tf(r, *ks) for r in rs], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set(title=f"{key[0]} N={key[1]} K={key[2]}", xlabel="M", ylabel="TFLOP/s (device time where traced)")
@@ -143,20 +157,29 @@ def main(argv=None):
     ap.add_argument("--out", default=str(common.RESULTS / "fp8_matmul_h200.json"))
     a = ap.parse_args(argv)
     wanted = None if a.shapes is None else {tuple(map(int, sh.split("x"))) for sh in a.shapes.split(",")}
-    plan = [(m, model, n, k) for m in map(int, a.ms.split(",")) for model in a.models.split(",")
-            for (n, k) in SHAPES[model] if wanted is None or (n, k) in wanted]
+    plan = [
+        (m, model, n, k)
+        for m in map(int, a.ms.split(","))
+        for model in a.models.split(",")
+        for (n, k) in SHAPES[model]
+        if wanted is None or (n, k) in wanted
+    ]
     if not plan:
         ap.error(f"no shape of {a.models} matches --shapes {a.shapes}")
-    meta = common.meta(timing=f"median of 5 timed runs of a jit over {R} rotating input sets, / {R}",
-                       floors="bytes at 4.3 TB/s (fp8 x, fp8 w, bf16 y); flops at 1979 TFLOP/s dense e4m3")
+    meta = common.meta(
+        timing=f"median of 5 timed runs of a jit over {R} rotating input sets, / {R}",
+        floors="bytes at 4.3 TB/s (fp8 x, fp8 w, bf16 y); flops at 1979 TFLOP/s dense e4m3",
+    )
     out, rows, t0 = Path(a.out), [], time.perf_counter()
     for i, (m, model, n, k) in enumerate(plan):  # M outermost: the block-step rows finish first
         print(f"[{i + 1}/{len(plan)} {time.perf_counter() - t0:5.0f}s] {model} M={m} N={n} K={k}", flush=True)
         rows.append(bench_shape(model, m, n, k))
         r = rows[-1]
-        print(f"    fp8 {r['fp8_us']:.1f} us wall, {r['fp8_device_us']} device, {r['fp8_kernel_us']} kernel; "
-              f"bf16 {r['xla_bf16_us']:.1f} wall, {r['xla_bf16_device_us']} device; rel_err {r['rel_err']:.1e}",
-              flush=True)
+        print(
+            f"    fp8 {r['fp8_us']:.1f} us wall, {r['fp8_device_us']} device, {r['fp8_kernel_us']} kernel; "
+            f"bf16 {r['xla_bf16_us']:.1f} wall, {r['xla_bf16_device_us']} device; rel_err {r['rel_err']:.1e}",
+            flush=True,
+        )
         path = common.write_results(out.name, meta, rows, out.parent, a.run)
     plot(json.loads(path.read_text())["rows"], out.with_suffix(".png"))
     print(f"wrote {out}")

@@ -56,15 +56,16 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int, loop: int = 0,
     opts = compiler_options(cfg, gc, batch)
     out = {}
     for kind, fn in (("start", strat.block_start), ("step", strat.step)):
-        call = common.fused_loop(lambda p, st, fn=fn: fn(p, cfg, inp, st, x, bs), model.params,
-                                 strat.init(model.params, cfg, inp, x), opts)
-        t8, _ = common.time_call(lambda: call(FUSED), reps=3)
+        call = common.fused_loop(
+            lambda p, st, fn=fn: fn(p, cfg, inp, st, x, bs), model.params, strat.init(model.params, cfg, inp, x), opts
+        )
+        t8, _ = common.time_call(lambda call=call: call(FUSED), reps=3)
         out[f"ms_block_{kind}"] = 1e3 * t8 / FUSED
         if kind == "step" and loop > FUSED:
-            t_long, _ = common.time_call(lambda: call(loop), reps=3)
+            t_long, _ = common.time_call(lambda call=call: call(loop), reps=3)
             out.update(ms_block_step_loop=1e3 * (t_long - t8) / (loop - FUSED), loop_steps=loop)
         if kind == "step" and traced:
-            out["trace_block_step"] = trace.kernel_breakdown(lambda: call(FUSED), per=FUSED)
+            out["trace_block_step"] = trace.kernel_breakdown(lambda call=call: call(FUSED), per=FUSED)
     return out
 
 
@@ -72,14 +73,26 @@ def floors(model: Model, batch: int) -> dict:
     cfg = model.config
     stored = common.param_bytes(model.params) - common.param_bytes(model.params["embed"])
     kv = 2 * cfg.n_layers * batch * (PROMPT + GEN) * cfg.n_kv_heads * cfg.head_dim * 2
-    return {"ms_floor_hbm": 1e3 * (stored + kv) / common.HBM_BYTES_PER_S,
-            "ms_floor_compute": 1e3 * 2 * common.weight_count(cfg) * batch * BLOCK / common.BF16_FLOPS_PER_S}
+    return {
+        "ms_floor_hbm": 1e3 * (stored + kv) / common.HBM_BYTES_PER_S,
+        "ms_floor_compute": 1e3 * 2 * common.weight_count(cfg) * batch * BLOCK / common.BF16_FLOPS_PER_S,
+    }
 
 
-def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, reps: int, loop: int = 0,
-              traced: bool = False, **overrides) -> dict:
-    gc = GenerationConfig.from_options(gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False,
-                                       **overrides)
+def bench_one(
+    model: Model,
+    name: str,
+    mode: str,
+    batch: int,
+    steps: int,
+    reps: int,
+    loop: int = 0,
+    traced: bool = False,
+    **overrides,
+) -> dict:
+    gc = GenerationConfig.from_options(
+        gen_length=GEN, block_length=BLOCK, steps=steps, cache=mode, stop_at_eos=False, **overrides
+    )
     rng = np.random.default_rng(batch)  # the same prompts for a row and its twins
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
     tag = f"{name} {mode} b{batch} s{steps}{' fp8' if model.config.fp8_ffn else ''} {overrides or ''}"
@@ -88,17 +101,34 @@ def bench_one(model: Model, name: str, mode: str, batch: int, steps: int, reps: 
     first = time.perf_counter() - t0
     print(f"    {tag}: first generate {first:.1f}s (compile included)", flush=True)
     sec = float(np.median([generate(model, prompts, gc).seconds for _ in range(common.repeats(reps))]))
-    row = {"model": name, "mode": mode, "batch": batch, "steps": steps, "gen_length": GEN, "block_length": BLOCK,
-           "prompt_length": PROMPT, "tokens_per_s": batch * GEN / sec, "seconds": sec,
-           "ms_per_nfe": 1e3 * sec / out.nfe, "nfe": out.nfe, "compile_s": max(first - sec, 0.0),
-           **forward_times(model, gc, batch, loop, traced), **(floors(model, batch) if mode == "dual" else {}),
-           "fp8_ffn": bool(model.config.fp8_ffn), "weights": "fp8_ffn" if model.config.fp8_ffn else "bf16",
-           "attention": common.kernels(model, gc).attention, "rope_write": common.kernels(model, gc).rope_write,
-           "step_loop": gc.kernels.step_loop,
-           "date": common.now(), "comparison": None}
-    print(f"    {tag}: {row['tokens_per_s']:8.1f} tok/s  step {row['ms_block_step']:6.2f} ms  start "
-          f"{row['ms_block_start']:6.2f} ms  loop step {row.get('ms_block_step_loop', float('nan')):6.2f} ms",
-          flush=True)
+    row = {
+        "model": name,
+        "mode": mode,
+        "batch": batch,
+        "steps": steps,
+        "gen_length": GEN,
+        "block_length": BLOCK,
+        "prompt_length": PROMPT,
+        "tokens_per_s": batch * GEN / sec,
+        "seconds": sec,
+        "ms_per_nfe": 1e3 * sec / out.nfe,
+        "nfe": out.nfe,
+        "compile_s": max(first - sec, 0.0),
+        **forward_times(model, gc, batch, loop, traced),
+        **(floors(model, batch) if mode == "dual" else {}),
+        "fp8_ffn": bool(model.config.fp8_ffn),
+        "weights": "fp8_ffn" if model.config.fp8_ffn else "bf16",
+        "attention": common.kernels(model, gc).attention,
+        "rope_write": common.kernels(model, gc).rope_write,
+        "step_loop": gc.kernels.step_loop,
+        "date": common.now(),
+        "comparison": None,
+    }
+    print(
+        f"    {tag}: {row['tokens_per_s']:8.1f} tok/s  step {row['ms_block_step']:6.2f} ms  start "
+        f"{row['ms_block_start']:6.2f} ms  loop step {row.get('ms_block_step_loop', float('nan')):6.2f} ms",
+        flush=True,
+    )
     return row
 
 
@@ -107,8 +137,9 @@ def parse_twin(arg: str) -> tuple[str, object]:
     string."""
     field, sep, value = arg.partition("=")
     if not sep or field not in GenerationConfig.option_names():
-        raise SystemExit(f"--set / --twin: expected FIELD=VALUE with a GenerationConfig.from_options option, got "
-                         f"{arg!r}")
+        raise SystemExit(
+            f"--set / --twin: expected FIELD=VALUE with a GenerationConfig.from_options option, got {arg!r}"
+        )
     low = value.lower()
     for cast in (int, float):
         try:
@@ -127,11 +158,19 @@ def newest_rows(rows: list[dict], steps: int = 64) -> dict:
 def plot(rows: list[dict], path: Path) -> None:
     latest = newest_rows(rows)
     keys = sorted({(m, b) for m, _, b in latest})
-    series = [(mode, [latest[(m, mode, b)]["tokens_per_s"] if (m, mode, b) in latest else 0 for m, b in keys])
-              for mode in ("none", "prefix", "dual")]
-    common.grouped_bars(path, [f"{m}\nbatch {b}" for m, b in keys], series, "tokens / s",
-                        "generate: prompt 256, gen 256, block 32, 64 steps (newest row per bar)",
-                        ref=(113, "Fast-dLLM PyTorch, dual, batch 1"), log=True)
+    series = [
+        (mode, [latest[(m, mode, b)]["tokens_per_s"] if (m, mode, b) in latest else 0 for m, b in keys])
+        for mode in ("none", "prefix", "dual")
+    ]
+    common.grouped_bars(
+        path,
+        [f"{m}\nbatch {b}" for m, b in keys],
+        series,
+        "tokens / s",
+        "generate: prompt 256, gen 256, block 32, 64 steps (newest row per bar)",
+        ref=(113, "Fast-dLLM PyTorch, dual, batch 1"),
+        log=True,
+    )
 
 
 def main() -> None:
@@ -145,12 +184,26 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="device time of a block step by kernel kind")
     ap.add_argument("--fp8-ffn", action="store_true", help="FFNs of layers >= 2 in e4m3 (LaCache's FP8 FFN)")
     ap.add_argument("--compare-bf16", action="store_true", help="with --fp8-ffn: the same weights in bf16 too")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a GenerationConfig.from_options option for every row (e.g. attention=cudnn)")
-    ap.add_argument("--twin", action="append", default=[], metavar="FIELD=VALUE",
-                    help="also time every row with this option changed, same process")
-    ap.add_argument("--layer-layout", choices=["auto", "stacked", "unrolled"], default="auto",
-                    help="stacked: scanned [L, ...] weights; unrolled: per-layer arrays (auto: the GPU's default)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a GenerationConfig.from_options option for every row (e.g. attention=cudnn)",
+    )
+    ap.add_argument(
+        "--twin",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="also time every row with this option changed, same process",
+    )
+    ap.add_argument(
+        "--layer-layout",
+        choices=["auto", "stacked", "unrolled"],
+        default="auto",
+        help="stacked: scanned [L, ...] weights; unrolled: per-layer arrays (auto: the GPU's default)",
+    )
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
     ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -161,10 +214,16 @@ def main() -> None:
     layer_layout = resolve_layer_layout(args.layer_layout)
     stacked = "_stacked" if args.layer_layout == "stacked" else ""
     name_json = f"generate{'_fp8' if args.fp8_ffn else ''}{stacked}_h200.json"
-    meta = common.meta(prompt_length=PROMPT, gen_length=GEN, block_length=BLOCK, weights="random bf16",
-                       layer_layout=layer_layout, schedule="fixed (steps given), stop_at_eos off",
-                       baseline="Fast-dLLM official PyTorch, same GPU kind, batch 1, steps 64: dual 98-113 tok/s, "
-                                "prefix 130-138, none 125.7; batch > 1 unsupported")
+    meta = common.meta(
+        prompt_length=PROMPT,
+        gen_length=GEN,
+        block_length=BLOCK,
+        weights="random bf16",
+        layer_layout=layer_layout,
+        schedule="fixed (steps given), stop_at_eos off",
+        baseline="Fast-dLLM official PyTorch, same GPU kind, batch 1, steps 64: dual 98-113 tok/s, "
+        "prefix 130-138, none 125.7; batch > 1 unsupported",
+    )
     t_start = time.perf_counter()
     rows, skipped = [], []
     for name in args.models:
@@ -183,25 +242,35 @@ def main() -> None:
                         skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps))
                         continue
                     reps = 1 if (mode == "none" and batch >= 8) or steps > 64 else args.reps
-                    timed = [(model, "", {})] + ([(bf16, "bf16", {})] if bf16 else []) + [
-                        (model, f"{f}={v}", {f: v}) for f, v in twins]
+                    timed = (
+                        [(model, "", {})]
+                        + ([(bf16, "bf16", {})] if bf16 else [])
+                        + [(model, f"{f}={v}", {f: v}) for f, v in twins]
+                    )
                     for m, label, overrides in timed:
                         try:
-                            row = bench_one(m, name, mode, batch, steps, reps, args.loop, args.trace,
-                                            **{**fixed, **overrides})
+                            row = bench_one(
+                                m, name, mode, batch, steps, reps, args.loop, args.trace, **{**fixed, **overrides}
+                            )
                         except Exception as e:  # noqa: BLE001  one failing row must not lose the run
                             print(f"FAILED {name} {mode} b{batch} s{steps} {label}: {type(e).__name__}: {e}")
-                            skipped.append(dict(model=name, mode=mode, batch=batch, steps=steps, twin=label,
-                                                error=str(e)[:300]))
+                            skipped.append(
+                                dict(model=name, mode=mode, batch=batch, steps=steps, twin=label, error=str(e)[:300])
+                            )
                             continue
                         if label:  # a same-run twin of the row before it
                             row["comparison"] = f"same-run {label}"
                             main_row = next((r for r in reversed(rows) if not r["comparison"]), None)
-                            if main_row is not None and (main_row["model"], main_row["mode"], main_row["batch"],
-                                                         main_row["steps"]) == (name, mode, batch, steps):
+                            if main_row is not None and (
+                                main_row["model"],
+                                main_row["mode"],
+                                main_row["batch"],
+                                main_row["steps"],
+                            ) == (name, mode, batch, steps):
                                 main_row[f"speedup_vs_{label}"] = row["seconds"] / main_row["seconds"]
-                                main_row[f"block_step_speedup_vs_{label}"] = (row["ms_block_step"]
-                                                                              / main_row["ms_block_step"])
+                                main_row[f"block_step_speedup_vs_{label}"] = (
+                                    row["ms_block_step"] / main_row["ms_block_step"]
+                                )
                         rows.append(row)
                         common.write_results(name_json, {**meta, "skipped": skipped}, rows, args.out, args.run)
         del model, bf16, params

@@ -30,16 +30,37 @@ from tools import common  # noqa: E402
 
 
 def write_synthetic(out: Path, d: int, layers: int, mlp: int, vocab: int, shard_bytes: int) -> int:
-    spec = dict(family="llada", vocab=vocab, d=d, heads=d // 128, kv=d // 128, layers=layers, mlp=mlp,
-                tied=False, theta=500000.0, eps=1e-5)
+    spec = dict(
+        family="llada",
+        vocab=vocab,
+        d=d,
+        heads=d // 128,
+        kv=d // 128,
+        layers=layers,
+        mlp=mlp,
+        tied=False,
+        theta=500000.0,
+        eps=1e-5,
+    )
     out.mkdir(parents=True, exist_ok=True)
-    names = [("model.transformer.wte.weight", (vocab, d)), ("model.transformer.ln_f.weight", (d,)),
-             ("model.transformer.ff_out.weight", (vocab, d))]
+    names = [
+        ("model.transformer.wte.weight", (vocab, d)),
+        ("model.transformer.ln_f.weight", (d,)),
+        ("model.transformer.ff_out.weight", (vocab, d)),
+    ]
     for i in range(layers):
         b = f"model.transformer.blocks.{i}."
-        names += [(b + "attn_norm.weight", (d,)), (b + "q_proj.weight", (d, d)), (b + "k_proj.weight", (d, d)),
-                  (b + "v_proj.weight", (d, d)), (b + "attn_out.weight", (d, d)), (b + "ff_norm.weight", (d,)),
-                  (b + "ff_proj.weight", (mlp, d)), (b + "up_proj.weight", (mlp, d)), (b + "ff_out.weight", (d, mlp))]
+        names += [
+            (b + "attn_norm.weight", (d,)),
+            (b + "q_proj.weight", (d, d)),
+            (b + "k_proj.weight", (d, d)),
+            (b + "v_proj.weight", (d, d)),
+            (b + "attn_out.weight", (d, d)),
+            (b + "ff_norm.weight", (d,)),
+            (b + "ff_proj.weight", (mlp, d)),
+            (b + "up_proj.weight", (mlp, d)),
+            (b + "ff_out.weight", (d, mlp)),
+        ]
     rng = np.random.default_rng(0)
     shard, size, n, total, weight_map = {}, 0, 0, 0, {}
 
@@ -58,8 +79,9 @@ def write_synthetic(out: Path, d: int, layers: int, mlp: int, vocab: int, shard_
         size += t.nbytes
         total += t.nbytes
     flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                         "weight_map": weight_map}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (out / "config.json").write_text(json.dumps(fixtures.hf_config(spec)))
     return total
 
@@ -91,21 +113,36 @@ def main() -> None:
             "from convert.cli import main\n"
             "code = main(sys.argv[1:])\n"
             "print('PEAK_ANON_KB', peak[0])\n"
-            "sys.exit(code)\n")
-        res = subprocess.run([sys.executable, "-c", probe, str(src), str(dst), "--quiet"], check=True,
-                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+            "sys.exit(code)\n"
+        )
+        res = subprocess.run(
+            [sys.executable, "-c", probe, str(src), str(dst), "--quiet"],
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+        )
         secs = time.perf_counter() - t0
         peak_total = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         peak = int(res.stdout.split("PEAK_ANON_KB")[1].split()[0]) * 1024
-    row = {"checkpoint_bytes": total, "peak_anon_rss_bytes": peak, "peak_total_rss_bytes": peak_total,
-           "ratio": peak / total, "seconds": secs,
-           "projected_llada_8b_peak_gb": 16.03 * peak / total,
-           "shape": dict(d=args.d, layers=args.layers, mlp=args.mlp, vocab=args.vocab)}
+    row = {
+        "checkpoint_bytes": total,
+        "peak_anon_rss_bytes": peak,
+        "peak_total_rss_bytes": peak_total,
+        "ratio": peak / total,
+        "seconds": secs,
+        "projected_llada_8b_peak_gb": 16.03 * peak / total,
+        "shape": dict(d=args.d, layers=args.layers, mlp=args.mlp, vocab=args.vocab),
+    }
     out = Path(args.out)
     common.write_results(out.name, common.meta(what="dllm-convert peak RSS, CPU"), [row], out.parent, args.run)
-    common.grouped_bars(out.with_suffix(".png"), ["checkpoint", "peak anonymous RSS", "peak total RSS"],
-                        [("GB", [total / 1e9, peak / 1e9, peak_total / 1e9])], "GB",
-                        f"dllm-convert on a {total / 1e9:.2f} GB synthetic LLaDA-layout checkpoint")
+    common.grouped_bars(
+        out.with_suffix(".png"),
+        ["checkpoint", "peak anonymous RSS", "peak total RSS"],
+        [("GB", [total / 1e9, peak / 1e9, peak_total / 1e9])],
+        "GB",
+        f"dllm-convert on a {total / 1e9:.2f} GB synthetic LLaDA-layout checkpoint",
+    )
     print(json.dumps(row, indent=2))
 
 

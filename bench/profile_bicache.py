@@ -35,7 +35,6 @@ from dllm_jax.decoding.generate import layout  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 
 
-
 def profile(model, n: int, gen_lengths, threshold: float, seed: int = 7):
     vocab = model.tokenizer.hf.get_vocab()
     sim_fn = jax.jit(bicache.kv_similarity, static_argnames=("config",))
@@ -47,11 +46,14 @@ def profile(model, n: int, gen_lengths, threshold: float, seed: int = 7):
                 rows = [G.render(p, pl, vocab) for p in G.generate(task, "heldout", n, seed=seed)]
                 prompts = [r.prompt for r in rows]
                 x, pos, km, frozen, p = layout(prompts, model.config, gc, [r.affix_span for r in rows])
-                s = sim_fn(model.params, model.config, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
-                           jnp.asarray(frozen))
+                s = sim_fn(
+                    model.params, model.config, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen)
+                )
                 sims.append(np.asarray(s))
-                ratios += [round(100 * (e - a) / (len(r.prompt) + gen))
-                           for r, (a, e) in zip(rows, (r.affix_span for r in rows))]
+                ratios += [
+                    round(100 * (e - a) / (len(r.prompt) + gen))
+                    for r, (a, e) in zip(rows, (r.affix_span for r in rows))
+                ]
     sims = np.concatenate(sims)
     return np.asarray(ratios), sims, bicache.depth_table_from_profile(ratios, sims, threshold)
 
@@ -70,8 +72,12 @@ def plot(ratios, sims, table, threshold, path: Path) -> None:
     buckets = sorted(set(ratios.tolist()))
     cmap = plt.get_cmap("viridis")
     for i, r in enumerate(buckets):
-        ax.plot(range(sims.shape[1]), sims[ratios == r].mean(0), color=cmap(i / max(1, len(buckets) - 1)),
-                label=f"r={r}" if i in (0, len(buckets) - 1) or r in table else None)
+        ax.plot(
+            range(sims.shape[1]),
+            sims[ratios == r].mean(0),
+            color=cmap(i / max(1, len(buckets) - 1)),
+            label=f"r={r}" if i in (0, len(buckets) - 1) or r in table else None,
+        )
     ax.axhline(threshold, color="gray", ls="--", lw=1, label=f"threshold {threshold}")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean cos(alone, in context) of K and V")
@@ -97,12 +103,19 @@ def main(argv=None) -> int:
         raise SystemExit("the profile renders the task generators' prompts: the model needs their tokenizer")
     ratios, sims, table = profile(model, args.n, args.gen_lengths, args.threshold)
     buckets = sorted(set(ratios.tolist()))
-    result = {"meta": common.meta(model=args.model or "bundled default", n_per_cell=args.n, dtype=args.dtype,
-                                  gen_lengths=args.gen_lengths, threshold=args.threshold, rows=int(len(ratios))),
-              "table": {str(k): v for k, v in table.items()},
-              "table_strict": {str(k): v for k, v in strict_table(ratios, sims, args.threshold).items()},
-              "mean_similarity_per_layer": {str(r): np.round(sims[ratios == r].mean(0), 5).tolist()
-                                            for r in buckets}}
+    result = {
+        "meta": common.meta(
+            model=args.model or "bundled default",
+            n_per_cell=args.n,
+            dtype=args.dtype,
+            gen_lengths=args.gen_lengths,
+            threshold=args.threshold,
+            rows=int(len(ratios)),
+        ),
+        "table": {str(k): v for k, v in table.items()},
+        "table_strict": {str(k): v for k, v in strict_table(ratios, sims, args.threshold).items()},
+        "mean_similarity_per_layer": {str(r): np.round(sims[ratios == r].mean(0), 5).tolist() for r in buckets},
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

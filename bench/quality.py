@@ -96,21 +96,25 @@ def run_mode(model, cells, mode: str, gen_kwargs: dict, batch: int, progress: bo
     it = range(n_chunks)
     if progress:
         from tqdm import tqdm
+
         it = tqdm(it, desc=f"{mode:12s}", unit="batch", leave=True, file=sys.stdout)
     for c in it:
-        chunk = rows[c * bs:(c + 1) * bs]
+        chunk = rows[c * bs : (c + 1) * bs]
         real = len(chunk)
         chunk = chunk + [chunk[-1]] * (bs - real)
-        out = generate(model, [r.prompt for _, r in chunk], gc, seed=0,
-                       affix_spans=[r.affix_span for _, r in chunk])
+        out = generate(model, [r.prompt for _, r in chunk], gc, seed=0, affix_spans=[r.affix_span for _, r in chunk])
         answers = answer_tokens(out.tokens, model.config, gc)
         for (ci, r), a in zip(chunk[:real], answers[:real]):
             correct[ci] += int(a == r.answer)
         nfe.append(out.nfe)
         seconds += out.seconds
-    return correct, {"nfe_per_batch_mean": float(np.mean(nfe)), "device_seconds": round(seconds, 3),
-                     "wall_seconds": round(time.time() - t0, 2), "batch": bs,
-                     "generation_options": {**gen_kwargs, **MODES[mode]}}
+    return correct, {
+        "nfe_per_batch_mean": float(np.mean(nfe)),
+        "device_seconds": round(seconds, 3),
+        "wall_seconds": round(time.time() - t0, 2),
+        "batch": bs,
+        "generation_options": {**gen_kwargs, **MODES[mode]},
+    }
 
 
 def plot(rows, modes, path: Path) -> None:
@@ -119,8 +123,9 @@ def plot(rows, modes, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = sorted({(r["task"], r["placement"]) for r in rows}, key=lambda c: (G.TASKS.index(c[0]),
-                                                                                G.PLACEMENTS.index(c[1])))
+    cells = sorted(
+        {(r["task"], r["placement"]) for r in rows}, key=lambda c: (G.TASKS.index(c[0]), G.PLACEMENTS.index(c[1]))
+    )
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cells)), 4.5))
     w = 0.8 / max(1, len(modes))
     for mi, mode in enumerate(modes):
@@ -146,10 +151,24 @@ def plot(rows, modes, path: Path) -> None:
     plt.close(fig)
 
 
-def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None, seed: int = 1234,
-        batch: int = 1024, gen_length: int = 8, block_length: int = 4, steps: int = 8, bucket: int = 160,
-        out: Path | None = None, plot_path: Path | None = None, progress: bool = True, dtype: str = "bfloat16",
-        append: bool = False):
+def run(
+    model_path=None,
+    n: int = 1000,
+    modes=None,
+    tasks=None,
+    placements=None,
+    seed: int = 1234,
+    batch: int = 1024,
+    gen_length: int = 8,
+    block_length: int = 4,
+    steps: int = 8,
+    bucket: int = 160,
+    out: Path | None = None,
+    plot_path: Path | None = None,
+    progress: bool = True,
+    dtype: str = "bfloat16",
+    append: bool = False,
+):
     """append: keep the rows of other modes already in `out` (same n, seed and dtype), replacing this run's."""
     modes = list(modes or MODES)
     tasks = list(tasks or G.TASKS)
@@ -158,16 +177,19 @@ def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None,
     model = dllm_jax.load(model_path, dtype=dtype)
     if model.tokenizer is None:
         raise SystemExit(f"{model_path} has no tokenizer files: the benchmark needs the task tokenizer")
-    gen_kwargs = dict(gen_length=gen_length, block_length=block_length, steps=steps, temperature=0.0,
-                      prompt_bucket=bucket)
+    gen_kwargs = dict(
+        gen_length=gen_length, block_length=block_length, steps=steps, temperature=0.0, prompt_bucket=bucket
+    )
     cells = build_cells(model, tasks, placements, n, seed)
     rows, mode_stats, kept, kept_stats, kept_modes = [], {}, [], {}, {}
     if append and out is not None and Path(out).exists():
         old = json.loads(Path(out).read_text())
         om = old["meta"]
         if (om.get("n_per_cell"), om.get("seed"), om.get("dtype")) != (n, seed, dtype):
-            raise SystemExit(f"--append: {out} has n={om.get('n_per_cell')} seed={om.get('seed')} "
-                             f"dtype={om.get('dtype')}, this run n={n} seed={seed} dtype={dtype}")
+            raise SystemExit(
+                f"--append: {out} has n={om.get('n_per_cell')} seed={om.get('seed')} "
+                f"dtype={om.get('dtype')}, this run n={n} seed={seed} dtype={dtype}"
+            )
         kept = [r for r in old["rows"] if r["mode"] not in modes]
         kept_stats = {m: st for m, st in om.get("mode_stats", {}).items() if m not in modes}
         kept_modes = {m: c for m, c in om.get("modes", {}).items() if m not in modes}
@@ -176,14 +198,35 @@ def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None,
         mode_stats[mode] = stats
         for (task, pl, rs), k in zip(cells, correct):
             lo, hi = wilson(int(k), len(rs))
-            rows.append({"model": model_path.name, "task": task, "placement": pl, "mode": mode,
-                         "accuracy": round(int(k) / len(rs), 4), "ci95": [round(lo, 4), round(hi, 4)],
-                         "n": len(rs), "correct": int(k)})
+            rows.append(
+                {
+                    "model": model_path.name,
+                    "task": task,
+                    "placement": pl,
+                    "mode": mode,
+                    "accuracy": round(int(k) / len(rs), 4),
+                    "ci95": [round(lo, 4), round(hi, 4)],
+                    "n": len(rs),
+                    "correct": int(k),
+                }
+            )
         if out is not None:  # partial results after every mode (a killed run keeps what it finished)
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps({"meta": {"partial": True, "mode_stats": {**kept_stats, **mode_stats},
-                                                      "n_per_cell": n, "seed": seed, "dtype": dtype,
-                                                      "modes": kept_modes}, "rows": kept + rows}))
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "meta": {
+                            "partial": True,
+                            "mode_stats": {**kept_stats, **mode_stats},
+                            "n_per_cell": n,
+                            "seed": seed,
+                            "dtype": dtype,
+                            "modes": kept_modes,
+                        },
+                        "rows": kept + rows,
+                    }
+                )
+            )
     rows, mode_stats = kept + rows, {**kept_stats, **mode_stats}
     modes = list(dict.fromkeys([r["mode"] for r in kept] + modes))
     # the naive-reuse gap: accuracy(dual) - accuracy(naive_affix) per cell
@@ -192,15 +235,27 @@ def run(model_path=None, n: int = 1000, modes=None, tasks=None, placements=None,
         for task, pl, _ in cells:
             a = {r["mode"]: r["accuracy"] for r in rows if r["task"] == task and r["placement"] == pl}
             gaps[f"{task}/{pl}"] = round(a["dual"] - a["naive_affix"], 4)
-    meta = {"model": str(model_path.relative_to(REPO) if model_path.is_relative_to(REPO) else model_path),
-            "n_per_cell": n, "seed": seed, "split": "heldout",
-            "modes": {**kept_modes, **{m: MODES[m] for m in modes if m not in kept_modes}},
-            "generation": gen_kwargs, "dtype": dtype, "device": str(jax.devices()[0].device_kind),
-            "backend": jax.default_backend(), "jax": jax.__version__, "host": platform.node(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode_stats": mode_stats,
-            "naive_reuse_gap_dual_minus_naive": gaps,
-            "placements": {"prefix": "[shared][request][gen]", "infix": "[request question][shared]"
-                           "[request instruction][gen]", "suffix": "[request][shared][gen]"}}
+    meta = {
+        "model": str(model_path.relative_to(REPO) if model_path.is_relative_to(REPO) else model_path),
+        "n_per_cell": n,
+        "seed": seed,
+        "split": "heldout",
+        "modes": {**kept_modes, **{m: MODES[m] for m in modes if m not in kept_modes}},
+        "generation": gen_kwargs,
+        "dtype": dtype,
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "mode_stats": mode_stats,
+        "naive_reuse_gap_dual_minus_naive": gaps,
+        "placements": {
+            "prefix": "[shared][request][gen]",
+            "infix": "[request question][shared][request instruction][gen]",
+            "suffix": "[request][shared][gen]",
+        },
+    }
     result = {"meta": meta, "rows": rows}
     if out is not None:
         out = Path(out)
@@ -237,13 +292,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality.json"))
     ap.add_argument("--plot", default=str(REPO / "bench" / "results" / "quality.png"))
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--append", action="store_true",
-                    help="keep the other modes' rows already in --out (same n, seed, dtype); replace this run's")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other modes' rows already in --out (same n, seed, dtype); replace this run's",
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
-    result = run(args.model, args.n, args.modes, args.tasks, args.placements, args.seed, args.batch,
-                 args.gen_length, args.block_length, args.steps, args.bucket, Path(args.out), Path(args.plot),
-                 progress=not args.no_progress, dtype=args.dtype, append=args.append)
+    result = run(
+        args.model,
+        args.n,
+        args.modes,
+        args.tasks,
+        args.placements,
+        args.seed,
+        args.batch,
+        args.gen_length,
+        args.block_length,
+        args.steps,
+        args.bucket,
+        Path(args.out),
+        Path(args.plot),
+        progress=not args.no_progress,
+        dtype=args.dtype,
+        append=args.append,
+    )
     print_table(result)
     if result["meta"]["naive_reuse_gap_dual_minus_naive"]:
         print("naive-reuse gap (dual - naive_affix):", result["meta"]["naive_reuse_gap_dual_minus_naive"])

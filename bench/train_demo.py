@@ -62,8 +62,9 @@ SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
 CHUNK = 2000  # problems per data chunk (one RNG seed each)
 
 
-def model_config(tiny: bool, dtype: str = "float32", d_model: int = 256, n_layers: int = 6,
-                 family: str = "llada") -> ModelConfig:
+def model_config(
+    tiny: bool, dtype: str = "float32", d_model: int = 256, n_layers: int = 6, family: str = "llada"
+) -> ModelConfig:
     """The demo model's shape in either family's layout. Dream's differs as the release does: GQA (a quarter of the
     heads for K/V), q/k/v biases, RoPE in the activation dtype; and it predicts position i at output i - 1."""
     if family not in ("llada", "dream"):
@@ -71,11 +72,27 @@ def model_config(tiny: bool, dtype: str = "float32", d_model: int = 256, n_layer
     v = V.vocab()
     d, layers, heads, mlp = (64, 2, 4, 192) if tiny else (d_model, n_layers, d_model // 32, 3 * d_model)
     dream = family == "dream"
-    return ModelConfig(family=family, vocab_size=V.padded_vocab_size(), d_model=d, n_layers=layers, n_heads=heads,
-                       n_kv_heads=max(1, heads // 4) if dream else heads, head_dim=d // heads, mlp_hidden=mlp,
-                       rms_eps=1e-5, rope_theta=10000.0, rope_fp32=not dream, qkv_bias=dream, tie_embeddings=False,
-                       max_seq_len=1024, mask_token_id=v[V.MASK], eos_token_id=v[V.EOS], pad_token_id=v[V.EOS],
-                       bos_token_id=v[V.BOS], dtype=dtype)
+    return ModelConfig(
+        family=family,
+        vocab_size=V.padded_vocab_size(),
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=max(1, heads // 4) if dream else heads,
+        head_dim=d // heads,
+        mlp_hidden=mlp,
+        rms_eps=1e-5,
+        rope_theta=10000.0,
+        rope_fp32=not dream,
+        qkv_bias=dream,
+        tie_embeddings=False,
+        max_seq_len=1024,
+        mask_token_id=v[V.MASK],
+        eos_token_id=v[V.EOS],
+        pad_token_id=v[V.EOS],
+        bos_token_id=v[V.BOS],
+        dtype=dtype,
+    )
 
 
 def predictions(logits: jax.Array, config: ModelConfig) -> jax.Array:
@@ -100,7 +117,7 @@ def _chunk(args):
     for i, p in enumerate(probs):
         r = G.render(p, G.PLACEMENTS[rng.integers(3)], v)
         row = r.prompt + r.answer + [eos] * (GEN_LENGTH - len(r.answer))
-        toks[i, :len(row)] = row
+        toks[i, : len(row)] = row
         length[i] = len(row)
         start[i] = len(r.prompt)
     return toks, length, start
@@ -125,8 +142,17 @@ def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1, tasks:
 
 
 # ------------------------------------------------------------------------------------------------ loss
-def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx, backend: str = "xla",
-              levels: int = 1, task_weights: tuple[float, ...] | None = None, compute_dtype: str = "bfloat16"):
+def make_step(
+    config: ModelConfig,
+    batch: int,
+    full_frac: float,
+    eps: float,
+    tx,
+    backend: str = "xla",
+    levels: int = 1,
+    task_weights: tuple[float, ...] | None = None,
+    compute_dtype: str = "bfloat16",
+):
     """One jitted training step. compute_dtype: the forward's dtype over fp32 master weights ("float32" for CPU
     probes: XLA's CPU bf16 matmuls are ~2.5x slower than fp32 ones)."""
     cfg_c = config.replace(dtype=compute_dtype)
@@ -146,8 +172,17 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         masked = masked & region
         x = jnp.where(masked, config.mask_token_id, tokens)
         positions = jnp.broadcast_to(pos, (b, t))
-        logits = predictions(forward(cast_params(params, cfg_c.jnp_dtype), cfg_c, x, positions, key_mask=valid,
-                                     kernels=Kernels(attention=backend)).logits, config)
+        logits = predictions(
+            forward(
+                cast_params(params, cfg_c.jnp_dtype),
+                cfg_c,
+                x,
+                positions,
+                key_mask=valid,
+                kernels=Kernels(attention=backend),
+            ).logits,
+            config,
+        )
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / ratio[:, 0] / jnp.sum(region, axis=1)
         ans_ce = jnp.sum(jnp.where(masked & answer, ce, 0.0)) / jnp.maximum(jnp.sum(masked & answer), 1)
@@ -159,8 +194,9 @@ def make_step(config: ModelConfig, batch: int, full_frac: float, eps: float, tx,
         k_idx, k_loss = jax.random.split(key)
         idx = sample_rows(k_idx, pool[0].shape[0], batch, levels, max_level, task_weights)
         tokens = pool[0][idx].astype(jnp.int32)
-        (loss, ans_ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, pool[1][idx],
-                                                                          pool[2][idx], k_loss)
+        (loss, ans_ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, tokens, pool[1][idx], pool[2][idx], k_loss
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # same on old/new optax
@@ -194,16 +230,18 @@ def parse_task_weights(spec: str | None) -> tuple[float, ...] | None:
         except ValueError:
             weight = None
         if name.strip() not in w or weight is None or not math.isfinite(weight) or weight < 0:
-            raise SystemExit(f"--task-weights: bad item {item!r}; expected TASK=WEIGHT (a finite weight >= 0) with "
-                             f"TASK in {G.TASKS}")
+            raise SystemExit(
+                f"--task-weights: bad item {item!r}; expected TASK=WEIGHT (a finite weight >= 0) with TASK in {G.TASKS}"
+            )
         w[name.strip()] = weight
     if sum(w.values()) <= 0:
         raise SystemExit("--task-weights: the weights must not all be 0")
     return tuple(w[t] for t in G.TASKS)
 
 
-def lr_at(step: int, total: int | None, peak: float, warmup: int, final_frac: float = 0.05,
-          decay_start: int | None = 0) -> float:
+def lr_at(
+    step: int, total: int | None, peak: float, warmup: int, final_frac: float = 0.05, decay_start: int | None = 0
+) -> float:
     """Linear warmup, the peak until decay_start (None: not yet known, so the peak), cosine down to
     final_frac * peak at `total`."""
     if step < warmup:
@@ -239,7 +277,7 @@ def quick_eval_set(n: int = 256, seed: int = 99, difficulty: float = 1.0, tasks:
         length, start = np.zeros(n, np.int32), np.zeros(n, np.int32)
         for i, r in enumerate(rows):
             row = r.prompt + r.answer + [v[V.EOS]] * (GEN_LENGTH - len(r.answer))
-            toks[i, :len(row)], length[i], start[i] = row, len(row), len(r.prompt)
+            toks[i, : len(row)], length[i], start[i] = row, len(row), len(r.prompt)
         out[task] = (jnp.asarray(toks), jnp.asarray(length), jnp.asarray(start))
     return out
 
@@ -254,8 +292,16 @@ def make_quick_eval(config: ModelConfig, compute_dtype: str = "bfloat16"):
         pos = jnp.arange(toks.shape[1])[None]
         region = (pos >= start[:, None]) & (pos < length[:, None])
         x = jnp.where(region, cfg.mask_token_id, toks)
-        lg = predictions(forward(cast_params(params, cfg.jnp_dtype), cfg, x, jnp.broadcast_to(pos, x.shape),
-                                 key_mask=pos < length[:, None]).logits, cfg)
+        lg = predictions(
+            forward(
+                cast_params(params, cfg.jnp_dtype),
+                cfg,
+                x,
+                jnp.broadcast_to(pos, x.shape),
+                key_mask=pos < length[:, None],
+            ).logits,
+            cfg,
+        )
         return jnp.mean(jnp.all((jnp.argmax(lg, -1) == toks) | ~region, axis=1))
 
     return acc
@@ -275,7 +321,7 @@ def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int =
             rs = [G.render(p, pl, v) for p in probs]
             correct = 0
             for i in range(0, len(rs), batch):
-                chunk = rs[i:i + batch]
+                chunk = rs[i : i + batch]
                 gen = generate(model, [r.prompt for r in chunk], gc).tokens
                 correct += sum(a == r.answer for a, r in zip(answer_tokens(gen, cfg, gc), chunk))
             out[f"{task}/{pl}"] = correct / len(rs)
@@ -286,10 +332,46 @@ def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int =
 # The bundled default model, as two runs (bench/QUALITY.md): a level-0 hold then the curriculum, then full difficulty
 # from those weights. Exact replays of the runs that made it (step counts and the hold's end as they came out).
 BUNDLED_RECIPE = (
-    ["--steps", "11727", "--hold-steps", "7578", "--batch", "512", "--lr", "2e-3", "--warmup", "300", "--full-frac",
-     "0.1", "--levels", "4", "--curriculum-frac", "0.5", "--task-weights", "lookup=1.5", "--pool", "200000"],
-    ["--steps", "10829", "--batch", "512", "--lr", "1e-3", "--warmup", "200", "--full-frac", "0.1", "--levels", "1",
-     "--task-weights", "locate=2,rule=1.5,lookup=0.5", "--pool", "300000"],
+    [
+        "--steps",
+        "11727",
+        "--hold-steps",
+        "7578",
+        "--batch",
+        "512",
+        "--lr",
+        "2e-3",
+        "--warmup",
+        "300",
+        "--full-frac",
+        "0.1",
+        "--levels",
+        "4",
+        "--curriculum-frac",
+        "0.5",
+        "--task-weights",
+        "lookup=1.5",
+        "--pool",
+        "200000",
+    ],
+    [
+        "--steps",
+        "10829",
+        "--batch",
+        "512",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "200",
+        "--full-frac",
+        "0.1",
+        "--levels",
+        "1",
+        "--task-weights",
+        "locate=2,rule=1.5,lookup=0.5",
+        "--pool",
+        "300000",
+    ],
 )
 
 
@@ -313,9 +395,12 @@ def main(argv=None) -> int:
         return train_bundled(known.out, rest)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="dllm_jax/assets/demo_model")
-    ap.add_argument("--recipe", choices=["bundled"],
-                    help="run a named multi-run recipe instead (bundled: the two runs of the bundled default model, "
-                    "~15 minutes on one H200; with --out DIR and pass-through args such as --workers)")
+    ap.add_argument(
+        "--recipe",
+        choices=["bundled"],
+        help="run a named multi-run recipe instead (bundled: the two runs of the bundled default model, "
+        "~15 minutes on one H200; with --out DIR and pass-through args such as --workers)",
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
     ap.add_argument("--steps", default="auto", help="number of steps, or 'auto' (fit --time-budget)")
     ap.add_argument("--time-budget", type=float, default=180.0, help="seconds of training for --steps auto")
@@ -327,29 +412,55 @@ def main(argv=None) -> int:
     ap.add_argument("--pool", type=int, default=200_000, help="training problems per task")
     ap.add_argument("--workers", type=int, default=max(1, min(16, mp.cpu_count() - 1)))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
-                    help="training attention backend (auto: cudnn on GPU, else xla)")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "xla", "cudnn"],
+        help="training attention backend (auto: cudnn on GPU, else xla)",
+    )
     ap.add_argument("--eval-n", type=int, default=300, help="held-out problems per task for the final eval")
     ap.add_argument("--log-every", type=int, default=200)
-    ap.add_argument("--family", default="llada", choices=["llada", "dream"],
-                    help="checkpoint layout and prediction rule (dream: GQA, biases, shifted prediction)")
+    ap.add_argument(
+        "--family",
+        default="llada",
+        choices=["llada", "dream"],
+        help="checkpoint layout and prediction rule (dream: GQA, biases, shifted prediction)",
+    )
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--levels", type=int, default=4, help="curriculum difficulty levels (1 = no curriculum)")
-    ap.add_argument("--task-weights", default=None,
-                    help="sampling weight per task, e.g. 'locate=1,lookup=2,rule=0.5' (default: uniform)")
+    ap.add_argument(
+        "--task-weights",
+        default=None,
+        help="sampling weight per task, e.g. 'locate=1,lookup=2,rule=0.5' (default: uniform)",
+    )
     ap.add_argument("--init", default=None, help="start from this model directory (e.g. the bundled model)")
-    ap.add_argument("--curriculum-frac", type=float, default=0.4,
-                    help="fraction of the run (after the level-0 hold) over which the hardest allowed level rises "
-                    "to the full task")
-    ap.add_argument("--hold-frac", type=float, default=0.0,
-                    help="hold every row at level 0 (2 facts, 4 people moving once) for up to this fraction of the "
-                    "steps, on rows cut to the level's length (about half the tokens): the key match forms there")
-    ap.add_argument("--hold-until", type=float, default=None,
-                    help="end the hold early once the one-shot probe on level-0 held-out lookups and stories "
-                    "reaches this accuracy (checked every --log-every steps)")
-    ap.add_argument("--hold-steps", type=int, default=None,
-                    help="hold exactly this many steps (replays a run whose hold ended early)")
+    ap.add_argument(
+        "--curriculum-frac",
+        type=float,
+        default=0.4,
+        help="fraction of the run (after the level-0 hold) over which the hardest allowed level rises to the full task",
+    )
+    ap.add_argument(
+        "--hold-frac",
+        type=float,
+        default=0.0,
+        help="hold every row at level 0 (2 facts, 4 people moving once) for up to this fraction of the "
+        "steps, on rows cut to the level's length (about half the tokens): the key match forms there",
+    )
+    ap.add_argument(
+        "--hold-until",
+        type=float,
+        default=None,
+        help="end the hold early once the one-shot probe on level-0 held-out lookups and stories "
+        "reaches this accuracy (checked every --log-every steps)",
+    )
+    ap.add_argument(
+        "--hold-steps",
+        type=int,
+        default=None,
+        help="hold exactly this many steps (replays a run whose hold ended early)",
+    )
     args = ap.parse_args(argv)
     if not 0.0 <= args.hold_frac < 1.0:
         raise SystemExit("--hold-frac must be in [0, 1)")
@@ -365,8 +476,11 @@ def main(argv=None) -> int:
     pool_np = build_pool(args.pool, args.seed, args.workers, args.levels)
     if args.attention == "auto":
         args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    print(f"pool: {len(pool_np[0])} rows x {SEQ_LEN} built in {time.time() - t0:.1f}s "
-          f"(max len {pool_np[1].max()}); backend {jax.default_backend()}", flush=True)
+    print(
+        f"pool: {len(pool_np[0])} rows x {SEQ_LEN} built in {time.time() - t0:.1f}s "
+        f"(max len {pool_np[1].max()}); backend {jax.default_backend()}",
+        flush=True,
+    )
     pool = tuple(jnp.asarray(a) for a in pool_np)
 
     if args.init:
@@ -375,29 +489,34 @@ def main(argv=None) -> int:
 
         start = dllm_jax.load(args.init, dtype="float32", layer_layout="stacked")
         if start.config.replace(dtype=config.dtype) != config:
-            raise SystemExit(f"--init {args.init}: its config differs from this run's (--d-model/--layers?):\n"
-                             f"  {start.config}\n  {config}")
+            raise SystemExit(
+                f"--init {args.init}: its config differs from this run's (--d-model/--layers?):\n"
+                f"  {start.config}\n  {config}"
+            )
         params = start.params
         print(f"init from {args.init}", flush=True)
     else:
         params = init_params(config, jax.random.key(args.seed))
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"model: {n_params / 1e6:.2f}M params, d={config.d_model} L={config.n_layers} H={config.n_heads} "
-          f"mlp={config.mlp_hidden} V={config.vocab_size}", flush=True)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8),
-                     optax.add_decayed_weights(0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)))
+    print(
+        f"model: {n_params / 1e6:.2f}M params, d={config.d_model} L={config.n_layers} H={config.n_heads} "
+        f"mlp={config.mlp_hidden} V={config.vocab_size}",
+        flush=True,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8),
+        optax.add_decayed_weights(0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)),
+    )
     opt_state = tx.init(params)
-    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention, args.levels,
-                        task_weights)
+    step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, args.attention, args.levels, task_weights)
     if args.attention != "xla":  # fall back to the reference attention if the fused one does not compile here
         try:
-            jax.block_until_ready(step_fn(params, opt_state, pool, jax.random.key(0), jnp.float32(0.0),
-                                          jnp.int32(0)))
+            jax.block_until_ready(step_fn(params, opt_state, pool, jax.random.key(0), jnp.float32(0.0), jnp.int32(0)))
         except Exception as e:  # noqa: BLE001
             print(f"attention backend {args.attention!r} failed ({type(e).__name__}: {str(e)[:200]}); using xla")
             args.attention = "xla"
-            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels,
-                                task_weights)
+            step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels, task_weights)
     quick_set, quick_acc = quick_eval_set(), make_quick_eval(config)
     hold_fn = None
     if args.hold_frac > 0 or args.hold_steps:
@@ -433,14 +552,15 @@ def main(argv=None) -> int:
         lr = lr_at(s, total, args.lr, args.warmup, decay_start=None if holding else hold_end)
         if holding:
             max_level = 0
-            params, opt_state, loss, ans_ce, gn = hold_fn(params, opt_state, pool0, jax.random.fold_in(key, s),
-                                                          jnp.float32(lr), jnp.int32(0))
+            params, opt_state, loss, ans_ce, gn = hold_fn(
+                params, opt_state, pool0, jax.random.fold_in(key, s), jnp.float32(lr), jnp.int32(0)
+            )
         else:
             ramp = args.curriculum_frac * ((total or 10**9) - hold_end)
-            max_level = args.levels - 1 if ramp <= 0 else min(args.levels - 1,
-                                                              int(args.levels * (s - hold_end) / ramp))
-            params, opt_state, loss, ans_ce, gn = step_fn(params, opt_state, pool, jax.random.fold_in(key, s),
-                                                          jnp.float32(lr), jnp.int32(max_level))
+            max_level = args.levels - 1 if ramp <= 0 else min(args.levels - 1, int(args.levels * (s - hold_end) / ramp))
+            params, opt_state, loss, ans_ce, gn = step_fn(
+                params, opt_state, pool, jax.random.fold_in(key, s), jnp.float32(lr), jnp.int32(max_level)
+            )
         s += 1
         if total is None and hold_fn is None:
             if s == 10:
@@ -461,8 +581,11 @@ def main(argv=None) -> int:
                 easy = f" level-0 {easy_probe}"
                 if args.hold_until is not None and hold_end is None and min(easy_probe.values()) >= args.hold_until:
                     hold_end = s  # the match has formed: move on to the curriculum
-            print(f"step {s}/{total} loss {loss:.4f} answer-ce {ans_ce:.4f} gnorm {gn:.2f} lr {lr:.2e} "
-                  f"level<={max_level} one-shot heldout {probe}{easy} t {time.time() - t_train:.0f}s", flush=True)
+            print(
+                f"step {s}/{total} loss {loss:.4f} answer-ce {ans_ce:.4f} gnorm {gn:.2f} lr {lr:.2e} "
+                f"level<={max_level} one-shot heldout {probe}{easy} t {time.time() - t_train:.0f}s",
+                flush=True,
+            )
     jax.block_until_ready(params)
     train_s = time.time() - t_train
     print(f"trained {s} steps in {train_s:.1f}s", flush=True)
@@ -472,21 +595,60 @@ def main(argv=None) -> int:
     # the task prompts use LLaDA's chat template (its header tokens are in the vocabulary), whatever the layout
     V.write(out, chat_template=FAMILIES["llada"].chat_template if config.family != "llada" else None)
     # the CLI's defaults for this model: it was trained to answer in GEN_LENGTH tokens
-    (out / "generation_config.json").write_text(json.dumps(
-        {"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2))
-    meta = {k: getattr(args, k) for k in ("tiny", "family", "batch", "lr", "warmup", "full_frac", "eps", "pool",
-                                       "seed", "attention", "d_model", "layers", "levels", "curriculum_frac", "init",
-                                       "task_weights")}
+    (out / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2)
+    )
+    meta = {
+        k: getattr(args, k)
+        for k in (
+            "tiny",
+            "family",
+            "batch",
+            "lr",
+            "warmup",
+            "full_frac",
+            "eps",
+            "pool",
+            "seed",
+            "attention",
+            "d_model",
+            "layers",
+            "levels",
+            "curriculum_frac",
+            "init",
+            "task_weights",
+        )
+    }
     meta.update(hold_frac=args.hold_frac, hold_until=args.hold_until, hold_steps=hold_end)
-    meta.update(steps=s, train_seconds=round(train_s, 1), backend=jax.default_backend(), loss_history=hist,
-                gen_length=GEN_LENGTH, command=f"python bench/train_demo.py --out {args.out} --steps {s}"
-                + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in
-                          ("family", "batch", "lr", "warmup", "full_frac", "eps", "pool", "seed", "d_model",
-                           "layers", "levels", "curriculum_frac"))
-                + (f" --task-weights {args.task_weights}" if args.task_weights else "")
-                + (f" --hold-steps {hold_end}" if hold_end else "")
-                + (f" --init {args.init}" if args.init else "")
-                + (" --tiny" if args.tiny else ""))
+    meta.update(
+        steps=s,
+        train_seconds=round(train_s, 1),
+        backend=jax.default_backend(),
+        loss_history=hist,
+        gen_length=GEN_LENGTH,
+        command=f"python bench/train_demo.py --out {args.out} --steps {s}"
+        + "".join(
+            f" --{k.replace('_', '-')} {getattr(args, k)}"
+            for k in (
+                "family",
+                "batch",
+                "lr",
+                "warmup",
+                "full_frac",
+                "eps",
+                "pool",
+                "seed",
+                "d_model",
+                "layers",
+                "levels",
+                "curriculum_frac",
+            )
+        )
+        + (f" --task-weights {args.task_weights}" if args.task_weights else "")
+        + (f" --hold-steps {hold_end}" if hold_end else "")
+        + (f" --init {args.init}" if args.init else "")
+        + (" --tiny" if args.tiny else ""),
+    )
     if args.eval_n > 0:
         t1 = time.time()
         acc = evaluate(params, config, args.eval_n)

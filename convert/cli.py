@@ -11,13 +11,19 @@ import argparse
 import sys
 import time
 
-from dllm_jax.io import checkpoint as ckpt
 from dllm_jax.config import ConfigError
+from dllm_jax.io import checkpoint as ckpt
 from dllm_jax.transformer.params import check_fp8_shapes
 
 
-def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True,
-            fp8_ffn: bool = False) -> str:
+def convert(
+    hf_dir: str,
+    out_dir: str,
+    dtype: str = "bfloat16",
+    force: bool = False,
+    progress: bool = True,
+    fp8_ffn: bool = False,
+) -> str:
     hf = ckpt.HFCheckpoint(hf_dir)
     config = hf.model_config(dtype=dtype)
     leaves = ckpt.iter_leaves(hf, config, progress=progress)  # validated before the first leaf is read
@@ -32,17 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dllm-convert", description=__doc__.splitlines()[0])
     ap.add_argument("hf_dir", help="directory with config.json and model.safetensors (or a sharded index)")
     ap.add_argument("out_dir", help="where to write the converted checkpoint (must not exist unless --force)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="dtype of the stored params (default: bfloat16, the release dtype)")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="dtype of the stored params (default: bfloat16, the release dtype)",
+    )
     ap.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    ap.add_argument("--fp8-ffn", action="store_true",
-                    help="store the FFNs of layers >= 2 as e4m3 with 128x128 block scales (LaCache's FP8 FFN)")
+    ap.add_argument(
+        "--fp8-ffn",
+        action="store_true",
+        help="store the FFNs of layers >= 2 as e4m3 with 128x128 block scales (LaCache's FP8 FFN)",
+    )
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        out = convert(args.hf_dir, args.out_dir, args.dtype, args.force, progress=not args.quiet,
-                      fp8_ffn=args.fp8_ffn)
+        out = convert(args.hf_dir, args.out_dir, args.dtype, args.force, progress=not args.quiet, fp8_ffn=args.fp8_ffn)
     except (ckpt.CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"dllm-convert: error: {e}", file=sys.stderr)
         return 2

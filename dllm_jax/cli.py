@@ -8,13 +8,14 @@ one line on stderr naming the flag or file, exit status 2, before any device wor
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 # A held-out problem of the bundled demo model's "rule" task (in-context function learning: here 9 - digit).
-DEMO_PROMPT = ("rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ; 4 3 4 -> 5 6 5 ; 0 4 1 -> 9 5 8 ; "
-               "input : 8 9 5 what does the rule give ?")
+DEMO_PROMPT = (
+    "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ; 4 3 4 -> 5 6 5 ; 0 4 1 -> 9 5 8 ; "
+    "input : 8 9 5 what does the rule give ?"
+)
 PROG = "dllm-jax"
 
 
@@ -78,11 +79,19 @@ def generation_config(args: argparse.Namespace, defaults: dict):
         raise UsageError(f"argument --gen-length: {gen_length} is not a multiple of the block length {block}")
     n_blocks = gen_length // block
     if args.threshold is None and (steps % n_blocks or steps > gen_length):
-        raise UsageError(f"argument --steps: {steps} must be a multiple of the number of blocks ({n_blocks}) and at "
-                         f"most --gen-length {gen_length}")
-    return GenerationConfig.from_options(gen_length=gen_length, block_length=block, steps=steps,
-                                         threshold=args.threshold, temperature=args.temperature, cache=args.cache,
-                                         attention=args.attention)
+        raise UsageError(
+            f"argument --steps: {steps} must be a multiple of the number of blocks ({n_blocks}) and at "
+            f"most --gen-length {gen_length}"
+        )
+    return GenerationConfig.from_options(
+        gen_length=gen_length,
+        block_length=block,
+        steps=steps,
+        threshold=args.threshold,
+        temperature=args.temperature,
+        cache=args.cache,
+        attention=args.attention,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -116,8 +125,11 @@ def run_generate(args: argparse.Namespace) -> int:
         decoded = model.tokenizer.decode(ids)
         print(decoded if decoded.strip() else f"(no printable text; token ids {ids})")
     if args.verbose:
-        print(f"[{model.config.family} from {model.path}; cache={gc.cache.mode}; NFE {out.nfe}; "
-              f"{out.seconds:.2f} s incl. compile; {sum(map(len, answers))} answer tokens]", file=sys.stderr)
+        print(
+            f"[{model.config.family} from {model.path}; cache={gc.cache.mode}; NFE {out.nfe}; "
+            f"{out.seconds:.2f} s incl. compile; {sum(map(len, answers))} answer tokens]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -133,9 +145,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"argument --attention: {e}") from None
     try:
-        engine_config = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, attention=args.attention,
-                                     kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)) if args.kv_budget_gib
-                                     else None, max_model_len=args.max_model_len)
+        engine_config = EngineConfig(
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            attention=args.attention,
+            kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)) if args.kv_budget_gib else None,
+            max_model_len=args.max_model_len,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
@@ -145,12 +161,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if model.tokenizer is None:
         raise UsageError(f"{model.path} has no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
     name = args.model_name or (model.path.name if args.model else "dllm-jax-demo")
-    settings = ServeSettings(model_name=name, api_key=args.api_key, temperature=args.temperature,
-                             affix_technique=args.affix_technique, anchor_ratio=args.anchor_ratio)
+    settings = ServeSettings(
+        model_name=name,
+        api_key=args.api_key,
+        temperature=args.temperature,
+        affix_technique=args.affix_technique,
+        anchor_ratio=args.anchor_ratio,
+    )
     model_generation_defaults(model.path)  # a broken generation_config.json is one line here, not a 500 later
     try:
-        return serve(model, engine_config, settings, args.host, args.port,
-                     log_level="info" if args.verbose else "warning")
+        return serve(
+            model, engine_config, settings, args.host, args.port, log_level="info" if args.verbose else "warning"
+        )
     except OSError as e:
         raise UsageError(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
@@ -163,21 +185,50 @@ def build_parser() -> Parser:
     g.add_argument("prompt", nargs="*", help="user message(s); several make a batch (default: a demo question)")
     g.add_argument("--model", default=None, help="converted or HF-layout directory (default: the bundled model)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, without the chat template")
-    g.add_argument("--gen-length", type=positive_int, default=None,
-                   help="tokens to generate (default: the model's generation_config.json max_new_tokens, else 32)")
-    g.add_argument("--block-length", type=positive_int, default=None,
-                   help="semi-autoregressive block length (default: the model's generation_config.json, else 32)")
-    g.add_argument("--steps", type=positive_int, default=None,
-                   help="denoising steps over the whole answer (default: the model's generation_config.json, else "
-                        "--gen-length: one token per step)")
-    g.add_argument("--threshold", type=probability, default=None,
-                   help="Fast-dLLM parallel decoding: commit every token whose confidence is at least this, e.g. 0.9 "
-                        "(--steps is then ignored)")
-    g.add_argument("--temperature", type=non_negative, default=0.0, help="sampling temperature of the model family's sampler (0: greedy, the default)")
-    g.add_argument("--cache", choices=["none", "first_layer", "prefix", "dual"], default="dual",
-                   help="K/V cache: dual (Fast-dLLM, the default), prefix, first_layer (LaCache's exact memo) or none")
-    g.add_argument("--attention", choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"], default="auto",
-                   help="attention kernel (auto: cuDNN + the Pallas kernel on a GPU, XLA elsewhere)")
+    g.add_argument(
+        "--gen-length",
+        type=positive_int,
+        default=None,
+        help="tokens to generate (default: the model's generation_config.json max_new_tokens, else 32)",
+    )
+    g.add_argument(
+        "--block-length",
+        type=positive_int,
+        default=None,
+        help="semi-autoregressive block length (default: the model's generation_config.json, else 32)",
+    )
+    g.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="denoising steps over the whole answer (default: the model's generation_config.json, else "
+        "--gen-length: one token per step)",
+    )
+    g.add_argument(
+        "--threshold",
+        type=probability,
+        default=None,
+        help="Fast-dLLM parallel decoding: commit every token whose confidence is at least this, e.g. 0.9 "
+        "(--steps is then ignored)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=non_negative,
+        default=0.0,
+        help="sampling temperature of the model family's sampler (0: greedy, the default)",
+    )
+    g.add_argument(
+        "--cache",
+        choices=["none", "first_layer", "prefix", "dual"],
+        default="dual",
+        help="K/V cache: dual (Fast-dLLM, the default), prefix, first_layer (LaCache's exact memo) or none",
+    )
+    g.add_argument(
+        "--attention",
+        choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"],
+        default="auto",
+        help="attention kernel (auto: cuDNN + the Pallas kernel on a GPU, XLA elsewhere)",
+    )
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
     g.add_argument("--seed", type=int, default=0, help="random seed (matters only with --temperature > 0)")
     g.add_argument("--verbose", action="store_true", help="print the model's notice and a timing line on stderr")
@@ -190,20 +241,44 @@ def build_parser() -> Parser:
     v.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
     v.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together (and at once)")
-    v.add_argument("--max-queue", type=positive_int, default=1024,
-                   help="requests waiting for admission beyond which the server answers 429")
-    v.add_argument("--kv-budget-gib", type=float, default=None,
-                   help="KV pool size in GiB (default: half the device's free memory; 1 GiB on the CPU)")
-    v.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="longest prompt + answer served (default: the model's maximum, at most 4096)")
-    v.add_argument("--affix-technique", choices=["none", "naive", "anchors"], default="none",
-                   help="default reuse of a shared affix (a system prompt or document repeated across requests): "
-                        "none = exact; anchors = ACache (faster, approximate); requests may override")
+    v.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=1024,
+        help="requests waiting for admission beyond which the server answers 429",
+    )
+    v.add_argument(
+        "--kv-budget-gib",
+        type=float,
+        default=None,
+        help="KV pool size in GiB (default: half the device's free memory; 1 GiB on the CPU)",
+    )
+    v.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest prompt + answer served (default: the model's maximum, at most 4096)",
+    )
+    v.add_argument(
+        "--affix-technique",
+        choices=["none", "naive", "anchors"],
+        default="none",
+        help="default reuse of a shared affix (a system prompt or document repeated across requests): "
+        "none = exact; anchors = ACache (faster, approximate); requests may override",
+    )
     v.add_argument("--anchor-ratio", type=float, default=0.2, help="default ACache anchor ratio (0..1)")
-    v.add_argument("--temperature", type=non_negative, default=0.0,
-                   help="default sampling temperature when a request sets none (0: greedy)")
-    v.add_argument("--attention", choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"], default="auto",
-                   help="attention kernel (auto: the paged slot kernel on a GPU, XLA elsewhere)")
+    v.add_argument(
+        "--temperature",
+        type=non_negative,
+        default=0.0,
+        help="default sampling temperature when a request sets none (0: greedy)",
+    )
+    v.add_argument(
+        "--attention",
+        choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"],
+        default="auto",
+        help="attention kernel (auto: the paged slot kernel on a GPU, XLA elsewhere)",
+    )
     v.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
     v.add_argument("--verbose", action="store_true", help="uvicorn's access log")
     v.add_argument("--debug", action="store_true", help="show the full traceback of an error")

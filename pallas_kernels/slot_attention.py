@@ -26,6 +26,7 @@ output directly in q.dtype.
 The K/V gather is done inside the kernel: the table slice of a KV tile is loaded as an int32 vector
 and used as a row index (``k_ref[rows, :]``), each row being a contiguous D-vector.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,13 +43,19 @@ from pallas_kernels._util import check_pow2
 from pallas_kernels.gpu_info import H200_SMS
 
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
-  from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
-  plgpu = None
+    plgpu = None
 
 __all__ = [
-    "AttentionState", "BlockSizes", "slot_attention", "slot_attention_reference",
-    "finalize_state", "merge_states", "empty_state", "contiguous_read_table",
+    "AttentionState",
+    "BlockSizes",
+    "slot_attention",
+    "slot_attention_reference",
+    "finalize_state",
+    "merge_states",
+    "empty_state",
+    "contiguous_read_table",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -68,504 +75,563 @@ MERGE_BLOCK_ROWS = 8  # (token, head) rows per merge program: a block step's 102
 
 
 class AttentionState(NamedTuple):
-  """Unnormalised online-softmax state (natural log convention)."""
-  m: jax.Array  # [B, Hq, Tq] fp32 running max, -inf where no key seen
-  l: jax.Array  # [B, Hq, Tq] fp32 normaliser
-  o: jax.Array  # [B, Tq, Hq, D] fp32 unnormalised accumulator
+    """Unnormalised online-softmax state (natural log convention)."""
+
+    m: jax.Array  # [B, Hq, Tq] fp32 running max, -inf where no key seen
+    l: jax.Array  # [B, Hq, Tq] fp32 normaliser
+    o: jax.Array  # [B, Tq, Hq, D] fp32 unnormalised accumulator
 
 
 def _next_pow2(x: int) -> int:
-  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def default_block_q(q_len: int, q_heads: int, kv_heads: int) -> int:
-  """Query tokens per program: rows = block_q x next_pow2(G) of 32 (MHA) / 64 (GQA) at block steps, 128 in full
-  forwards, and at least the 16 rows a dot needs."""
-  gp = _next_pow2(q_heads // kv_heads)
-  rows = (32 if gp == 1 else 64) if q_len <= 64 else 128
-  block_q = max(1, min(rows // gp, _next_pow2(q_len)))
-  while block_q * gp < 16:
-    block_q *= 2
-  return block_q
+    """Query tokens per program: rows = block_q x next_pow2(G) of 32 (MHA) / 64 (GQA) at block steps, 128 in full
+    forwards, and at least the 16 rows a dot needs."""
+    gp = _next_pow2(q_heads // kv_heads)
+    rows = (32 if gp == 1 else 64) if q_len <= 64 else 128
+    block_q = max(1, min(rows // gp, _next_pow2(q_len)))
+    while block_q * gp < 16:
+        block_q *= 2
+    return block_q
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockSizes:
-  """Tile sizes of the slot attention kernel.
+    """Tile sizes of the slot attention kernel.
 
-  Attributes:
-    block_q: query TOKENS per program (power of two); the program's M dimension is
-      block_q * next_pow2(Hq // Hkv) rows.
-    block_k: keys per inner-loop tile (power of two, >= 16).
-    num_warps, num_stages: Triton launch parameters.
-    kv_splits: number of splits of the KV length (split-K); None = heuristic.
-  """
-  block_q: int = 64
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
-  kv_splits: int | None = None
-
-  def __post_init__(self):
-    check_pow2("BlockSizes", "block_q", self.block_q)
-    check_pow2("BlockSizes", "block_k", self.block_k)
-    if self.block_k < 16:
-      raise ValueError(f"BlockSizes.block_k must be >= 16, got {self.block_k}")
-    check_pow2("BlockSizes", "num_warps", self.num_warps, 16)
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages!r}")
-    if self.kv_splits is not None and (not isinstance(self.kv_splits, int) or self.kv_splits < 1):
-      raise ValueError(f"BlockSizes.kv_splits must be None or >= 1, got {self.kv_splits!r}")
-
-  @classmethod
-  def get_default(cls, *, batch: int, q_len: int, kv_len: int, q_heads: int, kv_heads: int,
-                  head_dim: int) -> "BlockSizes":
-    """Heuristic defaults, from H200 sweeps (Triton lowering).
-
-    Full forward (q_len > 64): 128 rows x 64 keys, 4 warps, 3 stages (8 warps was 15-35% slower).
-    Block step (q_len <= 64; device times of `sweep_block_attention.py`): 32 rows for MHA (the 32
-    tokens), 64 for GQA. MHA: when the grid is small enough to be split over the KV length, 128-key tiles (fewer
-    programs and partials to merge) with no software pipelining when each split is one tile; up to 3 waves of
-    programs 64-key tiles on 3 stages; beyond, 128-key tiles on 2 stages (v12's choice). GQA: 64-key tiles on 3
-    stages, 128-key tiles while the grid is under one wave.
+    Attributes:
+      block_q: query TOKENS per program (power of two); the program's M dimension is
+        block_q * next_pow2(Hq // Hkv) rows.
+      block_k: keys per inner-loop tile (power of two, >= 16).
+      num_warps, num_stages: Triton launch parameters.
+      kv_splits: number of splits of the KV length (split-K); None = heuristic.
     """
-    del head_dim
-    gp = _next_pow2(q_heads // kv_heads)
-    small_q = q_len <= 64
-    block_q = default_block_q(q_len, q_heads, kv_heads)
-    nq = pl.cdiv(q_len, block_q)
-    base = batch * kv_heads * nq  # programs before any KV split
-    block_k, num_warps, num_stages = 64, 4, 3
-    if small_q and gp == 1:
-      if base <= SPLIT_BELOW_SMS:
-        block_k = 128
-      elif base >= 3 * _NUM_SMS:  # (32-key tiles on 3 stages won 7% here at kv 512 but lost 19% at kv 2048)
-        block_k, num_stages = 128, 2
-    elif small_q and SPLIT_BELOW_SMS < base < _NUM_SMS:
-      block_k = 128
-    block_k = min(block_k, max(16, _next_pow2(kv_len)))
-    bs = cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, kv_splits=None)
-    if small_q and gp == 1 and base <= SPLIT_BELOW_SMS:  # split over the KV length: pipeline only multi-tile splits
-      _, tiles_per_split = _choose_splits(bs, batch=batch, kv_heads=kv_heads, num_q_blocks=nq, kv_len=kv_len)
-      bs = dataclasses.replace(bs, num_stages=1 if tiles_per_split == 1 else 2)
-    return bs
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    kv_splits: int | None = None
+
+    def __post_init__(self):
+        check_pow2("BlockSizes", "block_q", self.block_q)
+        check_pow2("BlockSizes", "block_k", self.block_k)
+        if self.block_k < 16:
+            raise ValueError(f"BlockSizes.block_k must be >= 16, got {self.block_k}")
+        check_pow2("BlockSizes", "num_warps", self.num_warps, 16)
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages!r}")
+        if self.kv_splits is not None and (not isinstance(self.kv_splits, int) or self.kv_splits < 1):
+            raise ValueError(f"BlockSizes.kv_splits must be None or >= 1, got {self.kv_splits!r}")
+
+    @classmethod
+    def get_default(
+        cls, *, batch: int, q_len: int, kv_len: int, q_heads: int, kv_heads: int, head_dim: int
+    ) -> "BlockSizes":
+        """Heuristic defaults, from H200 sweeps (Triton lowering).
+
+        Full forward (q_len > 64): 128 rows x 64 keys, 4 warps, 3 stages (8 warps was 15-35% slower).
+        Block step (q_len <= 64; device times of `sweep_block_attention.py`): 32 rows for MHA (the 32
+        tokens), 64 for GQA. MHA: when the grid is small enough to be split over the KV length, 128-key tiles (fewer
+        programs and partials to merge) with no software pipelining when each split is one tile; up to 3 waves of
+        programs 64-key tiles on 3 stages; beyond, 128-key tiles on 2 stages (v12's choice). GQA: 64-key tiles on 3
+        stages, 128-key tiles while the grid is under one wave.
+        """
+        del head_dim
+        gp = _next_pow2(q_heads // kv_heads)
+        small_q = q_len <= 64
+        block_q = default_block_q(q_len, q_heads, kv_heads)
+        nq = pl.cdiv(q_len, block_q)
+        base = batch * kv_heads * nq  # programs before any KV split
+        block_k, num_warps, num_stages = 64, 4, 3
+        if small_q and gp == 1:
+            if base <= SPLIT_BELOW_SMS:
+                block_k = 128
+            elif base >= 3 * _NUM_SMS:  # (32-key tiles on 3 stages won 7% here at kv 512 but lost 19% at kv 2048)
+                block_k, num_stages = 128, 2
+        elif small_q and SPLIT_BELOW_SMS < base < _NUM_SMS:
+            block_k = 128
+        block_k = min(block_k, max(16, _next_pow2(kv_len)))
+        bs = cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, kv_splits=None)
+        if small_q and gp == 1 and base <= SPLIT_BELOW_SMS:  # split over the KV length: pipeline only multi-tile splits
+            _, tiles_per_split = _choose_splits(bs, batch=batch, kv_heads=kv_heads, num_q_blocks=nq, kv_len=kv_len)
+            bs = dataclasses.replace(bs, num_stages=1 if tiles_per_split == 1 else 2)
+        return bs
 
 
 def _choose_splits(bs: BlockSizes, *, batch, kv_heads, num_q_blocks, kv_len) -> tuple[int, int]:
-  """Returns (kv_splits, tiles_per_split)."""
-  n_tiles = max(1, pl.cdiv(kv_len, bs.block_k))
-  if bs.kv_splits is not None:
-    splits = min(bs.kv_splits, n_tiles)
-  else:
-    base = batch * kv_heads * num_q_blocks
-    splits = 1
-    if base <= SPLIT_BELOW_SMS:  # under half a wave: split KV up to ~2 waves (as few as one tile a split)
-      splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles, 16))
-  tiles_per_split = pl.cdiv(n_tiles, splits)
-  splits = pl.cdiv(n_tiles, tiles_per_split)
-  return splits, tiles_per_split
+    """Returns (kv_splits, tiles_per_split)."""
+    n_tiles = max(1, pl.cdiv(kv_len, bs.block_k))
+    if bs.kv_splits is not None:
+        splits = min(bs.kv_splits, n_tiles)
+    else:
+        base = batch * kv_heads * num_q_blocks
+        splits = 1
+        if base <= SPLIT_BELOW_SMS:  # under half a wave: split KV up to ~2 waves (as few as one tile a split)
+            splits = max(1, min(pl.cdiv(2 * _NUM_SMS, base), n_tiles, 16))
+    tiles_per_split = pl.cdiv(n_tiles, splits)
+    splits = pl.cdiv(n_tiles, tiles_per_split)
+    return splits, tiles_per_split
 
 
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-def _slot_attention_kernel(lens_ref, *refs, contiguous: bool, state_out: bool, group: int,
-                           group_pad: int, block_q: int, block_k: int, tiles_per_split: int,
-                           q_len_max: int, kv_len_max: int, q_heads: int, kv_heads: int,
-                           qk_scale: float):
-  if contiguous:
-    tbl_ref = None
-    q_ref, k_ref, v_ref, *out_refs = refs
-  else:
-    tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
-  iq = pl.program_id(0)
-  isplit = pl.program_id(1)
-  kvh = pl.program_id(2)
-  b = pl.program_id(3)
-  head_dim = q_ref.shape[-1]
-  rows = block_q * group_pad
-
-  q_len = lens_ref[0]
-  kv_len = lens_ref[1]
-
-  r = jnp.arange(rows, dtype=jnp.int32)
-  t = iq * block_q + lax.div(r, jnp.int32(group_pad))   # token of each row
-  g = lax.rem(r, jnp.int32(group_pad))                  # head within the group
-  h = kvh * group + g                                   # query head
-  in_bounds = (t < q_len_max) & (g < group)
-  row_ok = in_bounds & (t < q_len)
-  oob = q_len_max * q_heads                              # out-of-range row: never touched
-  q_rows = jnp.where(in_bounds, t * q_heads + h, oob)    # row in the [Tq*Hq, D] view
-  cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-
-  q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
-  kv_dtype = k_ref.dtype
-  q = q.astype(kv_dtype)
-
-  n_tiles = lax.div(kv_len + (block_k - 1), jnp.int32(block_k))
-  n_full = lax.div(kv_len, jnp.int32(block_k))
-  start = isplit * tiles_per_split
-  end = jnp.minimum(start + tiles_per_split, n_tiles)
-  end = jnp.where(iq * block_q < q_len, end, start)      # whole q block empty: skip the work
-  end_full = jnp.minimum(end, n_full)
-  start_part = jnp.maximum(start, end_full)
-
-  kidx = jnp.arange(block_k, dtype=jnp.int32)
-
-  def tile(j, carry, masked: bool):
-    o_prev, m_prev, l_prev = carry
-    kpos = j * block_k + kidx
-    kmask = kpos < kv_len if masked else None
+def _slot_attention_kernel(
+    lens_ref,
+    *refs,
+    contiguous: bool,
+    state_out: bool,
+    group: int,
+    group_pad: int,
+    block_q: int,
+    block_k: int,
+    tiles_per_split: int,
+    q_len_max: int,
+    kv_len_max: int,
+    q_heads: int,
+    kv_heads: int,
+    qk_scale: float,
+):
     if contiguous:
-      slots = b * kv_len_max + kpos
-    elif masked or kv_len_max % block_k:  # (a static-size slice must fit the table's block)
-      tmask = kmask if masked else kpos < kv_len_max
-      slots = plgpu.load(tbl_ref.at[pl.ds(j * block_k, block_k)], mask=tmask, other=0)
+        tbl_ref = None
+        q_ref, k_ref, v_ref, *out_refs = refs
     else:
-      slots = tbl_ref[pl.ds(j * block_k, block_k)]
-    k_rows = slots * kv_heads + kvh
-    if masked:
-      k = plgpu.load(k_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
-    else:
-      k = k_ref[k_rows[:, None], cols]
-    s = plgpu.dot(q, k, trans_b=True) * qk_scale           # [rows, block_k] fp32, base-2 logits
-    if masked:
-      s = jnp.where(kmask[None, :], s, -jnp.inf)
-    m_next = jnp.maximum(m_prev, s.max(axis=-1))
-    alpha = jnp.exp2(m_prev - m_next)
-    p = jnp.exp2(s - m_next[:, None])
-    l_next = l_prev * alpha + p.sum(axis=-1)
-    if masked:
-      v = plgpu.load(v_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
-    else:
-      v = v_ref[k_rows[:, None], cols]
-    o_next = o_prev * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-    return o_next, m_next, l_next
+        tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    iq = pl.program_id(0)
+    isplit = pl.program_id(1)
+    kvh = pl.program_id(2)
+    b = pl.program_id(3)
+    head_dim = q_ref.shape[-1]
+    rows = block_q * group_pad
 
-  o = jnp.zeros((rows, head_dim), jnp.float32)
-  m = jnp.full((rows,), _M_INIT, jnp.float32)
-  l = jnp.zeros((rows,), jnp.float32)
-  carry = lax.fori_loop(start, end_full, functools.partial(tile, masked=False), (o, m, l))
-  o, m, l = lax.fori_loop(start_part, end, functools.partial(tile, masked=True), carry)
+    q_len = lens_ref[0]
+    kv_len = lens_ref[1]
 
-  st_mask = in_bounds[:, None]
-  if state_out:
-    o_ref, m_ref, l_ref = out_refs
-    seen = row_ok & (l > 0.0)
-    plgpu.store(o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0).astype(o_ref.dtype),
-                mask=st_mask)
-    # m and l in o's row order (t * Hq + h): merging the splits is then elementwise over one layout
-    plgpu.store(m_ref.at[q_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
-    plgpu.store(l_ref.at[q_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
-  else:
-    (o_ref,) = out_refs
-    ok = row_ok & (l > 0.0)
-    inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-    plgpu.store(o_ref.at[q_rows[:, None], cols], (o * inv[:, None]).astype(o_ref.dtype),
-                mask=st_mask)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    t = iq * block_q + lax.div(r, jnp.int32(group_pad))  # token of each row
+    g = lax.rem(r, jnp.int32(group_pad))  # head within the group
+    h = kvh * group + g  # query head
+    in_bounds = (t < q_len_max) & (g < group)
+    row_ok = in_bounds & (t < q_len)
+    oob = q_len_max * q_heads  # out-of-range row: never touched
+    q_rows = jnp.where(in_bounds, t * q_heads + h, oob)  # row in the [Tq*Hq, D] view
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+
+    q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
+    kv_dtype = k_ref.dtype
+    q = q.astype(kv_dtype)
+
+    n_tiles = lax.div(kv_len + (block_k - 1), jnp.int32(block_k))
+    n_full = lax.div(kv_len, jnp.int32(block_k))
+    start = isplit * tiles_per_split
+    end = jnp.minimum(start + tiles_per_split, n_tiles)
+    end = jnp.where(iq * block_q < q_len, end, start)  # whole q block empty: skip the work
+    end_full = jnp.minimum(end, n_full)
+    start_part = jnp.maximum(start, end_full)
+
+    kidx = jnp.arange(block_k, dtype=jnp.int32)
+
+    def tile(j, carry, masked: bool):
+        o_prev, m_prev, l_prev = carry
+        kpos = j * block_k + kidx
+        kmask = kpos < kv_len if masked else None
+        if contiguous:
+            slots = b * kv_len_max + kpos
+        elif masked or kv_len_max % block_k:  # (a static-size slice must fit the table's block)
+            tmask = kmask if masked else kpos < kv_len_max
+            slots = plgpu.load(tbl_ref.at[pl.ds(j * block_k, block_k)], mask=tmask, other=0)
+        else:
+            slots = tbl_ref[pl.ds(j * block_k, block_k)]
+        k_rows = slots * kv_heads + kvh
+        if masked:
+            k = plgpu.load(k_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
+        else:
+            k = k_ref[k_rows[:, None], cols]
+        s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [rows, block_k] fp32, base-2 logits
+        if masked:
+            s = jnp.where(kmask[None, :], s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, s.max(axis=-1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * alpha + p.sum(axis=-1)
+        if masked:
+            v = plgpu.load(v_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
+        else:
+            v = v_ref[k_rows[:, None], cols]
+        o_next = o_prev * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return o_next, m_next, l_next
+
+    o = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), _M_INIT, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    carry = lax.fori_loop(start, end_full, functools.partial(tile, masked=False), (o, m, l))
+    o, m, l = lax.fori_loop(start_part, end, functools.partial(tile, masked=True), carry)
+
+    st_mask = in_bounds[:, None]
+    if state_out:
+        o_ref, m_ref, l_ref = out_refs
+        seen = row_ok & (l > 0.0)
+        plgpu.store(
+            o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0).astype(o_ref.dtype), mask=st_mask
+        )
+        # m and l in o's row order (t * Hq + h): merging the splits is then elementwise over one layout
+        plgpu.store(m_ref.at[q_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
+        plgpu.store(l_ref.at[q_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
+    else:
+        (o_ref,) = out_refs
+        ok = row_ok & (l > 0.0)
+        inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+        plgpu.store(o_ref.at[q_rows[:, None], cols], (o * inv[:, None]).astype(o_ref.dtype), mask=st_mask)
 
 
 # --------------------------------------------------------------------------------------------
 # State helpers (pure jnp)
 # --------------------------------------------------------------------------------------------
 def merge_states(a: AttentionState, b: AttentionState) -> AttentionState:
-  """Merges two states over disjoint key sets: equals the state over their union."""
-  m = jnp.maximum(a.m, b.m)
-  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-  wa = jnp.where(jnp.isneginf(a.m), 0.0, jnp.exp(a.m - m_safe))
-  wb = jnp.where(jnp.isneginf(b.m), 0.0, jnp.exp(b.m - m_safe))
-  l = wa * a.l + wb * b.l
-  wa_o = jnp.swapaxes(wa, 1, 2)[..., None]  # [B, Tq, Hq, 1]
-  wb_o = jnp.swapaxes(wb, 1, 2)[..., None]
-  o = wa_o * a.o + wb_o * b.o
-  return AttentionState(m, l, o)
+    """Merges two states over disjoint key sets: equals the state over their union."""
+    m = jnp.maximum(a.m, b.m)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    wa = jnp.where(jnp.isneginf(a.m), 0.0, jnp.exp(a.m - m_safe))
+    wb = jnp.where(jnp.isneginf(b.m), 0.0, jnp.exp(b.m - m_safe))
+    l = wa * a.l + wb * b.l
+    wa_o = jnp.swapaxes(wa, 1, 2)[..., None]  # [B, Tq, Hq, 1]
+    wb_o = jnp.swapaxes(wb, 1, 2)[..., None]
+    o = wa_o * a.o + wb_o * b.o
+    return AttentionState(m, l, o)
 
 
 def _merge_split_rows(m, l, o):
-  """m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D] (the kernel's row order) -> (m, l, o) over all N splits, in that
-  order. In one layout the merge is a reduction over N plus elementwise ops (the state's [B, Hq, Tq] layout cost
-  two transposes and two more small kernels per call: ~6 us of a block step's attention)."""
-  mx = jnp.max(m, axis=0)
-  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-  w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
-  return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
+    """m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D] (the kernel's row order) -> (m, l, o) over all N splits, in that
+    order. In one layout the merge is a reduction over N plus elementwise ops (the state's [B, Hq, Tq] layout cost
+    two transposes and two more small kernels per call: ~6 us of a block step's attention)."""
+    mx = jnp.max(m, axis=0)
+    m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+    w = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe[None]))
+    return mx, jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * o, axis=0)
 
 
 def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, splits: int, rows: int, block_r: int):
-  i = pl.program_id(0)
-  r = i * block_r + jnp.arange(block_r, dtype=jnp.int32)
-  live = r < rows
-  cols = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
-  ms = [plgpu.load(m_ref.at[s, r], mask=live, other=-jnp.inf) for s in range(splits)]
-  mx = functools.reduce(jnp.maximum, ms)
-  m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-  l_sum = jnp.zeros((block_r,), jnp.float32)
-  o_sum = jnp.zeros((block_r, o_ref.shape[-1]), jnp.float32)
-  for s in range(splits):  # the order of _merge_split_rows: weight, then l and o accumulated split by split
-    w = jnp.where(jnp.isneginf(ms[s]), 0.0, jnp.exp(ms[s] - m_safe))
-    l_s = plgpu.load(l_ref.at[s, r], mask=live, other=0.0)
-    o_s = plgpu.load(o_ref.at[s, r[:, None], cols], mask=live[:, None], other=0.0).astype(jnp.float32)
-    l_sum = l_sum + w * l_s
-    o_sum = o_sum + w[:, None] * o_s
-  ok = l_sum > 0
-  out = jnp.where(ok[:, None], o_sum / jnp.where(ok, l_sum, 1.0)[:, None], 0.0)
-  plgpu.store(out_ref.at[r[:, None], cols], out.astype(out_ref.dtype), mask=live[:, None])
+    i = pl.program_id(0)
+    r = i * block_r + jnp.arange(block_r, dtype=jnp.int32)
+    live = r < rows
+    cols = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
+    ms = [plgpu.load(m_ref.at[s, r], mask=live, other=-jnp.inf) for s in range(splits)]
+    mx = functools.reduce(jnp.maximum, ms)
+    m_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+    l_sum = jnp.zeros((block_r,), jnp.float32)
+    o_sum = jnp.zeros((block_r, o_ref.shape[-1]), jnp.float32)
+    for s in range(splits):  # the order of _merge_split_rows: weight, then l and o accumulated split by split
+        w = jnp.where(jnp.isneginf(ms[s]), 0.0, jnp.exp(ms[s] - m_safe))
+        l_s = plgpu.load(l_ref.at[s, r], mask=live, other=0.0)
+        o_s = plgpu.load(o_ref.at[s, r[:, None], cols], mask=live[:, None], other=0.0).astype(jnp.float32)
+        l_sum = l_sum + w * l_s
+        o_sum = o_sum + w[:, None] * o_s
+    ok = l_sum > 0
+    out = jnp.where(ok[:, None], o_sum / jnp.where(ok, l_sum, 1.0)[:, None], 0.0)
+    plgpu.store(out_ref.at[r[:, None], cols], out.astype(out_ref.dtype), mask=live[:, None])
 
 
 def _merge_normalise_pallas(m, l, o, dtype, *, interpret: bool) -> jax.Array:
-  """The split-K partials (m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D]) -> the normalised output [B, Tq, Hq, D] in
-  dtype, as `_normalise(*_merge_split_rows(...)[1:], dtype)` computes it, in one kernel."""
-  splits, b, tq, hq, d = o.shape
-  rows = b * tq * hq
-  block_r = MERGE_BLOCK_ROWS
-  out = pl.pallas_call(
-      functools.partial(_merge_kernel, splits=splits, rows=rows, block_r=block_r),
-      grid=(pl.cdiv(rows, block_r),),
-      in_specs=[pl.BlockSpec((splits, rows), lambda i: (0, 0)), pl.BlockSpec((splits, rows), lambda i: (0, 0)),
-                pl.BlockSpec((splits, rows, d), lambda i: (0, 0, 0))],
-      out_specs=pl.BlockSpec((rows, d), lambda i: (0, 0)),
-      out_shape=jax.ShapeDtypeStruct((rows, d), dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="slot_attention_merge",
-  )(m.reshape(splits, rows), l.reshape(splits, rows), o.reshape(splits, rows, d))
-  return out.reshape(b, tq, hq, d)
+    """The split-K partials (m, l [N, B, Tq, Hq], o [N, B, Tq, Hq, D]) -> the normalised output [B, Tq, Hq, D] in
+    dtype, as `_normalise(*_merge_split_rows(...)[1:], dtype)` computes it, in one kernel."""
+    splits, b, tq, hq, d = o.shape
+    rows = b * tq * hq
+    block_r = MERGE_BLOCK_ROWS
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, splits=splits, rows=rows, block_r=block_r),
+        grid=(pl.cdiv(rows, block_r),),
+        in_specs=[
+            pl.BlockSpec((splits, rows), lambda i: (0, 0)),
+            pl.BlockSpec((splits, rows), lambda i: (0, 0)),
+            pl.BlockSpec((splits, rows, d), lambda i: (0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((rows, d), lambda i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, d), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="slot_attention_merge",
+    )(m.reshape(splits, rows), l.reshape(splits, rows), o.reshape(splits, rows, d))
+    return out.reshape(b, tq, hq, d)
 
 
 def _normalise(l_rows, o, dtype) -> jax.Array:
-  """o [B, Tq, Hq, D] / l_rows [B, Tq, Hq], with rows whose l == 0 (no key seen) giving zeros."""
-  l = l_rows[..., None]
-  ok = l > 0
-  return jnp.where(ok, o / jnp.where(ok, l, 1.0), 0.0).astype(dtype)
+    """o [B, Tq, Hq, D] / l_rows [B, Tq, Hq], with rows whose l == 0 (no key seen) giving zeros."""
+    l = l_rows[..., None]
+    ok = l > 0
+    return jnp.where(ok, o / jnp.where(ok, l, 1.0), 0.0).astype(dtype)
 
 
 def finalize_state(state: AttentionState, dtype=jnp.float32) -> jax.Array:
-  """o / l, with rows whose l == 0 (no key seen) giving zeros."""
-  return _normalise(jnp.swapaxes(state.l, 1, 2), state.o, dtype)
+    """o / l, with rows whose l == 0 (no key seen) giving zeros."""
+    return _normalise(jnp.swapaxes(state.l, 1, 2), state.o, dtype)
 
 
 def empty_state(batch: int, q_len: int, q_heads: int, head_dim: int) -> AttentionState:
-  """The state over an empty key set (identity of merge_states)."""
-  return AttentionState(jnp.full((batch, q_heads, q_len), -jnp.inf, jnp.float32),
-                        jnp.zeros((batch, q_heads, q_len), jnp.float32),
-                        jnp.zeros((batch, q_len, q_heads, head_dim), jnp.float32))
+    """The state over an empty key set (identity of merge_states)."""
+    return AttentionState(
+        jnp.full((batch, q_heads, q_len), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, q_heads, q_len), jnp.float32),
+        jnp.zeros((batch, q_len, q_heads, head_dim), jnp.float32),
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
 def _shape_str(x):
-  return "None" if x is None else f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+    return "None" if x is None else f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
 
 
 def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B, Tq, Hq, D], got q {_shape_str(q)}")
-  B, Tq, Hq, D = q.shape
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"q must be floating point (bf16/fp32), got q {_shape_str(q)}")
-  if read_table is None:
-    if k_pool.ndim != 4 or k_pool.shape[0] != B:
-      raise ValueError("with read_table=None the pools must be contiguous per-row caches "
-                       f"[B, S, Hkv, D]; got q {_shape_str(q)}, k_pool {_shape_str(k_pool)}")
-    S = k_pool.shape[1]
-    Hkv, Dk = k_pool.shape[2:]
-  else:
-    if k_pool.ndim != 3:
-      raise ValueError(f"k_pool must be [P, Hkv, D], got k_pool {_shape_str(k_pool)}")
-    Hkv, Dk = k_pool.shape[1:]
-    if read_table.ndim != 2 or read_table.shape[0] != B:
-      raise ValueError(f"read_table must be [B, S] with B={B}, got read_table "
-                       f"{_shape_str(read_table)} (q {_shape_str(q)})")
-    if not jnp.issubdtype(read_table.dtype, jnp.integer):
-      raise ValueError(f"read_table must be int32, got read_table {_shape_str(read_table)}")
-    S = read_table.shape[1]
-  if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
-    raise ValueError(f"v_pool must match k_pool: k_pool {_shape_str(k_pool)}, "
-                     f"v_pool {_shape_str(v_pool)}")
-  if Dk != D:
-    raise ValueError(f"head_dim mismatch: q {_shape_str(q)}, k_pool {_shape_str(k_pool)}")
-  if Hq % Hkv:
-    raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv}): q {_shape_str(q)}, "
-                     f"k_pool {_shape_str(k_pool)}")
-  if not jnp.issubdtype(k_pool.dtype, jnp.floating):
-    raise ValueError(f"k_pool must be floating point, got k_pool {_shape_str(k_pool)}")
-  for name, x in (("q_lens", q_lens), ("kv_lens", kv_lens)):
-    if x.shape != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"{name} must be int32 [B]=[{B}], got {name} {_shape_str(x)}")
-  if init_state is not None:
-    want = ((B, Hq, Tq), (B, Hq, Tq), (B, Tq, Hq, D))
-    got = tuple(tuple(x.shape) for x in init_state)
-    if got != want:
-      raise ValueError(f"init_state shapes must be m/l {want[0]}, o {want[2]}; got "
-                       f"m {got[0]}, l {got[1]}, o {got[2]}")
-  return B, Tq, Hq, D, Hkv, S
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Tq, Hq, D], got q {_shape_str(q)}")
+    B, Tq, Hq, D = q.shape
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point (bf16/fp32), got q {_shape_str(q)}")
+    if read_table is None:
+        if k_pool.ndim != 4 or k_pool.shape[0] != B:
+            raise ValueError(
+                "with read_table=None the pools must be contiguous per-row caches "
+                f"[B, S, Hkv, D]; got q {_shape_str(q)}, k_pool {_shape_str(k_pool)}"
+            )
+        S = k_pool.shape[1]
+        Hkv, Dk = k_pool.shape[2:]
+    else:
+        if k_pool.ndim != 3:
+            raise ValueError(f"k_pool must be [P, Hkv, D], got k_pool {_shape_str(k_pool)}")
+        Hkv, Dk = k_pool.shape[1:]
+        if read_table.ndim != 2 or read_table.shape[0] != B:
+            raise ValueError(
+                f"read_table must be [B, S] with B={B}, got read_table {_shape_str(read_table)} (q {_shape_str(q)})"
+            )
+        if not jnp.issubdtype(read_table.dtype, jnp.integer):
+            raise ValueError(f"read_table must be int32, got read_table {_shape_str(read_table)}")
+        S = read_table.shape[1]
+    if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool must match k_pool: k_pool {_shape_str(k_pool)}, v_pool {_shape_str(v_pool)}")
+    if Dk != D:
+        raise ValueError(f"head_dim mismatch: q {_shape_str(q)}, k_pool {_shape_str(k_pool)}")
+    if Hq % Hkv:
+        raise ValueError(
+            f"q heads ({Hq}) must be a multiple of kv heads ({Hkv}): q {_shape_str(q)}, k_pool {_shape_str(k_pool)}"
+        )
+    if not jnp.issubdtype(k_pool.dtype, jnp.floating):
+        raise ValueError(f"k_pool must be floating point, got k_pool {_shape_str(k_pool)}")
+    for name, x in (("q_lens", q_lens), ("kv_lens", kv_lens)):
+        if x.shape != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be int32 [B]=[{B}], got {name} {_shape_str(x)}")
+    if init_state is not None:
+        want = ((B, Hq, Tq), (B, Hq, Tq), (B, Tq, Hq, D))
+        got = tuple(tuple(x.shape) for x in init_state)
+        if got != want:
+            raise ValueError(
+                f"init_state shapes must be m/l {want[0]}, o {want[2]}; got m {got[0]}, l {got[1]}, o {got[2]}"
+            )
+    return B, Tq, Hq, D, Hkv, S
 
 
 # --------------------------------------------------------------------------------------------
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret"))
-def _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                           return_state, block_sizes, interpret):
-  B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
-  contiguous = read_table is None
-  group = Hq // Hkv
-  group_pad = _next_pow2(group)
-  bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
-  if bs.block_q * group_pad < 16:
-    raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got "
-                     f"{bs.block_q} * {group_pad}")
-  nq = pl.cdiv(Tq, bs.block_q)
-  splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
-  state_out = return_state or init_state is not None or splits > 1
+def _slot_attention_pallas(
+    q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale, return_state, block_sizes, interpret
+):
+    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+    contiguous = read_table is None
+    group = Hq // Hkv
+    group_pad = _next_pow2(group)
+    bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    if bs.block_q * group_pad < 16:
+        raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got {bs.block_q} * {group_pad}")
+    nq = pl.cdiv(Tq, bs.block_q)
+    splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
+    state_out = return_state or init_state is not None or splits > 1
 
-  q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
-  kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
-  lens = jnp.stack([q_lens, kv_lens], axis=1)  # [B, 2]
-  q2 = q.reshape(B, Tq * Hq, D)
-  P = k_pool.shape[0] * (S if contiguous else 1)
-  k2 = k_pool.reshape(P * Hkv, D)
-  v2 = v_pool.reshape(P * Hkv, D)
+    q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
+    lens = jnp.stack([q_lens, kv_lens], axis=1)  # [B, 2]
+    q2 = q.reshape(B, Tq * Hq, D)
+    P = k_pool.shape[0] * (S if contiguous else 1)
+    k2 = k_pool.reshape(P * Hkv, D)
+    v2 = v_pool.reshape(P * Hkv, D)
 
-  kernel = functools.partial(
-      _slot_attention_kernel, contiguous=contiguous, state_out=state_out, group=group,
-      group_pad=group_pad, block_q=bs.block_q, block_k=bs.block_k, tiles_per_split=tps,
-      q_len_max=Tq, kv_len_max=S, q_heads=Hq, kv_heads=Hkv,
-      qk_scale=float(scale) * _LOG2E)
+    kernel = functools.partial(
+        _slot_attention_kernel,
+        contiguous=contiguous,
+        state_out=state_out,
+        group=group,
+        group_pad=group_pad,
+        block_q=bs.block_q,
+        block_k=bs.block_k,
+        tiles_per_split=tps,
+        q_len_max=Tq,
+        kv_len_max=S,
+        q_heads=Hq,
+        kv_heads=Hkv,
+        qk_scale=float(scale) * _LOG2E,
+    )
 
-  grid = (nq, splits, Hkv, B)
-  in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
-  args = [lens]
-  if not contiguous:
-    in_specs.append(pl.BlockSpec((None, S), lambda i, s, h, b: (b, 0)))
-    args.append(read_table.astype(jnp.int32))
-  in_specs += [
-      pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0)),
-      pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
-      pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
-  ]
-  args += [q2, k2, v2]
-  if state_out:
-    out_shape = [jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
-                 pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0)),
-                 pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0))]
-  else:
-    out_shape = [jax.ShapeDtypeStruct((B, Tq * Hq, D), q.dtype)]
-    out_specs = [pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0))]
+    grid = (nq, splits, Hkv, B)
+    in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
+    args = [lens]
+    if not contiguous:
+        in_specs.append(pl.BlockSpec((None, S), lambda i, s, h, b: (b, 0)))
+        args.append(read_table.astype(jnp.int32))
+    in_specs += [
+        pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0)),
+        pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
+        pl.BlockSpec((P * Hkv, D), lambda i, s, h, b: (0, 0)),
+    ]
+    args += [q2, k2, v2]
+    if state_out:
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
+            pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0)),
+            pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0)),
+        ]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((B, Tq * Hq, D), q.dtype)]
+        out_specs = [pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0))]
 
-  outs = pl.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-      interpret=interpret,
-      name="slot_attention",
-  )(*args)
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="slot_attention",
+    )(*args)
 
-  if not state_out:
-    return outs[0].reshape(B, Tq, Hq, D)
-  o, m, l = outs
-  o = o.reshape(splits, B, Tq, Hq, D)
-  m = m.reshape(splits, B, Tq, Hq)
-  l = l.reshape(splits, B, Tq, Hq)
-  if not return_state and init_state is None:  # split-K partials of the plain output: merged by one kernel
-    return _merge_normalise_pallas(m, l, o, q.dtype, interpret=interpret)
-  m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
-  state = AttentionState(jnp.swapaxes(m, 1, 2), jnp.swapaxes(l, 1, 2), o)  # the state's [B, Hq, Tq] layout
-  if init_state is not None:
-    state = merge_states(AttentionState(*init_state), state)
-  if return_state:
-    return state
-  return finalize_state(state, q.dtype)
+    if not state_out:
+        return outs[0].reshape(B, Tq, Hq, D)
+    o, m, l = outs
+    o = o.reshape(splits, B, Tq, Hq, D)
+    m = m.reshape(splits, B, Tq, Hq)
+    l = l.reshape(splits, B, Tq, Hq)
+    if not return_state and init_state is None:  # split-K partials of the plain output: merged by one kernel
+        return _merge_normalise_pallas(m, l, o, q.dtype, interpret=interpret)
+    m, l, o = _merge_split_rows(m, l, o) if splits > 1 else (m[0], l[0], o[0])
+    state = AttentionState(jnp.swapaxes(m, 1, 2), jnp.swapaxes(l, 1, 2), o)  # the state's [B, Hq, Tq] layout
+    if init_state is not None:
+        state = merge_states(AttentionState(*init_state), state)
+    if return_state:
+        return state
+    return finalize_state(state, q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
 # Reference (pure jnp)
 # --------------------------------------------------------------------------------------------
 def contiguous_read_table(batch: int, seq: int) -> jax.Array:
-  """read_table of a contiguous per-row cache [B, S] viewed as a pool of B*S slots."""
-  return (jnp.arange(batch, dtype=jnp.int32)[:, None] * seq
-          + jnp.arange(seq, dtype=jnp.int32)[None, :])
+    """read_table of a contiguous per-row cache [B, S] viewed as a pool of B*S slots."""
+    return jnp.arange(batch, dtype=jnp.int32)[:, None] * seq + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
 
 def _gather_kv(k_pool, v_pool, read_table):
-  if read_table is None:  # contiguous [B, S, Hkv, D]
-    return k_pool, v_pool
-  return jnp.take(k_pool, read_table, axis=0), jnp.take(v_pool, read_table, axis=0)
+    if read_table is None:  # contiguous [B, S, Hkv, D]
+        return k_pool, v_pool
+    return jnp.take(k_pool, read_table, axis=0), jnp.take(v_pool, read_table, axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_state"))
-def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale,
-                    return_state):
-  B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
-  G = Hq // Hkv
-  k, v = _gather_kv(k_pool, v_pool, read_table)        # [B, S, Hkv, D]
-  qg = q.reshape(B, Tq, Hkv, G, D)
-  s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32,
-                 precision=lax.Precision.HIGHEST) * scale
-  kmask = jnp.arange(S)[None, :] < kv_lens[:, None]   # [B, S]
-  qmask = jnp.arange(Tq)[None, :] < q_lens[:, None]   # [B, Tq]
-  s = jnp.where(kmask[:, None, None, None, :], s, -jnp.inf)
-  m = jnp.max(s, axis=-1)                             # [B, Hkv, G, Tq]
-  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-  p = jnp.where(kmask[:, None, None, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
-  l = jnp.sum(p, axis=-1)
-  v = jnp.where(kmask[:, :, None, None], v.astype(jnp.float32), 0.0)  # unused slots may hold NaN
-  o = jnp.einsum("bhgts,bshd->bthgd", p, v,
-                 precision=lax.Precision.HIGHEST).reshape(B, Tq, Hq, D)
-  m = m.reshape(B, Hq, Tq)
-  l = l.reshape(B, Hq, Tq)
-  qm_h = qmask[:, None, :]                            # [B, 1, Tq]
-  state = AttentionState(jnp.where(qm_h, m, -jnp.inf), jnp.where(qm_h, l, 0.0),
-                         jnp.where(qmask[:, :, None, None], o, 0.0))
-  if init_state is not None:
-    state = merge_states(AttentionState(*init_state), state)
-  if return_state:
-    return state
-  return finalize_state(state, q.dtype)
+def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale, return_state):
+    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+    G = Hq // Hkv
+    k, v = _gather_kv(k_pool, v_pool, read_table)  # [B, S, Hkv, D]
+    qg = q.reshape(B, Tq, Hkv, G, D)
+    s = (
+        jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        * scale
+    )
+    kmask = jnp.arange(S)[None, :] < kv_lens[:, None]  # [B, S]
+    qmask = jnp.arange(Tq)[None, :] < q_lens[:, None]  # [B, Tq]
+    s = jnp.where(kmask[:, None, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)  # [B, Hkv, G, Tq]
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.where(kmask[:, None, None, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    v = jnp.where(kmask[:, :, None, None], v.astype(jnp.float32), 0.0)  # unused slots may hold NaN
+    o = jnp.einsum("bhgts,bshd->bthgd", p, v, precision=lax.Precision.HIGHEST).reshape(B, Tq, Hq, D)
+    m = m.reshape(B, Hq, Tq)
+    l = l.reshape(B, Hq, Tq)
+    qm_h = qmask[:, None, :]  # [B, 1, Tq]
+    state = AttentionState(
+        jnp.where(qm_h, m, -jnp.inf), jnp.where(qm_h, l, 0.0), jnp.where(qmask[:, :, None, None], o, 0.0)
+    )
+    if init_state is not None:
+        state = merge_states(AttentionState(*init_state), state)
+    if return_state:
+        return state
+    return finalize_state(state, q.dtype)
 
 
-def slot_attention_reference(q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None,
-                             init_state=None, return_state=False):
-  """Pure-jnp reference with the same semantics as :func:`slot_attention` (fp32 math)."""
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
-  if init_state is not None:
-    init_state = AttentionState(*init_state)
-  return _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
-                         scale=float(scale), return_state=bool(return_state))
+def slot_attention_reference(
+    q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None, init_state=None, return_state=False
+):
+    """Pure-jnp reference with the same semantics as :func:`slot_attention` (fp32 math)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if init_state is not None:
+        init_state = AttentionState(*init_state)
+    return _reference_impl(
+        q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale=float(scale), return_state=bool(return_state)
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------------
-def slot_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, read_table: jax.Array | None,
-                   q_lens: jax.Array, kv_lens: jax.Array, *, scale: float | None = None,
-                   init_state: AttentionState | None = None, return_state: bool = False,
-                   block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array | AttentionState:
-  """Bidirectional attention of q over the K/V slots listed in read_table (the Pallas kernel; interpret=True
-  runs it on the CPU; `slot_attention_reference` is the pure-jnp version).
+def slot_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    read_table: jax.Array | None,
+    q_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    init_state: AttentionState | None = None,
+    return_state: bool = False,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array | AttentionState:
+    """Bidirectional attention of q over the K/V slots listed in read_table (the Pallas kernel; interpret=True
+    runs it on the CPU; `slot_attention_reference` is the pure-jnp version).
 
-  Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
-  return_state=True.  See the module docstring for the layout.
-  """
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-  if init_state is not None:
-    init_state = AttentionState(*init_state)
-  B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
-  # the default tiling is resolved here, not in the cached trace: a patched heuristic is a new program
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
-  return _slot_attention_pallas(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state,
-                                scale=float(scale), return_state=bool(return_state),
-                                block_sizes=block_sizes, interpret=bool(interpret))
-
+    Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
+    return_state=True.  See the module docstring for the layout.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    if init_state is not None:
+        init_state = AttentionState(*init_state)
+    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+    # the default tiling is resolved here, not in the cached trace: a patched heuristic is a new program
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    return _slot_attention_pallas(
+        q,
+        k_pool,
+        v_pool,
+        read_table,
+        q_lens,
+        kv_lens,
+        init_state,
+        scale=float(scale),
+        return_state=bool(return_state),
+        block_sizes=block_sizes,
+        interpret=bool(interpret),
+    )

@@ -16,8 +16,9 @@ import fixtures  # noqa: E402
 
 
 def pytest_addoption(parser):
-    parser.addoption("--soak-requests", type=int, default=100,
-                     help="requests of the server soak test (the long version: 1000)")
+    parser.addoption(
+        "--soak-requests", type=int, default=100, help="requests of the server soak test (the long version: 1000)"
+    )
 
 
 @pytest.fixture(scope="session")

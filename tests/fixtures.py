@@ -18,14 +18,14 @@ from safetensors.numpy import save_file
 
 # name -> family, sizes. head_dim = hidden / heads.
 SPECS: dict[str, dict] = {
-    "llada": dict(family="llada", vocab=101, d=60, heads=5, kv=5, layers=3, mlp=84, tied=False, theta=500000.0,
-                  eps=1e-5),
-    "llada_gqa_tied": dict(family="llada", vocab=97, d=48, heads=6, kv=2, layers=2, mlp=72, tied=True,
-                           theta=10000.0, eps=1e-5),
-    "dream": dict(family="dream", vocab=103, d=56, heads=7, kv=1, layers=3, mlp=90, tied=False, theta=1e6,
-                  eps=1e-6),
-    "dream_tied": dict(family="dream", vocab=89, d=48, heads=4, kv=2, layers=2, mlp=66, tied=True, theta=1e6,
-                       eps=1e-6),
+    "llada": dict(
+        family="llada", vocab=101, d=60, heads=5, kv=5, layers=3, mlp=84, tied=False, theta=500000.0, eps=1e-5
+    ),
+    "llada_gqa_tied": dict(
+        family="llada", vocab=97, d=48, heads=6, kv=2, layers=2, mlp=72, tied=True, theta=10000.0, eps=1e-5
+    ),
+    "dream": dict(family="dream", vocab=103, d=56, heads=7, kv=1, layers=3, mlp=90, tied=False, theta=1e6, eps=1e-6),
+    "dream_tied": dict(family="dream", vocab=89, d=48, heads=4, kv=2, layers=2, mlp=66, tied=True, theta=1e6, eps=1e-6),
 }
 MASK_OFFSET = 1  # mask id = vocab - 1, eos = vocab - 2, bos = vocab - 3
 
@@ -39,23 +39,59 @@ def hf_config(spec: dict) -> dict:
     s, ids = spec, special_ids(spec)
     if s["family"] == "llada":
         return {
-            "model_type": "llada", "architectures": ["LLaDAModelLM"], "block_type": "llama",
-            "activation_type": "silu", "layer_norm_type": "rms", "rms_norm_eps": s["eps"], "rope": True,
-            "rope_full_precision": True, "rope_theta": s["theta"], "alibi": False, "attention_layer_norm": False,
-            "input_emb_norm": False, "scale_logits": False, "d_model": s["d"], "n_heads": s["heads"],
-            "n_kv_heads": s["kv"], "n_layers": s["layers"], "mlp_hidden_size": s["mlp"], "mlp_ratio": 4,
-            "vocab_size": s["vocab"], "embedding_size": s["vocab"], "max_sequence_length": 256,
-            "weight_tying": s["tied"], "include_bias": False, "include_qkv_bias": False,
-            "bias_for_layer_norm": False, "mask_token_id": ids["mask"], "eos_token_id": ids["eos"],
-            "pad_token_id": ids["eos"], "bos_token_id": ids["bos"], "precision": "amp_bf16",
+            "model_type": "llada",
+            "architectures": ["LLaDAModelLM"],
+            "block_type": "llama",
+            "activation_type": "silu",
+            "layer_norm_type": "rms",
+            "rms_norm_eps": s["eps"],
+            "rope": True,
+            "rope_full_precision": True,
+            "rope_theta": s["theta"],
+            "alibi": False,
+            "attention_layer_norm": False,
+            "input_emb_norm": False,
+            "scale_logits": False,
+            "d_model": s["d"],
+            "n_heads": s["heads"],
+            "n_kv_heads": s["kv"],
+            "n_layers": s["layers"],
+            "mlp_hidden_size": s["mlp"],
+            "mlp_ratio": 4,
+            "vocab_size": s["vocab"],
+            "embedding_size": s["vocab"],
+            "max_sequence_length": 256,
+            "weight_tying": s["tied"],
+            "include_bias": False,
+            "include_qkv_bias": False,
+            "bias_for_layer_norm": False,
+            "mask_token_id": ids["mask"],
+            "eos_token_id": ids["eos"],
+            "pad_token_id": ids["eos"],
+            "bos_token_id": ids["bos"],
+            "precision": "amp_bf16",
         }
     return {
-        "model_type": "Dream", "architectures": ["DreamModel"], "hidden_act": "silu", "hidden_size": s["d"],
-        "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv"],
-        "intermediate_size": s["mlp"], "vocab_size": s["vocab"], "rms_norm_eps": s["eps"], "rope_theta": s["theta"],
-        "tie_word_embeddings": s["tied"], "max_position_embeddings": 256, "mask_token_id": ids["mask"],
-        "pad_token_id": ids["eos"], "eos_token_id": ids["eos"], "bos_token_id": ids["bos"], "rope_scaling": None,
-        "use_sliding_window": False, "torch_dtype": "bfloat16",
+        "model_type": "Dream",
+        "architectures": ["DreamModel"],
+        "hidden_act": "silu",
+        "hidden_size": s["d"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv"],
+        "intermediate_size": s["mlp"],
+        "vocab_size": s["vocab"],
+        "rms_norm_eps": s["eps"],
+        "rope_theta": s["theta"],
+        "tie_word_embeddings": s["tied"],
+        "max_position_embeddings": 256,
+        "mask_token_id": ids["mask"],
+        "pad_token_id": ids["eos"],
+        "eos_token_id": ids["eos"],
+        "bos_token_id": ids["bos"],
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
     }
 
 

@@ -71,18 +71,24 @@ def test_probe_hook_matches_reference():
     affix_keys[2] = False  # a row without an affix scores zero, never NaN
     mask_queries = rng.random((b, n)) < 0.6
     got = acache.affix_importance_probe(jnp.asarray(affix_keys), jnp.asarray(mask_queries))(q, k)
-    np.testing.assert_allclose(np.asarray(got), probe_reference(q, k, affix_keys, mask_queries), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), probe_reference(q, k, affix_keys, mask_queries), rtol=1e-5, atol=1e-6)
 
 
 def prepared(model, prompts, spans, ratio, gen_length=8):
     """The state `generate` starts decoding from, built eagerly (plus the inputs and the affix-alone cache)."""
-    gc = opts(gen_length=gen_length, block_length=4, steps=gen_length, cache="dual", affix="anchors",
-              anchor_ratio=ratio)
+    gc = opts(
+        gen_length=gen_length, block_length=4, steps=gen_length, cache="dual", affix="anchors", anchor_ratio=ratio
+    )
     x, positions, key_mask, _, p = layout(prompts, model.config, gc)
-    inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
-                       frozen=jnp.zeros(x.shape, bool), prompt_len=p, block_length=4,
-                       shift=1 if model.config.family == "dream" else 0, kernels=XLA)
+    inp = DecodeInputs(
+        positions=jnp.asarray(positions),
+        key_mask=jnp.asarray(key_mask),
+        frozen=jnp.zeros(x.shape, bool),
+        prompt_len=p,
+        block_length=4,
+        shift=1 if model.config.family == "dream" else 0,
+        kernels=XLA,
+    )
     a = acache.anchor_inputs(spans, (~key_mask).sum(1), p, x.shape[1], ratio)
     x = jnp.asarray(x)
     state = acache.prepare(model.params, model.config, inp, a, x)
@@ -104,7 +110,7 @@ def test_probe_mass_and_anchor_choice(name, models_fp32):
     window, writes = np.asarray(state.window), np.asarray(state.writes)
     for r, (s, e) in enumerate(SPANS):
         k = acache.anchor_count(e - s, 0.34)
-        anchors = window[r, :a.max_anchors][writes[r, :a.max_anchors]]
+        anchors = window[r, : a.max_anchors][writes[r, : a.max_anchors]]
         assert len(anchors) == k and (np.diff(anchors) > 0).all()
         top = np.sort(np.argsort(-np.where(affix[r], imp[r], -np.inf), kind="stable")[:k])
         np.testing.assert_array_equal(anchors, top)
@@ -121,7 +127,7 @@ def test_block_start_recomputes_anchors_and_request_only(models_fp32):
     window, writes = np.asarray(state.window), np.asarray(state.writes)
     affix = np.asarray(a.affix)
     for r in range(len(PROMPTS)):
-        anchors = set(window[r, :a.max_anchors][writes[r, :a.max_anchors]].tolist())
+        anchors = set(window[r, : a.max_anchors][writes[r, : a.max_anchors]].tolist())
         for j in np.flatnonzero(affix[r]):
             same = np.array_equal(k_now[:, r, j], k_alone[:, r, j])
             assert same == (j not in anchors), (r, j)
@@ -138,12 +144,15 @@ def test_write_slots_equals_contiguous_write(models_fp32):
     full = forward(m.params, m.config, x, pos, cache=empty)
     contiguous = forward(m.params, m.config, x[:, 3:6], pos[:, 3:6], cache=full.cache, write=CacheWrite.at(3))
     slots = jnp.asarray([[5, 3, 4]], jnp.int32)  # the same window, gathered out of order
-    gathered = forward(m.params, m.config, x[:, [5, 3, 4]], pos[:, [5, 3, 4]], cache=full.cache,
-                       write=CacheWrite.scatter(slots))
-    np.testing.assert_allclose(np.asarray(gathered.cache.stacked().k), np.asarray(contiguous.cache.stacked().k),
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(gathered.logits[0]), np.asarray(contiguous.logits[0, [2, 0, 1]]),
-                               rtol=1e-5, atol=1e-5)
+    gathered = forward(
+        m.params, m.config, x[:, [5, 3, 4]], pos[:, [5, 3, 4]], cache=full.cache, write=CacheWrite.scatter(slots)
+    )
+    np.testing.assert_allclose(
+        np.asarray(gathered.cache.stacked().k), np.asarray(contiguous.cache.stacked().k), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        np.asarray(gathered.logits[0]), np.asarray(contiguous.logits[0, [2, 0, 1]]), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("name,cache", [("llada", "dual"), ("llada_gqa_tied", "prefix"), ("dream", "dual")])
@@ -171,15 +180,19 @@ def test_rows_without_affix_and_refresh_every_step(models_fp32):
     plain = generate(m, PROMPTS, opts(**base, cache="dual"))
     np.testing.assert_array_equal(mixed.tokens[1], plain.tokens[1])
     every = opts(**base, cache="dual", affix="anchors", anchor_ratio=1.0, refresh="step")
-    np.testing.assert_array_equal(generate(m, PROMPTS, every, affix_spans=SPANS).tokens,
-                                  generate(m, PROMPTS, opts(**base, cache="none")).tokens)
+    np.testing.assert_array_equal(
+        generate(m, PROMPTS, every, affix_spans=SPANS).tokens, generate(m, PROMPTS, opts(**base, cache="none")).tokens
+    )
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(affix="anchors"), "needs cache 'prefix' or 'dual'"),
-    (dict(affix="anchors", cache="dual", anchor_ratio=1.5), "ratio=1.5"),
-    (dict(affix="anchored", cache="dual"), "affix='anchored'"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(affix="anchors"), "needs cache 'prefix' or 'dual'"),
+        (dict(affix="anchors", cache="dual", anchor_ratio=1.5), "ratio=1.5"),
+        (dict(affix="anchored", cache="dual"), "affix='anchored'"),
+    ],
+)
 def test_bad_affix_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
         opts(gen_length=8, block_length=4, steps=8, **kw)
@@ -211,13 +224,28 @@ def test_shared_affix_placed_equals_affix_alone(name, models_fp32):
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="naive")
     spans = [(0, 6), (1, 7), (3, 9)]
     x, positions, key_mask, frozen, p = layout(SHARED_PROMPTS, m.config, gc, spans)
-    inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
-                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=4, shift=0, kernels=XLA)
+    inp = DecodeInputs(
+        positions=jnp.asarray(positions),
+        key_mask=jnp.asarray(key_mask),
+        frozen=jnp.asarray(frozen),
+        prompt_len=p,
+        block_length=4,
+        shift=0,
+        kernels=XLA,
+    )
     alone = acache.affix_alone_cache(m.params, m.config, inp, jnp.asarray(x), jnp.asarray(frozen)).stacked()
     pads = (~key_mask).sum(1)
     starts = np.array([s for s, _ in spans])
-    placed = acache.place_shared_affix(m.params, m.config, shared.k, shared.v, jnp.asarray(pads + starts),
-                                       jnp.asarray(starts), jnp.ones(3, bool), *x.shape).stacked()
+    placed = acache.place_shared_affix(
+        m.params,
+        m.config,
+        shared.k,
+        shared.v,
+        jnp.asarray(pads + starts),
+        jnp.asarray(starts),
+        jnp.ones(3, bool),
+        *x.shape,
+    ).stacked()
     for got, want in ((placed.k, alone.k), (placed.v, alone.v)):
         got, want = np.asarray(got), np.asarray(want)
         assert (got[:, ~frozen] == 0).all()
@@ -240,8 +268,9 @@ def test_generate_with_a_shared_affix(affix, models_fp32):
     unrolled = Model(m.config, unstack_layers(m.params))
     np.testing.assert_array_equal(generate(unrolled, SHARED_PROMPTS, gc, shared_affix=shared).tokens, per_row.tokens)
     # a row without the affix, marked by its span
-    mixed = generate(m, SHARED_PROMPTS + [[50, 51]], gc, shared_affix=shared,
-                     affix_spans=[(0, 6), (1, 7), (3, 9), None])
+    mixed = generate(
+        m, SHARED_PROMPTS + [[50, 51]], gc, shared_affix=shared, affix_spans=[(0, 6), (1, 7), (3, 9), None]
+    )
     np.testing.assert_array_equal(mixed.tokens[:3], per_row.tokens)
 
 

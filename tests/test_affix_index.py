@@ -26,11 +26,11 @@ class Tokens:
         self.rng = random.Random(seed)
 
     def __call__(self, n):
-        return [self.rng.randrange(1, 10 ** 6) for _ in range(n)]
+        return [self.rng.randrange(1, 10**6) for _ in range(n)]
 
 
 def contains(hay, needle):
-    return any(hay[i:i + len(needle)] == needle for i in range(len(hay) - len(needle) + 1))
+    return any(hay[i : i + len(needle)] == needle for i in range(len(hay) - len(needle) + 1))
 
 
 # ---- prefixes ---------------------------------------------------------------------------------------------------
@@ -208,10 +208,10 @@ def test_no_false_spans_random_small_vocab():
         p = [rng.randrange(3) for _ in range(rng.randrange(0, 60))]
         m = ix.match(p)
         if m is not None:
-            span = p[m.start:m.end]
+            span = p[m.start : m.end]
             assert m.end - m.start >= 8 and any(contains(r, span) for r in remembered)
             if m.kind == "prefix":
-                assert m.start == 0 and m.end % 4 == 0 and any(r[:m.end] == span for r in remembered)
+                assert m.start == 0 and m.end % 4 == 0 and any(r[: m.end] == span for r in remembered)
         ix.add(p)
         remembered = [r.tokens.tolist() for r in ix._prompts.values()]
     ix.check_invariants()
@@ -229,7 +229,7 @@ def test_pathological_repetition_stays_fast_and_exact():
     ix.add(stored)
     q = ([7] * 69 + [8]) * 50
     s = ix.find_span(q)
-    assert s is not None and s[1] - s[0] >= 69 and contains(stored, q[s[0]:s[1]])
+    assert s is not None and s[1] - s[0] >= 69 and contains(stored, q[s[0] : s[1]])
     assert time.perf_counter() - t0 < 2.0
 
 
@@ -334,8 +334,15 @@ def test_kgram_lists_keep_the_most_recent_prompts():
 
 
 def test_constructor_validates():
-    for kw in [dict(page_size=0), dict(k=0), dict(min_tokens=8, k=16), dict(max_prompts=-1), dict(max_hits=0),
-               dict(max_tokens=-1), dict(work_factor=0)]:
+    for kw in [
+        dict(page_size=0),
+        dict(k=0),
+        dict(min_tokens=8, k=16),
+        dict(max_prompts=-1),
+        dict(max_hits=0),
+        dict(max_tokens=-1),
+        dict(work_factor=0),
+    ]:
         with pytest.raises(ValueError):
             AffixIndex(**{"page_size": 16, **kw})
 
@@ -368,8 +375,9 @@ def test_deterministic_across_processes():
     runs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        r = subprocess.run([sys.executable, "-c", SCRIPT, str(ENGINE_DIR)], capture_output=True, text=True, env=env,
-                           check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(ENGINE_DIR)], capture_output=True, text=True, env=env, check=True
+        )
         runs.append(json.loads(r.stdout))
     assert runs[0] == runs[1] and not runs[0]["jax"]
     assert sum(m is not None for m in runs[0]["out"]) >= 20  # the run exercises real matches
@@ -409,8 +417,12 @@ BLOCKS = [[1000 * b + i for i in range(n)] for b, n in enumerate([3, 5, 6, 9, 11
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(prompts=st.lists(st.permutations(range(len(BLOCKS))).map(lambda p: p[:5]), min_size=1, max_size=4),
-       query=st.permutations(range(len(BLOCKS))), cut=st.integers(0, 4), page_size=st.sampled_from([1, 3, 4]))
+@given(
+    prompts=st.lists(st.permutations(range(len(BLOCKS))).map(lambda p: p[:5]), min_size=1, max_size=4),
+    query=st.permutations(range(len(BLOCKS))),
+    cut=st.integers(0, 4),
+    page_size=st.sampled_from([1, 3, 4]),
+)
 def test_finders_match_the_oracle(prompts, query, cut, page_size):
     """No k-gram repeats within a prompt and no more prompts than max_hits: the finders must be exact."""
     prompts = [[t for b in p for t in BLOCKS[b]][cut:] for p in prompts]
@@ -428,8 +440,10 @@ def test_finders_match_the_oracle(prompts, query, cut, page_size):
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(reg=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), max_size=5),
-       q=st.lists(st.integers(0, 4), max_size=30))
+@given(
+    reg=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), max_size=5),
+    q=st.lists(st.integers(0, 4), max_size=30),
+)
 def test_find_registered_matches_the_oracle(reg, q):
     ix = AffixIndex(page_size=4, min_tokens=4, k=3)
     for r in reg:
@@ -437,7 +451,7 @@ def test_find_registered_matches_the_oracle(reg, q):
     order = list(dict.fromkeys(map(tuple, reg)))  # registration order, duplicates once
     found = []
     for n, r in enumerate(order):
-        s = next((i for i in range(len(q) - len(r) + 1) if tuple(q[i:i + len(r)]) == r), None)
+        s = next((i for i in range(len(q) - len(r) + 1) if tuple(q[i : i + len(r)]) == r), None)
         if s is not None:
             found.append((-len(r), s, n))
     want = None if not found else (min(found)[1], min(found)[1] - min(found)[0])

@@ -39,7 +39,7 @@ def test_generate_with_pallas_attention(models_fp32):
 
 
 def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(monkeypatch):
-    """"cudnn_pallas" (the GPU default in bf16): windows up to SHORT_QUERY tokens over at most PALLAS_MAX_ROWS K/V
+    """ "cudnn_pallas" (the GPU default in bf16): windows up to SHORT_QUERY tokens over at most PALLAS_MAX_ROWS K/V
     streams run the Pallas kernel, the rest cuDNN (recorded here through a stand-in, since cuDNN needs a GPU)."""
     from dllm_jax.config import ModelConfig
     from dllm_jax.transformer import attention
@@ -62,10 +62,26 @@ def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(mon
     monkeypatch.setattr(attention, "PALLAS_MAX_ROWS", 1)  # 1 row x 2 kv heads: now too many streams for Pallas
     attend(jax.random.normal(k1, (1, 8, 4, 64), jnp.float32), k, v, None, "cudnn_pallas", INTERPRET)
     assert long_calls == [attention.SHORT_QUERY + 1, 8]
-    bf16 = ModelConfig(family="llada", vocab_size=80, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16,
-                       mlp_hidden=96, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
-                       tie_embeddings=False, max_seq_len=64, mask_token_id=79, eos_token_id=78, pad_token_id=78,
-                       dtype="bfloat16")
+    bf16 = ModelConfig(
+        family="llada",
+        vocab_size=80,
+        d_model=64,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=16,
+        mlp_hidden=96,
+        rms_eps=1e-5,
+        rope_theta=1e4,
+        rope_fp32=True,
+        qkv_bias=False,
+        tie_embeddings=False,
+        max_seq_len=64,
+        mask_token_id=79,
+        eos_token_id=78,
+        pad_token_id=78,
+        dtype="bfloat16",
+    )
     gpu = jax.default_backend() == "gpu"
     params = {"layers": {}}  # stacked
     assert Kernels.resolve(KernelChoice(), bf16, params, padded=False).attention == ("cudnn_pallas" if gpu else "xla")
@@ -80,9 +96,10 @@ def test_cudnn_pallas_sends_block_steps_to_pallas_and_full_forwards_to_cudnn(mon
 def test_block_steps_on_the_pallas_kernel_give_the_reference_tokens():
     """The GPU default runs block steps on the Pallas kernel: in fp32 its tokens are the XLA reference's (on the
     CPU the kernel is interpreted with fp32 dots; a GPU's TF32 dots may flip a near tie, hence >= 0.9 there)."""
+    from test_layer_loop import CONFIGS, PROMPTS
+
     from dllm_jax.io.loading import Model
     from dllm_jax.transformer.params import init_params, unstack_layers
-    from test_layer_loop import CONFIGS, PROMPTS
 
     for i, (name, c) in enumerate(CONFIGS.items()):
         m = Model(c, unstack_layers(init_params(c, jax.random.key(i), std=0.2)))

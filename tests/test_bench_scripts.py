@@ -33,8 +33,26 @@ def _run(script: str, *args: str):
 def test_bench_generate_fp8_bf16_twin_loop_and_trace(tmp_path):
     """The FP8 row on the GPU's layer layout and its same-run bf16 twin (--twin FIELD=VALUE rows take the same
     path); the forwards per call of 8 and per step in a longer loop, the floors, the (empty on the CPU) trace."""
-    _run("bench_generate", "--models", "tiny", "--batches", "1", "--modes", "dual", "--layer-layout", "unrolled",
-         "--fp8-ffn", "--compare-bf16", "--loop", "10", "--trace", "--run", "r1", "--out", str(tmp_path))
+    _run(
+        "bench_generate",
+        "--models",
+        "tiny",
+        "--batches",
+        "1",
+        "--modes",
+        "dual",
+        "--layer-layout",
+        "unrolled",
+        "--fp8-ffn",
+        "--compare-bf16",
+        "--loop",
+        "10",
+        "--trace",
+        "--run",
+        "r1",
+        "--out",
+        str(tmp_path),
+    )
     data = json.loads((tmp_path / "generate_fp8_h200.json").read_text())
     fp8, bf16 = data["rows"]
     assert [(r["fp8_ffn"], r["comparison"]) for r in data["rows"]] == [(True, None), (False, "same-run bf16")]
@@ -56,8 +74,12 @@ def test_bench_generate_helpers():
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         bg.parse_twin("no_such_field=1")
     base = dict(model="m", mode="dual", batch=1, steps=64)
-    rows = [dict(base, date="2026-11-30", tokens_per_s=1.0), dict(base, date="2026-12-01", comparison=None),
-            dict(base, date="2026-12-02", comparison="same-run bf16"), dict(base, date="2026-12-03", steps=256)]
+    rows = [
+        dict(base, date="2026-11-30", tokens_per_s=1.0),
+        dict(base, date="2026-12-01", comparison=None),
+        dict(base, date="2026-12-02", comparison="same-run bf16"),
+        dict(base, date="2026-12-03", steps=256),
+    ]
     assert bg.newest_rows(rows) == {("m", "dual", 1): rows[1]}
 
 
@@ -73,10 +95,15 @@ def test_results_merge_by_run_and_kernel_kinds(tmp_path):
     data = json.loads(path.read_text())
     assert [(r["run"], r["v"]) for r in data["rows"]] == [("old", 1), ("old", 2), ("new", 4)]
     assert data["meta"]["runs"] == {"old": {"a": 1}, "new": {"b": 4}}
-    names = {"gemm_fusion_dot_131": "gemm", "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT": "gemm",
-             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention",
-             "loop_dynamic_update_slice_fusion_32": "cache_update", "memcpy128": "copy", "loop_add_fusion_61": "other",
-             "fp8_matmul_kernel_mosaic_gpu_kernel": "gemm"}
+    names = {
+        "gemm_fusion_dot_131": "gemm",
+        "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention",
+        "loop_dynamic_update_slice_fusion_32": "cache_update",
+        "memcpy128": "copy",
+        "loop_add_fusion_61": "other",
+        "fp8_matmul_kernel_mosaic_gpu_kernel": "gemm",
+    }
     assert {n: trace.kind_of(n) for n in names} == names
     gaps = trace.stream_gaps([("b", 3_000, 5_000), ("a", 0, 2_000), ("c", 4_500, 6_000), ("b", 9_000, 9_500)])
     assert gaps == {"b": [pytest.approx(1e-3 + 3e-3), 2]}
@@ -86,8 +113,19 @@ def test_bench_attention_smoke(tmp_path):
     """Every column at a tiny interpreted block-step shape, the kernel's error against the fp32 reference, no device
     columns off the GPU."""
     out = tmp_path / "attention_h200.json"
-    _run("bench_attention", "--out", str(out), "--shapes", "llada_block", "--inner", "1", "--outer", "1",
-         "--repeats", "1")
+    _run(
+        "bench_attention",
+        "--out",
+        str(out),
+        "--shapes",
+        "llada_block",
+        "--inner",
+        "1",
+        "--outer",
+        "1",
+        "--repeats",
+        "1",
+    )
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and all(r["case"].startswith("llada_block") for r in rows)
     for r in rows:
@@ -112,8 +150,23 @@ def test_bench_fp8_matmul_smoke(tmp_path):
 
 def test_bench_acache_smoke(tmp_path):
     """Dual, ACache and BiCache rows of one batch: the same-run ratio, the shorter block-start windows."""
-    _run("bench_acache", "--model", "tiny", "--batches", "2", "--ratios", "0.25", "--shallow-depths", "1",
-         "--affix-len", "40", "--request-len", "8", "--out", str(tmp_path))
+    _run(
+        "bench_acache",
+        "--model",
+        "tiny",
+        "--batches",
+        "2",
+        "--ratios",
+        "0.25",
+        "--shallow-depths",
+        "1",
+        "--affix-len",
+        "40",
+        "--request-len",
+        "8",
+        "--out",
+        str(tmp_path),
+    )
     data = json.loads((tmp_path / "acache_cpu_smoke.json").read_text())
     dual, anchors, shallow = data["rows"]
     assert (dual["mode"], anchors["mode"], shallow["mode"]) == ("dual", "anchors_0.25", "shallow_1")
@@ -145,3 +198,30 @@ def test_profile_bicache_smoke(tmp_path):
     curves = data["mean_similarity_per_layer"]
     assert len(curves) >= 2 and all(len(c) == 6 and abs(c[0] - 1) < 1e-4 for c in curves.values())
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_bench_serve_rows_through_python_and_http(tmp_path):
+    """The serving bench on the tiny model: a shared-affix row through the Python API, then the same through the
+    HTTP server and the openai client, with the fields issue 30 names, their ratio, and no compilations after
+    warm-up."""
+    bench = _load("bench_serve")
+    args = ["--model", "tiny", "--requests", "4", "--concurrency", "2", "--affix-len", "64", "--question-len", "8"]
+    args += ["--output-len", "32", "--placements", "suffix", "--ratios", "0.2", "--no-off", "--no-generate"]
+    assert bench.main([*args, "--http", "--run", "smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "serve_cpu_smoke.json").read_text())
+    python, http = data["rows"]
+    fields = "workload affix_len placement sharing technique ratio transport tokens_per_s p50_s p99_s peak_kv_bytes"
+    fields += " probe_ms_per_request max_requests_16gib compiles_after_warmup"
+    for row in (python, http):
+        assert set(fields.split()) <= set(row)
+        assert (row["workload"], row["placement"], row["sharing"], row["technique"]) == (
+            "closed16",
+            "suffix",
+            "on",
+            "acache",
+        )
+        assert row["tokens"] == 4 * 32 and row["compiles_after_warmup"] == 0 and row["probe_ms_per_request"] > 0
+    assert (python["transport"], http["transport"]) == ("python", "http")
+    assert http["vs_python"] == http["tokens_per_s"] / python["tokens_per_s"]
+    assert data["meta"]["runs"]["smoke"]["affix_len"] == 64
+    assert (tmp_path / "serve_cpu_smoke.png").stat().st_size > 0

@@ -57,8 +57,9 @@ def test_forward_split_at_a_layer(name, models_fp32):
     full = forward(m.params, m.config, x, pos, cache=cache)
     first = forward(m.params, m.config, x, pos, cache=cache, layers=(0, 1), output_hidden=True)
     rest = forward(m.params, m.config, first.hidden, pos, cache=first.cache, layers=(1, m.config.n_layers))
-    np.testing.assert_allclose(np.asarray(rest.cache.stacked().k), np.asarray(full.cache.stacked().k), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(rest.cache.stacked().k), np.asarray(full.cache.stacked().k), rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(ValueError, match="not within the model's"):
         forward(m.params, m.config, x, pos, layers=(1, m.config.n_layers + 1))
 
@@ -66,13 +67,18 @@ def test_forward_split_at_a_layer(name, models_fp32):
 def setup(model, spans, depth, prompts=PROMPTS):
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow")
     x, positions, key_mask, _, p = layout(prompts, model.config, gc)
-    inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
-                       frozen=jnp.zeros(x.shape, bool), prompt_len=p, block_length=4,
-                       shift=1 if model.config.family == "dream" else 0, kernels=XLA)
+    inp = DecodeInputs(
+        positions=jnp.asarray(positions),
+        key_mask=jnp.asarray(key_mask),
+        frozen=jnp.zeros(x.shape, bool),
+        prompt_len=p,
+        block_length=4,
+        shift=1 if model.config.family == "dream" else 0,
+        kernels=XLA,
+    )
     a = acache.anchor_inputs(spans, (~key_mask).sum(1), p, x.shape[1], 0.0)
     x = jnp.asarray(x)
-    state = bicache.prefix_alone_state(model.params, model.config, inp, x, a.affix, a.request, a.request_writes,
-                                       depth)
+    state = bicache.prefix_alone_state(model.params, model.config, inp, x, a.affix, a.request, a.request_writes, depth)
     return inp, a, x, state
 
 
@@ -81,13 +87,30 @@ def masked_refresh_reference(model, inp, x, prefix, alone_kv, prefix_hidden, dep
     kept (write_mask), the prefix's hidden state replaced by the one computed alone (but at P - 1), then layers
     >= depth."""
     cfg = model.config
-    shallow = forward(model.params, cfg, x, inp.positions, key_mask=inp.key_mask, cache=alone_kv,
-                      write=CacheWrite.at(0, ~prefix), layers=(0, depth), output_hidden=True)
+    shallow = forward(
+        model.params,
+        cfg,
+        x,
+        inp.positions,
+        key_mask=inp.key_mask,
+        cache=alone_kv,
+        write=CacheWrite.at(0, ~prefix),
+        layers=(0, depth),
+        output_hidden=True,
+    )
     spliced = prefix & (jnp.arange(x.shape[1]) != inp.prompt_len - 1)[None]  # P - 1 stays in context
     hidden = jnp.where(spliced[:, :, None], prefix_hidden, shallow.hidden)
     idx = jnp.broadcast_to(block_start + jnp.arange(4) - inp.shift, (x.shape[0], 4))
-    deep = forward(model.params, cfg, hidden, inp.positions, key_mask=inp.key_mask, cache=shallow.cache,
-                   layers=(depth, cfg.n_layers), logits_at=idx)
+    deep = forward(
+        model.params,
+        cfg,
+        hidden,
+        inp.positions,
+        key_mask=inp.key_mask,
+        cache=shallow.cache,
+        layers=(depth, cfg.n_layers),
+        logits_at=idx,
+    )
     return deep.logits, deep.cache
 
 
@@ -141,14 +164,14 @@ def test_shared_prefix_built_once(models_fp32):
     prompts = [prefix + [20, 21], [31, 32] + prefix + [33, 34], [7, 8]]  # the second row: an infix
     shared = bicache.build_shared_prefix(m.params, m.config, prefix)
     assert shared.hidden.shape == (m.config.n_layers + 1, 6, m.config.d_model) and shared.tokens == tuple(prefix)
-    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix="shallow",
-              shallow_depth=2)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix="shallow", shallow_depth=2)
     spans = [(0, 6), (2, 8), None]
     for depth in range(m.config.n_layers + 1):
         _, a, _, state = setup(m, spans, depth, prompts)
         got = np.asarray(state.prefix_hidden)[np.asarray(a.affix)].reshape(2, 6, -1)
-        np.testing.assert_allclose(got, np.broadcast_to(np.asarray(shared.hidden[depth]), got.shape), rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            got, np.broadcast_to(np.asarray(shared.hidden[depth]), got.shape), rtol=1e-5, atol=1e-5
+        )
     per_row = generate(m, prompts, gc, affix_spans=spans)
     once = generate(m, prompts, gc, affix_spans=spans, shared_affix=shared)
     np.testing.assert_array_equal(once.tokens, per_row.tokens)
@@ -174,17 +197,20 @@ def test_profile_statistic_and_table(models_fp32):
     m = models_fp32["dream"]
     gc = opts(gen_length=8, block_length=8, steps=8)
     x, pos, km, frozen, _ = layout(PROMPTS, m.config, gc, SPANS)
-    sim = np.asarray(bicache.kv_similarity(m.params, m.config, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
-                                           jnp.asarray(frozen)))
+    sim = np.asarray(
+        bicache.kv_similarity(
+            m.params, m.config, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen)
+        )
+    )
     assert sim.shape == (3, m.config.n_layers)
     np.testing.assert_allclose(sim[:, 0], 1.0, atol=1e-6)
     assert (sim[:, 1:] < 0.9999).all() and (sim > -1).all()
-    sims = np.array([[1, .99, .5], [1, .99, .98], [1, .5, .5], [1, .99, .99], [1, .99, .99]])
+    sims = np.array([[1, 0.99, 0.5], [1, 0.99, 0.98], [1, 0.5, 0.5], [1, 0.99, 0.99], [1, 0.99, 0.99]])
     # r 10: mean [1, .99, .74] -> 2; r 20 -> 1 (no growth: dropped); r 30 -> 3; r 40 -> 3 (dropped)
     assert bicache.depth_table_from_profile([10, 10, 20, 30, 40], sims, 0.97) == {0: 2, 30: 3}
     # strict: the depth layer must pass too (one fewer unless every layer passes)
     assert bicache.depth_table_from_profile([10, 10, 20, 30, 40], sims, 0.97, strict=True) == {0: 1, 30: 3}
-    assert bicache.depth_table_from_profile([5], np.array([[1, .5, .5]]), 0.97, strict=True) == {0: 0}
+    assert bicache.depth_table_from_profile([5], np.array([[1, 0.5, 0.5]]), 0.97, strict=True) == {0: 0}
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_table={0: 1, 50: 2})
     assert gc.cache.affix.table == ((0, 1), (50, 2))
     out = generate(m, PROMPTS, gc, affix_spans=SPANS)

@@ -15,10 +15,22 @@ from dllm_jax.engine.block_manager import AffixEntry, BlockManager, OutOfPages, 
 
 def snap(bm: BlockManager):
     """Everything observable about the manager's state (for "an error changed nothing")."""
-    entries = {k: (e.tokens, list(e.pages), e.holders, e.last_used, e.ready, id(e.payload))
-               for k, e in bm._entries.items()}
-    return (list(bm._free), bytes(bm._kind), list(bm._tag), entries, list(bm._lru), bm._clock, bm._num_private,
-            bm._num_cached, bm._num_shared, list(bm._evicted), dataclasses.asdict(bm.stats))
+    entries = {
+        k: (e.tokens, list(e.pages), e.holders, e.last_used, e.ready, id(e.payload)) for k, e in bm._entries.items()
+    }
+    return (
+        list(bm._free),
+        bytes(bm._kind),
+        list(bm._tag),
+        entries,
+        list(bm._lru),
+        bm._clock,
+        bm._num_private,
+        bm._num_cached,
+        bm._num_shared,
+        list(bm._evicted),
+        dataclasses.asdict(bm.stats),
+    )
 
 
 def ready(bm, tokens, payload=None):
@@ -43,11 +55,11 @@ def test_affix_key_is_stable_and_content_addressed():
     want = hashlib.blake2b(b"\x01\0\0\0\x02\0\0\0\x03\0\0\0", digest_size=16).hexdigest()
     assert affix_key([1, 2, 3]) == "3:" + want == "3:b30a3c159d7e8193559a42a84f1fcae1"
     assert affix_key((1, 2, 3)) == affix_key([1, 2, 3]) == affix_key(range(1, 4))
-    keys = {affix_key(t) for t in [[1, 2, 3], [3, 2, 1], [1, 2], [1, 2, 3, 0], [0], [], [2 ** 31 - 1], [-1]]}
+    keys = {affix_key(t) for t in [[1, 2, 3], [3, 2, 1], [1, 2], [1, 2, 3, 0], [0], [], [2**31 - 1], [-1]]}
     assert len(keys) == 8
     assert affix_key([5] * 7).startswith("7:")
     with pytest.raises(ValueError):
-        affix_key([2 ** 31])
+        affix_key([2**31])
 
 
 def test_constructor_validates():
@@ -260,8 +272,9 @@ def test_slots_layout():
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(page_size=st.integers(1, 8), pages=st.lists(st.integers(0, 63), min_size=1, max_size=8, unique=True),
-       data=st.data())
+@given(
+    page_size=st.integers(1, 8), pages=st.lists(st.integers(0, 63), min_size=1, max_size=8, unique=True), data=st.data()
+)
 def test_slots_are_a_bijection_onto_the_pages(page_size, pages, data):
     bm = BlockManager(64, page_size)
     cap = len(pages) * page_size
@@ -270,7 +283,7 @@ def test_slots_are_a_bijection_onto_the_pages(page_size, pages, data):
     s = bm.slots(pages, n, start)
     assert len(set(s)) == n
     assert all(x // page_size in pages for x in s)
-    assert s == bm.slots(pages, cap)[start:start + n]
+    assert s == bm.slots(pages, cap)[start : start + n]
 
 
 # ---- admission --------------------------------------------------------------------------------------------------
@@ -367,7 +380,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(ev) == set(before) - set(self.bm._entries) and len(ev) == len(set(ev))
         assert not set(ev) & held_keys
         if evicting:
-            assert ev == lru_before[:len(ev)]
+            assert ev == lru_before[: len(ev)]
         self.stale += [before[k] for k in ev]
         self.removed += len(ev)
         return ev
@@ -529,6 +542,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=50, deadline=None, database=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=300, stateful_step_count=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_block_manager_state_machine = BlockManagerMachine.TestCase

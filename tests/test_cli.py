@@ -31,8 +31,12 @@ def test_readme_main_command_on_the_bundled_model(capsys):
 
 
 def test_flags_override_the_model_defaults(capsys):
-    assert cli.main(["generate", cli.DEMO_PROMPT, "--gen-length", "16", "--block-length", "8", "--cache", "none",
-                     "--verbose"]) == 0
+    assert (
+        cli.main(
+            ["generate", cli.DEMO_PROMPT, "--gen-length", "16", "--block-length", "8", "--cache", "none", "--verbose"]
+        )
+        == 0
+    )
     assert "NFE 16" in capsys.readouterr().err
     assert cli.main(["generate", cli.DEMO_PROMPT, "--threshold", "0.9", "--verbose"]) == 0
     out, err = capsys.readouterr()
@@ -41,8 +45,9 @@ def test_flags_override_the_model_defaults(capsys):
 
 def test_model_generation_defaults(tmp_path):
     assert cli.model_generation_defaults(tmp_path) == {}
-    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64, "steps": 16,
-                                                                  "block_length": "x"}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 64, "steps": 16, "block_length": "x"})
+    )
     assert cli.model_generation_defaults(tmp_path) == {"gen_length": 64, "steps": 16}
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(cli.UsageError, match="generation_config.json is not valid JSON"):
@@ -54,7 +59,7 @@ def broken_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("broken")
     bad_json = root / "bad_json"
     shutil.copytree(DEFAULT_MODEL_DIR, bad_json)
-    (bad_json / "config.json").write_text("{\"model_type\": \"llada\", ")
+    (bad_json / "config.json").write_text('{"model_type": "llada", ')
     bad_gen = root / "bad_generation_config"
     shutil.copytree(DEFAULT_MODEL_DIR, bad_gen)
     (bad_gen / "generation_config.json").write_text("[1, 2")
@@ -63,22 +68,28 @@ def broken_models(tmp_path_factory):
     return {"bad_json": bad_json, "bad_gen": bad_gen, "not_dir": not_dir}
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
-    (["--gen-length", "0"], "argument --gen-length: must be a positive integer, got 0"),
-    (["--block-length", "0"], "argument --block-length: must be a positive integer, got 0"),
-    (["--gen-length", "-8"], "argument --gen-length: must be a positive integer, got -8"),
-    (["--steps", "four"], "argument --steps: 'four' is not an integer"),
-    (["--threshold", "1.5"], "argument --threshold: must be in (0, 1], got 1.5"),
-    (["--temperature", "-1"], "argument --temperature: must be >= 0, got -1.0"),
-    (["--gen-length", "10", "--block-length", "4"], "argument --gen-length: 10 is not a multiple of the block length"),
-    (["--gen-length", "8", "--block-length", "4", "--steps", "3"], "argument --steps: 3 must be a multiple"),
-    (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
-    (["--attention", "cudnn"], "argument --attention: attention='cudnn' needs a GPU"),
-    (["--cache", "paged"], "argument --cache: invalid choice: 'paged'"),
-    (["--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+        (["--gen-length", "0"], "argument --gen-length: must be a positive integer, got 0"),
+        (["--block-length", "0"], "argument --block-length: must be a positive integer, got 0"),
+        (["--gen-length", "-8"], "argument --gen-length: must be a positive integer, got -8"),
+        (["--steps", "four"], "argument --steps: 'four' is not an integer"),
+        (["--threshold", "1.5"], "argument --threshold: must be in (0, 1], got 1.5"),
+        (["--temperature", "-1"], "argument --temperature: must be >= 0, got -1.0"),
+        (
+            ["--gen-length", "10", "--block-length", "4"],
+            "argument --gen-length: 10 is not a multiple of the block length",
+        ),
+        (["--gen-length", "8", "--block-length", "4", "--steps", "3"], "argument --steps: 3 must be a multiple"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--attention", "cudnn"], "argument --attention: attention='cudnn' needs a GPU"),
+        (["--cache", "paged"], "argument --cache: invalid choice: 'paged'"),
+        (["--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_bad_flags(argv, message, capsys):
     if "cudnn" in argv and cli_gpu():
         pytest.skip("this machine has a GPU: cuDNN is available")
@@ -93,11 +104,14 @@ def cli_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-@pytest.mark.parametrize("model,message", [
-    ("bad_json", "config.json is not valid JSON"),
-    ("bad_gen", "generation_config.json is not valid JSON"),
-    ("not_dir", "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ("bad_json", "config.json is not valid JSON"),
+        ("bad_gen", "generation_config.json is not valid JSON"),
+        ("not_dir", "is not a directory"),
+    ],
+)
 def test_bad_model_directories(model, message, broken_models, capsys):
     assert cli.main(["generate", "--model", str(broken_models[model])]) == 2
     err = capsys.readouterr().err
@@ -136,9 +150,12 @@ def test_every_module_imports_in_a_fresh_interpreter_without_environment():
         for f in sorted((REPO / root).rglob("*.py")):
             rel = f.relative_to(REPO).with_suffix("")
             modules.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
-    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok', len(sys.argv) - 1)"
+    code = (
+        "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok', len(sys.argv) - 1)"
+    )
     env = {k: v for k, v in os.environ.items() if k in ("SYSTEMROOT",)}  # nothing on Linux
-    done = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *modules], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == f"ok {len(modules)}"

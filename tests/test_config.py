@@ -1,8 +1,8 @@
 import json
 
+import fixtures
 import pytest
 
-import fixtures
 from dllm_jax.config import ConfigError, ModelConfig
 
 
@@ -21,17 +21,35 @@ def test_parses_both_families(name):
 
 
 def test_llada_8b_instruct_shapes():
-    cfg = dict(fixtures.hf_config(fixtures.SPECS["llada"]), d_model=4096, n_heads=32, n_kv_heads=32, n_layers=32,
-               mlp_hidden_size=12288, vocab_size=126464, embedding_size=126464, mask_token_id=126336,
-               eos_token_id=126081)
+    cfg = dict(
+        fixtures.hf_config(fixtures.SPECS["llada"]),
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=32,
+        n_layers=32,
+        mlp_hidden_size=12288,
+        vocab_size=126464,
+        embedding_size=126464,
+        mask_token_id=126336,
+        eos_token_id=126081,
+    )
     c = ModelConfig.from_hf(cfg)
     assert (c.head_dim, c.vocab_size, c.mask_token_id) == (128, 126464, 126336)
 
 
-@pytest.mark.parametrize("key,value", [
-    ("alibi", True), ("block_type", "sequential"), ("layer_norm_type", "default"), ("activation_type", "gelu"),
-    ("rope", False), ("scale_logits", True), ("attention_layer_norm", True), ("include_bias", True),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("alibi", True),
+        ("block_type", "sequential"),
+        ("layer_norm_type", "default"),
+        ("activation_type", "gelu"),
+        ("rope", False),
+        ("scale_logits", True),
+        ("attention_layer_norm", True),
+        ("include_bias", True),
+    ],
+)
 def test_llada_rejects_unimplemented(key, value):
     cfg = dict(fixtures.hf_config(fixtures.SPECS["llada"]), **{key: value})
     with pytest.raises(ConfigError) as e:
@@ -39,8 +57,10 @@ def test_llada_rejects_unimplemented(key, value):
     assert key in str(e.value) and repr(value) in str(e.value)
 
 
-@pytest.mark.parametrize("key,value", [("hidden_act", "gelu"), ("use_sliding_window", True),
-                                       ("rope_scaling", {"rope_type": "yarn", "factor": 4.0})])
+@pytest.mark.parametrize(
+    "key,value",
+    [("hidden_act", "gelu"), ("use_sliding_window", True), ("rope_scaling", {"rope_type": "yarn", "factor": 4.0})],
+)
 def test_dream_rejects_unimplemented(key, value):
     cfg = dict(fixtures.hf_config(fixtures.SPECS["dream"]), **{key: value})
     with pytest.raises(ConfigError) as e:

@@ -1,14 +1,13 @@
 """Checkpoint conversion: HF -> orbax -> load is bit-exact; every kind of bad checkpoint fails clearly."""
 
 import json
-import shutil
 
+import fixtures
 import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import fixtures
 import dllm_jax
 from convert.cli import main as convert_main
 from dllm_jax.io import checkpoint as ckpt
@@ -22,8 +21,9 @@ def leaves(tree, prefix=""):
         yield prefix, np.asarray(tree)
 
 
-@pytest.mark.parametrize("name,shard", [("llada", None), ("llada_gqa_tied", 20_000), ("dream", 30_000),
-                                        ("dream_tied", None)])
+@pytest.mark.parametrize(
+    "name,shard", [("llada", None), ("llada_gqa_tied", 20_000), ("dream", 30_000), ("dream_tied", None)]
+)
 def test_round_trip_bit_exact(name, shard, tmp_path, capsys):
     src = fixtures.write_checkpoint(name, tmp_path / "hf", shard_bytes=shard)
     fixtures.write_tokenizer(fixtures.SPECS[name]["family"], src)
@@ -86,10 +86,15 @@ def test_missing_unexpected_and_misshapen_listed_together(tmp_path, capsys):
         t["model.transformer.blocks.2.up_proj.weight"] = t["model.transformer.blocks.2.up_proj.weight"].astype(np.int32)
 
     _rewrite(src, damage)
-    _expect_failure(src, tmp_path / "out", capsys, "1 missing tensor(s): model.transformer.blocks.1.q_proj.weight",
-                    "unexpected tensor(s): model.transformer.blocks.0.extra.weight",
-                    "model.transformer.ln_f.weight: shape [7], expected [60]",
-                    "model.transformer.blocks.2.up_proj.weight: dtype I32")
+    _expect_failure(
+        src,
+        tmp_path / "out",
+        capsys,
+        "1 missing tensor(s): model.transformer.blocks.1.q_proj.weight",
+        "unexpected tensor(s): model.transformer.blocks.0.extra.weight",
+        "model.transformer.ln_f.weight: shape [7], expected [60]",
+        "model.transformer.blocks.2.up_proj.weight: dtype I32",
+    )
 
 
 def test_config_disagrees_with_weights(tmp_path, capsys):
@@ -157,8 +162,10 @@ def test_chat_templates(family, hf_dirs):
     m = dllm_jax.load(hf_dirs["llada" if family == "llada" else "dream"])
     text = m.tokenizer.decode(m.encode_chat([{"role": "user", "content": " 2+2? "}]), skip_special_tokens=False)
     if family == "llada":
-        assert text == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n2+2?<|eot_id|>"
-                        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert text == (
+            "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n2+2?<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
     else:
         assert text.endswith("<|im_start|>user\n 2+2? <|im_end|>\n<|im_start|>assistant\n")
 

@@ -20,8 +20,13 @@ RNG = np.random.default_rng(0)
 AFFIX = RNG.integers(0, 80, 20).tolist()
 OWN = [RNG.integers(0, 80, n).tolist() for n in (5, 9, 3, 6, 1, 7)]
 # (prompt, the affix's span): prefix, infix and suffix placements, own parts of mixed lengths
-PLACED = [(AFFIX + OWN[0], (0, 20)), (OWN[1][:2] + AFFIX + OWN[1][2:], (2, 22)), (OWN[2] + AFFIX, (3, 23)),
-          (AFFIX + OWN[3], (0, 20)), (OWN[4] + AFFIX + OWN[5], (1, 21))]
+PLACED = [
+    (AFFIX + OWN[0], (0, 20)),
+    (OWN[1][:2] + AFFIX + OWN[1][2:], (2, 22)),
+    (OWN[2] + AFFIX, (3, 23)),
+    (AFFIX + OWN[3], (0, 20)),
+    (OWN[4] + AFFIX + OWN[5], (1, 21)),
+]
 
 
 def engine_for(model, **kw) -> Engine:
@@ -32,8 +37,9 @@ def solo(model, prompt, gc, span=None, seed=0):
     """generate on the request alone: the reference every engine answer must equal."""
     build = bicache.build_shared_prefix if isinstance(gc.cache.affix, Shallow) else acache.build_shared_affix
     shared = build(model.params, model.config, AFFIX) if gc.cache.affix is not None else None
-    out = generate(model, [prompt], gc, seed=seed, shared_affix=shared,
-                   affix_spans=[span] if gc.cache.affix is not None else None)
+    out = generate(
+        model, [prompt], gc, seed=seed, shared_affix=shared, affix_spans=[span] if gc.cache.affix is not None else None
+    )
     return answer_tokens(out.tokens, model.config, gc)[0]
 
 
@@ -57,7 +63,7 @@ def serve(engine, items, arrival_seed=None):
             seen[out.request_id] = out.finished
     assert all(seen[i] for i in ids)
     answers = []
-    for i, rid in enumerate(ids):
+    for rid in ids:
         r = engine.request(rid)
         answers.append(r.answer(tuple(r.config.stop_token_ids(engine.model.config))))
     return answers
@@ -85,8 +91,7 @@ def test_tokens_equal_solo_generate(name, models_fp32):
         for i in (j % len(PLACED), (j + 2) % len(PLACED)):
             p, span = PLACED[i]
             gen = 12 if j == 4 else 8
-            gc = opts(gen_length=gen, block_length=4, steps=gen if j != 1 else gen // 2, stop_at_eos=False,
-                      **setting)
+            gc = opts(gen_length=gen, block_length=4, steps=gen if j != 1 else gen // 2, stop_at_eos=False, **setting)
             items.append((p, gc, span, 7 * i + j))
     got = serve(engine_for(m, max_batch=8), items, arrival_seed=1)
     assert got == [solo(m, p, gc, span, seed) for p, gc, span, seed in items]
@@ -96,8 +101,7 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     """N requests on one affix build its K/V once and hold its pages once, at prefix, infix and suffix placements;
     each request's private pages hold only what it writes; the entry stays cached for the next request."""
     m = models_fp32["llada"]
-    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2,
-              stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2, stop_at_eos=False)
     engine = engine_for(m, max_batch=8)
     bm = engine.block_manager
     ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED]
@@ -119,11 +123,10 @@ def test_one_stored_copy_at_every_placement(models_fp32):
 
 
 def test_affixes_found_without_registration_and_by_handle(models_fp32):
-    """"auto": a span repeated from an earlier prompt is shared (a second request reuses the first one's copy);
+    """ "auto": a span repeated from an earlier prompt is shared (a second request reuses the first one's copy);
     a registered handle is located in the prompt; both decode as with the explicit span."""
     m = models_fp32["dream"]
-    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2,
-              stop_at_eos=False)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2, stop_at_eos=False)
     engine = engine_for(m)
     first = engine.add_request(PLACED[1][0], gc)  # nothing seen before: no affix
     assert engine.request(first).affix_span is None
@@ -169,8 +172,9 @@ def test_no_compilation_after_warmup(models_fp32):
     plain = opts(gen_length=8, block_length=4, steps=8, cache="dual")
     shallow = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_depth=1)
     engine = engine_for(m, batch_sizes=(2, 4))
-    engine.warmup([(PLACED[1][0], share, PLACED[1][1]), (PLACED[0][0], plain, None),
-                   (PLACED[2][0], shallow, PLACED[2][1])])
+    engine.warmup(
+        [(PLACED[1][0], share, PLACED[1][1]), (PLACED[0][0], plain, None), (PLACED[2][0], shallow, PLACED[2][1])]
+    )
     kinds = [plain, share, shallow]
     items = [(p, kinds[i % 3], span, i) for i, (p, span) in enumerate(PLACED * 2)]
     before = backend_compiles()
@@ -195,22 +199,28 @@ def test_abort_frees_pages_and_streams_the_end(models_fp32):
     assert engine.block_manager.num_used_pages == 0 and engine.request(rid).status == Status.FINISHED
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(prompt=[]), "the prompt is empty"),
-    (dict(prompt=[1, 2, 500]), "outside"),
-    (dict(prompt=[1] * 250), "exceeds the engine's maximum length"),
-    (dict(affix=(3, 2)), "is not a non-empty span"),
-    (dict(affix=(0, 99)), "is not a non-empty span"),
-    (dict(affix="everything"), "expected 'auto'"),
-    (dict(config=GenerationConfig.from_options(cache="prefix")), "dual cache"),
-    (dict(config=GenerationConfig.from_options(cache="dual", refresh="step")), "refresh='block'"),
-    (dict(request_id="taken"), "already in use"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(prompt=[]), "the prompt is empty"),
+        (dict(prompt=[1, 2, 500]), "outside"),
+        (dict(prompt=[1] * 250), "exceeds the engine's maximum length"),
+        (dict(affix=(3, 2)), "is not a non-empty span"),
+        (dict(affix=(0, 99)), "is not a non-empty span"),
+        (dict(affix="everything"), "expected 'auto'"),
+        (dict(config=GenerationConfig.from_options(cache="prefix")), "dual cache"),
+        (dict(config=GenerationConfig.from_options(cache="dual", refresh="step")), "refresh='block'"),
+        (dict(request_id="taken"), "already in use"),
+    ],
+)
 def test_bad_requests_are_refused_at_submit(kw, msg, models_fp32):
     engine = engine_for(models_fp32["llada"])
     engine.add_request([1, 2, 3], opts(gen_length=8, block_length=4, steps=8, cache="dual"), request_id="taken")
-    args = dict(prompt=[1, 2, 3, 4, 5], config=opts(gen_length=8, block_length=4, steps=8, cache="dual",
-                                                    affix="anchors"), affix=None)
+    args = dict(
+        prompt=[1, 2, 3, 4, 5],
+        config=opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors"),
+        affix=None,
+    )
     args.update(kw)
     with pytest.raises(RequestError, match=msg):
         engine.add_request(args.pop("prompt"), args.pop("config"), **args)

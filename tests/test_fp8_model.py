@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -14,9 +13,25 @@ from dllm_jax.transformer import KVCache, forward
 from dllm_jax.transformer import params as fp8
 from dllm_jax.transformer.params import init_params, param_shapes
 
-CFG = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32,
-                  mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
-                  tie_embeddings=False, max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298)
+CFG = ModelConfig(
+    family="llada",
+    vocab_size=300,
+    d_model=128,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    mlp_hidden=256,
+    rms_eps=1e-5,
+    rope_theta=1e4,
+    rope_fp32=True,
+    qkv_bias=False,
+    tie_embeddings=False,
+    max_seq_len=128,
+    mask_token_id=299,
+    eos_token_id=298,
+    pad_token_id=298,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +56,7 @@ def test_fp8_close_to_bf16_and_layer1_stays_bf16(bf16_params):
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     # e4m3 keeps 3 mantissa bits (relative step 1/16 at worst, ~2-3% rms per quantised operand); measured ~3.6%
     assert 1e-4 < rel < 0.08
+
     # layer 0's FFN is the bf16 mlp_first: entry 0 of the FP8 stack is never read, entry 1 is
     def poke(entry):
         p = jax.tree.map(lambda a: a, q)
@@ -67,8 +83,10 @@ def test_convert_fp8_ffn_and_load_time_quantisation_agree(bf16_params, tmp_path)
     for path, leaf in a:
         assert leaf.dtype == b[path].dtype, path
         np.testing.assert_array_equal(np.asarray(leaf.astype(jnp.float32)), np.asarray(b[path].astype(jnp.float32)))
-    np.testing.assert_array_equal(np.asarray(logits(converted.params, converted.config, IDS)),
-                                  np.asarray(logits(at_load.params, at_load.config, IDS)))
+    np.testing.assert_array_equal(
+        np.asarray(logits(converted.params, converted.config, IDS)),
+        np.asarray(logits(at_load.params, at_load.config, IDS)),
+    )
 
 
 def test_fp8_needs_128_multiples(tmp_path, capsys):

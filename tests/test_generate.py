@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fixtures
 from dllm_jax.decoding.caches import STRATEGIES
 from dllm_jax.decoding.caches.base import DecodeInputs
 from dllm_jax.decoding.config import GenerationConfig
@@ -26,8 +25,7 @@ def full_logits(model, x):
     """Logits of one row; [MASK] excluded from predictions (the engine never commits it, see decode_loop)."""
     x = jnp.asarray(x, jnp.int32)[None]
     pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    logits = np.asarray(_jit_forward(model.params, config=model.config, inputs=x, positions=pos).logits[0],
-                        np.float64)
+    logits = np.asarray(_jit_forward(model.params, config=model.config, inputs=x, positions=pos).logits[0], np.float64)
     logits[:, model.config.mask_token_id] = -np.inf
     return logits
 
@@ -90,7 +88,7 @@ def dream_reference(model, prompt, gen_length, steps, eps=1e-3):
         full_conf = np.where(masked, conf, -np.inf)
         for j in np.argsort(-full_conf, kind="stable")[:k]:
             x[j] = x0[j]
-    return x[len(prompt):]
+    return x[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", ["llada", "llada_gqa_tied"])
@@ -147,8 +145,9 @@ def _strategy_logits(model, name, x, block_start, edit):
     xs = jnp.asarray(xs)
     state = s.init(model.params, model.config, inp, xs)
     _, state = s.block_start(model.params, model.config, inp, state, xs, jnp.int32(block_start))
-    logits, _ = s.step(model.params, model.config, inp, state, jnp.asarray(edit(np.asarray(xs).copy(), P)),
-                       jnp.int32(block_start))
+    logits, _ = s.step(
+        model.params, model.config, inp, state, jnp.asarray(edit(np.asarray(xs).copy(), P)), jnp.int32(block_start)
+    )
     return np.asarray(logits)
 
 
@@ -221,7 +220,7 @@ def test_eos_fills_rest_and_stops(models_fp32):
     stop = int(free[0])
     out = generate(m, PROMPTS[:1], opts(**base, stop_at_eos=True, extra_stop_ids=(stop,)))
     first = int(np.argmax(out.tokens[0] == stop))
-    assert (out.tokens[0, first + 1:] == m.config.eos_token_id).all()
+    assert (out.tokens[0, first + 1 :] == m.config.eos_token_id).all()
     assert out.nfe == 4 and list(out.steps_per_block) == [4, 0, 0]  # blocks 2 and 3 cost nothing
 
 
@@ -239,21 +238,33 @@ def test_cfg_and_dream_algorithms_run(models_fp32):
     assert (out.tokens != m.config.mask_token_id).all() and out.nfe == 4
     d = models_fp32["dream"]
     for alg in ["origin", "maskgit_plus", "topk_margin", "entropy"]:
-        gc = opts(gen_length=8, block_length=8, steps=4, alg=alg, temperature=0.5, top_p=0.9, top_k=20,
-                  alg_temp=0.1 if alg == "entropy" else None, stop_at_eos=False)
+        gc = opts(
+            gen_length=8,
+            block_length=8,
+            steps=4,
+            alg=alg,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=20,
+            alg_temp=0.1 if alg == "entropy" else None,
+            stop_at_eos=False,
+        )
         assert (generate(d, PROMPTS, gc).tokens != d.config.mask_token_id).all()
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(gen_length=10, block_length=4), "not a multiple of block_length"),
-    (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
-    (dict(threshold=1.5), "threshold=1.5"),
-    (dict(threshold=0.0), "threshold=0.0"),
-    (dict(cfg_scale=1.0, cache="dual"), "cfg_scale"),
-    (dict(cache="paged"), "cache='paged'"),
-    (dict(threshold=0.9, factor=1.0), "threshold or factor, not both"),
-    (dict(gen_length=8, block_length=8, steps=16), "exceeds gen_length"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(gen_length=10, block_length=4), "not a multiple of block_length"),
+        (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
+        (dict(threshold=1.5), "threshold=1.5"),
+        (dict(threshold=0.0), "threshold=0.0"),
+        (dict(cfg_scale=1.0, cache="dual"), "cfg_scale"),
+        (dict(cache="paged"), "cache='paged'"),
+        (dict(threshold=0.9, factor=1.0), "threshold or factor, not both"),
+        (dict(gen_length=8, block_length=8, steps=16), "exceeds gen_length"),
+    ],
+)
 def test_bad_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
         opts(**kw)
@@ -310,8 +321,10 @@ def test_factor_rule_reference_quirk():
     assert committed.sum(-1).tolist() == [2, 1, 3]
 
 
-@pytest.mark.parametrize("kw,msg", [(dict(alg="confidence_threshold"), "alg="), (dict(remasking="top"), "remasking="),
-                                    (dict(eps=1.0), "eps=1.0")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [(dict(alg="confidence_threshold"), "alg="), (dict(remasking="top"), "remasking="), (dict(eps=1.0), "eps=1.0")],
+)
 def test_bad_sampler_settings(kw, msg):
     with pytest.raises(ValueError, match=msg):
         opts(gen_length=8, block_length=8, steps=8, **kw)
@@ -333,9 +346,26 @@ def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monk
     G = importlib.import_module("dllm_jax.decoding.generate")  # the module (also the name of the function)
     from dllm_jax.config import ModelConfig
 
-    fp8 = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
-                      mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False, tie_embeddings=False,
-                      max_seq_len=512, mask_token_id=299, eos_token_id=298, pad_token_id=297, fp8_ffn=True)
+    fp8 = ModelConfig(
+        family="llada",
+        vocab_size=300,
+        d_model=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=32,
+        mlp_hidden=256,
+        rms_eps=1e-5,
+        rope_theta=1e4,
+        rope_fp32=True,
+        qkv_bias=False,
+        tie_embeddings=False,
+        max_seq_len=512,
+        mask_token_id=299,
+        eos_token_id=298,
+        pad_token_id=297,
+        fp8_ffn=True,
+    )
     bf16 = dataclasses.replace(fp8, fp8_ffn=False)
     gc = opts(block_length=32, cache="dual")
     prefix = opts(block_length=32, cache="prefix")
@@ -373,14 +403,17 @@ def test_generate_compiles_with_the_policy_options(monkeypatch, models_fp32):
     np.testing.assert_array_equal(out0.tokens, out1.tokens)
 
 
-@pytest.mark.parametrize("name,kw", [
-    ("llada", dict(gen_length=12, block_length=4, steps=12, cache="dual")),
-    ("llada", dict(gen_length=8, block_length=8, steps=4, cfg_scale=1.0)),
-    ("llada", dict(gen_length=8, block_length=4, steps=4, temperature=1.0, remasking="random", cache="prefix")),
-    ("dream", dict(gen_length=8, block_length=4, steps=4, cache="dual")),  # the first-token commit
-    ("dream", dict(gen_length=8, block_length=8, steps=4, alg="entropy", alg_temp=0.1, temperature=0.5)),
-    ("dream", dict(gen_length=8, block_length=4, steps=8, sampler="llada", cache="dual")),
-])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("llada", dict(gen_length=12, block_length=4, steps=12, cache="dual")),
+        ("llada", dict(gen_length=8, block_length=8, steps=4, cfg_scale=1.0)),
+        ("llada", dict(gen_length=8, block_length=4, steps=4, temperature=1.0, remasking="random", cache="prefix")),
+        ("dream", dict(gen_length=8, block_length=4, steps=4, cache="dual")),  # the first-token commit
+        ("dream", dict(gen_length=8, block_length=8, steps=4, alg="entropy", alg_temp=0.1, temperature=0.5)),
+        ("dream", dict(gen_length=8, block_length=4, steps=8, sampler="llada", cache="dual")),
+    ],
+)
 def test_fixed_step_loop_equals_the_while_loop(name, kw, models_fp32):
     """step_loop="auto" runs the in-block steps as a loop of known trip count where every block provably takes
     steps / n_blocks steps: the same tokens, NFEs and per-step commits as the while loop that checks each step."""
@@ -437,9 +470,24 @@ def test_fixed_step_loop_has_a_known_trip_count(models_fp32):
     for loop in ("auto", "while"):
         gc = opts(gen_length=24, block_length=12, steps=22, cache="dual", stop_at_eos=False, step_loop=loop)
         x, pos, km, fr, P = layout([PROMPTS[0]], m.config, gc)
-        txt = _generate_jit(()).lower(m.params, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(km),
-                                      jnp.asarray(fr), jax.random.key(0), config=m.config, gc=gc, prompt_len=P,
-                                      padded=False, kernels=XLA).compile().as_text()
+        txt = (
+            _generate_jit(())
+            .lower(
+                m.params,
+                jnp.asarray(x),
+                jnp.asarray(pos),
+                jnp.asarray(km),
+                jnp.asarray(fr),
+                jax.random.key(0),
+                config=m.config,
+                gc=gc,
+                prompt_len=P,
+                padded=False,
+                kernels=XLA,
+            )
+            .compile()
+            .as_text()
+        )
         counts[loop] = len(re.findall(r'known_trip_count":\{"n":"10"\}', txt))
     assert counts["auto"] >= 1 and counts["while"] == 0
 

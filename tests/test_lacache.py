@@ -43,9 +43,15 @@ def test_state_then_merge_equals_attention(hq, hkv):
 
 def _inputs(model, gc):
     x, positions, key_mask, frozen, p = layout(PROMPTS, model.config, gc)
-    inp = DecodeInputs(positions=jnp.asarray(positions), key_mask=jnp.asarray(key_mask),
-                       frozen=jnp.asarray(frozen), prompt_len=p, block_length=gc.schedule.block_length,
-                       shift=1 if model.config.family == "dream" else 0, kernels=XLA)
+    inp = DecodeInputs(
+        positions=jnp.asarray(positions),
+        key_mask=jnp.asarray(key_mask),
+        frozen=jnp.asarray(frozen),
+        prompt_len=p,
+        block_length=gc.schedule.block_length,
+        shift=1 if model.config.family == "dream" else 0,
+        kernels=XLA,
+    )
     return jnp.asarray(x), inp
 
 
@@ -71,16 +77,19 @@ def test_block_start_and_steps_equal_the_full_forward(name, models_fp32):
     logits, memo2 = strat.step(m.params, m.config, inp, memo, x2, bs)
     np.testing.assert_allclose(np.asarray(logits), full(x2), rtol=1e-4, atol=1e-4)
     # outside the block the memo is what the block start wrote
-    out_cols = np.r_[0:int(bs), int(bs) + 4:x.shape[1]]
+    out_cols = np.r_[0 : int(bs), int(bs) + 4 : x.shape[1]]
     np.testing.assert_array_equal(np.asarray(memo2.k)[:, out_cols], np.asarray(memo.k)[:, out_cols])
 
 
-@pytest.mark.parametrize("name,kw", [
-    ("llada", dict(gen_length=12, block_length=4, steps=12)),
-    ("llada_gqa_tied", dict(gen_length=8, block_length=4, steps=8, threshold=0.3)),
-    ("dream", dict(gen_length=8, block_length=4, steps=8)),
-    ("dream_tied", dict(gen_length=8, block_length=8, steps=8, sampler="dream")),
-])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("llada", dict(gen_length=12, block_length=4, steps=12)),
+        ("llada_gqa_tied", dict(gen_length=8, block_length=4, steps=8, threshold=0.3)),
+        ("dream", dict(gen_length=8, block_length=4, steps=8)),
+        ("dream_tied", dict(gen_length=8, block_length=8, steps=8, sampler="dream")),
+    ],
+)
 def test_tokens_equal_the_uncached_loop(name, kw, models_fp32):
     m = models_fp32[name]
     plain = generate(m, PROMPTS, opts(stop_at_eos=False, **kw))
@@ -98,10 +107,26 @@ def test_layouts_and_fp8_ffn(models_fp32):
     plain = generate(m, PROMPTS, gc).tokens
     unrolled = Model(m.config, unstack_layers(m.params))
     np.testing.assert_array_equal(generate(unrolled, PROMPTS, memo).tokens, plain)
-    cfg = ModelConfig(family="llada", vocab_size=300, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
-                      head_dim=32, mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False,
-                      tie_embeddings=False, max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298,
-                      dtype="float32")  # exactness is a property of fp32: bf16 rounds the merged halves differently
+    cfg = ModelConfig(
+        family="llada",
+        vocab_size=300,
+        d_model=128,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        mlp_hidden=256,
+        rms_eps=1e-5,
+        rope_theta=1e4,
+        rope_fp32=True,
+        qkv_bias=False,
+        tie_embeddings=False,
+        max_seq_len=128,
+        mask_token_id=299,
+        eos_token_id=298,
+        pad_token_id=298,
+        dtype="float32",
+    )  # exactness is a property of fp32: bf16 rounds the merged halves differently
     q, c8 = quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)  # FFN shapes of 128s
     m8 = Model(c8, q)
     np.testing.assert_array_equal(generate(m8, PROMPTS, memo).tokens, generate(m8, PROMPTS, gc).tokens)
@@ -113,6 +138,14 @@ def test_first_layer_settings(models_fp32):
     opts(gen_length=8, block_length=4, steps=2, cache="first_layer").check_model(m.config)
     with pytest.raises(ValueError, match="needs cache 'prefix' or 'dual'"):
         opts(cache="first_layer", affix="naive")
-    assert jax.tree.structure(lacache.FirstLayerCache().init(
-        m.params, m.config, _inputs(m, opts(gen_length=8, block_length=4, steps=8))[1],
-        jnp.zeros((3, 40), jnp.int32))).num_leaves == 7
+    assert (
+        jax.tree.structure(
+            lacache.FirstLayerCache().init(
+                m.params,
+                m.config,
+                _inputs(m, opts(gen_length=8, block_length=4, steps=8))[1],
+                jnp.zeros((3, 40), jnp.int32),
+            )
+        ).num_leaves
+        == 7
+    )

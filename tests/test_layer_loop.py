@@ -11,21 +11,61 @@ from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate
 from dllm_jax.io.loading import Model
 from dllm_jax.transformer import CacheWrite, KVCache, forward
-from dllm_jax.transformer.params import (fuse_projections, init_params, is_fused, quantize_params, split_projections,
-                                         stack_layers, unstack_layers)
+from dllm_jax.transformer.params import (
+    fuse_projections,
+    init_params,
+    is_fused,
+    quantize_params,
+    split_projections,
+    stack_layers,
+    unstack_layers,
+)
 
 opts = GenerationConfig.from_options
 
 # Kernel-friendly tiny shapes (d_model and mlp_hidden multiples of 16), both families: LLaDA MHA, Dream GQA+bias.
 CONFIGS = {
-    "llada": ModelConfig(family="llada", vocab_size=80, d_model=64, n_layers=3, n_heads=4, n_kv_heads=4,
-                         head_dim=16, mlp_hidden=96, rms_eps=1e-5, rope_theta=10000.0, rope_fp32=True,
-                         qkv_bias=False, tie_embeddings=False, max_seq_len=256, mask_token_id=79,
-                         eos_token_id=78, pad_token_id=78, bos_token_id=77, dtype="float32"),
-    "dream": ModelConfig(family="dream", vocab_size=72, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
-                         head_dim=8, mlp_hidden=80, rms_eps=1e-6, rope_theta=1e6, rope_fp32=False,
-                         qkv_bias=True, tie_embeddings=True, max_seq_len=256, mask_token_id=71,
-                         eos_token_id=70, pad_token_id=70, dtype="float32"),
+    "llada": ModelConfig(
+        family="llada",
+        vocab_size=80,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=16,
+        mlp_hidden=96,
+        rms_eps=1e-5,
+        rope_theta=10000.0,
+        rope_fp32=True,
+        qkv_bias=False,
+        tie_embeddings=False,
+        max_seq_len=256,
+        mask_token_id=79,
+        eos_token_id=78,
+        pad_token_id=78,
+        bos_token_id=77,
+        dtype="float32",
+    ),
+    "dream": ModelConfig(
+        family="dream",
+        vocab_size=72,
+        d_model=48,
+        n_layers=2,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=8,
+        mlp_hidden=80,
+        rms_eps=1e-6,
+        rope_theta=1e6,
+        rope_fp32=False,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_seq_len=256,
+        mask_token_id=71,
+        eos_token_id=70,
+        pad_token_id=70,
+        dtype="float32",
+    ),
 }
 PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8, 2, 61]]
 
@@ -89,8 +129,9 @@ def test_fuse_split_projections_round_trip(host, models):
     assert fused["qkv_proj"]["bias"].shape == (c.n_layers, (c.n_heads + 2 * c.n_kv_heads) * hd)
     assert fused["mlp"]["gate_up_proj"]["kernel"].shape == (c.n_layers, c.d_model, 2 * c.mlp_hidden)
     assert isinstance(fused["qkv_proj"]["kernel"], np.ndarray) == host
-    np.testing.assert_array_equal(fused["qkv_proj"]["kernel"][..., c.n_heads * hd:(c.n_heads + c.n_kv_heads) * hd],
-                                  layers["k_proj"]["kernel"])
+    np.testing.assert_array_equal(
+        fused["qkv_proj"]["kernel"][..., c.n_heads * hd : (c.n_heads + c.n_kv_heads) * hd], layers["k_proj"]["kernel"]
+    )
     jax.tree.map(np.testing.assert_array_equal, split_projections(fused, c), layers)
     one = fuse_projections(jax.tree.map(lambda a: a[1], layers))  # a single layer's tree
     jax.tree.map(np.testing.assert_array_equal, split_projections(one, c), jax.tree.map(lambda a: a[1], layers))
@@ -119,6 +160,7 @@ def test_unrolled_layers_with_fp8_ffn():
     unrolled = unstack_layers(params)
     b = forward(unrolled, c, tokens, positions)
     _close(b.logits, a.logits)
+
     # the unrolled loop picks layer 0's bf16 FFN statically: no conditional in its program
     def program(p):
         return str(jax.make_jaxpr(lambda q: forward(q, c, tokens, positions).logits)(p))
@@ -144,8 +186,9 @@ def test_load_layer_layouts(name, models, tmp_path):
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False)
     np.testing.assert_array_equal(generate(unrolled, PROMPTS, gc).tokens, generate(stacked, PROMPTS, gc).tokens)
     checkpoint.export_hf(unrolled.params, m.config, tmp_path / "from_unrolled")
-    assert ((tmp_path / "from_unrolled" / "model.safetensors").read_bytes()
-            == (tmp_path / "stacked" / "model.safetensors").read_bytes())
+    assert (tmp_path / "from_unrolled" / "model.safetensors").read_bytes() == (
+        tmp_path / "stacked" / "model.safetensors"
+    ).read_bytes()
     jax.tree.map(np.testing.assert_array_equal, stack_layers(unrolled.params, unrolled.config), stacked.params)
     with pytest.raises(ValueError, match="layer_layout"):
         dllm_jax.load(tmp_path / "stacked", layer_layout="scan")

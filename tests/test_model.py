@@ -2,12 +2,12 @@
 
 from pathlib import Path
 
+import fixtures
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fixtures
 import dllm_jax
 from dllm_jax.transformer import CacheWrite, KVCache, forward
 
@@ -70,14 +70,15 @@ def test_cache_path_and_logit_subset(name, models_fp32):
     np.testing.assert_allclose(np.asarray(cached.cache.k), np.asarray(ref.kv[0]), rtol=1e-5, atol=1e-5)
     at = jnp.asarray([[0, 5, 12], [3, 3, 1]], jnp.int32)
     sub = run(m, ids, logits_at=at).logits
-    np.testing.assert_allclose(np.asarray(sub), np.take_along_axis(np.asarray(ref.logits), np.asarray(at)[..., None], 1),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(sub), np.take_along_axis(np.asarray(ref.logits), np.asarray(at)[..., None], 1), rtol=1e-5, atol=1e-4
+    )
     # a window forward over the last 4 positions, reading the rest from the cache, equals the full forward
     full_cache = cached.cache
     t = ids.shape[1]
     pos = jnp.broadcast_to(jnp.arange(t - 4, t, dtype=jnp.int32), (2, 4))
-    win = forward(m.params, m.config, jnp.asarray(ids[:, t - 4:]), pos, cache=full_cache, write=CacheWrite.at(t - 4))
-    np.testing.assert_allclose(np.asarray(win.logits), np.asarray(ref.logits)[:, t - 4:], rtol=1e-5, atol=1e-4)
+    win = forward(m.params, m.config, jnp.asarray(ids[:, t - 4 :]), pos, cache=full_cache, write=CacheWrite.at(t - 4))
+    np.testing.assert_allclose(np.asarray(win.logits), np.asarray(ref.logits)[:, t - 4 :], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["llada", "dream"])
@@ -90,8 +91,9 @@ def test_left_padding_with_key_mask(name, models_fp32):
     padded = np.concatenate([np.zeros((1, pad), ids.dtype), ids], axis=1)
     pos = np.maximum(np.arange(padded.shape[1]) - pad, 0)[None]
     mask = (np.arange(padded.shape[1]) >= pad)[None]
-    out = forward(m.params, m.config, jnp.asarray(padded, jnp.int32), jnp.asarray(pos, jnp.int32),
-                  key_mask=jnp.asarray(mask)).logits
+    out = forward(
+        m.params, m.config, jnp.asarray(padded, jnp.int32), jnp.asarray(pos, jnp.int32), key_mask=jnp.asarray(mask)
+    ).logits
     np.testing.assert_allclose(np.asarray(out)[:, pad:], ref, rtol=1e-5, atol=1e-4)
 
 

@@ -28,8 +28,8 @@ def quality():
 def random_task_model(tmp_path_factory):
     """A tiny random-weight model with the task tokenizer, in the LLaDA HF layout."""
     from dllm_jax.io import checkpoint
-    from dllm_jax.transformer.params import init_params
     from dllm_jax.tasks import vocab
+    from dllm_jax.transformer.params import init_params
 
     train = _bench("train_demo")
     out = tmp_path_factory.mktemp("tiny_task_model")
@@ -41,15 +41,19 @@ def random_task_model(tmp_path_factory):
 
 def test_pipeline_structure(quality, random_task_model, tmp_path):
     out, png = tmp_path / "quality.json", tmp_path / "quality.png"
-    res = quality.run(random_task_model, n=2, modes=["none", "naive_affix"], out=out, plot_path=png,
-                      progress=False, dtype="float32")
+    res = quality.run(
+        random_task_model, n=2, modes=["none", "naive_affix"], out=out, plot_path=png, progress=False, dtype="float32"
+    )
     on_disk = json.loads(out.read_text())
     assert on_disk["rows"] == res["rows"] and png.stat().st_size > 0
     rows = res["rows"]
     assert len(rows) == 3 * 3 * 2
     assert {(r["task"], r["placement"], r["mode"]) for r in rows} == {
-        (t, p, m) for t in ("locate", "lookup", "rule") for p in ("prefix", "infix", "suffix")
-        for m in ("none", "naive_affix")}
+        (t, p, m)
+        for t in ("locate", "lookup", "rule")
+        for p in ("prefix", "infix", "suffix")
+        for m in ("none", "naive_affix")
+    }
     for r in rows:
         assert set(r) >= {"model", "task", "placement", "mode", "accuracy", "ci95", "n"}
         assert r["n"] == 2 and 0 <= r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] <= 1
@@ -60,8 +64,9 @@ def test_append_keeps_other_modes(quality, random_task_model, tmp_path):
     """--append: a later run of other modes keeps the earlier rows and stats, replaces its own, and refuses a
     file of another n."""
     out, png = tmp_path / "quality.json", tmp_path / "quality.png"
-    kw = dict(n=2, tasks=["rule"], placements=["prefix", "suffix"], out=out, plot_path=png, progress=False,
-              dtype="float32")
+    kw = dict(
+        n=2, tasks=["rule"], placements=["prefix", "suffix"], out=out, plot_path=png, progress=False, dtype="float32"
+    )
     quality.run(random_task_model, modes=["dual", "naive_affix"], **kw)
     res = quality.run(random_task_model, modes=["anchors_0.5", "naive_affix"], append=True, **kw)
     assert [r["mode"] for r in res["rows"]] == ["dual"] * 2 + ["anchors_0.5"] * 2 + ["naive_affix"] * 2
@@ -77,6 +82,7 @@ def test_wilson_interval(quality):
     assert 0.88 < lo < 0.9 and 0.97 < hi < 0.99
     assert quality.wilson(10, 10)[1] == 1.0 and quality.wilson(0, 10)[0] == 0.0
 
+
 # The accuracy check of the trained demo model belongs with the model: add it when the model is bundled
 # (issue 6). A skipped placeholder here would only pretend the feature exists.
 
@@ -85,13 +91,15 @@ def test_training_row_sampling_follows_curriculum_and_task_weights():
     train = _bench("train_demo")
     levels, per_task = 4, 50
     n_rows = levels * 3 * per_task  # pool layout: [level][task][problem]
-    idx = np.asarray(train.sample_rows(jax.random.key(0), n_rows, 4096, levels, 1,
-                                       train.parse_task_weights("locate=0,rule=0")))
+    idx = np.asarray(
+        train.sample_rows(jax.random.key(0), n_rows, 4096, levels, 1, train.parse_task_weights("locate=0,rule=0"))
+    )
     level, task = idx // (3 * per_task), (idx // per_task) % 3
     assert set(level.tolist()) == {0, 1}  # max_level 1: the two easiest levels only
     assert set(task.tolist()) == {1}  # only lookup has weight
-    idx = np.asarray(train.sample_rows(jax.random.key(1), n_rows, 6000, levels, 3,
-                                       train.parse_task_weights("lookup=2")))
+    idx = np.asarray(
+        train.sample_rows(jax.random.key(1), n_rows, 6000, levels, 3, train.parse_task_weights("lookup=2"))
+    )
     counts = np.bincount((idx // per_task) % 3, minlength=3)
     assert abs(counts[1] / counts.sum() - 0.5) < 0.03 and abs(counts[0] - counts[2]) < 300
     with pytest.raises(SystemExit, match="bad item"):
@@ -113,8 +121,9 @@ def test_training_smoke_reduces_loss():
     step = train.make_step(config, 16, 0.1, 0.05, tx, "xla", 2, (1.0, 1.0, 1.0))
     losses = []
     for s in range(40):
-        params, opt_state, loss, ans_ce, gn = step(params, opt_state, pool, jax.random.key(s % 2),
-                                                   jnp.float32(3e-3), jnp.int32(1))
+        params, opt_state, loss, ans_ce, gn = step(
+            params, opt_state, pool, jax.random.key(s % 2), jnp.float32(3e-3), jnp.int32(1)
+        )
         losses.append(float(loss))
         assert np.isfinite(float(gn)) and float(gn) > 0
     assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
@@ -172,14 +181,42 @@ def test_training_cli_dream_twin_with_adaptive_level0_hold(tmp_path):
     assert train.predictions(logits, train.model_config(True)) is logits
 
     out = tmp_path / "dream"
-    assert train.main(["--out", str(out), "--tiny", "--family", "dream", "--steps", "6", "--batch", "8", "--pool",
-                       "40", "--workers", "1", "--levels", "2", "--hold-frac", "0.9", "--hold-until", "0",
-                       "--log-every", "2", "--eval-n", "2"]) == 0
+    assert (
+        train.main(
+            [
+                "--out",
+                str(out),
+                "--tiny",
+                "--family",
+                "dream",
+                "--steps",
+                "6",
+                "--batch",
+                "8",
+                "--pool",
+                "40",
+                "--workers",
+                "1",
+                "--levels",
+                "2",
+                "--hold-frac",
+                "0.9",
+                "--hold-until",
+                "0",
+                "--log-every",
+                "2",
+                "--eval-n",
+                "2",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((out / "train_args.json").read_text())
     assert meta["hold_steps"] == 2 and meta["steps"] == 6 and "--hold-steps 2" in meta["command"]
     assert [h[0] for h in meta["loss_history"]] == [2, 4, 6]
     assert "--family dream" in meta["command"] and set(meta["heldout_accuracy_nocache"]) == {
-        f"{t}/{p}" for t in G.TASKS for p in G.PLACEMENTS}
+        f"{t}/{p}" for t in G.TASKS for p in G.PLACEMENTS
+    }
     assert json.loads((out / "config.json").read_text())["model_type"] == "Dream"
     model = dllm_jax.load(out, dtype="float32")
     assert model.config.replace(dtype="float32") == dream

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_layer_loop import CONFIGS, PROMPTS, _close
 
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate
@@ -13,22 +14,25 @@ from dllm_jax.io.loading import Model
 from dllm_jax.transformer import XLA, CacheWrite, KernelChoice, Kernels, KVCache, forward
 from dllm_jax.transformer.params import init_params, unstack_layers
 from dllm_jax.transformer.rope_write import QKV_SPLITS, ROPE_WRITE_MAX_TOKENS
-from test_layer_loop import CONFIGS, PROMPTS, _close
 
 FUSED = Kernels(rope_write=True)
 
 
 @pytest.fixture(scope="module")
 def unrolled():
-    return {k: Model(c, unstack_layers(init_params(c, jax.random.key(i), std=0.2)))
-            for i, (k, c) in enumerate(CONFIGS.items())}
+    return {
+        k: Model(c, unstack_layers(init_params(c, jax.random.key(i), std=0.2)))
+        for i, (k, c) in enumerate(CONFIGS.items())
+    }
 
 
 def _random_cache(config, params, b, s, seed):
     zeros = KVCache.for_params(params, config, b, s)
     keys = jax.random.split(jax.random.key(seed), 2 * config.n_layers)
-    return KVCache(tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, zeros.k)),
-                   tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys[config.n_layers:], zeros.v)))
+    return KVCache(
+        tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, zeros.k)),
+        tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys[config.n_layers :], zeros.v)),
+    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -40,18 +44,24 @@ def test_fused_write_equals_xla_forward(name, unrolled):
     tokens = jax.random.randint(jax.random.key(1), (b, n), 0, m.config.vocab_size - 3)
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) + 5, (b, n))
     cache = _random_cache(m.config, m.params, b, s, seed=2)
-    kw = dict(cache=cache, write=CacheWrite.at(5, jax.random.bernoulli(jax.random.key(3), 0.7, (b, n))),
-              key_mask=jax.random.bernoulli(jax.random.key(4), 0.8, (b, s)).at[:, 5].set(True))
+    kw = dict(
+        cache=cache,
+        write=CacheWrite.at(5, jax.random.bernoulli(jax.random.key(3), 0.7, (b, n))),
+        key_mask=jax.random.bernoulli(jax.random.key(4), 0.8, (b, s)).at[:, 5].set(True),
+    )
     plain = forward(m.params, m.config, tokens, positions, **kw)
     fused = forward(m.params, m.config, tokens, positions, kernels=FUSED, **kw)
     _close(fused.logits, plain.logits)
-    for got, ref in ((fused.cache.stacked().k, plain.cache.stacked().k),
-                     (fused.cache.stacked().v, plain.cache.stacked().v)):
+    for got, ref in (
+        (fused.cache.stacked().k, plain.cache.stacked().k),
+        (fused.cache.stacked().v, plain.cache.stacked().v),
+    ):
         _close(got, ref)
     untouched = np.ones(s, bool)
-    untouched[5:5 + n] = False
-    np.testing.assert_array_equal(np.asarray(fused.cache.stacked().k)[:, :, untouched],
-                                  np.asarray(cache.stacked().k)[:, :, untouched])
+    untouched[5 : 5 + n] = False
+    np.testing.assert_array_equal(
+        np.asarray(fused.cache.stacked().k)[:, :, untouched], np.asarray(cache.stacked().k)[:, :, untouched]
+    )
 
 
 def test_fused_write_with_the_fp8_ffn():
@@ -78,7 +88,7 @@ def test_generate_tokens_identical_with_the_kernel(name, cache, unrolled):
 
 
 def test_resolution(unrolled):
-    """"pallas" needs per-layer params (refused before anything compiles); "auto" is the kernel only on a GPU in
+    """ "pallas" needs per-layer params (refused before anything compiles); "auto" is the kernel only on a GPU in
     bf16 with per-layer params; a stacked cache or a scattered write simply keeps XLA's ops."""
     m = unrolled["llada"]
     stacked = init_params(m.config, jax.random.key(0))
@@ -114,7 +124,8 @@ def test_kernel_takes_split_k_partials_at_block_step_sizes(n, unrolled):
     tokens = jnp.zeros((1, n), jnp.int32)
     positions = jnp.arange(n, dtype=jnp.int32)[None]
     jaxpr = jax.make_jaxpr(lambda p, c: forward(p, m.config, tokens, positions, cache=c, kernels=FUSED).logits)(
-        m.params, cache)
+        m.params, cache
+    )
     calls = _pallas_inputs(jaxpr.jaxpr, "rope_kv_write")
     if n > ROPE_WRITE_MAX_TOKENS:
         assert calls == []

@@ -31,8 +31,10 @@ from dllm_jax.server.run import bind
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "dllm-jax-demo"
-DOC = ("document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
-       "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 .")
+DOC = (
+    "document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
+    "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 ."
+)
 KEYS = ["rabbit", "feather", "yogurt", "wizard", "bottle", "compass"]
 
 
@@ -48,8 +50,9 @@ class Server:
     def __init__(self, model, api_key=None, **engine_kw):
         engine = Engine(model, EngineConfig(**{"max_batch": 16, "kv_budget_bytes": 64 << 20, **engine_kw}))
         self.service = EngineService(engine).start()
-        self.app = create_app(self.service, ServeSettings(model_name=NAME, api_key=api_key),
-                              generation_defaults(model.path))
+        self.app = create_app(
+            self.service, ServeSettings(model_name=NAME, api_key=api_key), generation_defaults(model.path)
+        )
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="error", lifespan="off"))
@@ -85,7 +88,7 @@ def solo(model, prompt_ids, config, affix_tokens=None):
     spans = None
     if affix_tokens is not None:
         shared = acache.build_shared_affix(model.params, model.config, affix_tokens)
-        at = next(i for i in range(len(prompt_ids)) if prompt_ids[i:i + len(affix_tokens)] == affix_tokens)
+        at = next(i for i in range(len(prompt_ids)) if prompt_ids[i : i + len(affix_tokens)] == affix_tokens)
         spans = [(at, at + len(affix_tokens))]
     out = generate(model, [prompt_ids], config, shared_affix=shared, affix_spans=spans)
     return model.tokenizer.decode(answer_tokens(out.tokens, model.config, config)[0])
@@ -96,8 +99,9 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DEMO_PROMPT}], temperature=0)
     assert chat.choices[0].message.content == "1 0 4" and chat.choices[0].finish_reason == "stop"
     assert chat.usage.completion_tokens == 3 and chat.usage.prompt_tokens == len(model.encode_chat(DEMO_PROMPT))
-    chunks = list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DEMO_PROMPT}],
-                                            stream=True))
+    chunks = list(
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DEMO_PROMPT}], stream=True)
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "1 0 4"
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.total_tokens == chat.usage.total_tokens
     ref = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")  # the model's defaults
@@ -108,8 +112,11 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     stream = list(c.completions.create(model=NAME, prompt=DEMO_PROMPT, max_tokens=16, stream=True, extra_body=extra))
     assert "".join(ch.choices[0].text for ch in stream) == plain.choices[0].text
     assert len(stream) >= 2 and stream[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-    want = solo(model, model.tokenizer.encode(DEMO_PROMPT),
-                GenerationConfig.from_options(gen_length=16, block_length=4, steps=16, cache="dual"))
+    want = solo(
+        model,
+        model.tokenizer.encode(DEMO_PROMPT),
+        GenerationConfig.from_options(gen_length=16, block_length=4, steps=16, cache="dual"),
+    )
     assert plain.choices[0].text == want
     models = c.models.list()
     assert [m.id for m in models.data] == [NAME]
@@ -124,10 +131,14 @@ def test_stop_strings_and_shared_affix_fields(server, model):
     assert len(words) >= 3
     stop = " " + words[2]
     cut = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, stop=[stop, "never there"])
-    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
     # the document named as the shared affix, reused by ACache at ratio 1 (exact): the same answer
-    exact = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, extra_body=dict(
-        affix_technique="anchors", anchor_ratio=1.0, affix={"text": DOC}))
+    exact = c.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=8,
+        extra_body=dict(affix_technique="anchors", anchor_ratio=1.0, affix={"text": DOC}),
+    )
     assert exact.choices[0].text == full
     assert server.metric("dllm_jax_affix_builds_total") >= 1
 
@@ -136,18 +147,21 @@ def _post(server, path, body, **kw):
     return httpx.post(f"{server.url}{path}", json=body, timeout=30, **kw)
 
 
-@pytest.mark.parametrize("body,status,param,code", [
-    ({"model": NAME, "prompt": "x", "steps": 0}, 400, "steps", None),
-    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
-    ({"model": NAME, "prompt": "x", "stepz": 4}, 400, None, None),
-    ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
-    ({"model": NAME, "prompt": "x", "max_tokens": 8, "block_length": 3, "steps": 4}, 400, "steps", None),
-    ({"model": NAME, "prompt": ""}, 400, "prompt", None),
-    ({"model": NAME, "messages": []}, 400, "messages", None),
-    ({"model": "gpt-5", "prompt": "x"}, 400, "model", "model_not_found"),
-    ({"model": NAME, "prompt": "x " * 1100}, 400, None, "context_length_exceeded"),
-    ({"model": NAME, "prompt": "the code", "affix": {"text": "rabbit"}}, 400, "affix.text", None),
-])
+@pytest.mark.parametrize(
+    "body,status,param,code",
+    [
+        ({"model": NAME, "prompt": "x", "steps": 0}, 400, "steps", None),
+        ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
+        ({"model": NAME, "prompt": "x", "stepz": 4}, 400, None, None),
+        ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
+        ({"model": NAME, "prompt": "x", "max_tokens": 8, "block_length": 3, "steps": 4}, 400, "steps", None),
+        ({"model": NAME, "prompt": ""}, 400, "prompt", None),
+        ({"model": NAME, "messages": []}, 400, "messages", None),
+        ({"model": "gpt-5", "prompt": "x"}, 400, "model", "model_not_found"),
+        ({"model": NAME, "prompt": "x " * 1100}, 400, None, "context_length_exceeded"),
+        ({"model": NAME, "prompt": "the code", "affix": {"text": "rabbit"}}, 400, "affix.text", None),
+    ],
+)
 def test_bad_requests(server, body, status, param, code):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = _post(server, path, body)
@@ -164,8 +178,9 @@ def test_api_key(model):
     try:
         r = _post(s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        r = _post(s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT},
-                  headers={"Authorization": "Bearer wrong"})
+        r = _post(
+            s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT}, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
         ok = s.client("sekret").completions.create(model=NAME, prompt=DEMO_PROMPT)
         assert ok.choices[0].text
@@ -197,16 +212,14 @@ def test_queue_full_and_draining(model):
 
 def test_disconnect_mid_stream_frees_the_pages(server):
     before = server.metric("dllm_jax_requests_aborted_total")
-    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 512, "block_length": 8, "steps": 512,
-            "stream": True}
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 512, "block_length": 8, "steps": 512, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break  # the first block arrived: the request holds pages now; leave
     deadline = time.time() + 30
     while time.time() < deadline:
-        if (server.metric("dllm_jax_requests_aborted_total") > before
-                and server.metric("dllm_jax_kv_pages_used") == 0):
+        if server.metric("dllm_jax_requests_aborted_total") > before and server.metric("dllm_jax_kv_pages_used") == 0:
             break
         time.sleep(0.1)
     assert server.metric("dllm_jax_requests_aborted_total") == before + 1
@@ -233,12 +246,16 @@ def test_soak(model, request):
     async def run():
         sem = asyncio.Semaphore(64)
         async with httpx.AsyncClient(timeout=300) as client:
+
             async def one(job):
                 prompt, max_tokens, extra = job
                 async with sem:
-                    r = await client.post(f"{s.url}/v1/completions",
-                                          json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **extra})
+                    r = await client.post(
+                        f"{s.url}/v1/completions",
+                        json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **extra},
+                    )
                     return r.status_code, r.json()
+
             return await asyncio.wait_for(asyncio.gather(*[one(j) for j in jobs]), timeout=600)
 
     try:
@@ -254,9 +271,12 @@ def test_soak(model, request):
             if key not in cache:
                 block = min(8, max_tokens)
                 gc = GenerationConfig.from_options(
-                    gen_length=-(-max_tokens // block) * block, block_length=block,
-                    steps=-(-max_tokens // block) * block, cache="dual",
-                    **(dict(affix="anchors", anchor_ratio=0.5) if extra else {}))
+                    gen_length=-(-max_tokens // block) * block,
+                    block_length=block,
+                    steps=-(-max_tokens // block) * block,
+                    cache="dual",
+                    **(dict(affix="anchors", anchor_ratio=0.5) if extra else {}),
+                )
                 cache[key] = solo(model, model.tokenizer.encode(prompt), gc, doc_ids if extra else None)
             want = cache[key]
             got = body["choices"][0]["text"]
@@ -269,34 +289,51 @@ def test_soak(model, request):
 
 
 def test_sigterm_finishes_what_runs_then_exits(tmp_path):
+    # one request decoded at a time and three sent: the drain outlasts the checks below on a loaded machine too
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.Popen([sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", "--dtype", "float32"],
-                            cwd=REPO, env=env,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", "--dtype", "float32", "--max-batch", "1"],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stderr.readline()
         url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
-        body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 256, "block_length": 8, "steps": 256,
-                "stream": True}
-        got = []
+        body = {
+            "model": NAME,
+            "prompt": DEMO_PROMPT,
+            "max_tokens": 256,
+            "block_length": 8,
+            "steps": 256,
+            "stream": True,
+        }
+        streams = [[] for _ in range(3)]
 
-        def stream():
+        def stream(got):
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
                 got.extend(line for line in r.iter_lines() if line.startswith("data:"))
 
-        t = threading.Thread(target=stream)
-        t.start()
+        threads = [threading.Thread(target=stream, args=(got,)) for got in streams]
+        for t in threads:
+            t.start()
         deadline = time.time() + 60
-        while not got and time.time() < deadline:
+        while not any(streams) and time.time() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        while httpx.get(f"{url}/health", timeout=10).status_code != 503:  # the signal handled: draining
+            assert time.time() < deadline
+            time.sleep(0.05)
         r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": DEMO_PROMPT}, timeout=10)
         assert r.status_code == 503
-        t.join(120)
-        assert got[-1] == "data: [DONE]"  # the running request finished
-        finish = json.loads(got[-2][5:])["choices"][0]["finish_reason"]
-        assert finish in ("stop", "length")
+        assert r.json()["error"]["code"] is not None or r.json()["error"]["type"]
+        for t in threads:
+            t.join(120)
+        for got in streams:  # the running request and the queued ones finished
+            assert got[-1] == "data: [DONE]"
+            assert json.loads(got[-2][5:])["choices"][0]["finish_reason"] in ("stop", "length")
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

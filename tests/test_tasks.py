@@ -50,9 +50,9 @@ def test_render_spans_and_chat_template(placement):
         r = G.render(p, placement, v)
         s, e = r.affix_span
         assert [inv[i] for i in r.prompt[s:e]] == list(p.shared)
-        assert [inv[i] for i in r.prompt[:len(G.CHAT_PRE)]] == list(G.CHAT_PRE)
-        assert [inv[i] for i in r.prompt[-len(G.CHAT_POST):]] == list(G.CHAT_POST)
-        words = [inv[i] for i in r.prompt[len(G.CHAT_PRE):-len(G.CHAT_POST)]]
+        assert [inv[i] for i in r.prompt[: len(G.CHAT_PRE)]] == list(G.CHAT_PRE)
+        assert [inv[i] for i in r.prompt[-len(G.CHAT_POST) :]] == list(G.CHAT_POST)
+        words = [inv[i] for i in r.prompt[len(G.CHAT_PRE) : -len(G.CHAT_POST)]]
         head, tail = list(p.head), list(p.tail)
         if placement == "prefix":
             assert s == len(G.CHAT_PRE) and words == list(p.shared) + head + tail
@@ -71,10 +71,26 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert cfg["mask_token"] == "<|mdm_mask|>" and cfg["bos_token"] == "<|startoftext|>"
     v = V.vocab()
-    mc = ModelConfig(family="llada", vocab_size=V.padded_vocab_size(), d_model=8, n_layers=1, n_heads=1,
-                     n_kv_heads=1, head_dim=8, mlp_hidden=8, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True,
-                     qkv_bias=False, tie_embeddings=False, max_seq_len=256, mask_token_id=v[V.MASK],
-                     eos_token_id=v[V.EOS], pad_token_id=v[V.EOS], bos_token_id=v[V.BOS])
+    mc = ModelConfig(
+        family="llada",
+        vocab_size=V.padded_vocab_size(),
+        d_model=8,
+        n_layers=1,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=8,
+        mlp_hidden=8,
+        rms_eps=1e-5,
+        rope_theta=1e4,
+        rope_fp32=True,
+        qkv_bias=False,
+        tie_embeddings=False,
+        max_seq_len=256,
+        mask_token_id=v[V.MASK],
+        eos_token_id=v[V.EOS],
+        pad_token_id=v[V.EOS],
+        bos_token_id=v[V.BOS],
+    )
     tok = load_tokenizer(tmp_path, mc)
     assert tok.hf.mask_token_id == v[V.MASK] and tok.hf.eos_token_id == v[V.EOS] and tok.hf.bos_token_id == v[V.BOS]
     for task in G.TASKS:
@@ -109,7 +125,7 @@ def test_easiest_story_still_needs_the_question():
     probs = G.generate("locate", "train", 40, seed=0, difficulty=0.0)
     by_story = {}
     for p in probs:
-        story = p.shared[2:p.shared.index("question")]
+        story = p.shared[2 : p.shared.index("question")]
         assert len(story) == 4 * 6 and len(set(story[::6])) == 4  # 4 sentences, 4 different people
         by_story.setdefault(p.shared, set()).add((p.head, p.answer))
     assert all(len(reqs) == 2 for reqs in by_story.values())

@@ -31,17 +31,59 @@ HBM_BYTES_PER_S = 4.3e12  # achievable HBM bandwidth of an H200
 BF16_FLOPS_PER_S = 790e12  # achievable dense bf16 (989 peak)
 FP8_FLOPS_PER_S = 1979e12  # dense e4m3 peak
 
-LLADA_8B = ModelConfig(family="llada", vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                       head_dim=128, mlp_hidden=12288, rms_eps=1e-5, rope_theta=500000.0, rope_fp32=True,
-                       qkv_bias=False, tie_embeddings=False, max_seq_len=4096, mask_token_id=126336,
-                       eos_token_id=126081, pad_token_id=126081, bos_token_id=126080)
-DREAM_7B = ModelConfig(family="dream", vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
-                       head_dim=128, mlp_hidden=18944, rms_eps=1e-6, rope_theta=1e6, rope_fp32=False,
-                       qkv_bias=True, tie_embeddings=False, max_seq_len=4096, mask_token_id=151666,
-                       eos_token_id=151643, pad_token_id=151643)
+LLADA_8B = ModelConfig(
+    family="llada",
+    vocab_size=126464,
+    d_model=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    head_dim=128,
+    mlp_hidden=12288,
+    rms_eps=1e-5,
+    rope_theta=500000.0,
+    rope_fp32=True,
+    qkv_bias=False,
+    tie_embeddings=False,
+    max_seq_len=4096,
+    mask_token_id=126336,
+    eos_token_id=126081,
+    pad_token_id=126081,
+    bos_token_id=126080,
+)
+DREAM_7B = ModelConfig(
+    family="dream",
+    vocab_size=152064,
+    d_model=3584,
+    n_layers=28,
+    n_heads=28,
+    n_kv_heads=4,
+    head_dim=128,
+    mlp_hidden=18944,
+    rms_eps=1e-6,
+    rope_theta=1e6,
+    rope_fp32=False,
+    qkv_bias=True,
+    tie_embeddings=False,
+    max_seq_len=4096,
+    mask_token_id=151666,
+    eos_token_id=151643,
+    pad_token_id=151643,
+)
 # a CPU smoke-test size (same code paths)
-TINY = LLADA_8B.replace(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
-                        mlp_hidden=256, mask_token_id=511, eos_token_id=510, pad_token_id=510, bos_token_id=509)
+TINY = LLADA_8B.replace(
+    vocab_size=512,
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=4,
+    head_dim=32,
+    mlp_hidden=256,
+    mask_token_id=511,
+    eos_token_id=510,
+    pad_token_id=510,
+    bos_token_id=509,
+)
 MODELS = {"llada-8b": LLADA_8B, "dream-7b": DREAM_7B, "tiny": TINY}
 
 # On the CPU the benches run only as smoke tests (tests/test_bench_scripts.py: the GPU runs' code paths, JSON and
@@ -60,8 +102,12 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
 
     @jax.jit
     def make(keys):
-        return [(0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype) if len(s.shape) > 1
-                else jnp.ones(s.shape, s.dtype) for k, s in zip(keys, leaves)]
+        return [
+            (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+            if len(s.shape) > 1
+            else jnp.ones(s.shape, s.dtype)
+            for k, s in zip(keys, leaves)
+        ]
 
     return jax.tree_util.tree_unflatten(tree, make(keys))
 
@@ -81,8 +127,16 @@ def decode_inputs(model, gc, prompts: list[list[int]]) -> tuple[jax.Array, Decod
     strategy's forwards take, to time them apart from the decode loop."""
     cfg = model.config
     x, pos, km, frozen, p = layout(prompts, cfg, gc)
-    inp = DecodeInputs(jnp.asarray(pos), jnp.asarray(km), jnp.asarray(frozen), p, gc.schedule.block_length,
-                       1 if cfg.family == "dream" else 0, kernels(model, gc), padded=False)
+    inp = DecodeInputs(
+        jnp.asarray(pos),
+        jnp.asarray(km),
+        jnp.asarray(frozen),
+        p,
+        gc.schedule.block_length,
+        1 if cfg.family == "dream" else 0,
+        kernels(model, gc),
+        padded=False,
+    )
     return jnp.asarray(x), inp
 
 
@@ -117,6 +171,7 @@ def fused_loop(forward: Callable, params: Any, state: Any, compiler_options: dic
             st, acc = carry
             logits, st = forward(params, st)
             return st, acc + logits[0, 0, 0].astype(jnp.float32)
+
         return jax.lax.fori_loop(0, n, body, (state, jnp.float32(0)))
 
     box = [state]
@@ -125,6 +180,7 @@ def fused_loop(forward: Callable, params: Any, state: Any, compiler_options: dic
         st, acc = run(params, box[0], n)
         acc.block_until_ready()
         box[0] = st
+
     return call
 
 
@@ -133,8 +189,16 @@ def commit() -> str | None:
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).parent).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -145,16 +209,25 @@ def now() -> str:
 
 def meta(**extra) -> dict:
     dev = jax.devices()[0]
-    return {"gpu": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "date": now(), "git": commit(),
-            "command": " ".join(["python", *sys.argv]), "xla_flags": os.environ.get("XLA_FLAGS", ""), **extra}
+    return {
+        "gpu": dev.device_kind,
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "date": now(),
+        "git": commit(),
+        "command": " ".join(["python", *sys.argv]),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **extra,
+    }
 
 
 def default_run() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
 
 
-def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.PathLike | None = None,
-                  run: str | None = None) -> Path:
+def write_results(
+    name: str, meta_: dict, rows: list[dict], out_dir: str | os.PathLike | None = None, run: str | None = None
+) -> Path:
     """Write {"meta", "rows"} to out_dir/name (bench/results by default). With a run label the file's rows of other
     runs stay (the committed files hold every run's evidence): this run's rows, tagged run=LABEL, replace earlier
     rows of that label and meta.runs[LABEL] holds this run's meta. Called after every row, through a temporary
@@ -173,8 +246,15 @@ def write_results(name: str, meta_: dict, rows: list[dict], out_dir: str | os.Pa
     return path
 
 
-def grouped_bars(path: Path, xlabels: list[str], series: list[tuple[str, list[float]]], ylabel: str, title: str,
-                 ref: tuple[float, str] | None = None, log: bool = False) -> Path:
+def grouped_bars(
+    path: Path,
+    xlabels: list[str],
+    series: list[tuple[str, list[float]]],
+    ylabel: str,
+    title: str,
+    ref: tuple[float, str] | None = None,
+    log: bool = False,
+) -> Path:
     """One group of bars per x label, one bar per series, an optional dashed reference line; saved as a PNG."""
     import matplotlib
 

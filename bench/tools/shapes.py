@@ -1,17 +1,18 @@
 """Attention shapes of the slot-attention benchmark (bench/bench_attention.py)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
 
 
 class AttnShape(NamedTuple):
-  case: str
-  batch: int
-  q_len: int
-  kv_len: int
-  q_heads: int
-  kv_heads: int
-  head_dim: int
+    case: str
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
 
 
 # GPU benchmark: LLaDA-8B (32/32 heads) and Dream-7B (28/4 heads), head_dim 128.
@@ -28,4 +29,3 @@ ATTENTION_BENCH_SHAPES = [
     for model, hq, hkv in (("llada", 32, 32), ("dream", 28, 4))
     for kind, b, tq, s in _BENCH
 ]
-

@@ -62,7 +62,8 @@ def kernel_breakdown(fn: Callable[[], Any], calls: int = 1, top: int = 15, per: 
         for plane in data.planes:  # the "Stream #" lines (XLA's derived "XLA Ops" line repeats them)
             if plane.name.startswith("/device:GPU"):
                 lines += [ln for ln in plane.lines if ln.name.startswith("Stream")] or [
-                    ln for ln in plane.lines if ln.name not in ("XLA Modules", "XLA Ops")]
+                    ln for ln in plane.lines if ln.name not in ("XLA Modules", "XLA Ops")
+                ]
         streams = [[(ev.name, ev.start_ns, ev.end_ns) for ev in line.events] for line in lines]
     scale = calls * per
     by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
@@ -76,18 +77,31 @@ def kernel_breakdown(fn: Callable[[], Any], calls: int = 1, top: int = 15, per: 
             gap_before[name][1] += n
     every = [e for events in streams for e in events]
     if not every:
-        return {"kernels": 0, "busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0, "by_kind_ms": {}, "top": [],
-                "gaps_before": []}
+        return {
+            "kernels": 0,
+            "busy_ms": 0.0,
+            "span_ms": 0.0,
+            "idle_ms": 0.0,
+            "by_kind_ms": {},
+            "top": [],
+            "gaps_before": [],
+        }
     by_kind: dict[str, float] = collections.defaultdict(float)
     for name, (ms, _) in by_name.items():
         by_kind[kind_of(name)] += ms / scale
 
     def ranked(table):
-        return [{"name": n[:120], "kind": kind_of(n), "ms": t / scale, "count": c / scale}
-                for n, (t, c) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+        return [
+            {"name": n[:120], "kind": kind_of(n), "ms": t / scale, "count": c / scale}
+            for n, (t, c) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]
+        ]
 
-    return {"kernels": len(every) / scale, "busy_ms": sum(by_kind.values()),
-            "span_ms": (max(e[2] for e in every) - min(e[1] for e in every)) / 1e6 / scale,
-            "idle_ms": sum(g for g, _ in gap_before.values()) / scale,
-            "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "top": ranked(by_name), "gaps_before": ranked(gap_before)}
+    return {
+        "kernels": len(every) / scale,
+        "busy_ms": sum(by_kind.values()),
+        "span_ms": (max(e[2] for e in every) - min(e[1] for e in every)) / 1e6 / scale,
+        "idle_ms": sum(g for g, _ in gap_before.values()) / scale,
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top": ranked(by_name),
+        "gaps_before": ranked(gap_before),
+    }

@@ -140,15 +140,18 @@ class GenerationConfig:
         if self.cfg_scale < 0:
             raise ValueError(f"cfg_scale={self.cfg_scale} must be >= 0")
         if self.cfg_scale > 0 and self.cache.mode != "none":
-            raise ValueError(f"cfg_scale={self.cfg_scale} needs cache 'none' (guidance reruns the prompt "
-                             "unconditionally)")
+            raise ValueError(
+                f"cfg_scale={self.cfg_scale} needs cache 'none' (guidance reruns the prompt unconditionally)"
+            )
         if self.prompt_bucket <= 0:
             raise ValueError(f"prompt_bucket={self.prompt_bucket} must be positive")
         s = self.schedule
         if self.sampler is None or self.sampler.uses_steps:  # threshold / factor ignore steps
             if s.steps % s.n_blocks:
-                raise ValueError(f"steps={s.steps} must be a multiple of the number of blocks ({s.gen_length} / "
-                                 f"{s.block_length} = {s.n_blocks})")
+                raise ValueError(
+                    f"steps={s.steps} must be a multiple of the number of blocks ({s.gen_length} / "
+                    f"{s.block_length} = {s.n_blocks})"
+                )
             if s.steps > s.gen_length:
                 raise ValueError(f"steps={s.steps} exceeds gen_length={s.gen_length} (at most one step per token)")
 
@@ -158,6 +161,7 @@ class GenerationConfig:
 
     def sampler_for(self, config: ModelConfig) -> Sampler:
         """The sampler with the family's defaults resolved (static: the loop traces it)."""
+
         def resolve(s):
             return (s or FamilySampler()).resolve(config.family) if isinstance(s, (FamilySampler, type(None))) else s
 
@@ -176,11 +180,25 @@ class GenerationConfig:
         return frozenset(explicit | sampler | own | {"sampler"})
 
     @classmethod
-    def from_options(cls, *, gen_length: int = 128, block_length: int = 32, steps: int | None = None,
-                     threshold: float | None = None, factor: float | None = None, cache: str = "none",
-                     affix: str = "none", anchor_ratio: float = 0.2, shallow_depth: int | None = None,
-                     shallow_table=None, refresh: str = "block", attention: str = "auto", rope_write: str = "auto",
-                     step_loop: str = "auto", **rest) -> "GenerationConfig":
+    def from_options(
+        cls,
+        *,
+        gen_length: int = 128,
+        block_length: int = 32,
+        steps: int | None = None,
+        threshold: float | None = None,
+        factor: float | None = None,
+        cache: str = "none",
+        affix: str = "none",
+        anchor_ratio: float = 0.2,
+        shallow_depth: int | None = None,
+        shallow_table=None,
+        refresh: str = "block",
+        attention: str = "auto",
+        rope_write: str = "auto",
+        step_loop: str = "auto",
+        **rest,
+    ) -> "GenerationConfig":
         """The config from flat options, the names the CLI, the server's request fields and the tests use.
         Sampler options (temperature, remasking, alg, alg_temp, top_p, top_k, eps, and sampler="llada"|"dream"
         to force a family's sampler) go to `FamilySampler`; cfg_scale, stop_at_eos, extra_stop_ids, prompt_bucket
@@ -198,13 +216,21 @@ class GenerationConfig:
             sampler = Threshold(threshold, sampler)
         elif factor is not None:
             sampler = Factor(factor, sampler)
-        techniques = {"none": lambda: None, "naive": NaiveReuse, "anchors": lambda: Anchors(anchor_ratio),
-                      "shallow": lambda: Shallow(shallow_depth, shallow_table)}
+        techniques = {
+            "none": lambda: None,
+            "naive": NaiveReuse,
+            "anchors": lambda: Anchors(anchor_ratio),
+            "shallow": lambda: Shallow(shallow_depth, shallow_table),
+        }
         if affix not in techniques:
             raise ValueError(f"affix={affix!r}; expected one of {sorted(techniques)}")
-        return cls(Schedule(gen_length, block_length, steps or gen_length), sampler,
-                   CacheConfig(cache, techniques[affix](), refresh), KernelChoice(attention, rope_write, step_loop),
-                   **rest)
+        return cls(
+            Schedule(gen_length, block_length, steps or gen_length),
+            sampler,
+            CacheConfig(cache, techniques[affix](), refresh),
+            KernelChoice(attention, rope_write, step_loop),
+            **rest,
+        )
 
     def stop_token_ids(self, config: ModelConfig) -> tuple[int, ...]:
         return (config.eos_token_id,) + tuple(self.extra_stop_ids)
@@ -221,8 +247,15 @@ class GenerationConfig:
             if any(b > config.n_layers for b in depths):
                 raise ValueError(f"shallow depth {max(depths)} exceeds the model's {config.n_layers} layers")
         sampler = self.sampler_for(config)
-        if (config.family == "dream" and self.cache.mode in ("prefix", "dual") and sampler.uses_steps
-                and self.cache.refresh == "block" and self.schedule.steps_per_block < 2):
-            raise ValueError(f"Dream with a cache commits only the block's first token at the block start: it needs "
-                             f">= 2 steps per block, got steps={self.schedule.steps} for {self.schedule.n_blocks} "
-                             "blocks")
+        if (
+            config.family == "dream"
+            and self.cache.mode in ("prefix", "dual")
+            and sampler.uses_steps
+            and self.cache.refresh == "block"
+            and self.schedule.steps_per_block < 2
+        ):
+            raise ValueError(
+                f"Dream with a cache commits only the block's first token at the block start: it needs "
+                f">= 2 steps per block, got steps={self.schedule.steps} for {self.schedule.n_blocks} "
+                "blocks"
+            )

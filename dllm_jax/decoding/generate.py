@@ -43,8 +43,12 @@ class GenerationOutput:
 
     @property
     def stats(self) -> dict:
-        return {"nfe": self.nfe, "steps_per_block": self.steps_per_block.tolist(),
-                "committed_per_step": self.committed_per_step.tolist(), "seconds": self.seconds}
+        return {
+            "nfe": self.nfe,
+            "steps_per_block": self.steps_per_block.tolist(),
+            "committed_per_step": self.committed_per_step.tolist(),
+            "seconds": self.seconds,
+        }
 
 
 def _validate_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: GenerationConfig) -> None:
@@ -57,16 +61,23 @@ def _validate_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gc:
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"prompt {i} must be token ids (integers), got dtype {arr.dtype}")
         if arr.min() < 0 or arr.max() >= config.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size}): "
-                             f"min {arr.min()}, max {arr.max()}")
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {config.vocab_size}): min {arr.min()}, max {arr.max()}"
+            )
         gen = gc.schedule.gen_length
         if len(p) + gen > config.max_seq_len:
-            raise ValueError(f"prompt {i}: {len(p)} tokens + gen_length {gen} = {len(p) + gen} exceeds the model's "
-                             f"maximum sequence length {config.max_seq_len}")
+            raise ValueError(
+                f"prompt {i}: {len(p)} tokens + gen_length {gen} = {len(p) + gen} exceeds the model's "
+                f"maximum sequence length {config.max_seq_len}"
+            )
 
 
-def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: GenerationConfig,
-           affix_spans: Sequence[tuple[int, int] | None] | None = None):
+def layout(
+    prompts: Sequence[Sequence[int]],
+    config: ModelConfig,
+    gc: GenerationConfig,
+    affix_spans: Sequence[tuple[int, int] | None] | None = None,
+):
     """Host-side batch layout: tokens [B, T], positions, key mask, frozen mask and P (numpy)."""
     b = len(prompts)
     longest = max(len(p) for p in prompts)
@@ -81,12 +92,12 @@ def layout(prompts: Sequence[Sequence[int]], config: ModelConfig, gc: Generation
     for i, p in enumerate(prompts):
         pad[i] = P - len(p)
         x[i, : pad[i]] = config.pad_token_id
-        x[i, pad[i]:P] = np.asarray(p, np.int32)
+        x[i, pad[i] : P] = np.asarray(p, np.int32)
         if affix_spans is not None and affix_spans[i] is not None:
             s, e = affix_spans[i]
             if not (0 <= s <= e <= len(p)):
                 raise ValueError(f"affix span {affix_spans[i]} of prompt {i} is outside its {len(p)} tokens")
-            frozen[i, pad[i] + s: pad[i] + e] = True
+            frozen[i, pad[i] + s : pad[i] + e] = True
     idx = np.arange(T)[None, :]
     key_mask = idx >= pad[:, None]
     positions = np.maximum(idx - pad[:, None], 0).astype(np.int32)
@@ -106,22 +117,39 @@ NO_TRITON_GEMM = (("xla_gpu_enable_triton_gemm", False),)
 def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) -> dict | None:
     """The XLA options the decode program of `batch` rows is compiled with (None: XLA's defaults)."""
     limit = NO_TRITON_GEMM_FP8_ABOVE_TOKENS
-    if (limit is None or jax.default_backend() != "gpu" or not config.fp8_ffn or gc.cache.mode != "dual"
-            or batch * gc.schedule.block_length <= limit):
+    if (
+        limit is None
+        or jax.default_backend() != "gpu"
+        or not config.fp8_ffn
+        or gc.cache.mode != "dual"
+        or batch * gc.schedule.block_length <= limit
+    ):
         return None
     return dict(NO_TRITON_GEMM)
 
 
-def _generate_impl(params, x, positions, key_mask, frozen, key, affix_in=None, *, config, gc, prompt_len, padded,
-                   kernels):
+def _generate_impl(
+    params, x, positions, key_mask, frozen, key, affix_in=None, *, config, gc, prompt_len, padded, kernels
+):
     # Dream is AR-adapted: position i is predicted by output i-1 whatever sampler decodes it (a model property)
     shift = 1 if config.family == "dream" else 0
-    inp = DecodeInputs(positions=positions, key_mask=key_mask, frozen=frozen, prompt_len=prompt_len,
-                       block_length=gc.schedule.block_length, shift=shift, kernels=kernels, padded=padded,
-                       has_frozen=isinstance(gc.cache.affix, NaiveReuse))
-    x_cache, extra_nfe = (None, 0) if affix_in is None else affix.initial_state(params, config, inp, x, frozen,
-                                                                                 affix_in)
-    s = loop.run(params, config, gc, x, inp, key, init_cache=x_cache, depth=None if affix_in is None else affix_in.depth)
+    inp = DecodeInputs(
+        positions=positions,
+        key_mask=key_mask,
+        frozen=frozen,
+        prompt_len=prompt_len,
+        block_length=gc.schedule.block_length,
+        shift=shift,
+        kernels=kernels,
+        padded=padded,
+        has_frozen=isinstance(gc.cache.affix, NaiveReuse),
+    )
+    x_cache, extra_nfe = (
+        (None, 0) if affix_in is None else affix.initial_state(params, config, inp, x, frozen, affix_in)
+    )
+    s = loop.run(
+        params, config, gc, x, inp, key, init_cache=x_cache, depth=None if affix_in is None else affix_in.depth
+    )
     return s.x[:, prompt_len:], s.nfe + extra_nfe, s.steps_per_block, s.committed_per_step
 
 
@@ -129,8 +157,11 @@ def _generate_impl(params, x, positions, key_mask, frozen, key, affix_in=None, *
 def _generate_jit(options: tuple = ()):
     """The jitted decode program compiled with these XLA options ((name, value) pairs; () = XLA's defaults): one
     jit object, hence one compilation cache, per set of options."""
-    return jax.jit(_generate_impl, static_argnames=("config", "gc", "prompt_len", "padded", "kernels"),
-                   compiler_options=dict(options) or None)
+    return jax.jit(
+        _generate_impl,
+        static_argnames=("config", "gc", "prompt_len", "padded", "kernels"),
+        compiler_options=dict(options) or None,
+    )
 
 
 def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
@@ -138,15 +169,23 @@ def warn_if_slow_layer_layout(params, backend: str | None = None) -> bool:
     slice inside the scan, ~2x slower block steps there. Returns whether it warned."""
     if (backend or jax.default_backend()) != "gpu" or is_unrolled(params["layers"]):
         return False
-    warnings.warn("stacked layer weights on a GPU run a lax.scan whose weight slices XLA copies (~2x slower "
-                  "block steps); load with dllm_jax.load(..., layer_layout='auto'|'unrolled') or convert with "
-                  "dllm_jax.transformer.unstack_layers(params)", stacklevel=3)
+    warnings.warn(
+        "stacked layer weights on a GPU run a lax.scan whose weight slices XLA copies (~2x slower "
+        "block steps); load with dllm_jax.load(..., layer_layout='auto'|'unrolled') or convert with "
+        "dllm_jax.transformer.unstack_layers(params)",
+        stacklevel=3,
+    )
     return True
 
 
-def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, seed: int = 0,
-             affix_spans: Sequence[tuple[int, int] | None] | None = None,
-             shared_affix: "SharedAffix | SharedPrefix | None" = None) -> GenerationOutput:
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    seed: int = 0,
+    affix_spans: Sequence[tuple[int, int] | None] | None = None,
+    shared_affix: "SharedAffix | SharedPrefix | None" = None,
+) -> GenerationOutput:
     """Decode a batch of prompts (token id lists). Returns generated tokens [B, gen_length] and statistics.
 
     affix_spans: per prompt the [start, end) of its shared affix (None: no affix), for the affix techniques.
@@ -172,15 +211,32 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig |
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
     run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
-    toks, nfe, spb, cps = run(model.params, jnp.asarray(x), jnp.asarray(positions), jnp.asarray(key_mask),
-                              jnp.asarray(frozen), jax.random.key(seed), affix_in, config=mc, gc=gc, prompt_len=P,
-                              padded=padded, kernels=kernels)
+    toks, nfe, spb, cps = run(
+        model.params,
+        jnp.asarray(x),
+        jnp.asarray(positions),
+        jnp.asarray(key_mask),
+        jnp.asarray(frozen),
+        jax.random.key(seed),
+        affix_in,
+        config=mc,
+        gc=gc,
+        prompt_len=P,
+        padded=padded,
+        kernels=kernels,
+    )
     toks = np.asarray(jax.block_until_ready(toks))
     seconds = time.perf_counter() - t0
     nfe = int(nfe)
-    return GenerationOutput(tokens=toks, nfe=nfe, steps_per_block=np.asarray(spb),
-                            committed_per_step=np.asarray(cps)[:nfe], seconds=seconds, prompt_len=P,
-                            shallow_depth=None if affix_in is None else affix_in.depth)
+    return GenerationOutput(
+        tokens=toks,
+        nfe=nfe,
+        steps_per_block=np.asarray(spb),
+        committed_per_step=np.asarray(cps)[:nfe],
+        seconds=seconds,
+        prompt_len=P,
+        shallow_depth=None if affix_in is None else affix_in.depth,
+    )
 
 
 def answer_tokens(tokens: np.ndarray, config: ModelConfig, gc: GenerationConfig | None = None) -> list[list[int]]:

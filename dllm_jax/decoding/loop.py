@@ -66,8 +66,13 @@ class BlockRunner:
 
     @classmethod
     def create(cls, config: ModelConfig, gc: GenerationConfig, depth: int | None = None) -> "BlockRunner":
-        return cls(config, gc, strategy_for(gc.cache.mode, gc.cache.affix_name, depth), gc.sampler_for(config),
-                   gc.cfg_scale > 0)
+        return cls(
+            config,
+            gc,
+            strategy_for(gc.cache.mode, gc.cache.affix_name, depth),
+            gc.sampler_for(config),
+            gc.cfg_scale > 0,
+        )
 
     def model_logits(self, params, inp: DecodeInputs, s: LoopState, block_start: Array, refresh: bool):
         """The block's fp32 logits [B, L, V] ([MASK] excluded) and the new cache state. refresh is static: the
@@ -75,7 +80,7 @@ class BlockRunner:
         would pass the whole cache through the conditional, which costs copies of it at every step)."""
         xs = s.x
         if self.cfg_rows:  # unconditional rows: every prompt token masked (LLaDA's classifier-free guidance)
-            prompt_region = (jnp.arange(xs.shape[1]) < inp.prompt_len)[None, :] & inp.key_mask[:xs.shape[0]]
+            prompt_region = (jnp.arange(xs.shape[1]) < inp.prompt_len)[None, :] & inp.key_mask[: xs.shape[0]]
             xs = jnp.concatenate([xs, jnp.where(prompt_region, self.config.mask_token_id, xs)])
         forward_fn = self.strategy.block_start if refresh else self.strategy.step
         logits, cache = forward_fn(params, self.config, inp, s.cache, xs, block_start)
@@ -92,6 +97,7 @@ class BlockRunner:
         if key.ndim == 0:
             x0, commit = self.sampler.commit(logits, masked, key, step, masked_at_start, spb)
         else:  # a key per row: each row's randomness is that of the row decoded alone
+
             def one(lg, m, k, n):
                 x0, c = self.sampler.commit(lg[None], m[None], k, step, n[None], spb)
                 return x0[0], c[0]
@@ -104,8 +110,7 @@ class BlockRunner:
             commit = commit_first_masked(masked)
         return x0, commit
 
-    def run_block(self, params, inp: DecodeInputs, s: LoopState, block_start: Array, static_steps: bool
-                  ) -> LoopState:
+    def run_block(self, params, inp: DecodeInputs, s: LoopState, block_start: Array, static_steps: bool) -> LoopState:
         """Finish the block at buffer column block_start of every row (rows whose block has no mask commit
         nothing). Returns the state after its last step (step = the steps it took)."""
         bl = inp.block_length
@@ -132,8 +137,16 @@ class BlockRunner:
             x0, commit = self.commit(inp, logits, masked, sub, s.step, first_of_block, s.masked_at_start)
             x = jax.lax.dynamic_update_slice_in_dim(s.x, jnp.where(commit, x0, blk), block_start, axis=1)
             per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
-            return dataclasses.replace(s, x=x, cache=cache, key=key, nfe=s.nfe + 1, step=s.step + 1,
-                                       total_steps=s.total_steps + 1, committed_per_step=per_step)
+            return dataclasses.replace(
+                s,
+                x=x,
+                cache=cache,
+                key=key,
+                nfe=s.nfe + 1,
+                step=s.step + 1,
+                total_steps=s.total_steps + 1,
+                committed_per_step=per_step,
+            )
 
         # The block-start step runs unconditionally: the caller runs a block only while some row still decodes,
         # and such a row's block starts fully masked.
@@ -144,14 +157,31 @@ class BlockRunner:
 
     def initial_state(self, x: Array, cache: Any, key: Array, max_total_steps: int) -> LoopState:
         b = x.shape[0]
-        return LoopState(x=x, cache=cache, key=key, nfe=jnp.int32(0), block=jnp.int32(0), step=jnp.int32(0),
-                         total_steps=jnp.int32(0), masked_at_start=jnp.zeros((b,), jnp.int32),
-                         steps_per_block=jnp.zeros((self.gc.schedule.n_blocks,), jnp.int32),
-                         committed_per_step=jnp.zeros((max_total_steps,), jnp.int32), done=jnp.zeros((b,), bool))
+        return LoopState(
+            x=x,
+            cache=cache,
+            key=key,
+            nfe=jnp.int32(0),
+            block=jnp.int32(0),
+            step=jnp.int32(0),
+            total_steps=jnp.int32(0),
+            masked_at_start=jnp.zeros((b,), jnp.int32),
+            steps_per_block=jnp.zeros((self.gc.schedule.n_blocks,), jnp.int32),
+            committed_per_step=jnp.zeros((max_total_steps,), jnp.int32),
+            done=jnp.zeros((b,), bool),
+        )
 
 
-def run(params: dict, config: ModelConfig, gc: GenerationConfig, x: Array, inp: DecodeInputs, key: Array,
-        init_cache: Any = None, depth: int | None = None) -> LoopState:
+def run(
+    params: dict,
+    config: ModelConfig,
+    gc: GenerationConfig,
+    x: Array,
+    inp: DecodeInputs,
+    key: Array,
+    init_cache: Any = None,
+    depth: int | None = None,
+) -> LoopState:
     """gc: static. x: [B, T] with [MASK] in the generation region. init_cache: a pre-filled cache state (e.g.
     shared-affix K/V) instead of the strategy's empty one. depth: BiCache's reuse depth."""
     runner = BlockRunner.create(config, gc, depth)
@@ -159,9 +189,12 @@ def run(params: dict, config: ModelConfig, gc: GenerationConfig, x: Array, inp: 
     n_blocks = gc.schedule.n_blocks
     static_steps = gc.kernels.step_loop == "auto" and fixed_step_count(gc, config)
     if runner.cfg_rows:
-        inp = dataclasses.replace(inp, positions=jnp.concatenate([inp.positions] * 2),
-                                  key_mask=jnp.concatenate([inp.key_mask] * 2),
-                                  frozen=jnp.concatenate([inp.frozen] * 2))
+        inp = dataclasses.replace(
+            inp,
+            positions=jnp.concatenate([inp.positions] * 2),
+            key_mask=jnp.concatenate([inp.key_mask] * 2),
+            frozen=jnp.concatenate([inp.frozen] * 2),
+        )
 
     def block_cond(s: LoopState):
         return (s.block < n_blocks) & ~jnp.all(s.done)

@@ -79,7 +79,7 @@ def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
     n, step = 0, 8
     while n < limit:
         s = min(step, limit - n)
-        if a[i + n:i + n + s] == b[j + n:j + n + s]:
+        if a[i + n : i + n + s] == b[j + n : j + n + s]:
             n += s
             step = s * 2
         elif s == 1:
@@ -94,7 +94,7 @@ def _lcs(a: array, i: int, b: array, j: int, limit: int) -> int:
     n, step = 0, 8
     while n < limit:
         s = min(step, limit - n)
-        if a[i - n - s:i - n] == b[j - n - s:j - n]:
+        if a[i - n - s : i - n] == b[j - n - s : j - n]:
             n += s
             step = s * 2
         elif s == 1:
@@ -131,7 +131,7 @@ class _Query:
         self.kgrams = _kgram_hashes(self.tokens, k)
         chain, prev, step = [], b"", 4 * page_size
         for c in range(len(self.tokens) // page_size):  # full pages only
-            prev = _chain_hash(prev, self.data[c * step:(c + 1) * step])
+            prev = _chain_hash(prev, self.data[c * step : (c + 1) * step])
             chain.append(prev)
         self.chain = chain
 
@@ -151,16 +151,34 @@ class _Stored:
 class AffixIndex:
     """Finds the span of a prompt worth sharing, from recent prompts and registered affixes (see the module doc)."""
 
-    def __init__(self, page_size: int, min_tokens: int = 64, max_prompts: int = 256, max_tokens: int = 1 << 20,
-                 k: int = 16, max_hits: int = 4, work_factor: int = 8, prefer_prefix: bool = True):
+    def __init__(
+        self,
+        page_size: int,
+        min_tokens: int = 64,
+        max_prompts: int = 256,
+        max_tokens: int = 1 << 20,
+        k: int = 16,
+        max_hits: int = 4,
+        work_factor: int = 8,
+        prefer_prefix: bool = True,
+    ):
         """page_size: the KV pool's; prefixes are whole pages. min_tokens: the shortest prefix or span worth reporting
         (>= k). max_prompts, max_tokens: memory bound on remembered prompts. k: k-gram length of the span finder.
         max_hits: remembered occurrences per k-gram (most recent prompts). work_factor: extension budget per token.
         prefer_prefix: a shared prefix wins over any span (True), or only over spans no longer than it (False)."""
-        if page_size < 1 or k < 1 or min_tokens < k or max_prompts < 0 or max_tokens < 0 or max_hits < 1 \
-                or work_factor < 1:
-            raise ValueError("need page_size >= 1, k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, "
-                             "max_hits >= 1, work_factor >= 1")
+        if (
+            page_size < 1
+            or k < 1
+            or min_tokens < k
+            or max_prompts < 0
+            or max_tokens < 0
+            or max_hits < 1
+            or work_factor < 1
+        ):
+            raise ValueError(
+                "need page_size >= 1, k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, "
+                "max_hits >= 1, work_factor >= 1"
+            )
         self.page_size, self.min_tokens, self.k, self.prefer_prefix = page_size, min_tokens, k, prefer_prefix
         self.max_prompts, self.max_tokens = max_prompts, max_tokens
         self.max_hits, self.work_factor = max_hits, work_factor
@@ -270,8 +288,10 @@ class AffixIndex:
         """Raise AssertionError if the index is inconsistent or over its bounds (for tests)."""
         _check(len(self._prompts) <= self.max_prompts and self._num_tokens <= self.max_tokens, "over the bounds")
         _check(self._num_tokens == sum(len(r.tokens) for r in self._prompts.values()), "token count is off")
-        _check(set(self._stored) == set(self._prompts) | {r.id for r in self._registered.values()},
-               "stored records are not exactly the prompts and registered affixes")
+        _check(
+            set(self._stored) == set(self._prompts) | {r.id for r in self._registered.values()},
+            "stored records are not exactly the prompts and registered affixes",
+        )
         _check(self._prompt_ids == {r.key: i for i, r in self._prompts.items()}, "prompt keys are off")
         for h, occ in self._kgrams.items():
             _check(0 < len(occ) <= self.max_hits, f"k-gram list of length {len(occ)}")
@@ -279,8 +299,10 @@ class AffixIndex:
                 rec = self._stored.get(sid)
                 _check(rec is not None and h in rec.kgrams and pos % self.stride == 0, "stale k-gram entry")
         for h, ids in self._chains.items():
-            _check(bool(ids) and all(sid in self._stored and h in self._stored[sid].chain for sid in ids),
-                   "stale chain entry")
+            _check(
+                bool(ids) and all(sid in self._stored and h in self._stored[sid].chain for sid in ids),
+                "stale chain entry",
+            )
         for rec in self._stored.values():
             _check(all(rec.id in self._chains.get(h, ()) for h in rec.chain), "missing chain entry")
         n_anchored = sum(len(v) for v in self._anchors.values())

@@ -25,7 +25,14 @@ from collections import OrderedDict
 from typing import Any, Hashable, Sequence
 
 __all__ = [
-    "AffixEntry", "BlockManager", "BlockStats", "OutOfPages", "affix_key", "pages_for", "token_array", "token_bytes",
+    "AffixEntry",
+    "BlockManager",
+    "BlockStats",
+    "OutOfPages",
+    "affix_key",
+    "pages_for",
+    "token_array",
+    "token_bytes",
 ]
 
 # Page kinds (one byte per page): where the page is now.
@@ -170,8 +177,9 @@ class BlockManager:
         not enough."""
         n = _count(n_pages)
         if n > self.num_available_pages:
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free + {self._num_cached} evictable "
-                             f"of {self.num_pages}")
+            raise OutOfPages(
+                f"need {n} pages, {len(self._free)} free + {self._num_cached} evictable of {self.num_pages}"
+            )
         self._evict_until_free(n)
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
@@ -229,8 +237,10 @@ class BlockManager:
             return entry, True
         n = pages_for(len(toks), self.page_size)
         if n > self.num_available_pages:
-            raise OutOfPages(f"affix of {len(toks)} tokens needs {n} pages, {len(self._free)} free + "
-                             f"{self._num_cached} evictable of {self.num_pages}")
+            raise OutOfPages(
+                f"affix of {len(toks)} tokens needs {n} pages, {len(self._free)} free + "
+                f"{self._num_cached} evictable of {self.num_pages}"
+            )
         self._evict_until_free(n)
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
@@ -296,14 +306,17 @@ class BlockManager:
             available -= len(entry.pages)
         return n <= available
 
-    def admit(self, private_pages: int, affix_tokens: Sequence[int] | None = None,
-              owner: Hashable = None) -> tuple[list[int], AffixEntry | None, bool]:
+    def admit(
+        self, private_pages: int, affix_tokens: Sequence[int] | None = None, owner: Hashable = None
+    ) -> tuple[list[int], AffixEntry | None, bool]:
         """Admit a request at once: acquire its affix (if any) first, so that the private allocation cannot evict
         it, then allocate its private pages. Returns (private pages, entry or None, hit). All or nothing: raises
         OutOfPages, changing nothing, unless plan_admission holds."""
         if not self.plan_admission(private_pages, affix_tokens):
-            raise OutOfPages(f"cannot admit {private_pages} private pages"
-                             + ("" if affix_tokens is None else f" plus an affix of {len(affix_tokens)} tokens"))
+            raise OutOfPages(
+                f"cannot admit {private_pages} private pages"
+                + ("" if affix_tokens is None else f" plus an affix of {len(affix_tokens)} tokens")
+            )
         entry, hit = (None, False) if affix_tokens is None else self.acquire_affix(affix_tokens)
         return self.allocate(private_pages, owner), entry, hit
 
@@ -349,9 +362,11 @@ class BlockManager:
         _check(all(e.last_used <= self._clock for e in self._entries.values()), "entry from the future")
 
     def __repr__(self) -> str:
-        return (f"BlockManager(pages={self.num_pages}x{self.page_size}, free={self.num_free_pages}, "
-                f"private={self._num_private}, shared={self._num_shared}, cached={self._num_cached}, "
-                f"entries={len(self._entries)})")
+        return (
+            f"BlockManager(pages={self.num_pages}x{self.page_size}, free={self.num_free_pages}, "
+            f"private={self._num_private}, shared={self._num_shared}, cached={self._num_cached}, "
+            f"entries={len(self._entries)})"
+        )
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _tick(self) -> int:

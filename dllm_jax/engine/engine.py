@@ -78,10 +78,13 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
         KernelChoice(attention=self.attention)
-        if self.batch_sizes is not None and (not self.batch_sizes or max(self.batch_sizes) != self.max_batch
-                                             or min(self.batch_sizes) < 1):
-            raise ValueError(f"EngineConfig.batch_sizes={self.batch_sizes} must be positive sizes ending at "
-                             f"max_batch={self.max_batch}")
+        if self.batch_sizes is not None and (
+            not self.batch_sizes or max(self.batch_sizes) != self.max_batch or min(self.batch_sizes) < 1
+        ):
+            raise ValueError(
+                f"EngineConfig.batch_sizes={self.batch_sizes} must be positive sizes ending at "
+                f"max_batch={self.max_batch}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,19 +105,36 @@ class Engine:
         if num_pages < 1:
             raise ValueError(f"a KV budget of {budget} bytes holds no page of {self.config.page_size} tokens")
         self.block_manager = BlockManager(num_pages, self.config.page_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_batch, self.config.max_batch,
-                                   self.config.max_queue)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_batch, self.config.max_batch, self.config.max_queue
+        )
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params)
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
-        self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len,
-                                  self.config.batch_sizes or _powers_of_two(self.config.max_batch), kernels)
+        self.runner = ModelRunner(
+            params,
+            mc,
+            num_pages * self.config.page_size,
+            self.max_len,
+            self.config.batch_sizes or _powers_of_two(self.config.max_batch),
+            kernels,
+        )
         m = self.config.min_affix_tokens
         self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self.counters = dict(requests=0, finished=0, aborted=0, generated_tokens=0, blocks=0, probes=0,
-                             probe_seconds=0.0, affix_builds=0, affix_hits=0, peak_pages=0)
+        self.counters = dict(
+            requests=0,
+            finished=0,
+            aborted=0,
+            generated_tokens=0,
+            blocks=0,
+            probes=0,
+            probe_seconds=0.0,
+            affix_builds=0,
+            affix_hits=0,
+            peak_pages=0,
+        )
 
     def _free_memory_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() or {}
@@ -130,9 +150,16 @@ class Engine:
         key = self.affixes.register(toks)
         return AffixHandle(key, toks)
 
-    def add_request(self, prompt: Sequence[int], config: GenerationConfig | None = None, *,
-                    affix: AffixHandle | tuple[int, int] | str | None = "auto", seed: int = 0,
-                    request_id: str | None = None, on_block: Callable[[BlockOutput], Any] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        config: GenerationConfig | None = None,
+        *,
+        affix: AffixHandle | tuple[int, int] | str | None = "auto",
+        seed: int = 0,
+        request_id: str | None = None,
+        on_block: Callable[[BlockOutput], Any] | None = None,
+    ) -> str:
         """Queue a request; returns its id. config: the decoding settings (cache "dual"; its affix technique, if
         any, says how a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier
         prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). Raises
@@ -147,8 +174,14 @@ class Engine:
         self.counters["requests"] += 1
         return rid
 
-    def plan_request(self, prompt: Sequence[int], config: GenerationConfig | None = None, affix: Any = "auto",
-                     request_id: str = "planned", remember: bool = True) -> Request:
+    def plan_request(
+        self,
+        prompt: Sequence[int],
+        config: GenerationConfig | None = None,
+        affix: Any = "auto",
+        request_id: str = "planned",
+        remember: bool = True,
+    ) -> Request:
         """The checked request `add_request` would queue (RequestError otherwise), with its affix span resolved
         and, for BiCache, its depth; not queued. remember=False: affix discovery does not record the prompt."""
         gc = config or GenerationConfig(cache=CacheConfig("dual"))
@@ -156,14 +189,18 @@ class Engine:
         self._check_config(gc)
         self._check_tokens(prompt, "prompt")
         if len(prompt) + gc.schedule.gen_length > self.max_len:
-            raise RequestError(f"prompt of {len(prompt)} tokens + gen_length {gc.schedule.gen_length} exceeds the "
-                               f"engine's maximum length {self.max_len}")
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens + gen_length {gc.schedule.gen_length} exceeds the "
+                f"engine's maximum length {self.max_len}"
+            )
         req = Request(request_id, prompt, gc, self._affix_span(prompt, gc, affix, remember))
         if isinstance(req.technique, Shallow):
             req.depth = self._depth(req)
         if not self.scheduler.fits_ever(req):
-            raise RequestError(f"request {request_id} needs {pages_for(req.private_tokens(), self.config.page_size)} "
-                               f"pages (plus its affix), more than the whole pool's {self.block_manager.num_pages}")
+            raise RequestError(
+                f"request {request_id} needs {pages_for(req.private_tokens(), self.config.page_size)} "
+                f"pages (plus its affix), more than the whole pool's {self.block_manager.num_pages}"
+            )
         return req
 
     def _check_tokens(self, toks: Sequence[int], what: str) -> None:
@@ -186,8 +223,9 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def _affix_span(self, prompt: list[int], gc: GenerationConfig, affix, remember: bool = True
-                    ) -> tuple[int, int] | None:
+    def _affix_span(
+        self, prompt: list[int], gc: GenerationConfig, affix, remember: bool = True
+    ) -> tuple[int, int] | None:
         if affix is None or gc.cache.affix is None:
             return None
         if isinstance(affix, AffixHandle):
@@ -215,8 +253,14 @@ class Engine:
 
         t = req.config.cache.affix
         try:
-            return batch_depth(self.model.config, [req.affix_span], [len(req.prompt)], req.gen_length, t.depth,
-                               dict(t.table) if t.table else None)
+            return batch_depth(
+                self.model.config,
+                [req.affix_span],
+                [len(req.prompt)],
+                req.gen_length,
+                t.depth,
+                dict(t.table) if t.table else None,
+            )
         except ValueError as e:
             raise RequestError(str(e)) from None
 
@@ -249,7 +293,7 @@ class Engine:
                 self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
         to_probe = [r for r in admitted if r.anchor_count > 0]
         for i in range(0, len(to_probe), self.config.max_batch):
-            chunk = to_probe[i:i + self.config.max_batch]
+            chunk = to_probe[i : i + self.config.max_batch]
             t0 = time.perf_counter()
             importances = self.runner.probe(chunk, self.block_manager)
             self.counters["probe_seconds"] += time.perf_counter() - t0
@@ -317,8 +361,15 @@ class Engine:
         if r is not None and r.status == Status.FINISHED:
             del self._requests[request_id]
 
-    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
-                 affix: Any = "auto", seeds: Sequence[int] | None = None, progress: bool = True) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: GenerationConfig | None = None,
+        *,
+        affix: Any = "auto",
+        seeds: Sequence[int] | None = None,
+        progress: bool = True,
+    ) -> list[list[int]]:
         """Serve a list of prompts to the end (a progress bar over blocks); returns each one's answer tokens."""
         ids = [self.add_request(p, config, affix=affix, seed=seeds[i] if seeds else 0) for i, p in enumerate(prompts)]
         total = sum(self._requests[i].n_blocks for i in ids)
@@ -342,14 +393,25 @@ class Engine:
         shapes = []
         for r in reqs:  # what each request needs alone (the probe reads the whole affix as shared)
             shares = r.technique is not None and (r.shares_affix or r.anchor_count)
-            shapes.append(Shape(W=bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length),
-                                R=bucket(r.private_tokens()), A=bucket(r.affix_len) if r.technique else 0,
-                                rotate=bool(shares and r.affix_span[0])))
+            shapes.append(
+                Shape(
+                    W=bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length),
+                    R=bucket(r.private_tokens()),
+                    A=bucket(r.affix_len) if r.technique else 0,
+                    rotate=bool(shares and r.affix_span[0]),
+                )
+            )
             if isinstance(r.technique, Shallow):  # BiCache: its prefix's placed K/V (the hidden states: below)
                 self.runner.place([0] * r.affix_len, [self.runner.num_slots] * r.affix_len, 0)
         # and their union, for batches that mix them
-        shapes.append(Shape(max(s.W for s in shapes), max(s.R for s in shapes), max(s.A for s in shapes),
-                            any(s.rotate for s in shapes)))
+        shapes.append(
+            Shape(
+                max(s.W for s in shapes),
+                max(s.R for s in shapes),
+                max(s.A for s in shapes),
+                any(s.rotate for s in shapes),
+            )
+        )
         for r in reqs:
             if isinstance(r.technique, Shallow):
                 self.runner.warm_hidden(r.affix_len, r.depth, sorted({s.A for s in shapes if s.A >= r.affix_len}))
@@ -361,12 +423,20 @@ class Engine:
     # ---- state --------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
-        return dict(self.counters, waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-                    pages_total=bm.num_pages, pages_free=bm.num_free_pages, pages_used=bm.num_used_pages,
-                    pages_shared=bm.num_shared_pages, pages_cached=bm.num_cached_pages,
-                    kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
-                    programs=self.runner.compiles, block_host_seconds=self.runner.host_seconds,
-                    block_device_seconds=self.runner.device_seconds)
+        return dict(
+            self.counters,
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            pages_total=bm.num_pages,
+            pages_free=bm.num_free_pages,
+            pages_used=bm.num_used_pages,
+            pages_shared=bm.num_shared_pages,
+            pages_cached=bm.num_cached_pages,
+            kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
+            programs=self.runner.compiles,
+            block_host_seconds=self.runner.host_seconds,
+            block_device_seconds=self.runner.device_seconds,
+        )
 
 
 def _powers_of_two(n: int) -> tuple[int, ...]:
@@ -386,7 +456,6 @@ def _find(prompt: list[int], tokens: Sequence[int]) -> int | None:
     n = len(tokens)
     first = tokens[0]
     for i in range(len(prompt) - n + 1):
-        if prompt[i] == first and prompt[i:i + n] == list(tokens):
+        if prompt[i] == first and prompt[i : i + n] == list(tokens):
             return i
     return None
-

@@ -69,16 +69,20 @@ class PagedKV:
         """Layer i's pool with the window's k/v [B, n, Hkv, D] written at its columns' private slots (in place under
         jit with the pool donated). Masked entries and unwritable columns are dropped."""
         n = k.shape[1]
-        cols = where.slots if where.slots is not None else (
-            jnp.asarray(where.offset, jnp.int32) + jnp.arange(n, dtype=jnp.int32))[None]
+        cols = (
+            where.slots
+            if where.slots is not None
+            else (jnp.asarray(where.offset, jnp.int32) + jnp.arange(n, dtype=jnp.int32))[None]
+        )
         slots = jnp.take_along_axis(self.col_slots, jnp.broadcast_to(cols, k.shape[:2]), axis=1)
         if where.mask is not None:
             slots = jnp.where(where.mask, slots, self.num_slots)
         flat = slots.reshape(-1)
         new_k = self.k[i].at[flat].set(k.reshape(-1, *k.shape[2:]).astype(self.k[i].dtype), mode="drop")
         new_v = self.v[i].at[flat].set(v.reshape(-1, *v.shape[2:]).astype(self.v[i].dtype), mode="drop")
-        return dataclasses.replace(self, k=self.k[:i] + (new_k,) + self.k[i + 1:],
-                                   v=self.v[:i] + (new_v,) + self.v[i + 1:])
+        return dataclasses.replace(
+            self, k=self.k[:i] + (new_k,) + self.k[i + 1 :], v=self.v[:i] + (new_v,) + self.v[i + 1 :]
+        )
 
     def shared_mask(self) -> Array:
         """[B, A]: which entries of the shared list are keys."""
@@ -92,8 +96,9 @@ class PagedKV:
         shared = jnp.take(self.k[i], self.shared_slots, axis=0)
         if not self.rotate:
             return shared
-        cos, sin = rope_cos_sin(jnp.broadcast_to(self.shared_delta[:, None], self.shared_slots.shape),
-                                shared.shape[-1], self.rope_theta)
+        cos, sin = rope_cos_sin(
+            jnp.broadcast_to(self.shared_delta[:, None], self.shared_slots.shape), shared.shape[-1], self.rope_theta
+        )
         return apply_rope(shared.astype(jnp.float32), cos, sin, fp32=True).astype(shared.dtype)
 
     def attend(self, i: int, q: Array, key_mask: Array | None, kernels) -> Array:
@@ -103,22 +108,32 @@ class PagedKV:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
         if kernels.attention == "xla":
             k = jnp.concatenate([self.keys(i), jnp.take(self.k[i], self.own_slots, axis=0)], axis=1)
-            v = jnp.concatenate([jnp.take(self.v[i], self.shared_slots, axis=0),
-                                 jnp.take(self.v[i], self.own_slots, axis=0)], axis=1)
+            v = jnp.concatenate(
+                [jnp.take(self.v[i], self.shared_slots, axis=0), jnp.take(self.v[i], self.own_slots, axis=0)], axis=1
+            )
             return attend_reference(q, k, v, jnp.concatenate([self.shared_mask(), self.own_mask()], axis=1))
         # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
         # as an online-softmax state, continued over the own list
         b, n = q.shape[:2]
         q_lens = jnp.full((b,), n, jnp.int32)
         if self.shared_slots.shape[1] == 0:  # nothing shared in this batch
-            return sa.slot_attention(q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len,
-                                     interpret=kernels.interpret)
+            return sa.slot_attention(
+                q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len, interpret=kernels.interpret
+            )
         qs = q
         if self.rotate:
-            cos, sin = rope_cos_sin(jnp.broadcast_to(-self.shared_delta[:, None], (b, n)), q.shape[-1],
-                                    self.rope_theta)
+            cos, sin = rope_cos_sin(jnp.broadcast_to(-self.shared_delta[:, None], (b, n)), q.shape[-1], self.rope_theta)
             qs = apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)
-        state = sa.slot_attention(qs, self.k[i], self.v[i], self.shared_slots, q_lens, self.shared_len,
-                                  return_state=True, interpret=kernels.interpret)
-        return sa.slot_attention(q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len, init_state=state,
-                                 interpret=kernels.interpret)
+        state = sa.slot_attention(
+            qs,
+            self.k[i],
+            self.v[i],
+            self.shared_slots,
+            q_lens,
+            self.shared_len,
+            return_state=True,
+            interpret=kernels.interpret,
+        )
+        return sa.slot_attention(
+            q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len, init_state=state, interpret=kernels.interpret
+        )

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dllm_jax.decoding.config import Anchors, GenerationConfig, NaiveReuse, Shallow
+from dllm_jax.decoding.config import Anchors, GenerationConfig, NaiveReuse
 
 
 class Status(enum.Enum):

@@ -75,8 +75,7 @@ class Shape:
     rotate: bool
 
     def covers(self, other: "Shape") -> bool:
-        return (self.W >= other.W and self.R >= other.R and self.A >= other.A
-                and (self.rotate or not other.rotate))
+        return self.W >= other.W and self.R >= other.R and self.A >= other.A and (self.rotate or not other.rotate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +118,15 @@ class Layout:
 
 
 class ModelRunner:
-    def __init__(self, params: dict, config: ModelConfig, num_slots: int, max_len: int,
-                 batch_sizes: Sequence[int], kernels: Kernels):
+    def __init__(
+        self,
+        params: dict,
+        config: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        batch_sizes: Sequence[int],
+        kernels: Kernels,
+    ):
         self.params, self.config = params, config
         self.num_slots, self.max_len = num_slots, max_len
         self.batch_sizes = tuple(sorted(batch_sizes))
@@ -153,10 +159,10 @@ class ModelRunner:
         slots = np.asarray(bm.slots(r.pages, r.private_tokens()), np.int64)
         own = np.asarray(r.own_prompt_indices() if r.shares_affix else range(p), np.int64)
         priv = np.full(p + g, -1, np.int64)
-        priv[own] = slots[:len(own)]
+        priv[own] = slots[: len(own)]
         anchors = np.asarray([] if probe else r.anchors, np.int64)
-        priv[anchors] = slots[len(own):len(own) + len(anchors)]
-        priv[p:] = slots[len(own) + r.anchor_count:]
+        priv[anchors] = slots[len(own) : len(own) + len(anchors)]
+        priv[p:] = slots[len(own) + r.anchor_count :]
         shared_idx = np.flatnonzero(priv < 0)
         shared = np.zeros(0, np.int64)
         if len(shared_idx):
@@ -186,32 +192,47 @@ class ModelRunner:
         c = max(starts)
         # A: the shared list; for BiCache rows the width of their prefixes' hidden states
         widest = max(r.affix_len if shallow else len(pl.shared) for r, pl in zip(reqs, plans))
-        need = Shape(W=bucket(max(len(pl.window) for pl in plans)),
-                     R=bucket(max(int((pl.private >= 0).sum()) for pl in plans)),
-                     A=bucket(widest) if widest else 0, rotate=any(pl.delta for pl in plans))
+        need = Shape(
+            W=bucket(max(len(pl.window) for pl in plans)),
+            R=bucket(max(int((pl.private >= 0).sum()) for pl in plans)),
+            A=bucket(widest) if widest else 0,
+            rotate=any(pl.delta for pl in plans),
+        )
         shape = min((s for s in self.warmed if s.covers(need)), default=need)
-        lay = Layout(x=np.full((b, t), cfg.pad_token_id, np.int32), positions=np.zeros((b, t), np.int32),
-                     col_slots=np.full((b, t), self.num_slots, np.int32),
-                     shared_slots=np.zeros((b, shape.A), np.int32), shared_len=np.zeros(b, np.int32),
-                     shared_delta=np.zeros(b, np.int32), own_slots=np.zeros((b, shape.R), np.int32),
-                     own_len=np.zeros(b, np.int32),
-                     window=np.full((b, shape.W), c, np.int32),  # fillers: the current block's column, unwritten
-                     writes=np.zeros((b, shape.W), bool), block_col=c, block_index=np.zeros(b, np.int32),
-                     keys=np.zeros((b, 2), np.uint32), rotate=shape.rotate)
+        lay = Layout(
+            x=np.full((b, t), cfg.pad_token_id, np.int32),
+            positions=np.zeros((b, t), np.int32),
+            col_slots=np.full((b, t), self.num_slots, np.int32),
+            shared_slots=np.zeros((b, shape.A), np.int32),
+            shared_len=np.zeros(b, np.int32),
+            shared_delta=np.zeros(b, np.int32),
+            own_slots=np.zeros((b, shape.R), np.int32),
+            own_len=np.zeros(b, np.int32),
+            window=np.full((b, shape.W), c, np.int32),  # fillers: the current block's column, unwritten
+            writes=np.zeros((b, shape.W), bool),
+            block_col=c,
+            block_index=np.zeros(b, np.int32),
+            keys=np.zeros((b, 2), np.uint32),
+            rotate=shape.rotate,
+        )
         for i, (r, pl) in enumerate(zip(reqs, plans)):
             p, g = len(r.prompt), r.gen_length
             pad = c - starts[i]  # every row's current block starts at column c
             gen = [] if probe else r.generated
-            lay.x[i, pad:pad + p] = r.prompt
-            lay.x[i, pad + p:pad + p + len(gen)] = gen
-            lay.x[i, pad + p + len(gen):pad + p + g] = cfg.mask_token_id
-            lay.positions[i, pad:pad + p + g] = np.arange(p + g)
+            lay.x[i, pad : pad + p] = r.prompt
+            lay.x[i, pad + p : pad + p + len(gen)] = gen
+            lay.x[i, pad + p + len(gen) : pad + p + g] = cfg.mask_token_id
+            lay.positions[i, pad : pad + p + g] = np.arange(p + g)
             mine = pl.private >= 0
             lay.col_slots[i, pad + np.flatnonzero(mine)] = pl.private[mine]
             own = pl.private[mine]
-            lay.own_slots[i, :len(own)], lay.own_len[i] = own, len(own)
-            lay.shared_slots[i, :len(pl.shared)], lay.shared_len[i], lay.shared_delta[i] = pl.shared, len(pl.shared), pl.delta
-            lay.window[i, :len(pl.window)], lay.writes[i, :len(pl.window)] = pad + pl.window, pl.writes
+            lay.own_slots[i, : len(own)], lay.own_len[i] = own, len(own)
+            lay.shared_slots[i, : len(pl.shared)], lay.shared_len[i], lay.shared_delta[i] = (
+                pl.shared,
+                len(pl.shared),
+                pl.delta,
+            )
+            lay.window[i, : len(pl.window)], lay.writes[i, : len(pl.window)] = pad + pl.window, pl.writes
             lay.block_index[i] = pl.gen_index + done[i] * r.block_length
             lay.keys[i] = r.key
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
@@ -222,14 +243,20 @@ class ModelRunner:
                 n, pad = r.total_len, c - starts[i]
                 lay.deep[i, :n], lay.deep_writes[i, :n] = pad + np.arange(n), True
                 spliced = pl.writes | (pl.window == len(r.prompt) - 1)
-                lay.splice_at[i, :len(pl.window)] = np.where(spliced, pl.window, f)
+                lay.splice_at[i, : len(pl.window)] = np.where(spliced, pl.window, f)
                 lay.prefix_at[i] = r.affix_span[0] if r.affix_span else f
                 lay.block_index[i] = len(r.prompt) + done[i] * r.block_length
         return lay
 
     def _paged(self, lay: Layout) -> tuple[dict, bool]:
-        arrays = dict(col_slots=lay.col_slots, shared_slots=lay.shared_slots, shared_len=lay.shared_len,
-                      shared_delta=lay.shared_delta, own_slots=lay.own_slots, own_len=lay.own_len)
+        arrays = dict(
+            col_slots=lay.col_slots,
+            shared_slots=lay.shared_slots,
+            shared_len=lay.shared_len,
+            shared_delta=lay.shared_delta,
+            own_slots=lay.own_slots,
+            own_len=lay.own_len,
+        )
         return {k: put(v) for k, v in arrays.items()}, lay.rotate
 
     def _shape(self, lay: Layout) -> tuple:
@@ -244,13 +271,22 @@ class ModelRunner:
                 self.warmed.append(shape)
             for b in self.batch_sizes:
                 t = self.buffer_len
-                lay = Layout(x=np.full((b, t), self.config.pad_token_id, np.int32), positions=np.zeros((b, t), np.int32),
-                             col_slots=np.full((b, t), self.num_slots, np.int32),
-                             shared_slots=np.zeros((b, shape.A), np.int32), shared_len=np.zeros(b, np.int32),
-                             shared_delta=np.zeros(b, np.int32), own_slots=np.zeros((b, shape.R), np.int32),
-                             own_len=np.zeros(b, np.int32), window=np.zeros((b, shape.W), np.int32),
-                             writes=np.zeros((b, shape.W), bool), block_col=0, block_index=np.zeros(b, np.int32),
-                             keys=np.zeros((b, 2), np.uint32), rotate=shape.rotate)
+                lay = Layout(
+                    x=np.full((b, t), self.config.pad_token_id, np.int32),
+                    positions=np.zeros((b, t), np.int32),
+                    col_slots=np.full((b, t), self.num_slots, np.int32),
+                    shared_slots=np.zeros((b, shape.A), np.int32),
+                    shared_len=np.zeros(b, np.int32),
+                    shared_delta=np.zeros(b, np.int32),
+                    own_slots=np.zeros((b, shape.R), np.int32),
+                    own_len=np.zeros(b, np.int32),
+                    window=np.zeros((b, shape.W), np.int32),
+                    writes=np.zeros((b, shape.W), bool),
+                    block_col=0,
+                    block_index=np.zeros(b, np.int32),
+                    keys=np.zeros((b, 2), np.uint32),
+                    rotate=shape.rotate,
+                )
                 if probe and shape.A:
                     self._probe_call(lay)
                 for runner in runners:
@@ -273,21 +309,32 @@ class ModelRunner:
         sl = np.full(n, self.num_slots, np.int32)
         sl[:a] = slots
         self._note(("affix", n))
-        self.k, self.v = _build_affix(self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)),
-                                      config=self.config)
+        self.k, self.v = _build_affix(
+            self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)), config=self.config
+        )
 
     def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
         """ACache's one-shot probe of newly admitted requests (one NFE): per request the importance of each affix
         token (the [MASK] queries' softmax mass over the affix keys, summed over heads and layers)."""
         imp = self._probe_call(self.layout(reqs, bm, probe=True))
-        return [imp[i, :r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
+        return [imp[i, : r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
 
     def _probe_call(self, lay: Layout) -> np.ndarray:
         paged, rotate = self._paged(lay)
         self._note(("probe", *self._shape(lay), rotate))
-        imp, self.k, self.v = _probe(self.params, self.k, self.v, put(lay.x), put(lay.positions), paged,
-                                     put(lay.window), put(lay.writes), config=self.config, rotate=rotate,
-                                     kernels=self.kernels)
+        imp, self.k, self.v = _probe(
+            self.params,
+            self.k,
+            self.v,
+            put(lay.x),
+            put(lay.positions),
+            paged,
+            put(lay.window),
+            put(lay.writes),
+            config=self.config,
+            rotate=rotate,
+            kernels=self.kernels,
+        )
         return np.asarray(imp)
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
@@ -303,16 +350,29 @@ class ModelRunner:
             blk, keys, steps = self._block_call(lay, runner)
         self.host_seconds += t1 - t0
         self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
-        return blk[:len(reqs)], keys[:len(reqs)], steps
+        return blk[: len(reqs)], keys[: len(reqs)], steps
 
     def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
         paged, rotate = self._paged(lay)
         static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
         self._note(("block", runner, *self._shape(lay), rotate))
         blk, keys, steps, self.k, self.v = _run_block(
-            self.params, self.k, self.v, put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes),
-            put(lay.keys), put(np.int32(lay.block_col)), put(lay.block_index), runner=runner, rotate=rotate,
-            kernels=self.kernels, static_steps=static_steps)
+            self.params,
+            self.k,
+            self.v,
+            put(lay.x),
+            put(lay.positions),
+            paged,
+            put(lay.window),
+            put(lay.writes),
+            put(lay.keys),
+            put(np.int32(lay.block_col)),
+            put(lay.block_index),
+            runner=runner,
+            rotate=rotate,
+            kernels=self.kernels,
+            static_steps=static_steps,
+        )
         return np.asarray(blk), np.asarray(keys), int(steps)
 
     def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array]) -> tuple:
@@ -322,10 +382,26 @@ class ModelRunner:
         static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
         self._note(("shallow", runner, *self._shape(lay), stacked.shape[1]))
         blk, keys, steps, self.k, self.v = _run_shallow_block(
-            self.params, self.k, self.v, put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes),
-            put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked, put(lay.keys),
-            put(np.int32(lay.block_col)), put(lay.block_index), runner=runner, kernels=self.kernels,
-            static_steps=static_steps)
+            self.params,
+            self.k,
+            self.v,
+            put(lay.x),
+            put(lay.positions),
+            paged,
+            put(lay.window),
+            put(lay.writes),
+            put(lay.deep),
+            put(lay.deep_writes),
+            put(lay.splice_at),
+            put(lay.prefix_at),
+            stacked,
+            put(lay.keys),
+            put(np.int32(lay.block_col)),
+            put(lay.block_index),
+            runner=runner,
+            kernels=self.kernels,
+            static_steps=static_steps,
+        )
         return np.asarray(blk), np.asarray(keys), int(steps)
 
     # ---- BiCache's shared prefix ---------------------------------------------------------------------------------
@@ -333,7 +409,6 @@ class ModelRunner:
         """The hidden state entering every layer of an affix computed alone [L + 1, A, d] (built once per entry)."""
         self._note(("hidden", len(tokens)))
         return _layer_inputs(self.params, self.config, put(np.asarray([tokens], np.int32)))
-
 
     def warm_hidden(self, affix_len: int, depth: int, widths: Sequence[int]) -> None:
         """Compile what a BiCache request's first block takes: its prefix's hidden rows at these widths."""
@@ -345,7 +420,7 @@ class ModelRunner:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
         n = bucket(len(src))
         s_, d_ = np.zeros(n, np.int32), np.full(n, self.num_slots, np.int32)
-        s_[:len(src)], d_[:len(dst)] = src, dst
+        s_[: len(src)], d_[: len(dst)] = src, dst
         self._note(("place", n))
         self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
 
@@ -357,9 +432,17 @@ def put(a: np.ndarray) -> Array:
 
 def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInputs:
     shift = 1 if config.family == "dream" else 0
-    return DecodeInputs(positions=positions, key_mask=jnp.ones(positions.shape, bool),
-                        frozen=jnp.zeros(positions.shape, bool), prompt_len=0, block_length=block_length,
-                        shift=shift, kernels=kernels, padded=False, has_frozen=False)
+    return DecodeInputs(
+        positions=positions,
+        key_mask=jnp.ones(positions.shape, bool),
+        frozen=jnp.zeros(positions.shape, bool),
+        prompt_len=0,
+        block_length=block_length,
+        shift=shift,
+        kernels=kernels,
+        padded=False,
+        has_frozen=False,
+    )
 
 
 def _view(config, k, v, paged: dict, rotate: bool) -> PagedKV:
@@ -370,8 +453,16 @@ def _view(config, k, v, paged: dict, rotate: bool) -> PagedKV:
 def _build_affix(params, k, v, ids, slots, length, *, config):
     n = ids.shape[1]
     mask = jnp.arange(n)[None] < length
-    out = forward(params, config, ids, jnp.arange(n, dtype=jnp.int32)[None], key_mask=mask,
-                  logits_at=jnp.zeros((1, 1), jnp.int32), return_kv=True, kernels=XLA)
+    out = forward(
+        params,
+        config,
+        ids,
+        jnp.arange(n, dtype=jnp.int32)[None],
+        key_mask=mask,
+        logits_at=jnp.zeros((1, 1), jnp.int32),
+        return_kv=True,
+        kernels=XLA,
+    )
     fk, fv = out.kv  # [L, 1, n, Hkv, D]
     k = tuple(k[i].at[slots].set(fk[i, 0].astype(k[i].dtype), mode="drop") for i in range(config.n_layers))
     v = tuple(v[i].at[slots].set(fv[i, 0].astype(v[i].dtype), mode="drop") for i in range(config.n_layers))
@@ -388,16 +479,37 @@ def _probe(params, k, v, x, positions, paged, window, writes, *, config, rotate,
     return out.probe, out.cache.k, out.cache.v
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "rotate", "kernels", "static_steps"),
-                   donate_argnames=("k", "v"))
-def _run_block(params, k, v, x, positions, paged, window, writes, keys, block_col, block_index, *, runner, rotate,
-               kernels, static_steps):
+@functools.partial(jax.jit, static_argnames=("runner", "rotate", "kernels", "static_steps"), donate_argnames=("k", "v"))
+def _run_block(
+    params,
+    k,
+    v,
+    x,
+    positions,
+    paged,
+    window,
+    writes,
+    keys,
+    block_col,
+    block_index,
+    *,
+    runner,
+    rotate,
+    kernels,
+    static_steps,
+):
     config = runner.config
     bl = runner.gc.schedule.block_length
     inp = _inputs(config, positions, bl, kernels)
     kv = _view(config, k, v, paged, rotate)
-    state = AnchoredState(kv=kv, window=window, writes=writes, importance=jnp.zeros((x.shape[0], 1), jnp.float32),
-                          block_col=block_col, block_index=block_index)
+    state = AnchoredState(
+        kv=kv,
+        window=window,
+        writes=writes,
+        importance=jnp.zeros((x.shape[0], 1), jnp.float32),
+        block_col=block_col,
+        block_index=block_index,
+    )
     s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
     s = runner.run_block(params, inp, s, block_col, static_steps)
     blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, bl, axis=1)
@@ -431,8 +543,28 @@ def _place(k, v, src, dst, offset, *, theta):
 
 
 @functools.partial(jax.jit, static_argnames=("runner", "kernels", "static_steps"), donate_argnames=("k", "v"))
-def _run_shallow_block(params, k, v, x, positions, paged, window, writes, deep, deep_writes, splice_at, prefix_at,
-                       hidden, keys, block_col, block_index, *, runner, kernels, static_steps):
+def _run_shallow_block(
+    params,
+    k,
+    v,
+    x,
+    positions,
+    paged,
+    window,
+    writes,
+    deep,
+    deep_writes,
+    splice_at,
+    prefix_at,
+    hidden,
+    keys,
+    block_col,
+    block_index,
+    *,
+    runner,
+    kernels,
+    static_steps,
+):
     config = runner.config
     bl = runner.gc.schedule.block_length
     inp = _inputs(config, positions, bl, kernels)
@@ -441,8 +573,17 @@ def _run_shallow_block(params, k, v, x, positions, paged, window, writes, deep, 
     rows = jnp.arange(b)[:, None]
     at = prefix_at[:, None] + jnp.arange(hidden.shape[1])[None]
     prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype).at[rows, at].set(hidden, mode="drop")
-    state = ShallowState(kv=kv, prefix_hidden=prefix, window=window, writes=writes, deep=deep, deep_writes=deep_writes,
-                         splice_at=splice_at, block_col=block_col, block_index=block_index)
+    state = ShallowState(
+        kv=kv,
+        prefix_hidden=prefix,
+        window=window,
+        writes=writes,
+        deep=deep,
+        deep_writes=deep_writes,
+        splice_at=splice_at,
+        block_col=block_col,
+        block_index=block_index,
+    )
     s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
     s = runner.run_block(params, inp, s, block_col, static_steps)
     blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, bl, axis=1)

@@ -70,7 +70,7 @@ class Scheduler:
         groups: dict[Hashable, list[Request]] = collections.OrderedDict()
         for r in self.running:
             groups.setdefault(key(r), []).append(r)
-        return [g[i:i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)]
+        return [g[i : i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)]
 
     def finish(self, req: Request) -> None:
         """Free a running request's pages and its hold on the affix at once; drop a waiting one from the queue."""

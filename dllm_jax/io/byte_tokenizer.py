@@ -11,8 +11,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-LLADA_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                  "<|mdm_mask|>")
+LLADA_SPECIALS = (
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|mdm_mask|>",
+)
 DREAM_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 
 
@@ -45,12 +51,22 @@ def write(out_dir: str | Path, family: str, special_ids: dict[str, int] | None =
     tok = build(specials, special_ids)
     tok.save(str(out / "tokenizer.json"))
     if family == "llada":
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>",
-               "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "mask_token": "<|mdm_mask|>"}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|startoftext|>",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "mask_token": "<|mdm_mask|>",
+        }
     else:
         vocab = {k: v for k, v in tok.get_vocab().items() if k not in specials}
         (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
         (out / "merges.txt").write_text("#version: 0.2\n")
-        cfg = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-               "mask_token": "<|mask|>", "bos_token": None}
+        cfg = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "mask_token": "<|mask|>",
+            "bos_token": None,
+        }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))

@@ -26,8 +26,15 @@ from dllm_jax.transformer import params as P
 
 FORMAT_FILE = "dllm_jax.json"
 FORMAT_VERSION = 2  # 2: one orbax item per param leaf (streamed writes)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "added_tokens.json",
+)
 SOURCE_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
 _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
@@ -79,8 +86,9 @@ class HFCheckpoint:
         found = sorted(self.path.glob("*.safetensors"))
         if found:
             return found
-        raise CheckpointError(f"{self.path} has no model.safetensors, no model.safetensors.index.json "
-                              f"and no *.safetensors file")
+        raise CheckpointError(
+            f"{self.path} has no model.safetensors, no model.safetensors.index.json and no *.safetensors file"
+        )
 
     def tensor_index(self) -> dict[str, tuple[Path, tuple[int, ...], str]]:
         """name -> (file, shape, safetensors dtype string), from headers only (no tensor is read)."""
@@ -123,11 +131,15 @@ def validate(ckpt: HFCheckpoint, config: ModelConfig) -> dict[str, tuple[Path, t
     missing = sorted(set(expected) - set(index))
     unexpected = sorted(set(index) - set(expected))
     if missing:
-        problems.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20])
-                        + (" ..." if len(missing) > 20 else ""))
+        problems.append(
+            f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
+        )
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(unexpected[:20])
-                        + (" ..." if len(unexpected) > 20 else ""))
+        problems.append(
+            f"{len(unexpected)} unexpected tensor(s): "
+            + ", ".join(unexpected[:20])
+            + (" ..." if len(unexpected) > 20 else "")
+        )
     for name in sorted(set(expected) & set(index)):
         _, shape, dtype = index[name]
         if shape != expected[name]:
@@ -135,13 +147,15 @@ def validate(ckpt: HFCheckpoint, config: ModelConfig) -> dict[str, tuple[Path, t
         if dtype not in SOURCE_DTYPES:
             problems.append(f"{name}: dtype {dtype}, expected one of {sorted(SOURCE_DTYPES)}")
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt.path} ({config.family}) does not match its config.json:\n  - "
-                              + "\n  - ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} ({config.family}) does not match its config.json:\n  - " + "\n  - ".join(problems)
+        )
     return index
 
 
-def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
-                ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+def iter_leaves(
+    ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
+) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
     """Validate, then yield (param path, array in config.dtype) one leaf at a time.
 
     A stacked leaf ([n_layers, ...]) is filled layer by layer from whichever shard holds each tensor, so the
@@ -186,8 +200,9 @@ def iter_leaves(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True
         bar.close()
 
 
-def quantize_ffn_leaves(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], config: ModelConfig
-                        ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+def quantize_ffn_leaves(
+    leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], config: ModelConfig
+) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
     """Stream transform for `--fp8-ffn`: hold the three stacked FFN leaves until all have arrived, then emit the
     e4m3 layers.mlp_fp8 leaves and the bf16 mlp_first leaves instead (see transformer/params.py)."""
     P.check_fp8_shapes(config)
@@ -240,8 +255,13 @@ def iter_hf_tensors(params: dict[str, Any], config: ModelConfig) -> Iterator[tup
         yield name, np.ascontiguousarray(t.T if rule.transpose else t)
 
 
-def export_hf(params: dict[str, Any], config: ModelConfig, out_dir: str | os.PathLike,
-              max_shard_bytes: int | None = None, dtype: Any = ml_dtypes.bfloat16) -> Path:
+def export_hf(
+    params: dict[str, Any],
+    config: ModelConfig,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int | None = None,
+    dtype: Any = ml_dtypes.bfloat16,
+) -> Path:
     """Write params in the family's exact HF release layout (config.json + safetensors, sharded if asked)."""
     from safetensors.numpy import save_file
 
@@ -267,7 +287,8 @@ def export_hf(params: dict[str, Any], config: ModelConfig, out_dir: str | os.Pat
                 weight_map[k] = fname
                 total += v.nbytes
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     (out / "config.json").write_text(json.dumps(family_of(config).hf_config(config), indent=2))
     return out
 
@@ -277,9 +298,13 @@ def is_converted(path: str | os.PathLike) -> bool:
     return (Path(path) / FORMAT_FILE).is_file()
 
 
-def write_converted(leaves: Iterable[tuple[tuple[str, ...], np.ndarray]] | dict[str, Any], config: ModelConfig,
-                    out_dir: str | os.PathLike, source_dir: str | os.PathLike | None = None,
-                    force: bool = False) -> Path:
+def write_converted(
+    leaves: Iterable[tuple[tuple[str, ...], np.ndarray]] | dict[str, Any],
+    config: ModelConfig,
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike | None = None,
+    force: bool = False,
+) -> Path:
     """Write a converted checkpoint: one orbax item per param leaf (params/<dotted.path>), dllm_jax.json, the HF
     config and tokenizer files. Leaves may be an iterator (written and dropped one by one: low peak memory).
 

@@ -54,8 +54,10 @@ def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> N
     def walk(w, g, path):
         if isinstance(w, dict):
             if not isinstance(g, dict) or set(w) != set(g):
-                bad.append(f"{path or '/'}: keys {sorted(g) if isinstance(g, dict) else type(g).__name__}, "
-                           f"expected {sorted(w)}")
+                bad.append(
+                    f"{path or '/'}: keys {sorted(g) if isinstance(g, dict) else type(g).__name__}, "
+                    f"expected {sorted(w)}"
+                )
                 return
             for k in w:
                 walk(w[k], g[k], f"{path}/{k}")
@@ -69,6 +71,7 @@ def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> N
 
 def to_device(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
     """Device arrays in the run dtype; the FP8 FFN leaves (e4m3 weights, fp32 scales) keep their own dtypes."""
+
     def put(path, a):
         keep = any(getattr(k, "key", None) == "mlp_fp8" for k in path)
         return jnp.asarray(a) if keep else jnp.asarray(a, config.jnp_dtype)
@@ -80,7 +83,7 @@ LAYER_LAYOUTS = ("auto", "stacked", "unrolled")
 
 
 def resolve_layer_layout(layer_layout: str) -> str:
-    """"auto" -> "unrolled" on a GPU, "stacked" elsewhere.
+    """ "auto" -> "unrolled" on a GPU, "stacked" elsewhere.
 
     Why unrolled on the GPU: inside lax.scan each layer's weights are a dynamic slice of the stacked arrays and
     XLA copies every slice before its GEMM, so a batch-1 LLaDA-8B block step read the weights ~3 times: 12.63 ms
@@ -93,8 +96,13 @@ def resolve_layer_layout(layer_layout: str) -> str:
     return layer_layout
 
 
-def load(path: str | os.PathLike | None = None, dtype: str = "bfloat16", progress: bool = False,
-         fp8_ffn: bool = False, layer_layout: str = "auto") -> Model:
+def load(
+    path: str | os.PathLike | None = None,
+    dtype: str = "bfloat16",
+    progress: bool = False,
+    fp8_ffn: bool = False,
+    layer_layout: str = "auto",
+) -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
     memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32".
     fp8_ffn: quantise the FFNs of layers >= 2 to e4m3 now (a checkpoint converted with --fp8-ffn already is).

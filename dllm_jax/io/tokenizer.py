@@ -41,8 +41,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Message] | str, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        out = self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                          tokenize=True)
+        out = self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
             out = out["input_ids"]
         return [int(i) for i in out]
@@ -76,8 +75,11 @@ def load_tokenizer(path: str | os.PathLike, config: ModelConfig) -> Tokenizer:
     # A checkpoint whose tokenizer_config names the generic fast tokenizer (a tokenizer.json of any model type, e.g.
     # the task vocabulary of a Dream-layout demo model) is read as such: Qwen2's class would rebuild a BPE from it.
     generic = tok_cfg.get("tokenizer_class") == "PreTrainedTokenizerFast" and (p / "tokenizer.json").is_file()
-    cls = (transformers.Qwen2TokenizerFast if config.family == "dream" and not generic
-           else transformers.PreTrainedTokenizerFast)
+    cls = (
+        transformers.Qwen2TokenizerFast
+        if config.family == "dream" and not generic
+        else transformers.PreTrainedTokenizerFast
+    )
     hf = cls.from_pretrained(str(p), local_files_only=True, **kwargs)
     template = tok_cfg.get("chat_template")
     if isinstance(template, str):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.models.base import ParamMapping, TensorRule as R
+from dllm_jax.models.base import ParamMapping
+from dllm_jax.models.base import TensorRule as R
 
 _L = "model.layers.{i}."
 
@@ -34,13 +35,25 @@ def rules(c: ModelConfig) -> tuple[R, ...]:
 
 def hf_config(c: ModelConfig) -> dict[str, Any]:
     return {
-        "model_type": "Dream", "architectures": ["DreamModel"], "hidden_act": "silu",
-        "hidden_size": c.d_model, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.mlp_hidden, "vocab_size": c.vocab_size,
-        "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings,
-        "max_position_embeddings": c.max_seq_len, "mask_token_id": c.mask_token_id,
-        "pad_token_id": c.pad_token_id, "eos_token_id": c.eos_token_id, "rope_scaling": None,
-        "use_sliding_window": False, "torch_dtype": "bfloat16",
+        "model_type": "Dream",
+        "architectures": ["DreamModel"],
+        "hidden_act": "silu",
+        "hidden_size": c.d_model,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "intermediate_size": c.mlp_hidden,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_embeddings,
+        "max_position_embeddings": c.max_seq_len,
+        "mask_token_id": c.mask_token_id,
+        "pad_token_id": c.pad_token_id,
+        "eos_token_id": c.eos_token_id,
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
         **({"bos_token_id": c.bos_token_id} if c.bos_token_id is not None else {}),
     }
 

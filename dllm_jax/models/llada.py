@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.models.base import ParamMapping, TensorRule as R
+from dllm_jax.models.base import ParamMapping
+from dllm_jax.models.base import TensorRule as R
 
 _P = "model.transformer."
 
@@ -33,16 +34,36 @@ def rules(c: ModelConfig) -> tuple[R, ...]:
 
 def hf_config(c: ModelConfig) -> dict[str, Any]:
     return {
-        "model_type": "llada", "architectures": ["LLaDAModelLM"], "block_type": "llama",
-        "activation_type": "silu", "layer_norm_type": "rms", "rms_norm_eps": c.rms_eps, "rope": True,
-        "rope_full_precision": c.rope_fp32, "rope_theta": c.rope_theta, "alibi": False,
-        "attention_layer_norm": False, "input_emb_norm": False, "scale_logits": False,
-        "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "n_layers": c.n_layers,
-        "mlp_hidden_size": c.mlp_hidden, "mlp_ratio": max(1, c.mlp_hidden // c.d_model),
-        "vocab_size": c.vocab_size, "embedding_size": c.vocab_size, "max_sequence_length": c.max_seq_len,
-        "weight_tying": c.tie_embeddings, "include_bias": False, "include_qkv_bias": c.qkv_bias,
-        "bias_for_layer_norm": False, "mask_token_id": c.mask_token_id, "eos_token_id": c.eos_token_id,
-        "pad_token_id": c.pad_token_id, "precision": "amp_bf16",
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+        "block_type": "llama",
+        "activation_type": "silu",
+        "layer_norm_type": "rms",
+        "rms_norm_eps": c.rms_eps,
+        "rope": True,
+        "rope_full_precision": c.rope_fp32,
+        "rope_theta": c.rope_theta,
+        "alibi": False,
+        "attention_layer_norm": False,
+        "input_emb_norm": False,
+        "scale_logits": False,
+        "d_model": c.d_model,
+        "n_heads": c.n_heads,
+        "n_kv_heads": c.n_kv_heads,
+        "n_layers": c.n_layers,
+        "mlp_hidden_size": c.mlp_hidden,
+        "mlp_ratio": max(1, c.mlp_hidden // c.d_model),
+        "vocab_size": c.vocab_size,
+        "embedding_size": c.vocab_size,
+        "max_sequence_length": c.max_seq_len,
+        "weight_tying": c.tie_embeddings,
+        "include_bias": False,
+        "include_qkv_bias": c.qkv_bias,
+        "bias_for_layer_norm": False,
+        "mask_token_id": c.mask_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "precision": "amp_bf16",
         **({"bos_token_id": c.bos_token_id} if c.bos_token_id is not None else {}),
     }
 

@@ -24,8 +24,19 @@ from dllm_jax.engine.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
 from dllm_jax.server.metrics import ServerMetrics
-from dllm_jax.server.protocol import (AffixMessage, AffixSpan, AffixText, APIError, ChatRequest, CompletionRequest,
-                                      Diffusion, completion_body, new_id, parse, usage)
+from dllm_jax.server.protocol import (
+    AffixMessage,
+    AffixSpan,
+    AffixText,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Diffusion,
+    completion_body,
+    new_id,
+    parse,
+    usage,
+)
 from dllm_jax.server.service import EngineService
 
 
@@ -55,7 +66,7 @@ class Answer:
 
     def add(self, out: BlockOutput) -> str:
         """The text to send now (may be empty); sets `finish` when the answer is complete."""
-        self.ids = (self.ids + out.tokens)[:self.max_tokens]
+        self.ids = (self.ids + out.tokens)[: self.max_tokens]
         text = self.tok.decode(self.ids)
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)
         if cut >= 0:
@@ -67,9 +78,9 @@ class Answer:
         visible = text
         if self.finish is None:  # hold back what may be the start of a stop string or of a split character
             hold = max((len(s) - 1 for s in self.stops), default=0)
-            visible = text[:len(text) - hold] if hold else text
+            visible = text[: len(text) - hold] if hold else text
             visible = visible.rstrip("\ufffd")
-        delta = visible[len(self.emitted):] if visible.startswith(self.emitted) else ""
+        delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else ""
         self.emitted = visible if visible.startswith(self.emitted) else self.emitted
         return delta
 
@@ -90,15 +101,18 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
         if settings.api_key and request.url.path.startswith("/v1/"):
             header = request.headers.get("authorization", "")
             if header != f"Bearer {settings.api_key}":
-                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
+                e = APIError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dllm-jax"}]}
+        return {
+            "object": "list",
+            "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}],
+        }
 
     @app.get("/health")
     async def health():
@@ -130,8 +144,12 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
 
     async def _serve(request: Request, req: Diffusion, prompt: list[int], chat: bool):
         if req.model != settings.model_name:
-            raise APIError(400, f"unknown model {req.model!r}: this server serves {settings.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"unknown model {req.model!r}: this server serves {settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
         config, max_tokens = _config(req, settings, defaults)
@@ -146,8 +164,9 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
         answer = Answer(model.tokenizer, req.stop, max_tokens)
         cid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return EventSourceResponse(_events(rid, stream, answer, cid, req.model, len(prompt), chat),
-                                       ping=15, sep="\n")
+            return EventSourceResponse(
+                _events(rid, stream, answer, cid, req.model, len(prompt), chat), ping=15, sep="\n"
+            )
         return await _collect(request, rid, stream, answer, cid, req.model, len(prompt), chat)
 
     async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
@@ -173,8 +192,7 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
         except asyncio.CancelledError:
             service.abort(rid)
             raise
-        return completion_body(cid, model_name, answer.emitted, answer.finish, usage(n_prompt, len(answer.ids)),
-                               chat)
+        return completion_body(cid, model_name, answer.emitted, answer.finish, usage(n_prompt, len(answer.ids)), chat)
 
     async def _events(rid, stream, answer, cid, model_name, n_prompt, chat):
         first = True
@@ -210,15 +228,25 @@ def _config(req: Diffusion, s: ServeSettings, defaults: dict) -> tuple[Generatio
     block = min(req.block_length or defaults.get("block_length", s.block_length), max_tokens)
     gen_length = math.ceil(max_tokens / block) * block
     n_blocks = gen_length // block
-    per_token = defaults["steps"] / defaults["gen_length"] if "steps" in defaults and "gen_length" in defaults \
+    per_token = (
+        defaults["steps"] / defaults["gen_length"]
+        if "steps" in defaults and "gen_length" in defaults
         else s.steps_per_token
+    )
     steps = req.steps or max(n_blocks, round(gen_length * per_token / n_blocks) * n_blocks)
     technique = req.affix_technique or s.affix_technique
     try:
         config = GenerationConfig.from_options(
-            gen_length=gen_length, block_length=block, steps=steps, threshold=req.threshold, cache="dual",
-            affix=technique, anchor_ratio=s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio,
-            temperature=s.temperature if req.temperature is None else req.temperature, top_p=req.top_p)
+            gen_length=gen_length,
+            block_length=block,
+            steps=steps,
+            threshold=req.threshold,
+            cache="dual",
+            affix=technique,
+            anchor_ratio=s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio,
+            temperature=s.temperature if req.temperature is None else req.temperature,
+            top_p=req.top_p,
+        )
     except ValueError as e:
         param = next((f for f in ("steps", "block_length", "threshold", "temperature") if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
@@ -236,8 +264,9 @@ def _affix(req: Diffusion, prompt: list[int], tokenizer) -> Any:
     if isinstance(req.affix, AffixMessage):
         messages = getattr(req, "messages", None)
         if messages is None or req.affix.message >= len(messages):
-            raise APIError(400, f"affix.message={req.affix.message} names no message of this request",
-                           param="affix.message")
+            raise APIError(
+                400, f"affix.message={req.affix.message} names no message of this request", param="affix.message"
+            )
         text = messages[req.affix.message].content
     else:
         assert isinstance(req.affix, AffixText)
@@ -249,15 +278,17 @@ def _affix(req: Diffusion, prompt: list[int], tokenizer) -> Any:
         at = _find(prompt, ids)
         if ids and at is not None:
             return at, at + len(ids)
-    raise APIError(400, "the affix's tokens are not a contiguous part of the tokenized prompt (tokenization across "
-                        "its boundary differs): name a span that starts and ends at word boundaries",
-                   param="affix")
+    raise APIError(
+        400,
+        "the affix's tokens are not a contiguous part of the tokenized prompt (tokenization across "
+        "its boundary differs): name a span that starts and ends at word boundaries",
+        param="affix",
+    )
 
 
 def _find(hay: list[int], needle: list[int]) -> int | None:
     n = len(needle)
     for i in range(len(hay) - n + 1):
-        if hay[i:i + n] == needle:
+        if hay[i : i + n] == needle:
             return i
     return None
-

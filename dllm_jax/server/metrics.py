@@ -16,15 +16,20 @@ class ServerMetrics:
         self.service = service
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(service))
-        self.first_block = Histogram("dllm_jax_time_to_first_block_seconds", "Arrival to the first committed block",
-                                     buckets=BUCKETS, registry=self.registry)
-        self.latency = Histogram("dllm_jax_request_latency_seconds", "Arrival to the last block",
-                                 buckets=BUCKETS, registry=self.registry)
+        self.first_block = Histogram(
+            "dllm_jax_time_to_first_block_seconds",
+            "Arrival to the first committed block",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "dllm_jax_request_latency_seconds", "Arrival to the last block", buckets=BUCKETS, registry=self.registry
+        )
         self._seen = 0
 
     def render(self) -> bytes:
         finished = self.service.latencies
-        for ttfb, total in finished[self._seen:]:  # fed here: the engine thread never touches the registry
+        for ttfb, total in finished[self._seen :]:  # fed here: the engine thread never touches the registry
             self.first_block.observe(ttfb)
             self.latency.observe(total)
         self._seen = len(finished)
@@ -45,8 +50,10 @@ class _EngineCollector:
             "kv_pages_shared": ("Pages of stored affix copies held by running requests", s["pages_shared"]),
             "kv_pages_cached": ("Pages of stored affix copies no request holds (evictable)", s["pages_cached"]),
             "kv_bytes_used": ("Bytes of the KV pool in use", s["kv_bytes_used"]),
-            "generation_tokens_per_second": ("Generated tokens per second over the last 10 s",
-                                             self.service.tokens_per_second()),
+            "generation_tokens_per_second": (
+                "Generated tokens per second over the last 10 s",
+                self.service.tokens_per_second(),
+            ),
             "draining": ("1 while the server finishes its requests before exiting", int(self.service.draining)),
         }
         for name, (doc, value) in gauges.items():

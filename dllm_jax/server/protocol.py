@@ -23,10 +23,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # OpenAI fields accepted at these values only (anything else is a 400 naming the field)
-NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None), "best_of": (1, None),
-           "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
-           "suffix": (None,), "user": "any", "stream_options": "any", "service_tier": "any", "store": "any",
-           "metadata": "any", "parallel_tool_calls": "any", "tool_choice": ("none", None), "tools": (None, [])}
+NEUTRAL = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logit_bias": (None, {}),
+    "suffix": (None,),
+    "user": "any",
+    "stream_options": "any",
+    "service_tier": "any",
+    "store": "any",
+    "metadata": "any",
+    "parallel_tool_calls": "any",
+    "tool_choice": ("none", None),
+    "tools": (None, []),
+}
 
 
 class AffixText(BaseModel):
@@ -112,12 +126,18 @@ class ChatRequest(Diffusion):
 class APIError(Exception):
     """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -144,20 +164,35 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None, chat: bool,
-                    chunk: bool = False, first: bool = False) -> dict:
+def completion_body(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict | None,
+    chat: bool,
+    chunk: bool = False,
+    first: bool = False,
+) -> dict:
     """A response or a stream chunk of either endpoint."""
     if chat:
         if chunk:
             delta = {"content": text} if not first else {"role": "assistant", "content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         obj = "chat.completion.chunk" if chunk else "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

@@ -42,16 +42,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model, engine_config: EngineConfig, settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "warning") -> int:
+def serve(
+    model,
+    engine_config: EngineConfig,
+    settings: ServeSettings,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+) -> int:
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     service = EngineService(Engine(model, engine_config)).start()
     app = create_app(service, settings, generation_defaults(model.path))
-    server = DrainingServer(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30),
-                            service)
+    server = DrainingServer(
+        uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30), service
+    )
     actual = sock.getsockname()[1]
-    print(f"dllm-jax serve: model {settings.model_name!r} at http://{host}:{actual}/v1 (Ctrl-C or SIGTERM: finish "
-          "what runs, then exit)", file=sys.stderr, flush=True)
+    print(
+        f"dllm-jax serve: model {settings.model_name!r} at http://{host}:{actual}/v1 (Ctrl-C or SIGTERM: finish "
+        "what runs, then exit)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.run(sockets=[sock])
     finally:

@@ -43,22 +43,128 @@ PLACEMENTS = ("prefix", "infix", "suffix")
 SPLITS = ("train", "heldout")
 HELDOUT_BUCKETS = 10  # of 100: ~10% of all possible shared parts are held out
 
-PEOPLE = ("mary", "john", "sandra", "daniel", "emma", "oliver", "sophia", "liam", "ava", "noah", "mia", "lucas",
-          "zoe", "ethan", "lily", "jack", "anna", "leo", "nora", "max")
-PLACES = ("kitchen", "garden", "office", "bathroom", "bedroom", "hallway", "garage", "cellar", "attic", "balcony",
-          "library", "studio")
+PEOPLE = (
+    "mary",
+    "john",
+    "sandra",
+    "daniel",
+    "emma",
+    "oliver",
+    "sophia",
+    "liam",
+    "ava",
+    "noah",
+    "mia",
+    "lucas",
+    "zoe",
+    "ethan",
+    "lily",
+    "jack",
+    "anna",
+    "leo",
+    "nora",
+    "max",
+)
+PLACES = (
+    "kitchen",
+    "garden",
+    "office",
+    "bathroom",
+    "bedroom",
+    "hallway",
+    "garage",
+    "cellar",
+    "attic",
+    "balcony",
+    "library",
+    "studio",
+)
 VERBS = ("went", "moved", "travelled", "journeyed", "walked", "ran")
-KEYS = ("apple", "river", "candle", "mountain", "violin", "pepper", "window", "rocket", "basket", "forest",
-        "hammer", "island", "jacket", "lemon", "marble", "needle", "orange", "pillow", "rabbit", "saddle", "tiger",
-        "turtle", "wallet", "yogurt", "anchor", "bottle", "castle", "dragon", "engine", "feather", "guitar",
-        "helmet", "kettle", "ladder", "magnet", "napkin", "pencil", "silver", "tunnel", "valley",
-        "wizard", "zipper", "blanket", "compass", "diamond", "falcon", "glacier")
+KEYS = (
+    "apple",
+    "river",
+    "candle",
+    "mountain",
+    "violin",
+    "pepper",
+    "window",
+    "rocket",
+    "basket",
+    "forest",
+    "hammer",
+    "island",
+    "jacket",
+    "lemon",
+    "marble",
+    "needle",
+    "orange",
+    "pillow",
+    "rabbit",
+    "saddle",
+    "tiger",
+    "turtle",
+    "wallet",
+    "yogurt",
+    "anchor",
+    "bottle",
+    "castle",
+    "dragon",
+    "engine",
+    "feather",
+    "guitar",
+    "helmet",
+    "kettle",
+    "ladder",
+    "magnet",
+    "napkin",
+    "pencil",
+    "silver",
+    "tunnel",
+    "valley",
+    "wizard",
+    "zipper",
+    "blanket",
+    "compass",
+    "diamond",
+    "falcon",
+    "glacier",
+)
 DIGITS = tuple(str(d) for d in range(10))
 
 # Template words of each task (every word any problem can contain is in one of these tuples).
-TEMPLATE_WORDS = ("story", ":", "to", "the", ".", "question", "where", "is", "?", "answer", "with", "one", "word",
-                  "document", "code", "of", "what", "reply", "digits", "rule", "examples", "->", ";", "input",
-                  "does", "give", "apply", "result", "user", "assistant", "system")
+TEMPLATE_WORDS = (
+    "story",
+    ":",
+    "to",
+    "the",
+    ".",
+    "question",
+    "where",
+    "is",
+    "?",
+    "answer",
+    "with",
+    "one",
+    "word",
+    "document",
+    "code",
+    "of",
+    "what",
+    "reply",
+    "digits",
+    "rule",
+    "examples",
+    "->",
+    ";",
+    "input",
+    "does",
+    "give",
+    "apply",
+    "result",
+    "user",
+    "assistant",
+    "system",
+)
 
 CHAT_PRE = ("<|startoftext|>", "<|start_header_id|>", "user", "<|end_header_id|>")
 CHAT_POST = ("<|eot_id|>", "<|start_header_id|>", "assistant", "<|end_header_id|>")
@@ -153,8 +259,10 @@ def _gen_locate(rng: random.Random, difficulty: float = 1.0):
     # what it always drew (same bounds, same RNG calls), so held-out sets are unchanged.
     n_people = rng.randint(4 + round(1 * difficulty), 4 + round(3 * difficulty))
     people = rng.sample(PEOPLE, n_people)
-    n_sent = rng.randint(n_people + round(3 * difficulty), max(n_people + round(3 * difficulty),
-                                                              round(n_people + (16 - n_people) * difficulty)))
+    n_sent = rng.randint(
+        n_people + round(3 * difficulty),
+        max(n_people + round(3 * difficulty), round(n_people + (16 - n_people) * difficulty)),
+    )
     where: dict[str, str] = {}
     order = people + [rng.choice(people) for _ in range(n_sent - n_people)]
     rng.shuffle(order)
@@ -168,15 +276,16 @@ def _gen_locate(rng: random.Random, difficulty: float = 1.0):
         words += ["question", ":", "where", "is", p, "?", "answer", ":", where[p], "."]
     asked = [p for p in people if p not in worked]
     rng.shuffle(asked)
-    reqs = [(("question", ":", "where", "is", p, "?"), ("answer", "with", "one", "word", "."), (where[p],))
-            for p in asked]
+    reqs = [
+        (("question", ":", "where", "is", p, "?"), ("answer", "with", "one", "word", "."), (where[p],)) for p in asked
+    ]
     return tuple(words), reqs
 
 
 def solve_locate(shared: Sequence[str], head: Sequence[str]) -> tuple[str, ...]:
     """Reference solver: the last room the asked person moved to, read from the story."""
     person = head[head.index("is") + 1]
-    story = list(shared[2:shared.index("question")])
+    story = list(shared[2 : shared.index("question")])
     last = None
     for i in range(0, len(story), 6):
         if story[i] == person:
@@ -199,8 +308,10 @@ def _gen_lookup(rng: random.Random, difficulty: float = 1.0):
         words += ["the", "code", "of", k, "is", *vals[k], "."]
     asked = list(keys)
     rng.shuffle(asked)
-    reqs = [(("question", ":", "what", "is", "the", "code", "of", k, "?"), ("reply", "with", "the", "digits", "."),
-             vals[k]) for k in asked]
+    reqs = [
+        (("question", ":", "what", "is", "the", "code", "of", k, "?"), ("reply", "with", "the", "digits", "."), vals[k])
+        for k in asked
+    ]
     return tuple(words), reqs
 
 
@@ -208,7 +319,7 @@ def solve_lookup(shared: Sequence[str], head: Sequence[str]) -> tuple[str, ...]:
     key = head[head.index("of") + 1]
     for i in range(len(shared)):
         if shared[i] == "of" and shared[i + 1] == key:
-            return tuple(shared[i + 3:i + 6])
+            return tuple(shared[i + 3 : i + 6])
     raise KeyError(key)
 
 
@@ -237,8 +348,7 @@ def _gen_rule(rng: random.Random, difficulty: float = 1.0):
         if q in seen:
             continue
         seen.add(q)
-        reqs.append((("input", ":", *map(str, q)), ("what", "does", "the", "rule", "give", "?"),
-                     tuple(map(str, f(q)))))
+        reqs.append((("input", ":", *map(str, q)), ("what", "does", "the", "rule", "give", "?"), tuple(map(str, f(q)))))
     return tuple(words), reqs
 
 
@@ -247,7 +357,7 @@ def solve_rule(shared: Sequence[str], head: Sequence[str]) -> tuple[str, ...]:
     body = list(shared[3:])
     examples = []
     for i in range(0, len(body), 8):
-        examples.append((tuple(int(d) for d in body[i:i + 3]), tuple(int(d) for d in body[i + 4:i + 7])))
+        examples.append((tuple(int(d) for d in body[i : i + 3]), tuple(int(d) for d in body[i + 4 : i + 7])))
     q = tuple(int(d) for d in head[2:5])
     answers = {OPS[n](q) for n in _consistent_ops(examples)}
     if len(answers) != 1:
@@ -261,8 +371,9 @@ _TASK_SALT = {"locate": 11, "lookup": 23, "rule": 37}
 _SPLIT_SALT = {"train": 1, "heldout": 2}
 
 
-def iter_problems(task: str, split: str, seed: int = 0, per_shared: int = 4,
-                  difficulty: float = 1.0) -> Iterator[Problem]:
+def iter_problems(
+    task: str, split: str, seed: int = 0, per_shared: int = 4, difficulty: float = 1.0
+) -> Iterator[Problem]:
     """Endless deterministic stream of problems of one task and split; `per_shared` requests per shared part.
 
     difficulty in [0, 1] shrinks the shared part (fewer facts / people / moves) for a training curriculum;
@@ -284,8 +395,9 @@ def iter_problems(task: str, split: str, seed: int = 0, per_shared: int = 4,
             yield Problem(task, shared, head, tail, answer, sid)
 
 
-def generate(task: str, split: str, n: int, seed: int = 0, per_shared: int = 4,
-             difficulty: float = 1.0) -> list[Problem]:
+def generate(
+    task: str, split: str, n: int, seed: int = 0, per_shared: int = 4, difficulty: float = 1.0
+) -> list[Problem]:
     """The first n problems of `iter_problems(task, split, seed, per_shared, difficulty)`."""
     out = []
     for p in iter_problems(task, split, seed, per_shared, difficulty):

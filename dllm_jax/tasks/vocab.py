@@ -36,8 +36,9 @@ def padded_vocab_size(multiple: int = 64) -> int:
 def build() -> Tokenizer:
     tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Split(Regex(r"->|[.,;:?]"), behavior="isolated")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"->|[.,;:?]"), behavior="isolated")]
+    )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
     tok.add_special_tokens(list(LLADA_SPECIALS) + [UNK])
     return tok
@@ -49,8 +50,14 @@ def write(out_dir: str | Path, chat_template: str | None = None) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build().save(str(out / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-           "unk_token": UNK, "mask_token": MASK}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "unk_token": UNK,
+        "mask_token": MASK,
+    }
     if chat_template:
         cfg["chat_template"] = chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))

@@ -5,5 +5,16 @@ from dllm_jax.transformer.kv_cache import CacheWrite, KVCache
 from dllm_jax.transformer.modeling import ForwardOutput, forward
 from dllm_jax.transformer.params import init_params, param_shapes, stack_layers, unstack_layers
 
-__all__ = ["XLA", "CacheWrite", "ForwardOutput", "KVCache", "KernelChoice", "Kernels", "forward", "init_params",
-           "param_shapes", "stack_layers", "unstack_layers"]
+__all__ = [
+    "XLA",
+    "CacheWrite",
+    "ForwardOutput",
+    "KVCache",
+    "KernelChoice",
+    "Kernels",
+    "forward",
+    "init_params",
+    "param_shapes",
+    "stack_layers",
+    "unstack_layers",
+]

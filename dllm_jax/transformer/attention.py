@@ -28,8 +28,15 @@ BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas")
 SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel ...
 PALLAS_MAX_ROWS = 256  # ... when batch x kv heads is at most this
 
-__all__ = ["AttentionState", "attend", "attend_reference", "grouped_scores", "grouped_values", "merge_states",
-           "softmax_state"]
+__all__ = [
+    "AttentionState",
+    "attend",
+    "attend_reference",
+    "grouped_scores",
+    "grouped_values",
+    "merge_states",
+    "softmax_state",
+]
 
 
 def grouped_scores(q: Array, k: Array) -> Array:
@@ -38,8 +45,9 @@ def grouped_scores(q: Array, k: Array) -> Array:
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32,
-                        precision=matmul_precision(q.dtype))
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32, precision=matmul_precision(q.dtype)
+    )
     return scores * (1.0 / d**0.5)
 
 
@@ -47,8 +55,13 @@ def grouped_values(p: Array, v: Array) -> Array:
     """p [B, Hkv, G, T, S] (probabilities or unnormalised weights), v [B, S, Hkv, D] -> fp32 [B, T, Hq, D]; p is
     cast to v's dtype first (what the flash kernels do)."""
     b, hkv, g, t, _ = p.shape
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                     precision=matmul_precision(v.dtype))
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd",
+        p.astype(v.dtype),
+        v,
+        preferred_element_type=jnp.float32,
+        precision=matmul_precision(v.dtype),
+    )
     return out.reshape(b, t, hkv * g, v.shape[-1])
 
 
@@ -108,12 +121,14 @@ def _attend_pallas(q: Array, k: Array, v: Array, key_mask: Array | None, interpr
     order = jnp.argsort(~key_mask, axis=1, stable=True).astype(jnp.int32)
     table = order + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
     kv_lens = key_mask.sum(axis=1).astype(jnp.int32)
-    return sa.slot_attention(q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, q_lens, kv_lens,
-                             interpret=interpret)
+    return sa.slot_attention(
+        q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, q_lens, kv_lens, interpret=interpret
+    )
 
 
-def attend(q: Array, k: Array, v: Array, key_mask: Array | None, backend: str = "xla",
-           interpret: bool = False) -> Array:
+def attend(
+    q: Array, k: Array, v: Array, key_mask: Array | None, backend: str = "xla", interpret: bool = False
+) -> Array:
     """Attention of q over k/v with the named backend (see the module docstring); interpret runs the Pallas kernel
     interpreted (the CPU)."""
     if backend == "cudnn_pallas":  # shapes are static: the choice is made once per traced forward

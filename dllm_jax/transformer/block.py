@@ -92,8 +92,9 @@ def embed(params: Params, tokens: Array) -> Array:
 
 def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32,
-                      precision=matmul_precision(config.jnp_dtype)).astype(h.dtype)
+    return jnp.einsum(
+        "...d,dv->...v", h, w, preferred_element_type=jnp.float32, precision=matmul_precision(config.jnp_dtype)
+    ).astype(h.dtype)
 
 
 def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits_at: Array | None) -> Array:
@@ -103,8 +104,16 @@ def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits
     return lm_head(params, config, x)
 
 
-def layer_finish(params: Params, config: ModelConfig, block: Block, layer_params: Params, i: Any, x: Array,
-                 attn: Array, kernels: Kernels) -> Array:
+def layer_finish(
+    params: Params,
+    config: ModelConfig,
+    block: Block,
+    layer_params: Params,
+    i: Any,
+    x: Array,
+    attn: Array,
+    kernels: Kernels,
+) -> Array:
     """Layer i's output from its input x [B, n, d] and attention output attn [B, n, Hq, D]: the residual o_proj,
     then the residual FFN (bf16, or FP8 past layer 1)."""
     if not config.fp8_ffn:

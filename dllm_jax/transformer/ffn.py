@@ -61,12 +61,20 @@ def ffn_plan(m: int, f2: int, d: int, gate_up: tuple | None = None) -> FfnPlan:
     cfg_gu, fused = gate_up or gate_up_plan(m, f2, d)
     down = F.default_config(m, d, f2 // 2)
     mp = F.padded_rows(m, cfg_gu, down)
-    return FfnPlan(cfg_gu, fused, down, QuantizeBlocks.for_rmsnorm(d, m),
-                   None if fused else QuantizeBlocks.for_swiglu(mp))
+    return FfnPlan(
+        cfg_gu, fused, down, QuantizeBlocks.for_rmsnorm(d, m), None if fused else QuantizeBlocks.for_swiglu(mp)
+    )
 
 
-def fp8_ffn_pallas(x: Array, norm_scale: Array, eps: float, mlp_fp8: dict, interpret: bool = False,
-                   residual: Array | None = None, gate_up: tuple | None = None) -> Array:
+def fp8_ffn_pallas(
+    x: Array,
+    norm_scale: Array,
+    eps: float,
+    mlp_fp8: dict,
+    interpret: bool = False,
+    residual: Array | None = None,
+    gate_up: tuple | None = None,
+) -> Array:
     """The FFN half of a layer on the GPU kernels: s + down(swiglu(gate_up(rmsnorm(s)))), s = x (+ residual),
     x and residual [M, d].
 
@@ -88,24 +96,41 @@ def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret,
     if residual is None:
         xq, xs_t = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, blocks=plan.norm_blocks, interpret=interpret)
     else:
-        xq, xs_t, x = rmsnorm_quantize(x, norm_scale, eps=eps, m_pad=mp, residual=residual, blocks=plan.norm_blocks,
-                                       interpret=interpret)
+        xq, xs_t, x = rmsnorm_quantize(
+            x, norm_scale, eps=eps, m_pad=mp, residual=residual, blocks=plan.norm_blocks, interpret=interpret
+        )
     ws_gu = _kernel_scales(mlp_fp8, "s_gu", plan.gate_up)
     if plan.fused:
         aq, as_t = F.fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, interpret=interpret)
     else:
-        gu = F.fp8_matmul_padded(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, out_dtype=jnp.bfloat16,
-                                 interpret=interpret)
+        gu = F.fp8_matmul_padded(
+            xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, out_dtype=jnp.bfloat16, interpret=interpret
+        )
         aq, as_t = swiglu_quantize_t(gu, live_rows=m, blocks=plan.swiglu_blocks, interpret=interpret)
-    y = F.fp8_matmul_padded(aq, as_t, mlp_fp8["w_down"], _kernel_scales(mlp_fp8, "s_down", plan.down), cfg=plan.down,
-                            out_dtype=x.dtype, interpret=interpret)
+    y = F.fp8_matmul_padded(
+        aq,
+        as_t,
+        mlp_fp8["w_down"],
+        _kernel_scales(mlp_fp8, "s_down", plan.down),
+        cfg=plan.down,
+        out_dtype=x.dtype,
+        interpret=interpret,
+    )
     if y.ndim == 3:  # split-K partials: summed and added to the residual stream in one kernel
         return splitk_residual_add(y, x, interpret=interpret)
     return x + y[:m].astype(x.dtype)
 
 
-def fp8_ffn_residual(params: dict, config: ModelConfig, layer_params: dict, layer_index: Any, x: Array,
-                     attn_out: Array | None = None, backend: str = "xla", interpret: bool = False) -> Array:
+def fp8_ffn_residual(
+    params: dict,
+    config: ModelConfig,
+    layer_params: dict,
+    layer_index: Any,
+    x: Array,
+    attn_out: Array | None = None,
+    backend: str = "xla",
+    interpret: bool = False,
+) -> Array:
     """s + FFN(ffn_norm(s)) of one layer [B, n, d], s = x + attn_out (when given): bf16 SwiGLU for layer 0, FP8 for
     the rest.
 
@@ -123,8 +148,14 @@ def fp8_ffn_residual(params: dict, config: ModelConfig, layer_params: dict, laye
         if backend == "pallas":
             b, n, d = x.shape
             scale = layer_params["ffn_norm"]["scale"]
-            return fp8_ffn_pallas(x.reshape(b * n, d), scale, config.rms_eps, layer_params["mlp_fp8"], interpret,
-                                  residual=None if o is None else o.reshape(b * n, d)).reshape(b, n, d)
+            return fp8_ffn_pallas(
+                x.reshape(b * n, d),
+                scale,
+                config.rms_eps,
+                layer_params["mlp_fp8"],
+                interpret,
+                residual=None if o is None else o.reshape(b * n, d),
+            ).reshape(b, n, d)
         s = x if o is None else x + o
         h = norm.apply({"params": layer_params["ffn_norm"]}, s)
         return s + F.fp8_ffn(h, layer_params["mlp_fp8"], backend=backend, out_dtype=h.dtype)

@@ -46,8 +46,9 @@ class KernelChoice:
         """Refuse, before any device work, a backend this machine cannot run."""
         platform = platform or jax.default_backend()
         if self.attention in ("cudnn", "cudnn_pallas") and platform != "gpu":
-            raise ValueError(f"attention={self.attention!r} needs a GPU (this machine runs {platform}); use 'auto' "
-                             "or 'xla'")
+            raise ValueError(
+                f"attention={self.attention!r} needs a GPU (this machine runs {platform}); use 'auto' or 'xla'"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,13 @@ class Kernels:
             attention = "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded else "xla"
         unrolled = is_unrolled(params["layers"])
         if choice.rope_write == "pallas" and not unrolled:
-            raise ValueError("rope_write='pallas' needs per-layer params: load with layer_layout='unrolled' or "
-                             "convert with dllm_jax.transformer.params.unstack_layers")
+            raise ValueError(
+                "rope_write='pallas' needs per-layer params: load with layer_layout='unrolled' or "
+                "convert with dllm_jax.transformer.params.unstack_layers"
+            )
         rope_write = choice.rope_write == "pallas" or (
-            choice.rope_write == "auto" and gpu and config.dtype == "bfloat16" and unrolled)
+            choice.rope_write == "auto" and gpu and config.dtype == "bfloat16" and unrolled
+        )
         return cls(attention, rope_write, "pallas" if gpu else "xla", not gpu)
 
 

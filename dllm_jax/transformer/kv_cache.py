@@ -37,8 +37,10 @@ class KVCache:
     def zeros(cls, config: ModelConfig, batch: int, length: int, per_layer: bool = False) -> "KVCache":
         shape = (batch, length, config.n_kv_heads, config.head_dim)
         if per_layer:
+
             def make():
                 return tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers))
+
             return cls(make(), make())
         shape = (config.n_layers, *shape)
         return cls(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
@@ -66,7 +68,7 @@ class KVCache:
 
     def with_layer(self, i: int, k_buf: Array, v_buf: Array) -> "KVCache":
         """Per-layer buffers with layer i's replaced (a kernel that wrote them in place)."""
-        return KVCache(self.k[:i] + (k_buf,) + self.k[i + 1:], self.v[:i] + (v_buf,) + self.v[i + 1:])
+        return KVCache(self.k[:i] + (k_buf,) + self.k[i + 1 :], self.v[:i] + (v_buf,) + self.v[i + 1 :])
 
     def keys(self, i) -> Array:
         return self.k[i]
@@ -92,6 +94,9 @@ class CacheWrite:
         return cls(None, slots, mask)
 
 
+WRITE_AT_ZERO = CacheWrite()  # the default: the window's K/V written from position 0
+
+
 def written_window(buf: Array, offset: Array | int, n: int) -> Array:
     """What a contiguous window of n tokens holds in one layer's buffer [B, S, ...] (the old K/V a masked write
     keeps)."""
@@ -109,12 +114,12 @@ def write_layer(buf: Buffers, i, window: Array, write: CacheWrite) -> Buffers:
             window = jnp.where(write.mask[:, :, None, None], window, written_window(layer, offset, window.shape[1]))
         if per_layer:
             new = jax.lax.dynamic_update_slice(layer, window.astype(layer.dtype), (0, offset, 0, 0))
-            return buf[:i] + (new,) + buf[i + 1:]
+            return buf[:i] + (new,) + buf[i + 1 :]
         return jax.lax.dynamic_update_slice(buf, window[None].astype(buf.dtype), (i, 0, offset, 0, 0))
     # a gathered window: masked entries are sent past the buffer's end, which the scatter drops, so a slot may
     # appear twice in a window as long as at most one of its entries writes
     rows = jnp.arange(window.shape[0])[:, None]
     slots = write.slots if write.mask is None else jnp.where(write.mask, write.slots, layer.shape[1])
     if per_layer:
-        return buf[:i] + (layer.at[rows, slots].set(window.astype(layer.dtype), mode="drop"),) + buf[i + 1:]
+        return buf[:i] + (layer.at[rows, slots].set(window.astype(layer.dtype), mode="drop"),) + buf[i + 1 :]
     return buf.at[i, rows, slots].set(window.astype(buf.dtype), mode="drop")

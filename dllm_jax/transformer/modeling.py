@@ -18,7 +18,7 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.transformer.attention import attend
 from dllm_jax.transformer.block import Block, block_for, embed, final_hidden_to_logits, layer_finish
 from dllm_jax.transformer.kernels import XLA, Kernels
-from dllm_jax.transformer.kv_cache import CacheWrite, KVCache
+from dllm_jax.transformer.kv_cache import WRITE_AT_ZERO, CacheWrite, KVCache
 from dllm_jax.transformer.layers import rope_cos_sin
 from dllm_jax.transformer.params import Params, is_unrolled, select_layers
 from dllm_jax.transformer.rope_write import ROPE_WRITE_MAX_TOKENS, rope_write
@@ -51,10 +51,22 @@ def layer_loop(fn, carry, layers, layer_ids: range):
     return carry, stacked
 
 
-def forward(params: Params, config: ModelConfig, inputs: Array, positions: Array, *, key_mask: Array | None = None,
-            cache: Any = None, write: CacheWrite = CacheWrite(), logits_at: Array | None = None,
-            layers: tuple[int, int] | None = None, output_hidden: bool = False, return_kv: bool = False,
-            probe: ProbeFn | None = None, kernels: Kernels = XLA) -> ForwardOutput:
+def forward(
+    params: Params,
+    config: ModelConfig,
+    inputs: Array,
+    positions: Array,
+    *,
+    key_mask: Array | None = None,
+    cache: Any = None,
+    write: CacheWrite = WRITE_AT_ZERO,
+    logits_at: Array | None = None,
+    layers: tuple[int, int] | None = None,
+    output_hidden: bool = False,
+    return_kv: bool = False,
+    probe: ProbeFn | None = None,
+    kernels: Kernels = XLA,
+) -> ForwardOutput:
     """Run the model on a window.
 
     inputs: token ids [B, n] int, or the hidden state [B, n, d] entering the first layer of `layers`.
@@ -96,6 +108,7 @@ def forward(params: Params, config: ModelConfig, inputs: Array, positions: Array
         return layer_finish(params, config, block, lp, i, x, attn, kernels)
 
     if cache is None:
+
         def layer(x, inputs):
             lp, i = inputs
             q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)
@@ -106,19 +119,27 @@ def forward(params: Params, config: ModelConfig, inputs: Array, positions: Array
         return output(x, kv=kv)
 
     if isinstance(cache, KVCache) and cache.per_layer and not is_unrolled(params["layers"]):
-        raise ValueError("a per-layer KVCache needs per-layer (unrolled) params: the scanned loop indexes the cache "
-                         "with a traced layer index; use KVCache.for_params(params, ...)")
+        raise ValueError(
+            "a per-layer KVCache needs per-layer (unrolled) params: the scanned loop indexes the cache "
+            "with a traced layer index; use KVCache.for_params(params, ...)"
+        )
     # one kernel for the projection's reduction, RoPE and the K/V write: block-step windows written contiguously
-    fused_write = (kernels.rope_write and isinstance(cache, KVCache) and cache.per_layer and write.slots is None
-                   and b * n <= ROPE_WRITE_MAX_TOKENS)
+    fused_write = (
+        kernels.rope_write
+        and isinstance(cache, KVCache)
+        and cache.per_layer
+        and write.slots is None
+        and b * n <= ROPE_WRITE_MAX_TOKENS
+    )
 
     def layer_cached(carry, inputs):
         x, cache, probed = carry
         lp, i = inputs
         if fused_write:
             h = block.apply({"params": lp}, x, method=Block.qkv_in)
-            q, kb, vb = rope_write(block, config, lp, h, cos, sin, cache.k[i], cache.v[i], write.offset, write.mask,
-                                   kernels.interpret)
+            q, kb, vb = rope_write(
+                block, config, lp, h, cos, sin, cache.k[i], cache.v[i], write.offset, write.mask, kernels.interpret
+            )
             cache = cache.with_layer(i, kb, vb)
         else:
             q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)

@@ -53,17 +53,26 @@ def _layer_shapes(config: ModelConfig) -> Params:
         return {"kernel": (fan_in, width), **({"bias": (width,)} if bias else {})}
 
     b = config.qkv_bias
-    return {"attn_norm": {"scale": (d,)}, "q_proj": proj(d, wq, b), "k_proj": proj(d, wk, b),
-            "v_proj": proj(d, wv, b), "o_proj": proj(wq, d), "ffn_norm": {"scale": (d,)},
-            "mlp": {"gate_proj": proj(d, f), "up_proj": proj(d, f), "down_proj": proj(f, d)}}
+    return {
+        "attn_norm": {"scale": (d,)},
+        "q_proj": proj(d, wq, b),
+        "k_proj": proj(d, wk, b),
+        "v_proj": proj(d, wv, b),
+        "o_proj": proj(wq, d),
+        "ffn_norm": {"scale": (d,)},
+        "mlp": {"gate_proj": proj(d, f), "up_proj": proj(d, f), "down_proj": proj(f, d)},
+    }
 
 
 def param_shapes(config: ModelConfig) -> Params:
     """The stacked param tree's shapes (jax.ShapeDtypeStruct leaves) without allocating anything."""
     sd, dt, L = jax.ShapeDtypeStruct, config.jnp_dtype, config.n_layers
     layers = jax.tree.map(lambda s: sd((L, *s), dt), _layer_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
-    shapes = {"embed": sd((config.vocab_size, config.d_model), dt), "layers": layers,
-              "final_norm": {"scale": sd((config.d_model,), dt)}}
+    shapes = {
+        "embed": sd((config.vocab_size, config.d_model), dt),
+        "layers": layers,
+        "final_norm": {"scale": sd((config.d_model,), dt)},
+    }
     if not config.tie_embeddings:
         shapes["lm_head"] = sd((config.d_model, config.vocab_size), dt)
     return fp8_param_shapes(shapes, config) if config.fp8_ffn else shapes
@@ -189,7 +198,7 @@ def _concat_last(parts: list[Any]) -> Any:
     col = 0
     while parts:
         part = parts.pop(0)
-        out[..., col:col + part.shape[-1]] = part
+        out[..., col : col + part.shape[-1]] = part
         col += part.shape[-1]
         del part
     return out
@@ -198,8 +207,9 @@ def _concat_last(parts: list[Any]) -> Any:
 def _fuse_group(tree: Params, fused_name: str, names: tuple[str, ...], consume: bool) -> Params:
     out = {k: v for k, v in tree.items() if k not in names}
     modules = [tree.pop(n) if consume else tree[n] for n in names]
-    out[fused_name] = {leaf: _concat_last([m.pop(leaf) if consume else m[leaf] for m in modules])
-                       for leaf in list(modules[0])}
+    out[fused_name] = {
+        leaf: _concat_last([m.pop(leaf) if consume else m[leaf] for m in modules]) for leaf in list(modules[0])
+    }
     return out
 
 
@@ -235,14 +245,20 @@ def split_projections(layers: Params, config: ModelConfig) -> Params:
 # --------------------------------------------------------------------------------------------- FP8 FFN
 def check_fp8_shapes(config: ModelConfig) -> None:
     if config.d_model % GROUP or config.mlp_hidden % GROUP:
-        raise ConfigError(f"fp8_ffn needs d_model and mlp_hidden to be multiples of {GROUP}, got "
-                          f"d_model={config.d_model}, mlp_hidden={config.mlp_hidden}")
+        raise ConfigError(
+            f"fp8_ffn needs d_model and mlp_hidden to be multiples of {GROUP}, got "
+            f"d_model={config.d_model}, mlp_hidden={config.mlp_hidden}"
+        )
 
 
 def quantize_layer_mlp(mlp: dict) -> dict:
     """One layer's bf16 SwiGLU params ([in, out] kernels) -> the e4m3 dict of pallas_kernels.fp8_matmul."""
-    return F.quantize_ffn_weights(jnp.asarray(mlp["gate_proj"]["kernel"]), jnp.asarray(mlp["up_proj"]["kernel"]),
-                                  jnp.asarray(mlp["down_proj"]["kernel"]), layout="in_out")
+    return F.quantize_ffn_weights(
+        jnp.asarray(mlp["gate_proj"]["kernel"]),
+        jnp.asarray(mlp["up_proj"]["kernel"]),
+        jnp.asarray(mlp["down_proj"]["kernel"]),
+        layout="in_out",
+    )
 
 
 def quantize_stacked_mlp(mlp: dict) -> tuple[dict, dict]:
@@ -250,7 +266,7 @@ def quantize_stacked_mlp(mlp: dict) -> tuple[dict, dict]:
     (a jitted per-layer quantiser): peak memory is one layer's worth of temporaries."""
     n_layers = np.shape(mlp["gate_proj"]["kernel"])[0]
     q1 = jax.jit(quantize_layer_mlp)
-    parts = [jax.tree.map(np.asarray, q1(jax.tree.map(lambda a: a[i], mlp))) for i in range(n_layers)]
+    parts = [jax.tree.map(np.asarray, q1(jax.tree.map(lambda a, i=i: a[i], mlp))) for i in range(n_layers)]
     stacked = {k: np.stack([p[k] for p in parts]) for k in parts[0]}
     first = jax.tree.map(lambda a: np.asarray(a[0]), mlp)
     return stacked, first
@@ -287,8 +303,12 @@ def fp8_param_shapes(shapes: Params, config: ModelConfig) -> Params:
     layers = dict(shapes["layers"])
     mlp = layers.pop("mlp")
     e4m3, f32 = jnp.float8_e4m3fn, jnp.float32
-    layers["mlp_fp8"] = {"w_gu": sd((L, 2 * f, d), e4m3), "s_gu": sd((L, 2 * f // GROUP, d // GROUP), f32),
-                         "w_down": sd((L, d, f), e4m3), "s_down": sd((L, d // GROUP, f // GROUP), f32)}
+    layers["mlp_fp8"] = {
+        "w_gu": sd((L, 2 * f, d), e4m3),
+        "s_gu": sd((L, 2 * f // GROUP, d // GROUP), f32),
+        "w_down": sd((L, d, f), e4m3),
+        "s_down": sd((L, d // GROUP, f // GROUP), f32),
+    }
     return {**shapes, "layers": layers, "mlp_first": jax.tree.map(lambda s: sd(s.shape[1:], s.dtype), mlp)}
 
 

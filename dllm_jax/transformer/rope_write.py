@@ -25,9 +25,19 @@ ROPE_WRITE_MAX_TOKENS = 64
 QKV_SPLITS = 2
 
 
-def rope_write(block: Block, config: ModelConfig, layer_params: dict, h: Array, cos: Array, sin: Array,
-               k_buf: Array, v_buf: Array, offset: Array | int, write_mask: Array | None, interpret: bool
-               ) -> tuple[Array, Array, Array]:
+def rope_write(
+    block: Block,
+    config: ModelConfig,
+    layer_params: dict,
+    h: Array,
+    cos: Array,
+    sin: Array,
+    k_buf: Array,
+    v_buf: Array,
+    offset: Array | int,
+    write_mask: Array | None,
+    interpret: bool,
+) -> tuple[Array, Array, Array]:
     """The q/k/v projection of the normalised input h [B, n, d], RoPE of q and k and the window's K/V written into
     one layer's buffers [B, S, Hkv, D] at `offset` (in place under jit): (q [B, n, Hq, D], k_buf, v_buf)."""
     c = config
@@ -38,5 +48,17 @@ def rope_write(block: Block, config: ModelConfig, layer_params: dict, h: Array, 
         extra = dict(bias=proj.get("bias"), out_dtype=h.dtype)
     else:
         qkv, extra = block.apply({"params": layer_params}, h, method=Block.qkv_projection), {}
-    return rope_kv_write(qkv, cos, sin, k_buf, v_buf, jnp.asarray(offset, jnp.int32), write_mask, q_heads=c.n_heads,
-                         kv_heads=c.n_kv_heads, rope_fp32=c.rope_fp32, interpret=interpret, **extra)
+    return rope_kv_write(
+        qkv,
+        cos,
+        sin,
+        k_buf,
+        v_buf,
+        jnp.asarray(offset, jnp.int32),
+        write_mask,
+        q_heads=c.n_heads,
+        kv_heads=c.n_kv_heads,
+        rope_fp32=c.rope_fp32,
+        interpret=interpret,
+        **extra,
+    )

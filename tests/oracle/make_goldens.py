@@ -23,9 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fixtures  # noqa: E402
 
 LLADA_TO_LLAMA = {
-    "attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj", "ff_norm": "post_attention_layernorm",
-    "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "ff_out": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_norm": "post_attention_layernorm",
+    "ff_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
 }
 
 
@@ -48,11 +54,22 @@ def llada_state_dict(t: dict) -> dict:
 def oracle(name: str) -> tuple[np.ndarray, np.ndarray]:
     spec = fixtures.SPECS[name]
     tensors = {k: torch.from_numpy(v.astype(np.float32)) for k, v in fixtures.hf_tensors(spec).items()}
-    common = dict(vocab_size=spec["vocab"], hidden_size=spec["d"], intermediate_size=spec["mlp"],
-                  num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                  num_key_value_heads=spec["kv"], head_dim=spec["d"] // spec["heads"], rms_norm_eps=spec["eps"],
-                  rope_theta=spec["theta"], max_position_embeddings=256, tie_word_embeddings=spec["tied"],
-                  hidden_act="silu", attn_implementation="eager", torch_dtype=torch.float32)
+    common = dict(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["d"],
+        intermediate_size=spec["mlp"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv"],
+        head_dim=spec["d"] // spec["heads"],
+        rms_norm_eps=spec["eps"],
+        rope_theta=spec["theta"],
+        max_position_embeddings=256,
+        tie_word_embeddings=spec["tied"],
+        hidden_act="silu",
+        attn_implementation="eager",
+        torch_dtype=torch.float32,
+    )
     if spec["family"] == "llada":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=False, mlp_bias=False, **common))
         sd = llada_state_dict(tensors)
@@ -79,8 +96,9 @@ def main() -> None:
     for name in fixtures.SPECS:
         ids, logits = oracle(name)
         digest = fixtures.tensors_digest(fixtures.hf_tensors(fixtures.SPECS[name]))
-        np.savez_compressed(out_dir / f"{name}.npz", ids=ids, logits=logits, digest=np.array(digest),
-                            torch=np.array(torch.__version__))
+        np.savez_compressed(
+            out_dir / f"{name}.npz", ids=ids, logits=logits, digest=np.array(digest), torch=np.array(torch.__version__)
+        )
         print(f"{name}: logits {logits.shape}, |logits| mean {np.abs(logits).mean():.3f}, digest {digest[:12]}")
 
 

@@ -21,5 +21,15 @@ def strategy_for(mode: str, affix: str = "none", depth: int | None = None) -> Ca
     return STRATEGIES[mode]
 
 
-__all__ = ["STRATEGIES", "AnchoredRefresh", "CacheStrategy", "DecodeInputs", "DualCache", "FirstLayerCache",
-           "NoCache", "PrefixCache", "ShallowReuse", "strategy_for"]
+__all__ = [
+    "STRATEGIES",
+    "AnchoredRefresh",
+    "CacheStrategy",
+    "DecodeInputs",
+    "DualCache",
+    "FirstLayerCache",
+    "NoCache",
+    "PrefixCache",
+    "ShallowReuse",
+    "strategy_for",
+]

@@ -68,8 +68,9 @@ class AnchoredState:
     block_index: Array | int = 0
 
 
-def anchor_inputs(spans: Sequence[tuple[int, int] | None], pads: np.ndarray, prompt_len: int, total_len: int,
-                  ratio: float) -> AnchorInputs:
+def anchor_inputs(
+    spans: Sequence[tuple[int, int] | None], pads: np.ndarray, prompt_len: int, total_len: int, ratio: float
+) -> AnchorInputs:
     """Host-side layout of the affix cache for a batch laid out as [left pad][prompt][generation].
 
     spans: per row the affix [start, end) in prompt coordinates (None: no affix); pads: per row left padding.
@@ -84,7 +85,7 @@ def anchor_inputs(spans: Sequence[tuple[int, int] | None], pads: np.ndarray, pro
     for i, span in enumerate(spans):
         if span is not None:
             s, e = span
-            affix[i, pads[i] + s: pads[i] + e] = True
+            affix[i, pads[i] + s : pads[i] + e] = True
         own = [j for j in range(int(pads[i]), prompt_len) if not affix[i, j] or j == prompt_len - 1]
         prompt_parts.append(own)
         writes.append([not affix[i, j] for j in own])
@@ -93,11 +94,16 @@ def anchor_inputs(spans: Sequence[tuple[int, int] | None], pads: np.ndarray, pro
     gen = list(range(prompt_len, total_len))
     # fillers go first and repeat slot P (the first generation position, present in every row) unwritten
     request = np.array([[prompt_len] * (width - len(p)) + p + gen for p in prompt_parts], np.int32)
-    request_writes = np.array([[False] * (width - len(p)) + w + [True] * len(gen)
-                               for p, w in zip(prompt_parts, writes)], bool)
-    return AnchorInputs(affix=jnp.asarray(affix), request=jnp.asarray(request),
-                        request_writes=jnp.asarray(request_writes),
-                        anchor_counts=jnp.asarray(np.array(counts, np.int32)), max_anchors=max(counts))
+    request_writes = np.array(
+        [[False] * (width - len(p)) + w + [True] * len(gen) for p, w in zip(prompt_parts, writes)], bool
+    )
+    return AnchorInputs(
+        affix=jnp.asarray(affix),
+        request=jnp.asarray(request),
+        request_writes=jnp.asarray(request_writes),
+        anchor_counts=jnp.asarray(np.array(counts, np.int32)),
+        max_anchors=max(counts),
+    )
 
 
 def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array) -> KVCache:
@@ -107,9 +113,17 @@ def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array)
     forward over the affix by itself; other slots are left zero (the decoding forwards write them)."""
     cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
     # a masked forward: XLA's attention (cuDNN's masked path is not validated)
-    out = forward(params, config, x, inp.positions, key_mask=affix & inp.key_mask, cache=cache,
-                  write=CacheWrite.at(0, affix), logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
-                  kernels=dataclasses.replace(inp.kernels, attention="xla"))
+    out = forward(
+        params,
+        config,
+        x,
+        inp.positions,
+        key_mask=affix & inp.key_mask,
+        cache=cache,
+        write=CacheWrite.at(0, affix),
+        logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
+        kernels=dataclasses.replace(inp.kernels, attention="xla"),
+    )
     return out.cache
 
 
@@ -139,8 +153,7 @@ def build_shared_affix(params, config, tokens: Sequence[int]) -> SharedAffix:
     if ids.min() < 0 or ids.max() >= config.vocab_size:
         raise ValueError(f"the shared affix has token ids outside [0, {config.vocab_size})")
     if len(ids) > config.max_seq_len:
-        raise ValueError(f"the shared affix has {len(ids)} tokens, more than the model's maximum "
-                         f"{config.max_seq_len}")
+        raise ValueError(f"the shared affix has {len(ids)} tokens, more than the model's maximum {config.max_seq_len}")
     x = jnp.asarray(ids, jnp.int32)[None]
     out = _affix_forward(params, config, x, jnp.arange(len(ids), dtype=jnp.int32)[None])
     k, v = out.kv
@@ -152,8 +165,17 @@ def _affix_forward(params, config, x, positions):
     return forward(params, config, x, positions, logits_at=jnp.zeros((1, 1), jnp.int32), return_kv=True, kernels=XLA)
 
 
-def place_shared_affix(params, config, shared_k: Array, shared_v: Array, starts: Array, rope_offsets: Array,
-                       has_affix: Array, batch: int, length: int) -> KVCache:
+def place_shared_affix(
+    params,
+    config,
+    shared_k: Array,
+    shared_v: Array,
+    starts: Array,
+    rope_offsets: Array,
+    has_affix: Array,
+    batch: int,
+    length: int,
+) -> KVCache:
     """A cache [B, T] (the params' layout) holding the shared affix's K/V at slots starts[r] + 0..A-1 of every
     row with has_affix, K rotated by rope_offsets[r]; everything else zero (the decoding forwards write it)."""
     n_layers, a = shared_k.shape[:2]
@@ -191,23 +213,33 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     return probe
 
 
-def _forward_window(params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array,
-                    logits_at: Array, probe=None):
-    return forward(params, config, gather_rows(x, window), gather_rows(inp.positions, window),
-                   key_mask=inp.attn_mask, cache=kv, write=CacheWrite.scatter(window, writes), logits_at=logits_at,
-                   probe=probe, kernels=inp.kernels)
+def _forward_window(
+    params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array, logits_at: Array, probe=None
+):
+    return forward(
+        params,
+        config,
+        gather_rows(x, window),
+        gather_rows(inp.positions, window),
+        key_mask=inp.attn_mask,
+        cache=kv,
+        write=CacheWrite.scatter(window, writes),
+        logits_at=logits_at,
+        probe=probe,
+        kernels=inp.kernels,
+    )
 
 
-def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KVCache | None = None
-            ) -> AnchoredState:
+def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KVCache | None = None) -> AnchoredState:
     """Shared affix K/V (`kv`: already placed, e.g. by `place_shared_affix`; None: computed here from each row's
     affix alone), the probe forward (one NFE) and the anchor choice: the state decoding starts from."""
     if kv is None:
         kv = affix_alone_cache(params, config, inp, x, a.affix)
     req_tokens = gather_rows(x, a.request)
     probe = affix_importance_probe(a.affix & inp.key_mask, (req_tokens == config.mask_token_id) & a.request_writes)
-    out = _forward_window(params, config, inp, kv, x, a.request, a.request_writes,
-                          jnp.zeros((x.shape[0], 1), jnp.int32), probe)
+    out = _forward_window(
+        params, config, inp, kv, x, a.request, a.request_writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe
+    )
     importance = jnp.where(a.affix, out.probe, 0.0)
     b = x.shape[0]
     if a.max_anchors == 0:
@@ -222,8 +254,14 @@ def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KV
         anchors = jnp.where(anchor_writes, anchors, inp.prompt_len).astype(jnp.int32)
     window = jnp.concatenate([anchors, a.request], axis=1)
     gen_index = window.shape[1] - (x.shape[1] - inp.prompt_len)  # the generation region ends every row's window
-    return AnchoredState(kv=out.cache, window=window, writes=jnp.concatenate([anchor_writes, a.request_writes], axis=1),
-                         importance=importance, block_col=inp.prompt_len, block_index=gen_index)
+    return AnchoredState(
+        kv=out.cache,
+        window=window,
+        writes=jnp.concatenate([anchor_writes, a.request_writes], axis=1),
+        importance=importance,
+        block_col=inp.prompt_len,
+        block_index=gen_index,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

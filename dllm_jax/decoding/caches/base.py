@@ -67,11 +67,13 @@ class CacheStrategy(Protocol):
 
     def init(self, params: dict, config: ModelConfig, inp: DecodeInputs, x: Array) -> Any: ...
 
-    def block_start(self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array,
-                    block_start: Array) -> tuple[Array, Any]: ...
+    def block_start(
+        self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array, block_start: Array
+    ) -> tuple[Array, Any]: ...
 
-    def step(self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array,
-             block_start: Array) -> tuple[Array, Any]: ...
+    def step(
+        self, params: dict, config: ModelConfig, inp: DecodeInputs, state: Any, x: Array, block_start: Array
+    ) -> tuple[Array, Any]: ...
 
 
 def gather_rows(a: Array, idx: Array) -> Array:
@@ -97,8 +99,17 @@ class BlockStartOnly:
 def full_refresh(params, config, inp: DecodeInputs, cache: KVCache, x, block_start):
     """A full forward that rewrites every non-frozen slot of the cache: the block-start NFE of every cache mode."""
     at = block_logit_index(inp, block_start, 0, x.shape[0])
-    out = forward(params, config, x, inp.positions, key_mask=inp.attn_mask, cache=cache,
-                  write=CacheWrite.at(0, inp.keep_mask(inp.frozen)), logits_at=at, kernels=inp.kernels)
+    out = forward(
+        params,
+        config,
+        x,
+        inp.positions,
+        key_mask=inp.attn_mask,
+        cache=cache,
+        write=CacheWrite.at(0, inp.keep_mask(inp.frozen)),
+        logits_at=at,
+        kernels=inp.kernels,
+    )
     return out.logits, out.cache
 
 

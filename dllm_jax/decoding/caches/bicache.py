@@ -39,10 +39,44 @@ Array = jax.Array
 
 # (family, n_layers) -> {r: depth}, arXiv 2606.07571 at similarity threshold 0.97
 DEPTH_TABLES: dict[tuple[str, int], dict[int, int]] = {
-    ("llada", 32): {0: 1, 5: 2, 10: 3, 13: 5, 15: 7, 20: 8, 21: 9, 30: 10, 49: 11, 54: 13, 66: 14, 68: 15, 73: 16,
-                    87: 17, 93: 18, 95: 19, 97: 20, 98: 22, 99: 32},
-    ("dream", 28): {0: 1, 9: 2, 10: 4, 19: 5, 32: 6, 47: 7, 56: 8, 63: 9, 76: 12, 85: 13, 86: 14, 92: 16, 94: 17,
-                    95: 18, 96: 28},
+    ("llada", 32): {
+        0: 1,
+        5: 2,
+        10: 3,
+        13: 5,
+        15: 7,
+        20: 8,
+        21: 9,
+        30: 10,
+        49: 11,
+        54: 13,
+        66: 14,
+        68: 15,
+        73: 16,
+        87: 17,
+        93: 18,
+        95: 19,
+        97: 20,
+        98: 22,
+        99: 32,
+    },
+    ("dream", 28): {
+        0: 1,
+        9: 2,
+        10: 4,
+        19: 5,
+        32: 6,
+        47: 7,
+        56: 8,
+        63: 9,
+        76: 12,
+        85: 13,
+        86: 14,
+        92: 16,
+        94: 17,
+        95: 18,
+        96: 28,
+    },
 }
 
 
@@ -63,8 +97,9 @@ def kv_similarity(params, config, x: Array, positions: Array, key_mask: Array, a
     return (jnp.sum(per_token * w, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1)).T
 
 
-def depth_table_from_profile(ratios: Sequence[int], similarity: np.ndarray, threshold: float = 0.97,
-                             strict: bool = False) -> dict[int, int]:
+def depth_table_from_profile(
+    ratios: Sequence[int], similarity: np.ndarray, threshold: float = 0.97, strict: bool = False
+) -> dict[int, int]:
     """The paper's table from profiled rows: per ratio bucket r (percent of the sequence that is affix), the mean
     similarity per layer; b(r) = how many LEADING layers exceed `threshold`; only ratios where b grows are kept
     (a monotone staircase). The smallest profiled ratio's depth is keyed 0: it also serves shorter affixes (depth
@@ -93,19 +128,29 @@ def depth_from_table(table: dict[int, int], prefix_len: int, prompt_len: int, ge
     return table[max(k for k in table if k <= r)]
 
 
-def batch_depth(config, spans: Sequence[tuple[int, int] | None], prompt_lens: Sequence[int], gen_length: int,
-                depth: int | None, table: dict[int, int] | None = None) -> int:
+def batch_depth(
+    config,
+    spans: Sequence[tuple[int, int] | None],
+    prompt_lens: Sequence[int],
+    gen_length: int,
+    depth: int | None,
+    table: dict[int, int] | None = None,
+) -> int:
     """The depth a batch runs at: `depth` if given, else the shallowest depth of its rows with an affix by
     `table` (`Shallow.table`, e.g. from bench/profile_bicache.py) or the published one."""
     if depth is not None:
         return depth
     table = table or DEPTH_TABLES.get((config.family, config.n_layers))
     if table is None:
-        raise ValueError(f"no published BiCache depth table for a {config.n_layers}-layer {config.family} model "
-                         f"(tables: {sorted(DEPTH_TABLES)}); set Shallow(depth=0..{config.n_layers}) or "
-                         "Shallow(table=...) (bench/profile_bicache.py measures one)")
-    depths = [depth_from_table(table, e - s, n, gen_length) for (s, e), n in
-              ((span, n) for span, n in zip(spans, prompt_lens) if span is not None)]
+        raise ValueError(
+            f"no published BiCache depth table for a {config.n_layers}-layer {config.family} model "
+            f"(tables: {sorted(DEPTH_TABLES)}); set Shallow(depth=0..{config.n_layers}) or "
+            "Shallow(table=...) (bench/profile_bicache.py measures one)"
+        )
+    depths = [
+        depth_from_table(table, e - s, n, gen_length)
+        for (s, e), n in ((span, n) for span, n in zip(spans, prompt_lens) if span is not None)
+    ]
     return min(depths) if depths else 0
 
 
@@ -157,19 +202,30 @@ class ShallowState:
     block_index: Array | int = 0
 
 
-def prefix_alone_state(params, config, inp: DecodeInputs, x: Array, prefix: Array, window: Array, writes: Array,
-                       depth: int) -> ShallowState:
+def prefix_alone_state(
+    params, config, inp: DecodeInputs, x: Array, prefix: Array, window: Array, writes: Array, depth: int
+) -> ShallowState:
     """Each row's prefix computed alone (keys restricted to it) through layers < depth: their K/V, and the
     hidden state entering layer `depth` at the prefix positions."""
     cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
-    out = forward(params, config, x, inp.positions, key_mask=prefix & inp.key_mask, cache=cache,
-                  write=CacheWrite.at(0, prefix), layers=(0, depth), output_hidden=True,
-                  kernels=dataclasses.replace(inp.kernels, attention="xla"))
+    out = forward(
+        params,
+        config,
+        x,
+        inp.positions,
+        key_mask=prefix & inp.key_mask,
+        cache=cache,
+        write=CacheWrite.at(0, prefix),
+        layers=(0, depth),
+        output_hidden=True,
+        kernels=dataclasses.replace(inp.kernels, attention="xla"),
+    )
     return ShallowState(out.cache, jnp.where(prefix[:, :, None], out.hidden, 0), window, writes)
 
 
-def shared_prefix_state(kv: KVCache, hidden_at_depth: Array, starts: Array, has_prefix: Array, window: Array,
-                        writes: Array) -> ShallowState:
+def shared_prefix_state(
+    kv: KVCache, hidden_at_depth: Array, starts: Array, has_prefix: Array, window: Array, writes: Array
+) -> ShallowState:
     """The same state from a SharedPrefix (built once): its K/V already placed at each row's prefix slots
     (`acache.place_shared_affix`; a prefix starts at RoPE position 0, so K is copied unrotated) and the hidden state
     entering layer `depth` [A, d], placed likewise."""
@@ -178,7 +234,8 @@ def shared_prefix_state(kv: KVCache, hidden_at_depth: Array, starts: Array, has_
     slots = jnp.where(has_prefix[:, None], starts[:, None] + jnp.arange(a)[None], length)  # past the end: dropped
     hidden = jnp.zeros((batch, length, hidden_at_depth.shape[-1]), hidden_at_depth.dtype)
     hidden = hidden.at[jnp.arange(batch)[:, None], slots].set(
-        jnp.broadcast_to(hidden_at_depth, (batch,) + hidden_at_depth.shape), mode="drop")
+        jnp.broadcast_to(hidden_at_depth, (batch,) + hidden_at_depth.shape), mode="drop"
+    )
     return ShallowState(kv, hidden, window, writes)
 
 
@@ -197,9 +254,18 @@ class ShallowReuse(BlockStartOnly):
     def block_start(self, params, config, inp: DecodeInputs, state: ShallowState, x, block_start):
         b = x.shape[0]
         window = state.window
-        shallow = forward(params, config, gather_rows(x, window), gather_rows(inp.positions, window),
-                          key_mask=inp.attn_mask, cache=state.kv, write=CacheWrite.scatter(window, state.writes),
-                          layers=(0, self.depth), output_hidden=True, kernels=inp.kernels)
+        shallow = forward(
+            params,
+            config,
+            gather_rows(x, window),
+            gather_rows(inp.positions, window),
+            key_mask=inp.attn_mask,
+            cache=state.kv,
+            write=CacheWrite.scatter(window, state.writes),
+            layers=(0, self.depth),
+            output_hidden=True,
+            kernels=inp.kernels,
+        )
         # the window's hidden states replace the buffer's where it wrote, and at P - 1 even when that is affix:
         # Dream predicts the first generated token there, so its query runs in context in every layer (as with
         # the naive reuse); filler entries are dropped
@@ -211,14 +277,30 @@ class ShallowReuse(BlockStartOnly):
             at = state.splice_at
         full = state.prefix_hidden.at[rows, at].set(shallow.hidden.astype(state.prefix_hidden.dtype), mode="drop")
         if state.deep is None:
-            deep = forward(params, config, full, inp.positions, key_mask=inp.attn_mask, cache=shallow.cache,
-                           layers=(self.depth, config.n_layers), logits_at=block_logit_index(inp, block_start, 0, b),
-                           kernels=inp.kernels)
+            deep = forward(
+                params,
+                config,
+                full,
+                inp.positions,
+                key_mask=inp.attn_mask,
+                cache=shallow.cache,
+                layers=(self.depth, config.n_layers),
+                logits_at=block_logit_index(inp, block_start, 0, b),
+                kernels=inp.kernels,
+            )
         else:
             first = jnp.reshape(state.block_index + (block_start - state.block_col), (-1, 1))
             logits_at = jnp.maximum(first + jnp.arange(inp.block_length) - inp.shift, 0)
-            deep = forward(params, config, full, gather_rows(inp.positions, state.deep), key_mask=inp.attn_mask,
-                           cache=shallow.cache, write=CacheWrite.scatter(state.deep, state.deep_writes),
-                           layers=(self.depth, config.n_layers), logits_at=logits_at, kernels=inp.kernels)
+            deep = forward(
+                params,
+                config,
+                full,
+                gather_rows(inp.positions, state.deep),
+                key_mask=inp.attn_mask,
+                cache=shallow.cache,
+                write=CacheWrite.scatter(state.deep, state.deep_writes),
+                layers=(self.depth, config.n_layers),
+                logits_at=logits_at,
+                kernels=inp.kernels,
+            )
         return deep.logits, dataclasses.replace(state, kv=deep.cache)
-

@@ -24,6 +24,15 @@ class DualCache(RefreshAtBlockStart):
         positions = jax.lax.dynamic_slice_in_dim(inp.positions, block_start, bl, axis=1)
         frozen = jax.lax.dynamic_slice_in_dim(inp.frozen, block_start, bl, axis=1)
         at = block_logit_index(inp, block_start, block_start, x.shape[0])
-        out = forward(params, config, window, positions, key_mask=inp.attn_mask, cache=state,
-                      write=CacheWrite.at(block_start, inp.keep_mask(frozen)), logits_at=at, kernels=inp.kernels)
+        out = forward(
+            params,
+            config,
+            window,
+            positions,
+            key_mask=inp.attn_mask,
+            cache=state,
+            write=CacheWrite.at(block_start, inp.keep_mask(frozen)),
+            logits_at=at,
+            kernels=inp.kernels,
+        )
         return out.logits, out.cache

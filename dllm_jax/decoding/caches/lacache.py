@@ -24,8 +24,7 @@ import jax.numpy as jnp
 
 from dllm_jax.decoding.caches.base import DecodeInputs, block_logit_index
 from dllm_jax.transformer import forward
-from dllm_jax.transformer.attention import (AttentionState, attend_reference, finish_state, merge_states,
-                                            softmax_state)
+from dllm_jax.transformer.attention import AttentionState, attend_reference, finish_state, merge_states, softmax_state
 from dllm_jax.transformer.block import Block, block_for, embed, layer_finish
 from dllm_jax.transformer.layers import rope_cos_sin
 from dllm_jax.transformer.params import is_unrolled
@@ -59,8 +58,11 @@ class FirstLayerCache:
         b, t = x.shape
         hq, hkv, d = config.n_heads, config.n_kv_heads, config.head_dim
         z = lambda *s: jnp.zeros(s, config.jnp_dtype)  # noqa: E731
-        outside = AttentionState(jnp.zeros((b, hq, t), jnp.float32), jnp.zeros((b, hq, t), jnp.float32),
-                                 jnp.zeros((b, t, hq, d), jnp.float32))
+        outside = AttentionState(
+            jnp.zeros((b, hq, t), jnp.float32),
+            jnp.zeros((b, hq, t), jnp.float32),
+            jnp.zeros((b, t, hq, d), jnp.float32),
+        )
         return FirstLayerMemo(z(b, t, config.d_model), z(b, t, hq, d), z(b, t, hkv, d), z(b, t, hkv, d), outside)
 
     def block_start(self, params, config, inp: DecodeInputs, state, x, block_start):
@@ -71,8 +73,9 @@ class FirstLayerCache:
         q, k, v = block.apply({"params": _first_layer(params)}, e, cos, sin, method=Block.qkv)
         idx = jnp.arange(x.shape[1])
         outside = inp.key_mask & ((idx < block_start) | (idx >= block_start + inp.block_length))[None]
-        return self.step(params, config, inp, FirstLayerMemo(e, q, k, v, softmax_state(q, k, v, outside)), x,
-                         block_start)
+        return self.step(
+            params, config, inp, FirstLayerMemo(e, q, k, v, softmax_state(q, k, v, outside)), x, block_start
+        )
 
     def step(self, params, config, inp: DecodeInputs, state: FirstLayerMemo, x, block_start):
         bl = inp.block_length
@@ -87,17 +90,29 @@ class FirstLayerCache:
         def put(buf, window):
             return jax.lax.dynamic_update_slice_in_dim(buf, window.astype(buf.dtype), block_start, axis=1)
 
-        memo = dataclasses.replace(state, embedded=put(state.embedded, e_blk), q=put(state.q, q_blk),
-                                   k=put(state.k, k_blk), v=put(state.v, v_blk))
+        memo = dataclasses.replace(
+            state,
+            embedded=put(state.embedded, e_blk),
+            q=put(state.q, q_blk),
+            k=put(state.k, k_blk),
+            v=put(state.v, v_blk),
+        )
         blk_mask = jax.lax.dynamic_slice_in_dim(inp.key_mask, block_start, bl, axis=1)
         # every row: its cached state over the outside keys merged with the block's keys ...
-        attn = finish_state(merge_states(memo.outside, softmax_state(memo.q, k_blk, v_blk, blk_mask)),
-                            config.jnp_dtype)
+        attn = finish_state(merge_states(memo.outside, softmax_state(memo.q, k_blk, v_blk, blk_mask)), config.jnp_dtype)
         # ... but the block's own rows attend over everything (their queries changed)
         own = attend_reference(q_blk, memo.k, memo.v, inp.key_mask)
         attn = put(attn, own)
         h = layer_finish(params, config, block, first, 0, memo.embedded, attn, inp.kernels)
         at = block_logit_index(inp, block_start, 0, x.shape[0])
-        out = forward(params, config, h, inp.positions, key_mask=inp.attn_mask, layers=(1, config.n_layers),
-                      logits_at=at, kernels=inp.kernels)
+        out = forward(
+            params,
+            config,
+            h,
+            inp.positions,
+            key_mask=inp.attn_mask,
+            layers=(1, config.n_layers),
+            logits_at=at,
+            kernels=inp.kernels,
+        )
         return out.logits, memo

@@ -25,6 +25,15 @@ class PrefixCache(RefreshAtBlockStart):
         window = x[:, p:]
         write = (jnp.arange(p, x.shape[1]) >= block_start)[None, :] & ~inp.frozen[:, p:]
         at = block_logit_index(inp, block_start, p, x.shape[0])
-        out = forward(params, config, window, inp.positions[:, p:], key_mask=inp.attn_mask, cache=state,
-                      write=CacheWrite.at(p, write), logits_at=at, kernels=inp.kernels)
+        out = forward(
+            params,
+            config,
+            window,
+            inp.positions[:, p:],
+            key_mask=inp.attn_mask,
+            cache=state,
+            write=CacheWrite.at(p, write),
+            logits_at=at,
+            kernels=inp.kernels,
+        )
         return out.logits, out.cache

@@ -41,9 +41,21 @@ class FamilySampler:
     def resolve(self, family: str) -> Sampler:
         if (self.family or family) == "llada":
             return LLADA_REMASKING[self.remasking](temperature=self.temperature)
-        return DREAM_ALGS[self.alg](temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                    alg_temp=self.alg_temp, eps=self.eps)
+        return DREAM_ALGS[self.alg](
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, alg_temp=self.alg_temp, eps=self.eps
+        )
 
 
-__all__ = ["DREAM_ALGS", "Entropy", "FamilySampler", "Factor", "LowConfidence", "MaskGitPlus", "Origin",
-           "RandomRemasking", "Sampler", "Threshold", "TopKMargin"]
+__all__ = [
+    "DREAM_ALGS",
+    "Entropy",
+    "FamilySampler",
+    "Factor",
+    "LowConfidence",
+    "MaskGitPlus",
+    "Origin",
+    "RandomRemasking",
+    "Sampler",
+    "Threshold",
+    "TopKMargin",
+]

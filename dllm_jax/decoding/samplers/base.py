@@ -24,8 +24,9 @@ class Sampler(Protocol):
         with -inf where not masked)."""
         ...
 
-    def commit(self, logits: Array, masked: Array, key: Array, step: Array, masked_at_start: Array,
-               steps_per_block: int) -> tuple[Array, Array]:
+    def commit(
+        self, logits: Array, masked: Array, key: Array, step: Array, masked_at_start: Array, steps_per_block: int
+    ) -> tuple[Array, Array]:
         """(x0 [B, L], commit [B, L] bool: the positions to fill with x0 now). step: the step inside the block;
         masked_at_start [B]: the block's mask count at its first step; steps_per_block: the fixed schedule's."""
         ...

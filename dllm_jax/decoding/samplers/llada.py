@@ -50,8 +50,7 @@ class LowConfidence:
 
     def commit(self, logits, masked, key, step, masked_at_start, steps_per_block):
         x0, conf = self.propose(logits, masked, jax.random.split(key)[0])
-        k = jax.lax.dynamic_index_in_dim(llada_schedule(masked_at_start, steps_per_block), step, axis=1,
-                                         keepdims=False)
+        k = jax.lax.dynamic_index_in_dim(llada_schedule(masked_at_start, steps_per_block), step, axis=1, keepdims=False)
         return x0, commit_top_k(conf, masked, k)
 
     def fixed_step_count(self, block_length: int, steps_per_block: int) -> bool:
