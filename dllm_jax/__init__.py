@@ -22,6 +22,7 @@ from dllm_jax.decoding.samplers import (
     Threshold,
     TopKMargin,
 )
+from dllm_jax.engine import Engine, EngineConfig
 from dllm_jax.io.checkpoint import CheckpointError
 from dllm_jax.io.loading import DEFAULT_MODEL_DIR, Model, load
 from dllm_jax.transformer import ForwardOutput, KernelChoice, KVCache, forward, init_params
@@ -32,6 +33,8 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DEFAULT_MODEL_DIR",
+    "Engine",
+    "EngineConfig",
     "Entropy",
     "Factor",
     "ForwardOutput",

@@ -1,1 +1,10 @@
-"""Serving engine: host-side bookkeeping of the paged KV pool and of shared affixes (block_manager, affix_index)."""
+"""Serving engine: many requests over one paged KV pool with continuous batching and shared affixes stored once.
+
+One idea per module: request (a request's state), block_manager (pages, refcounts, hashes), affix_index (finding
+shared spans), kv_pool (the device pool and its page tables), scheduler (admission), runner (device inputs and the
+jitted calls), engine (the loop)."""
+
+from dllm_jax.engine.engine import AffixHandle, Engine, EngineConfig, QueueFull, RequestError
+from dllm_jax.engine.request import BlockOutput
+
+__all__ = ["AffixHandle", "BlockOutput", "Engine", "EngineConfig", "QueueFull", "RequestError"]
