@@ -433,6 +433,7 @@ class Engine:
             pages_shared=bm.num_shared_pages,
             pages_cached=bm.num_cached_pages,
             kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
+            peak_kv_bytes=self.counters["peak_pages"] * bm.page_size * kv_bytes_per_token(self.model.config),
             programs=self.runner.compiles,
             block_host_seconds=self.runner.host_seconds,
             block_device_seconds=self.runner.device_seconds,
