@@ -23,7 +23,7 @@ from openai import OpenAI
 import dllm_jax
 from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.cli import DEMO_PROMPT
-from dllm_jax.decoding.caches import acache
+from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.io.loading import generation_defaults
 from dllm_jax.server import EngineService, ServeSettings, create_app
@@ -83,11 +83,11 @@ def server(model):
     s.close()
 
 
-def solo(model, prompt_ids, config, affix_tokens=None):
+def solo(model, prompt_ids, config, affix_tokens=None, build=acache.build_shared_affix):
     shared = None
     spans = None
     if affix_tokens is not None:
-        shared = acache.build_shared_affix(model.params, model.config, affix_tokens)
+        shared = build(model.params, model.config, affix_tokens)
         at = next(i for i in range(len(prompt_ids)) if prompt_ids[i : i + len(affix_tokens)] == affix_tokens)
         spans = [(at, at + len(affix_tokens))]
     out = generate(model, [prompt_ids], config, shared_affix=shared, affix_spans=spans)
@@ -141,6 +141,14 @@ def test_stop_strings_and_shared_affix_fields(server, model):
     )
     assert exact.choices[0].text == full
     assert server.metric("dllm_jax_affix_builds_total") >= 1
+    # BiCache: the document's stored K/V serve the 2 shallowest layers; the answer equals generate's with it
+    bi = dict(affix_technique="shallow", shallow_depth=2, affix={"text": DOC})
+    shallow = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, extra_body=bi).choices[0].text
+    ref = GenerationConfig.from_options(
+        gen_length=8, block_length=8, steps=8, cache="dual", affix="shallow", shallow_depth=2
+    )
+    ids, doc = model.tokenizer.encode(prompt), model.tokenizer.encode(DOC)
+    assert shallow == solo(model, ids, ref, doc, bicache.build_shared_prefix)
 
 
 def _post(server, path, body, **kw):
@@ -160,6 +168,8 @@ def _post(server, path, body, **kw):
         ({"model": "gpt-5", "prompt": "x"}, 400, "model", "model_not_found"),
         ({"model": NAME, "prompt": "x " * 1100}, 400, None, "context_length_exceeded"),
         ({"model": NAME, "prompt": "the code", "affix": {"text": "rabbit"}}, 400, "affix.text", None),
+        ({"model": NAME, "prompt": "x", "affix_technique": "shallow"}, 400, "shallow_depth", None),  # no table
+        ({"model": NAME, "prompt": "x", "affix_technique": "shallow", "shallow_depth": 99}, 400, "shallow_depth", None),
     ],
 )
 def test_bad_requests(server, body, status, param, code):

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 
+from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.engine.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
@@ -52,6 +53,7 @@ class ServeSettings:
     temperature: float = 0.0
     affix_technique: str = "none"
     anchor_ratio: float = 0.2
+    shallow_depth: int | None = None
 
 
 class Answer:
@@ -152,7 +154,7 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
             )
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
-        config, max_tokens = _config(req, settings, defaults)
+        config, max_tokens = _config(req, settings, defaults, service.engine.model.config)
         affix = _affix(req, prompt, model.tokenizer)
         try:
             rid, stream = await service.submit(prompt, config, affix, req.seed or 0)
@@ -222,7 +224,7 @@ async def _json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _config(req: Diffusion, s: ServeSettings, defaults: dict) -> tuple[GenerationConfig, int]:
+def _config(req: Diffusion, s: ServeSettings, defaults: dict, model_config) -> tuple[GenerationConfig, int]:
     """The engine settings of a request: its fields over the server's defaults over the model's."""
     max_tokens = req.max_tokens or defaults.get("gen_length", s.max_tokens)
     block = min(req.block_length or defaults.get("block_length", s.block_length), max_tokens)
@@ -235,6 +237,18 @@ def _config(req: Diffusion, s: ServeSettings, defaults: dict) -> tuple[Generatio
     )
     steps = req.steps or max(n_blocks, round(gen_length * per_token / n_blocks) * n_blocks)
     technique = req.affix_technique or s.affix_technique
+    depth = s.shallow_depth if req.shallow_depth is None else req.shallow_depth
+    if depth is not None and depth > model_config.n_layers:
+        raise APIError(
+            400, f"shallow_depth={depth} exceeds the model's {model_config.n_layers} layers", "shallow_depth"
+        )
+    if technique == "shallow" and depth is None and (model_config.family, model_config.n_layers) not in DEPTH_TABLES:
+        raise APIError(
+            400,
+            f"affix_technique 'shallow' needs shallow_depth on this {model_config.n_layers}-layer model (BiCache's "
+            "published depth tables cover LLaDA-8B and Dream-7B)",
+            param="shallow_depth",
+        )
     try:
         config = GenerationConfig.from_options(
             gen_length=gen_length,
@@ -244,11 +258,13 @@ def _config(req: Diffusion, s: ServeSettings, defaults: dict) -> tuple[Generatio
             cache="dual",
             affix=technique,
             anchor_ratio=s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio,
+            **({"shallow_depth": depth} if technique == "shallow" else {}),
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=req.top_p,
         )
     except ValueError as e:
-        param = next((f for f in ("steps", "block_length", "threshold", "temperature") if f in str(e)), None)
+        fields = ("steps", "block_length", "threshold", "temperature", "shallow_depth")
+        param = next((f for f in fields if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
     return config, max_tokens
 

@@ -4,8 +4,11 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   steps            denoising steps over the whole answer (default: the model's steps per token, else one per token)
   block_length     semi-autoregressive block (default: the model's generation_config.json, else 32)
   threshold        Fast-dLLM parallel decoding: commit every token at least this confident (then steps is ignored)
-  affix_technique  "none" (exact: the dual cache), "naive" or "anchors" (ACache): how a shared affix is reused
+  affix_technique  "none" (exact: the dual cache), "naive", "anchors" (ACache) or "shallow" (BiCache): how a
+                   shared affix is reused
   anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact)
+  shallow_depth    BiCache's depth: the affix's stored K/V serve the layers below it (0 = exact); default: the
+                   published table for LLaDA-8B / Dream-7B shapes (other models must set it)
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
                    repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
                    {"message": i} (chat: the content of message i) or {"start": s, "end": e} (token positions)
@@ -76,8 +79,9 @@ class Diffusion(BaseModel):
     steps: int | None = Field(None, ge=1)
     block_length: int | None = Field(None, ge=1)
     threshold: float | None = Field(None, gt=0, le=1)
-    affix_technique: Literal["none", "naive", "anchors"] | None = None
+    affix_technique: Literal["none", "naive", "anchors", "shallow"] | None = None
     anchor_ratio: float | None = Field(None, ge=0, le=1)
+    shallow_depth: int | None = Field(None, ge=0)
     affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan = "auto"
 
     @field_validator("stop")
