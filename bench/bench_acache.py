@@ -36,8 +36,7 @@ from tools import common  # noqa: E402
 from dllm_jax.decoding.caches import acache, affix, bicache, strategy_for  # noqa: E402
 from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
 from dllm_jax.decoding.generate import generate  # noqa: E402
-from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
-from dllm_jax.transformer.params import unstack_layers  # noqa: E402
+from dllm_jax.io.loading import Model  # noqa: E402
 
 GEN, BLOCK, STEPS = 256, 32, 64
 FUSED = 4
@@ -144,16 +143,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--affix-len", type=int, default=1024)
     ap.add_argument("--request-len", type=int, default=64)
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
-    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
-    ap.add_argument("--out", default=str(common.RESULTS))
+    common.output_args(ap, budget_s=420.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    cfg = common.MODELS[args.model]
-    params = common.random_params(cfg)
-    if resolve_layer_layout("auto") == "unrolled":
-        params = unstack_layers(params)
-    model = Model(cfg, params)
+    model = common.random_model(args.model)
+    cfg = model.config
     rng = np.random.default_rng(0)
     affix_ids = rng.integers(0, min(100_000, cfg.vocab_size - 3), args.affix_len).tolist()
     builds = {"anchors": acache.build_shared_affix, "shallow": bicache.build_shared_prefix}

@@ -194,8 +194,7 @@ def main(argv=None):
     ap.add_argument("--outer", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fa3", action="store_true", help="also time jax's FA3 Mosaic GPU kernel (GPU only)")
-    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
-    ap.add_argument("--out", default=str(common.RESULTS / "attention_h200.json"))
+    common.output_args(ap, common.RESULTS / "attention_h200.json")
     args = ap.parse_args(argv)
     t_start = time.time()
     shapes = ATTENTION_BENCH_SHAPES

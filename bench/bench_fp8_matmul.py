@@ -153,8 +153,7 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--models", default="llada,dream", help="comma-separated: " + ",".join(SHAPES))
     ap.add_argument("--shapes", default=None, help="comma-separated NxK filter, e.g. 24576x4096,4096x12288")
-    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
-    ap.add_argument("--out", default=str(common.RESULTS / "fp8_matmul_h200.json"))
+    common.output_args(ap, common.RESULTS / "fp8_matmul_h200.json")
     a = ap.parse_args(argv)
     wanted = None if a.shapes is None else {tuple(map(int, sh.split("x"))) for sh in a.shapes.split(",")}
     plan = [

@@ -204,9 +204,7 @@ def main() -> None:
         default="auto",
         help="stacked: scanned [L, ...] weights; unrolled: per-layer arrays (auto: the GPU's default)",
     )
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
-    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
-    ap.add_argument("--out", default=str(common.RESULTS))
+    common.output_args(ap, budget_s=420.0)
     args = ap.parse_args()
     if args.compare_bf16 and not args.fp8_ffn:
         ap.error("--compare-bf16 needs --fp8-ffn")

@@ -44,8 +44,6 @@ from dllm_jax.decoding.generate import generate  # noqa: E402
 from dllm_jax.engine.engine import Engine, EngineConfig  # noqa: E402
 from dllm_jax.engine.kv_pool import kv_bytes_per_token  # noqa: E402
 from dllm_jax.engine.runner import backend_compiles  # noqa: E402
-from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
-from dllm_jax.transformer.params import unstack_layers  # noqa: E402
 
 GIB = 1 << 30
 
@@ -329,16 +327,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-len", type=int, default=32)
     ap.add_argument("--steps-per-block", type=int, default=8)
     ap.add_argument("--kv-budget-gib", type=float, default=16.0)
-    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting new rows after this long")
-    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
-    ap.add_argument("--out", default=str(common.RESULTS))
+    common.output_args(ap, budget_s=540.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    cfg = common.MODELS[args.model]
-    params = common.random_params(cfg)
-    if resolve_layer_layout("auto") == "unrolled":
-        params = unstack_layers(params)
-    model = Model(cfg, params)
+    model = common.random_model(args.model)
+    cfg = model.config
     args.max_len = args.affix_len + args.question_len + args.output_len
     rng = np.random.default_rng(0)
     hi = min(100_000, cfg.vocab_size - 3)

@@ -92,8 +92,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--mlp", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--run", default=common.default_run(), help="label of this run's rows in the results file")
-    ap.add_argument("--out", default=str(common.RESULTS / "convert_memory.json"))
+    common.output_args(ap, common.RESULTS / "convert_memory.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "hf", Path(tmp) / "converted"

@@ -598,27 +598,9 @@ def main(argv=None) -> int:
     (out / "generation_config.json").write_text(
         json.dumps({"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2)
     )
-    meta = {
-        k: getattr(args, k)
-        for k in (
-            "tiny",
-            "family",
-            "batch",
-            "lr",
-            "warmup",
-            "full_frac",
-            "eps",
-            "pool",
-            "seed",
-            "attention",
-            "d_model",
-            "layers",
-            "levels",
-            "curriculum_frac",
-            "init",
-            "task_weights",
-        )
-    }
+    # the flags the command line below repeats as they are
+    flags = "family batch lr warmup full_frac eps pool seed d_model layers levels curriculum_frac".split()
+    meta = {k: getattr(args, k) for k in ("tiny", *flags, "attention", "init", "task_weights")}
     meta.update(hold_frac=args.hold_frac, hold_until=args.hold_until, hold_steps=hold_end)
     meta.update(
         steps=s,
@@ -627,23 +609,7 @@ def main(argv=None) -> int:
         loss_history=hist,
         gen_length=GEN_LENGTH,
         command=f"python bench/train_demo.py --out {args.out} --steps {s}"
-        + "".join(
-            f" --{k.replace('_', '-')} {getattr(args, k)}"
-            for k in (
-                "family",
-                "batch",
-                "lr",
-                "warmup",
-                "full_frac",
-                "eps",
-                "pool",
-                "seed",
-                "d_model",
-                "layers",
-                "levels",
-                "curriculum_frac",
-            )
-        )
+        + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in flags)
         + (f" --task-weights {args.task_weights}" if args.task_weights else "")
         + (f" --hold-steps {hold_end}" if hold_end else "")
         + (f" --init {args.init}" if args.init else "")

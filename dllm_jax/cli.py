@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dllm_jax.io.loading import Model
 
 # A held-out problem of the bundled demo model's "rule" task (in-context function learning: here 9 - digit).
 DEMO_PROMPT = (
@@ -28,34 +33,26 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _checked(kind: type, bad: Callable[[Any], bool], want: str) -> Callable[[str], Any]:
+    """An argparse type: the text as `kind`, refused (as "must be `want`") where `bad` holds."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if bad(value):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+        return value
+
+    return parse
 
 
-def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+# `bad` rather than `ok` so that NaN goes where it always went (refused as a probability, taken as >= 0)
+positive_int = _checked(int, lambda v: v <= 0, "a positive integer")
+probability = _checked(float, lambda v: not 0.0 < v <= 1.0, "in (0, 1]")
+non_negative = _checked(float, lambda v: v < 0, ">= 0")
 
 
 def model_generation_defaults(path: Path | None) -> dict:
@@ -94,20 +91,33 @@ def generation_config(args: argparse.Namespace, defaults: dict):
     )
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    import dllm_jax
-    from dllm_jax import KernelChoice, answer_tokens, generate
+def check_attention(args: argparse.Namespace) -> None:
+    from dllm_jax import KernelChoice
 
     try:
         KernelChoice(attention=args.attention).check_device()
     except ValueError as e:
         raise UsageError(f"argument --attention: {e}") from None
+
+
+def load_model(args: argparse.Namespace) -> Model:
+    """--model (the bundled model if none) with its tokenizer; a bad directory is one line (all of it with --debug)."""
+    import dllm_jax
+
     try:
         model = dllm_jax.load(args.model, dtype=args.dtype, progress=True)
     except (dllm_jax.CheckpointError, dllm_jax.ConfigError, FileNotFoundError) as e:
         raise UsageError(str(e).splitlines()[0] if not args.debug else str(e)) from e
     if model.tokenizer is None:
         raise UsageError(f"{model.path} has no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
+    return model
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from dllm_jax import answer_tokens, generate
+
+    check_attention(args)
+    model = load_model(args)
     notice = model.path / "NOTICE.txt" if model.path else None
     if args.verbose and notice is not None and notice.is_file():
         print(f"note: {notice.read_text().strip()}", file=sys.stderr)
@@ -134,16 +144,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import dllm_jax
-    from dllm_jax import KernelChoice
     from dllm_jax.engine.engine import EngineConfig
     from dllm_jax.server.app import ServeSettings
     from dllm_jax.server.run import serve
 
-    try:
-        KernelChoice(attention=args.attention).check_device()
-    except ValueError as e:
-        raise UsageError(f"argument --attention: {e}") from None
+    check_attention(args)
     try:
         engine_config = EngineConfig(
             max_batch=args.max_batch,
@@ -154,12 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    try:
-        model = dllm_jax.load(args.model, dtype=args.dtype, progress=True)
-    except (dllm_jax.CheckpointError, dllm_jax.ConfigError, FileNotFoundError) as e:
-        raise UsageError(str(e).splitlines()[0] if not args.debug else str(e)) from e
-    if model.tokenizer is None:
-        raise UsageError(f"{model.path} has no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
+    model = load_model(args)
     name = args.model_name or (model.path.name if args.model else "dllm-jax-demo")
     settings = ServeSettings(
         model_name=name,

@@ -194,3 +194,27 @@ def write_tokenizer(family: str, out_dir: str | Path) -> None:
     from dllm_jax.io import byte_tokenizer
 
     byte_tokenizer.write(out_dir, family)
+
+
+def fp8_config(**overrides):
+    """The tiny ModelConfig of the FP8 tests (d_model and mlp_hidden: multiples of the FP8 kernels' 128 tiles)."""
+    from dllm_jax.config import ModelConfig  # imported here, as above: the checkpoint fixtures need no jax
+
+    kw = dict(family="llada", vocab_size=300, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32)
+    kw |= dict(mlp_hidden=256, rms_eps=1e-5, rope_theta=1e4, rope_fp32=True, qkv_bias=False, tie_embeddings=False)
+    kw |= dict(max_seq_len=128, mask_token_id=299, eos_token_id=298, pad_token_id=298)
+    return ModelConfig(**kw | overrides)
+
+
+def decode_inputs(model, gc, prompts, spans=None):
+    """generate's token buffer and fixed inputs for these prompts, on XLA's kernels: what a cache strategy takes."""
+    import jax.numpy as jnp
+
+    from dllm_jax.decoding.caches.base import DecodeInputs
+    from dllm_jax.decoding.generate import layout
+    from dllm_jax.transformer import XLA
+
+    x, positions, key_mask, frozen, p = layout(prompts, model.config, gc, spans)
+    shift = 1 if model.config.family == "dream" else 0
+    masks = jnp.asarray(positions), jnp.asarray(key_mask), jnp.asarray(frozen)
+    return jnp.asarray(x), DecodeInputs(*masks, p, gc.schedule.block_length, shift, XLA)

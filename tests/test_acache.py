@@ -1,16 +1,16 @@
 """ACache (decoding/caches/acache.py): layout, probe, anchor choice, and its identities with the naive reuse and the
 plain cache, on tiny fp32 checkpoints of both families (ragged batches, every affix placement)."""
 
+import fixtures
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dllm_jax.decoding.caches import acache
-from dllm_jax.decoding.caches.base import DecodeInputs
 from dllm_jax.decoding.config import GenerationConfig
-from dllm_jax.decoding.generate import generate, layout
+from dllm_jax.decoding.generate import generate
 from dllm_jax.io.loading import Model
-from dllm_jax.transformer import XLA, CacheWrite, KVCache, forward
+from dllm_jax.transformer import CacheWrite, KVCache, forward
 from dllm_jax.transformer.params import unstack_layers
 
 opts = GenerationConfig.from_options
@@ -79,18 +79,8 @@ def prepared(model, prompts, spans, ratio, gen_length=8):
     gc = opts(
         gen_length=gen_length, block_length=4, steps=gen_length, cache="dual", affix="anchors", anchor_ratio=ratio
     )
-    x, positions, key_mask, _, p = layout(prompts, model.config, gc)
-    inp = DecodeInputs(
-        positions=jnp.asarray(positions),
-        key_mask=jnp.asarray(key_mask),
-        frozen=jnp.zeros(x.shape, bool),
-        prompt_len=p,
-        block_length=4,
-        shift=1 if model.config.family == "dream" else 0,
-        kernels=XLA,
-    )
-    a = acache.anchor_inputs(spans, (~key_mask).sum(1), p, x.shape[1], ratio)
-    x = jnp.asarray(x)
+    x, inp = fixtures.decode_inputs(model, gc, prompts)
+    a = acache.anchor_inputs(spans, np.asarray(~inp.key_mask).sum(1), inp.prompt_len, x.shape[1], ratio)
     state = acache.prepare(model.params, model.config, inp, a, x)
     alone = acache.affix_alone_cache(model.params, model.config, inp, x, a.affix)
     return inp, a, x, state, alone
@@ -223,18 +213,9 @@ def test_shared_affix_placed_equals_affix_alone(name, models_fp32):
     assert len(shared) == 6 and shared.k.shape == (m.config.n_layers, 6, m.config.n_kv_heads, m.config.head_dim)
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="naive")
     spans = [(0, 6), (1, 7), (3, 9)]
-    x, positions, key_mask, frozen, p = layout(SHARED_PROMPTS, m.config, gc, spans)
-    inp = DecodeInputs(
-        positions=jnp.asarray(positions),
-        key_mask=jnp.asarray(key_mask),
-        frozen=jnp.asarray(frozen),
-        prompt_len=p,
-        block_length=4,
-        shift=0,
-        kernels=XLA,
-    )
-    alone = acache.affix_alone_cache(m.params, m.config, inp, jnp.asarray(x), jnp.asarray(frozen)).stacked()
-    pads = (~key_mask).sum(1)
+    x, inp = fixtures.decode_inputs(m, gc, SHARED_PROMPTS, spans)
+    alone = acache.affix_alone_cache(m.params, m.config, inp, x, inp.frozen).stacked()
+    frozen, pads = np.asarray(inp.frozen), np.asarray(~inp.key_mask).sum(1)
     starts = np.array([s for s, _ in spans])
     placed = acache.place_shared_affix(
         m.params,

@@ -1,15 +1,15 @@
 """BiCache (decoding/caches/bicache.py): the depth rule, a forward split at a layer, the refresh against a masked
 full-window formulation, and its identities with the plain cache (depth 0) and the naive reuse (depth L)."""
 
+import fixtures
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dllm_jax.decoding.caches import acache, bicache
-from dllm_jax.decoding.caches.base import DecodeInputs
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate, layout
-from dllm_jax.transformer import XLA, CacheWrite, KVCache, forward
+from dllm_jax.transformer import CacheWrite, KVCache, forward
 
 opts = GenerationConfig.from_options
 
@@ -66,18 +66,8 @@ def test_forward_split_at_a_layer(name, models_fp32):
 
 def setup(model, spans, depth, prompts=PROMPTS):
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow")
-    x, positions, key_mask, _, p = layout(prompts, model.config, gc)
-    inp = DecodeInputs(
-        positions=jnp.asarray(positions),
-        key_mask=jnp.asarray(key_mask),
-        frozen=jnp.zeros(x.shape, bool),
-        prompt_len=p,
-        block_length=4,
-        shift=1 if model.config.family == "dream" else 0,
-        kernels=XLA,
-    )
-    a = acache.anchor_inputs(spans, (~key_mask).sum(1), p, x.shape[1], 0.0)
-    x = jnp.asarray(x)
+    x, inp = fixtures.decode_inputs(model, gc, prompts)
+    a = acache.anchor_inputs(spans, np.asarray(~inp.key_mask).sum(1), inp.prompt_len, x.shape[1], 0.0)
     state = bicache.prefix_alone_state(model.params, model.config, inp, x, a.affix, a.request, a.request_writes, depth)
     return inp, a, x, state
 

@@ -1,5 +1,6 @@
 """The FP8 FFN model path (LaCache): e4m3 FFNs in layers >= 2, layer 1 in bf16; conversion and loading."""
 
+import fixtures
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,31 +8,13 @@ import pytest
 
 import dllm_jax
 from convert.cli import main as convert_main
-from dllm_jax.config import ConfigError, ModelConfig
+from dllm_jax.config import ConfigError
 from dllm_jax.io import checkpoint as ckpt
 from dllm_jax.transformer import KVCache, forward
 from dllm_jax.transformer import params as fp8
 from dllm_jax.transformer.params import init_params, param_shapes
 
-CFG = ModelConfig(
-    family="llada",
-    vocab_size=300,
-    d_model=128,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=32,
-    mlp_hidden=256,
-    rms_eps=1e-5,
-    rope_theta=1e4,
-    rope_fp32=True,
-    qkv_bias=False,
-    tie_embeddings=False,
-    max_seq_len=128,
-    mask_token_id=299,
-    eos_token_id=298,
-    pad_token_id=298,
-)
+CFG = fixtures.fp8_config()
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ On the CPU the Triton kernels run interpreted (and the FP8 GEMM in the Mosaic GP
 
 import dataclasses
 
+import fixtures
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.config import ModelConfig
 from dllm_jax.transformer import ffn
 from dllm_jax.transformer import params as P
 from dllm_jax.transformer.layers import RMSNorm
@@ -168,25 +168,7 @@ def test_quantizer_errors():
 
 
 # ------------------------------------------------------------------------------ the FFN on the kernels
-CFG = ModelConfig(
-    family="llada",
-    vocab_size=300,
-    d_model=128,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=32,
-    mlp_hidden=256,
-    rms_eps=1e-5,
-    rope_theta=1e4,
-    rope_fp32=True,
-    qkv_bias=False,
-    tie_embeddings=False,
-    max_seq_len=128,
-    mask_token_id=299,
-    eos_token_id=298,
-    pad_token_id=298,
-)
+CFG = fixtures.fp8_config(n_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -304,24 +286,17 @@ def test_fp8_ffn_with_the_fused_swiglu_epilogue_matches_the_xla_path(unrolled_fp
     wide = F.Fp8MatmulConfig(wg_dimension=F.Dim.N, wg_tile_n=128, epi_tile_n=32, max_concurrent_steps=2)
     assert F.swiglu_fusable(wide)
     b, n, d = x.shape
-    scale = lp["ffn_norm"]["scale"]
-    fused = ffn.fp8_ffn_pallas(
-        x.reshape(b * n, d),
-        scale,
-        c8.rms_eps,
-        lp["mlp_fp8"],
-        INTERPRET,
-        residual=o.reshape(b * n, d),
-        gate_up=(wide, True),
-    )
-    unfused = ffn.fp8_ffn_pallas(
-        x.reshape(b * n, d),
-        scale,
-        c8.rms_eps,
-        lp["mlp_fp8"],
-        INTERPRET,
-        residual=o.reshape(b * n, d),
-        gate_up=(wide, False),
+    fused, unfused = (
+        ffn.fp8_ffn_pallas(
+            x.reshape(b * n, d),
+            lp["ffn_norm"]["scale"],
+            c8.rms_eps,
+            lp["mlp_fp8"],
+            INTERPRET,
+            residual=o.reshape(b * n, d),
+            gate_up=(wide, epilogue),
+        )
+        for epilogue in (True, False)
     )
     ref = ffn.fp8_ffn_residual(params, c8, lp, 1, x, backend="xla", attn_out=o).reshape(b * n, d)
     s = np.asarray(x + o, np.float32).reshape(b * n, d)

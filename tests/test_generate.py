@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import fixtures
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -344,28 +345,7 @@ def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monk
     import importlib
 
     G = importlib.import_module("dllm_jax.decoding.generate")  # the module (also the name of the function)
-    from dllm_jax.config import ModelConfig
-
-    fp8 = ModelConfig(
-        family="llada",
-        vocab_size=300,
-        d_model=128,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=4,
-        head_dim=32,
-        mlp_hidden=256,
-        rms_eps=1e-5,
-        rope_theta=1e4,
-        rope_fp32=True,
-        qkv_bias=False,
-        tie_embeddings=False,
-        max_seq_len=512,
-        mask_token_id=299,
-        eos_token_id=298,
-        pad_token_id=297,
-        fp8_ffn=True,
-    )
+    fp8 = fixtures.fp8_config(n_layers=2, n_kv_heads=4, max_seq_len=512, pad_token_id=297, fp8_ffn=True)
     bf16 = dataclasses.replace(fp8, fp8_ffn=False)
     gc = opts(block_length=32, cache="dual")
     prefix = opts(block_length=32, cache="prefix")

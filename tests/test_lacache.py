@@ -1,18 +1,17 @@
 """LaCache's first-layer memoisation (decoding/caches/lacache.py, cache="first_layer"): the online-softmax merge
 against the reference attention, its forwards against the uncached forward, and the uncached tokens exactly."""
 
+import fixtures
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.config import ModelConfig
 from dllm_jax.decoding.caches import lacache
-from dllm_jax.decoding.caches.base import DecodeInputs
 from dllm_jax.decoding.config import GenerationConfig
-from dllm_jax.decoding.generate import generate, layout
+from dllm_jax.decoding.generate import generate
 from dllm_jax.io.loading import Model
-from dllm_jax.transformer import XLA, forward
+from dllm_jax.transformer import forward
 from dllm_jax.transformer.attention import attend_reference, finish_state, merge_states, softmax_state
 from dllm_jax.transformer.params import init_params, quantize_params, unstack_layers
 
@@ -41,27 +40,13 @@ def test_state_then_merge_equals_attention(hq, hkv):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-def _inputs(model, gc):
-    x, positions, key_mask, frozen, p = layout(PROMPTS, model.config, gc)
-    inp = DecodeInputs(
-        positions=jnp.asarray(positions),
-        key_mask=jnp.asarray(key_mask),
-        frozen=jnp.asarray(frozen),
-        prompt_len=p,
-        block_length=gc.schedule.block_length,
-        shift=1 if model.config.family == "dream" else 0,
-        kernels=XLA,
-    )
-    return jnp.asarray(x), inp
-
-
 @pytest.mark.parametrize("name", ["llada_gqa_tied", "dream"])
 def test_block_start_and_steps_equal_the_full_forward(name, models_fp32):
     """The block-start forward and a later step (block tokens changed, memo reused) give the logits a full
     uncached forward gives at the block's predictors."""
     m = models_fp32[name]
     gc = opts(gen_length=8, block_length=4, steps=8, cache="first_layer")
-    x, inp = _inputs(m, gc)
+    x, inp = fixtures.decode_inputs(m, gc, PROMPTS)
     strat = lacache.FirstLayerCache()
     bs = jnp.int32(inp.prompt_len + 4)  # the second block
     rows = jnp.arange(x.shape[0])[:, None]
@@ -107,26 +92,8 @@ def test_layouts_and_fp8_ffn(models_fp32):
     plain = generate(m, PROMPTS, gc).tokens
     unrolled = Model(m.config, unstack_layers(m.params))
     np.testing.assert_array_equal(generate(unrolled, PROMPTS, memo).tokens, plain)
-    cfg = ModelConfig(
-        family="llada",
-        vocab_size=300,
-        d_model=128,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        mlp_hidden=256,
-        rms_eps=1e-5,
-        rope_theta=1e4,
-        rope_fp32=True,
-        qkv_bias=False,
-        tie_embeddings=False,
-        max_seq_len=128,
-        mask_token_id=299,
-        eos_token_id=298,
-        pad_token_id=298,
-        dtype="float32",
-    )  # exactness is a property of fp32: bf16 rounds the merged halves differently
+    # exactness is a property of fp32: bf16 rounds the merged halves differently
+    cfg = fixtures.fp8_config(dtype="float32")
     q, c8 = quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)  # FFN shapes of 128s
     m8 = Model(c8, q)
     np.testing.assert_array_equal(generate(m8, PROMPTS, memo).tokens, generate(m8, PROMPTS, gc).tokens)
@@ -143,7 +110,7 @@ def test_first_layer_settings(models_fp32):
             lacache.FirstLayerCache().init(
                 m.params,
                 m.config,
-                _inputs(m, opts(gen_length=8, block_length=4, steps=8))[1],
+                fixtures.decode_inputs(m, opts(gen_length=8, block_length=4, steps=8), PROMPTS)[1],
                 jnp.zeros((3, 40), jnp.int32),
             )
         ).num_leaves

@@ -3,6 +3,7 @@ fused forward loops, results JSON (GPU, jax version, commit, command; runs merge
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -23,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dllm_jax.config import ModelConfig  # noqa: E402
 from dllm_jax.decoding.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.decoding.generate import layout  # noqa: E402
+from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
 from dllm_jax.transformer.kernels import Kernels  # noqa: E402
-from dllm_jax.transformer.params import param_shapes  # noqa: E402
+from dllm_jax.transformer.params import param_shapes, unstack_layers  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 HBM_BYTES_PER_S = 4.3e12  # achievable HBM bandwidth of an H200
@@ -110,6 +112,13 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
         ]
 
     return jax.tree_util.tree_unflatten(tree, make(keys))
+
+
+def random_model(name: str) -> Model:
+    """A model of MODELS with random_params, per-layer arrays where that is the device's default layout."""
+    cfg = MODELS[name]
+    params = random_params(cfg)
+    return Model(cfg, unstack_layers(params) if resolve_layer_layout("auto") == "unrolled" else params)
 
 
 def param_bytes(params: Any) -> int:
@@ -219,6 +228,14 @@ def meta(**extra) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         **extra,
     }
+
+
+def output_args(ap: argparse.ArgumentParser, out: Path = RESULTS, budget_s: float | None = None) -> None:
+    """The flags the benches end with: --budget-s (where given one), --run (its rows' label) and --out."""
+    if budget_s is not None:
+        ap.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new rows after this long")
+    ap.add_argument("--run", default=default_run(), help="label of this run's rows in the results file")
+    ap.add_argument("--out", default=str(out))
 
 
 def default_run() -> str:

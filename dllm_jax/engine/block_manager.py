@@ -175,17 +175,21 @@ class BlockManager:
         """`n_pages` private pages, tagged with `owner` (free must name the same owner). Evicts unheld affix entries,
         least recently used first, if the free list is short; raises OutOfPages, changing nothing, if even that is
         not enough."""
-        n = _count(n_pages)
+        pages = self._take(_count(n_pages), _PRIVATE, owner, "need")
+        self._num_private += len(pages)
+        return pages
+
+    def _take(self, n: int, kind: int, tag: Hashable, needs: str) -> list[int]:
+        """`n` pages off the free list (evicting unheld entries, least recently used first, if it is short) marked
+        `kind` and `tag`; OutOfPages ("`needs` n pages, ..."), changing nothing, if even evicting is not enough."""
         if n > self.num_available_pages:
             raise OutOfPages(
-                f"need {n} pages, {len(self._free)} free + {self._num_cached} evictable of {self.num_pages}"
+                f"{needs} {n} pages, {len(self._free)} free + {self._num_cached} evictable of {self.num_pages}"
             )
         self._evict_until_free(n)
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._kind[p] = _PRIVATE
-            self._tag[p] = owner
-        self._num_private += n
+            self._kind[p], self._tag[p] = kind, tag
         return pages
 
     def free(self, pages: Sequence[int], owner: Hashable = None) -> None:
@@ -235,20 +239,10 @@ class BlockManager:
             entry.last_used = self._tick()
             self.stats.hits += 1
             return entry, True
-        n = pages_for(len(toks), self.page_size)
-        if n > self.num_available_pages:
-            raise OutOfPages(
-                f"affix of {len(toks)} tokens needs {n} pages, {len(self._free)} free + "
-                f"{self._num_cached} evictable of {self.num_pages}"
-            )
-        self._evict_until_free(n)
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._kind[p] = _AFFIX
-            self._tag[p] = key
+        pages = self._take(pages_for(len(toks), self.page_size), _AFFIX, key, f"affix of {len(toks)} tokens needs")
         entry = AffixEntry(key=key, tokens=toks, pages=pages, holders=1, last_used=self._tick())
         self._entries[key] = entry
-        self._num_shared += n
+        self._num_shared += len(pages)
         self.stats.misses += 1
         return entry, False
 

@@ -248,16 +248,10 @@ class ModelRunner:
                 lay.block_index[i] = len(r.prompt) + done[i] * r.block_length
         return lay
 
-    def _paged(self, lay: Layout) -> tuple[dict, bool]:
-        arrays = dict(
-            col_slots=lay.col_slots,
-            shared_slots=lay.shared_slots,
-            shared_len=lay.shared_len,
-            shared_delta=lay.shared_delta,
-            own_slots=lay.own_slots,
-            own_len=lay.own_len,
-        )
-        return {k: put(v) for k, v in arrays.items()}, lay.rotate
+    def _window_inputs(self, lay: Layout) -> tuple:
+        """The device inputs every windowed call starts with: x, positions, the paged read lists, window, writes."""
+        paged = {name: put(getattr(lay, name)) for name in _PAGED}
+        return put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes)
 
     def _shape(self, lay: Layout) -> tuple:
         return lay.x.shape[0], lay.shared_slots.shape[1], lay.own_slots.shape[1], lay.window.shape[1]
@@ -320,19 +314,14 @@ class ModelRunner:
         return [imp[i, : r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
 
     def _probe_call(self, lay: Layout) -> np.ndarray:
-        paged, rotate = self._paged(lay)
-        self._note(("probe", *self._shape(lay), rotate))
+        self._note(("probe", *self._shape(lay), lay.rotate))
         imp, self.k, self.v = _probe(
             self.params,
             self.k,
             self.v,
-            put(lay.x),
-            put(lay.positions),
-            paged,
-            put(lay.window),
-            put(lay.writes),
+            *self._window_inputs(lay),
             config=self.config,
-            rotate=rotate,
+            rotate=lay.rotate,
             kernels=self.kernels,
         )
         return np.asarray(imp)
@@ -353,54 +342,32 @@ class ModelRunner:
         return blk[: len(reqs)], keys[: len(reqs)], steps
 
     def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
-        paged, rotate = self._paged(lay)
-        static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
-        self._note(("block", runner, *self._shape(lay), rotate))
-        blk, keys, steps, self.k, self.v = _run_block(
-            self.params,
-            self.k,
-            self.v,
-            put(lay.x),
-            put(lay.positions),
-            paged,
-            put(lay.window),
-            put(lay.writes),
-            put(lay.keys),
-            put(np.int32(lay.block_col)),
-            put(lay.block_index),
-            runner=runner,
-            rotate=rotate,
-            kernels=self.kernels,
-            static_steps=static_steps,
-        )
-        return np.asarray(blk), np.asarray(keys), int(steps)
+        self._note(("block", runner, *self._shape(lay), lay.rotate))
+        return self._run(_run_block, lay, runner, rotate=lay.rotate)
 
     def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array]) -> tuple:
         """One block of BiCache rows: each row's prefix hidden state [A, d] (at its depth) goes in by row."""
-        paged, rotate = self._paged(lay)
         stacked = _stack_rows(tuple(hidden), lay.x.shape[0])
-        static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
         self._note(("shallow", runner, *self._shape(lay), stacked.shape[1]))
-        blk, keys, steps, self.k, self.v = _run_shallow_block(
+        deep = (put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked)
+        return self._run(_run_shallow_block, lay, runner, *deep)
+
+    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra, **static) -> tuple[np.ndarray, np.ndarray, int]:
+        """One block through `fn` (_run_block or _run_shallow_block; `extra` goes in after the window inputs)."""
+        static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
+        blk, keys, steps, self.k, self.v = fn(
             self.params,
             self.k,
             self.v,
-            put(lay.x),
-            put(lay.positions),
-            paged,
-            put(lay.window),
-            put(lay.writes),
-            put(lay.deep),
-            put(lay.deep_writes),
-            put(lay.splice_at),
-            put(lay.prefix_at),
-            stacked,
+            *self._window_inputs(lay),
+            *extra,
             put(lay.keys),
             put(np.int32(lay.block_col)),
             put(lay.block_index),
             runner=runner,
             kernels=self.kernels,
             static_steps=static_steps,
+            **static,
         )
         return np.asarray(blk), np.asarray(keys), int(steps)
 
@@ -423,6 +390,10 @@ class ModelRunner:
         s_[: len(src)], d_[: len(dst)] = src, dst
         self._note(("place", n))
         self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
+
+
+# the Layout fields that make a PagedKV's read lists (the jitted calls take them as one dict)
+_PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")
 
 
 def put(a: np.ndarray) -> Array:
@@ -479,6 +450,15 @@ def _probe(params, k, v, x, positions, paged, window, writes, *, config, rotate,
     return out.probe, out.cache.k, out.cache.v
 
 
+def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys, block_col, static_steps) -> tuple:
+    """Decode one block from a block-start state (traced inside _run_block and _run_shallow_block): its tokens,
+    the new key data, the steps it took and the K/V."""
+    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
+    s = runner.run_block(params, inp, s, block_col, static_steps)
+    blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, runner.gc.schedule.block_length, axis=1)
+    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
+
+
 @functools.partial(jax.jit, static_argnames=("runner", "rotate", "kernels", "static_steps"), donate_argnames=("k", "v"))
 def _run_block(
     params,
@@ -499,8 +479,7 @@ def _run_block(
     static_steps,
 ):
     config = runner.config
-    bl = runner.gc.schedule.block_length
-    inp = _inputs(config, positions, bl, kernels)
+    inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
     kv = _view(config, k, v, paged, rotate)
     state = AnchoredState(
         kv=kv,
@@ -510,10 +489,7 @@ def _run_block(
         block_col=block_col,
         block_index=block_index,
     )
-    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
-    s = runner.run_block(params, inp, s, block_col, static_steps)
-    blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, bl, axis=1)
-    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
+    return _decode_block(params, runner, inp, x, state, keys, block_col, static_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("depth", "rows"))
@@ -566,8 +542,7 @@ def _run_shallow_block(
     static_steps,
 ):
     config = runner.config
-    bl = runner.gc.schedule.block_length
-    inp = _inputs(config, positions, bl, kernels)
+    inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
     kv = _view(config, k, v, paged, False)
     b, f = deep.shape
     rows = jnp.arange(b)[:, None]
@@ -584,7 +559,4 @@ def _run_shallow_block(
         block_col=block_col,
         block_index=block_index,
     )
-    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
-    s = runner.run_block(params, inp, s, block_col, static_steps)
-    blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, bl, axis=1)
-    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
+    return _decode_block(params, runner, inp, x, state, keys, block_col, static_steps)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.decoding.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, gather_rows
-from dllm_jax.transformer import XLA, CacheWrite, KVCache, forward
+from dllm_jax.transformer import XLA, CacheWrite, ForwardOutput, KVCache, forward
 from dllm_jax.transformer.attention import grouped_scores
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 
@@ -106,25 +106,27 @@ def anchor_inputs(
     )
 
 
-def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array) -> KVCache:
-    """K/V of each row's affix computed from the affix ALONE (keys restricted to it), at its absolute positions.
-
-    Queries everywhere attend only affix keys, so the K/V written at affix positions are exactly those of a
-    forward over the affix by itself; other slots are left zero (the decoding forwards write them)."""
+def alone_forward(params, config, inp: DecodeInputs, x: Array, part: Array, **kwargs) -> ForwardOutput:
+    """A forward in which every query attends only each row's `part` keys, writing K/V only there: at `part` they
+    are exactly those of a forward over the part by itself, at its absolute positions; other slots stay zero."""
     cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
     # a masked forward: XLA's attention (cuDNN's masked path is not validated)
-    out = forward(
+    return forward(
         params,
         config,
         x,
         inp.positions,
-        key_mask=affix & inp.key_mask,
+        key_mask=part & inp.key_mask,
         cache=cache,
-        write=CacheWrite.at(0, affix),
-        logits_at=jnp.zeros((x.shape[0], 1), jnp.int32),
+        write=CacheWrite.at(0, part),
         kernels=dataclasses.replace(inp.kernels, attention="xla"),
+        **kwargs,
     )
-    return out.cache
+
+
+def affix_alone_cache(params, config, inp: DecodeInputs, x: Array, affix: Array) -> KVCache:
+    """K/V of each row's affix computed from the affix ALONE (keys restricted to it), at its absolute positions."""
+    return alone_forward(params, config, inp, x, affix, logits_at=jnp.zeros((x.shape[0], 1), jnp.int32)).cache
 
 
 @dataclasses.dataclass(frozen=True)

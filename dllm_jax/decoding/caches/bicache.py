@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.decoding.caches.acache import SharedAffix, build_shared_affix
+from dllm_jax.decoding.caches.acache import SharedAffix, alone_forward, build_shared_affix
 from dllm_jax.decoding.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, block_logit_index, gather_rows
 from dllm_jax.transformer import CacheWrite, KVCache, forward
 
@@ -207,19 +207,7 @@ def prefix_alone_state(
 ) -> ShallowState:
     """Each row's prefix computed alone (keys restricted to it) through layers < depth: their K/V, and the
     hidden state entering layer `depth` at the prefix positions."""
-    cache = KVCache.for_params(params, config, x.shape[0], x.shape[1])
-    out = forward(
-        params,
-        config,
-        x,
-        inp.positions,
-        key_mask=prefix & inp.key_mask,
-        cache=cache,
-        write=CacheWrite.at(0, prefix),
-        layers=(0, depth),
-        output_hidden=True,
-        kernels=dataclasses.replace(inp.kernels, attention="xla"),
-    )
+    out = alone_forward(params, config, inp, x, prefix, layers=(0, depth), output_hidden=True)
     return ShallowState(out.cache, jnp.where(prefix[:, :, None], out.hidden, 0), window, writes)
 
 

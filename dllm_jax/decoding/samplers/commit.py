@@ -62,50 +62,50 @@ def commit_first_masked(masked: Array) -> Array:
     return masked & (jnp.arange(masked.shape[-1])[None, :] == first[:, None])
 
 
+class _Parallel:
+    """Fast-dLLM's parallel decoding over `base`'s proposals (a subclass's fields): each step commits the masked
+    positions its `rule(conf, masked)` passes, so a block takes as many steps as it needs (<= block_length) and
+    `steps` is ignored. base None: the model family's default sampler (`GenerationConfig` resolves it)."""
+
+    uses_steps = False
+
+    def propose(self, logits, masked, key):
+        return self.base.propose(logits, masked, key)
+
+    def commit(self, logits, masked, key, step, masked_at_start, steps_per_block):
+        x0, conf = self.propose(logits, masked, jax.random.split(key)[0])
+        return x0, self.rule(conf, masked)
+
+    def fixed_step_count(self, block_length: int, steps_per_block: int) -> bool:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
-class Threshold:
-    """Fast-dLLM parallel decoding: commit every masked position whose confidence (under `base`'s proposals) is
-    >= threshold, and always the most confident one. A block takes as many steps as it needs (<= block_length).
-    base None: the model family's default sampler (`GenerationConfig` resolves it)."""
+class Threshold(_Parallel):
+    """Commit every masked position whose confidence is >= threshold, and always the most confident one."""
 
     threshold: float
     base: Sampler | None = None
-    uses_steps = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1]")
 
-    def propose(self, logits, masked, key):
-        return self.base.propose(logits, masked, key)
-
-    def commit(self, logits, masked, key, step, masked_at_start, steps_per_block):
-        x0, conf = self.propose(logits, masked, jax.random.split(key)[0])
-        return x0, commit_threshold(conf, masked, self.threshold)
-
-    def fixed_step_count(self, block_length: int, steps_per_block: int) -> bool:
-        return False
+    def rule(self, conf: Array, masked: Array) -> Array:
+        return commit_threshold(conf, masked, self.threshold)
 
 
 @dataclasses.dataclass(frozen=True)
-class Factor:
+class Factor(_Parallel):
     """Fast-dLLM's factor rule: the n-th most confident passes if conf > 1 - factor / (n + 1); the leading run of
     passes is committed (`commit_factor`, with the reference loop's quirk)."""
 
     factor: float
     base: Sampler | None = None
-    uses_steps = False
 
     def __post_init__(self) -> None:
         if self.factor <= 0:
             raise ValueError(f"factor={self.factor} must be positive")
 
-    def propose(self, logits, masked, key):
-        return self.base.propose(logits, masked, key)
-
-    def commit(self, logits, masked, key, step, masked_at_start, steps_per_block):
-        x0, conf = self.propose(logits, masked, jax.random.split(key)[0])
-        return x0, commit_factor(conf, masked, self.factor)
-
-    def fixed_step_count(self, block_length: int, steps_per_block: int) -> bool:
-        return False
+    def rule(self, conf: Array, masked: Array) -> Array:
+        return commit_factor(conf, masked, self.factor)
