@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--block-len", type=int, default=32)
     ap.add_argument("--steps-per-block", type=int, default=8)
-    ap.add_argument("--kv-budget-gib", type=float, default=16.0)
+    ap.add_argument("--kv-budget-gib", type=float, default=16.0, help="the engine's KV pool (the same in every row)")
     common.output_args(ap, budget_s=540.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()

@@ -53,6 +53,9 @@ def _checked(kind: type, bad: Callable[[Any], bool], want: str) -> Callable[[str
 positive_int = _checked(int, lambda v: v <= 0, "a positive integer")
 probability = _checked(float, lambda v: not 0.0 < v <= 1.0, "in (0, 1]")
 non_negative = _checked(float, lambda v: v < 0, ">= 0")
+positive = _checked(float, lambda v: not v > 0, "positive")
+unit_interval = _checked(float, lambda v: not 0.0 <= v <= 1.0, "in [0, 1]")
+non_negative_int = _checked(int, lambda v: v < 0, ">= 0")
 
 
 def model_generation_defaults(path: Path | None) -> dict:
@@ -144,7 +147,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from dllm_jax.engine.engine import EngineConfig
+    from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
+    from dllm_jax.engine.engine import EngineConfig, KVBudgetError
     from dllm_jax.server.app import ServeSettings
     from dllm_jax.server.run import serve
 
@@ -154,12 +158,22 @@ def run_serve(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             attention=args.attention,
-            kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)) if args.kv_budget_gib else None,
+            kv_budget_bytes=None if args.kv_budget_gib is None else int(args.kv_budget_gib * (1 << 30)),
             max_model_len=args.max_model_len,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
     model = load_model(args)
+    mc = model.config
+    # BiCache's depth: checked here, once, rather than as a 400 on every request that takes the default
+    if args.shallow_depth is not None and args.shallow_depth > mc.n_layers:
+        raise UsageError(f"argument --shallow-depth: {args.shallow_depth} exceeds the model's {mc.n_layers} layers")
+    no_table = (mc.family, mc.n_layers) not in DEPTH_TABLES
+    if args.affix_technique == "shallow" and args.shallow_depth is None and no_table:
+        raise UsageError(
+            f"argument --shallow-depth: --affix-technique shallow needs it on this {mc.n_layers}-layer model "
+            "(BiCache's depth tables cover LLaDA-8B and Dream-7B)"
+        )
     name = args.model_name or (model.path.name if args.model else "dllm-jax-demo")
     settings = ServeSettings(
         model_name=name,
@@ -167,12 +181,15 @@ def run_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         affix_technique=args.affix_technique,
         anchor_ratio=args.anchor_ratio,
+        shallow_depth=args.shallow_depth,
     )
     model_generation_defaults(model.path)  # a broken generation_config.json is one line here, not a 500 later
     try:
         return serve(
             model, engine_config, settings, args.host, args.port, log_level="info" if args.verbose else "warning"
         )
+    except KVBudgetError as e:
+        raise UsageError(f"argument --kv-budget-gib: {e}") from None
     except OSError as e:
         raise UsageError(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
@@ -249,7 +266,7 @@ def build_parser() -> Parser:
     )
     v.add_argument(
         "--kv-budget-gib",
-        type=float,
+        type=positive,
         default=None,
         help="KV pool size in GiB (default: half the device's free memory; 1 GiB on the CPU)",
     )
@@ -261,12 +278,24 @@ def build_parser() -> Parser:
     )
     v.add_argument(
         "--affix-technique",
-        choices=["none", "naive", "anchors"],
+        choices=["none", "naive", "anchors", "shallow"],
         default="none",
         help="default reuse of a shared affix (a system prompt or document repeated across requests): "
-        "none = exact; anchors = ACache (faster, approximate); requests may override",
+        "none = exact; anchors = ACache (faster, approximate); shallow = BiCache (a shared prefix's K/V in the "
+        "layers below --shallow-depth); requests may override",
     )
-    v.add_argument("--anchor-ratio", type=float, default=0.2, help="default ACache anchor ratio (0..1)")
+    v.add_argument(
+        "--anchor-ratio",
+        type=unit_interval,
+        default=0.2,
+        help="default ACache anchor ratio: the share of the affix recomputed in each request's context (0..1)",
+    )
+    v.add_argument(
+        "--shallow-depth",
+        type=non_negative_int,
+        default=None,
+        help="default BiCache depth (0 = exact; default: the model's depth table, LLaDA-8B and Dream-7B only)",
+    )
     v.add_argument(
         "--temperature",
         type=non_negative,

@@ -21,6 +21,21 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """One XLA compilation cache for the run, shared by the xdist workers (whose base temp dirs have one parent):
+    a program one worker compiled (the tiny models' decoding loops recur across test files) is loaded by the other.
+    Per run, so a test never reads a stale program."""
+    import jax
+
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    jax.config.update("jax_compilation_cache_dir", str(shared / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """Every fixture checkpoint written once in its HF release layout (with byte-level tokenizer files)."""

@@ -98,6 +98,25 @@ def test_bad_flags(argv, message, capsys):
     assert out == "" and err.count("\n") == 1 and err.startswith("dllm-jax: error: ") and message in err, err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kv-budget-gib", "0"], "argument --kv-budget-gib: must be positive, got 0.0"),
+        (["--kv-budget-gib", "1000000"], "argument --kv-budget-gib: a KV budget of 1000000.00 GiB is more than"),
+        (["--anchor-ratio", "1.5"], "argument --anchor-ratio: must be in [0, 1], got 1.5"),
+        (["--shallow-depth", "-1"], "argument --shallow-depth: must be >= 0, got -1"),
+        (["--shallow-depth", "9"], "argument --shallow-depth: 9 exceeds the model's"),
+        (["--affix-technique", "shallow"], "argument --shallow-depth: --affix-technique shallow needs it"),
+        (["--max-batch", "0"], "argument --max-batch: must be a positive integer, got 0"),
+    ],
+)
+def test_bad_serve_flags(argv, message, capsys):
+    """Refused in one line before anything serves (the port: any free one, closed again)."""
+    assert cli.main(["serve", "--port", "0", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("dllm-jax: error: ") and message in err, err
+
+
 def cli_gpu() -> bool:
     import jax
 

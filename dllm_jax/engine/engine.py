@@ -37,18 +37,22 @@ from dllm_jax.engine.scheduler import QueueFull, Scheduler
 from dllm_jax.transformer import KernelChoice, Kernels
 from dllm_jax.transformer.params import unstack_layers
 
-__all__ = ["AffixHandle", "Engine", "EngineConfig", "QueueFull", "RequestError"]
-CPU_DEFAULT_BUDGET = 1 << 30  # bytes of KV pool where the device reports no free memory (the CPU)
+__all__ = ["AffixHandle", "Engine", "EngineConfig", "KVBudgetError", "QueueFull", "RequestError"]
+CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
 
 
 class RequestError(ValueError):
     """A request the engine refuses at submit: the message names the field."""
 
 
+class KVBudgetError(ValueError):
+    """A KV budget that holds no page, or more than the device has free: refused before allocating anything."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """max_batch: requests decoded together in one device call (and the most running at once). kv_budget_bytes: the
-    pool's size; None = kv_fraction of the device's free memory (1 GiB where the device reports none, the CPU).
+    pool's size (at most the free memory); None = kv_fraction of the device's free memory (at most 1 GiB on the CPU).
     page_size: tokens per page. max_model_len: the longest prompt + generation (default: the model's maximum,
     at most 4096). max_queue: waiting requests beyond which add_request raises QueueFull. auto_affix: find shared
     spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
@@ -95,15 +99,25 @@ class AffixHandle:
     tokens: tuple[int, ...]
 
 
+def free_memory_bytes(device: jax.Device) -> int:
+    """Bytes free on `device`: what its allocator reports, else (the CPU) the host's available memory; 0 if
+    unknown."""
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None):
         self.model, self.config = model, config or EngineConfig()
         mc = model.config
         self.max_len = min(self.config.max_model_len or min(mc.max_seq_len, 4096), mc.max_seq_len)
-        budget = self.config.kv_budget_bytes or self._free_memory_budget()
-        num_pages = int(budget // (kv_bytes_per_token(mc) * self.config.page_size))
-        if num_pages < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no page of {self.config.page_size} tokens")
+        num_pages = self._pages_within_budget()
         self.block_manager = BlockManager(num_pages, self.config.page_size)
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_batch, self.config.max_batch, self.config.max_queue
@@ -136,10 +150,27 @@ class Engine:
             peak_pages=0,
         )
 
-    def _free_memory_budget(self) -> int:
-        stats = jax.devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        return int(free * self.config.kv_fraction) if free > 0 else CPU_DEFAULT_BUDGET
+    def _pages_within_budget(self) -> int:
+        """The pool's pages: kv_budget_bytes, or kv_fraction of the free memory (at most 1 GiB on the CPU, where the
+        pool shares the host's memory with everything else). A budget over the free memory is refused here rather
+        than crashing the process when the pool is allocated."""
+        device = jax.devices()[0]
+        free = free_memory_bytes(device)
+        budget = self.config.kv_budget_bytes
+        if budget is None:
+            budget = int(free * self.config.kv_fraction) if free else CPU_DEFAULT_BUDGET
+            budget = min(budget, CPU_DEFAULT_BUDGET) if device.platform == "cpu" else budget
+        elif free and budget > free:
+            raise KVBudgetError(
+                f"a KV budget of {budget / 2**30:.2f} GiB is more than the {free / 2**30:.2f} GiB free on "
+                f"{device.device_kind}: lower kv_budget_bytes (dllm-jax serve --kv-budget-gib)"
+            )
+        page_bytes = kv_bytes_per_token(self.model.config) * self.config.page_size
+        if budget < page_bytes:
+            raise KVBudgetError(
+                f"a KV budget of {budget} bytes holds no page of {self.config.page_size} tokens ({page_bytes} bytes)"
+            )
+        return int(budget // page_bytes)
 
     # ---- submitting ---------------------------------------------------------------------------------------------
     def register_affix(self, tokens: Sequence[int]) -> AffixHandle:

@@ -51,7 +51,12 @@ def serve(
     log_level: str = "warning",
 ) -> int:
     sock = bind(host, port)  # before anything slow: a taken port fails at once
-    service = EngineService(Engine(model, engine_config)).start()
+    try:
+        engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
+    except ValueError:
+        sock.close()
+        raise
+    service = EngineService(engine).start()
     app = create_app(service, settings, generation_defaults(model.path))
     server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30), service
