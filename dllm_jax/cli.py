@@ -194,6 +194,19 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
 
+def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> None:
+    """The flags generate and serve share (their help says what `auto` and --verbose mean there)."""
+    p.add_argument(
+        "--attention",
+        choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"],
+        default="auto",
+        help=f"attention kernel (auto: {attention})",
+    )
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    p.add_argument("--verbose", action="store_true", help=verbose)
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+
+
 def build_parser() -> Parser:
     ap = Parser(prog=PROG, description="Diffusion language model inference in JAX (LLaDA, Dream).")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -240,16 +253,12 @@ def build_parser() -> Parser:
         default="dual",
         help="K/V cache: dual (Fast-dLLM, the default), prefix, first_layer (LaCache's exact memo) or none",
     )
-    g.add_argument(
-        "--attention",
-        choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"],
-        default="auto",
-        help="attention kernel (auto: cuDNN + the Pallas kernel on a GPU, XLA elsewhere)",
-    )
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
     g.add_argument("--seed", type=int, default=0, help="random seed (matters only with --temperature > 0)")
-    g.add_argument("--verbose", action="store_true", help="print the model's notice and a timing line on stderr")
-    g.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    model_flags(
+        g,
+        attention="cuDNN + the Pallas kernel on a GPU, XLA elsewhere",
+        verbose="print the model's notice and a timing line on stderr",
+    )
 
     v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     v.add_argument("--model", default=None, help="converted or HF-layout directory (default: the bundled model)")
@@ -302,15 +311,7 @@ def build_parser() -> Parser:
         default=0.0,
         help="default sampling temperature when a request sets none (0: greedy)",
     )
-    v.add_argument(
-        "--attention",
-        choices=["auto", "xla", "cudnn", "pallas", "cudnn_pallas"],
-        default="auto",
-        help="attention kernel (auto: the paged slot kernel on a GPU, XLA elsewhere)",
-    )
-    v.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
-    v.add_argument("--verbose", action="store_true", help="uvicorn's access log")
-    v.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    model_flags(v, attention="the paged slot kernel on a GPU, XLA elsewhere", verbose="uvicorn's access log")
     return ap
 
 

@@ -39,19 +39,21 @@ FP8 = jnp.float8_e4m3fn
 # Quantisation (plain jnp: XLA fuses these into the producer -- RMSNorm or
 # SwiGLU -- so the bf16 activation never makes an extra HBM round trip)
 # --------------------------------------------------------------------------
-def _check_k(k: int, what: str):
+def _check_matrix(a: jax.Array, what: str, name: str, dims: str) -> tuple[int, int]:
+    """a's (rows, K): a floating matrix whose K is a multiple of GROUP, or a ValueError naming `what`."""
+    if a.ndim != 2:
+        raise ValueError(f"{what}: expected {name} of rank 2 [{dims}], got shape {a.shape}")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"{what}: {name} must be floating, got {a.dtype}")
+    rows, k = a.shape
     if k % GROUP:
         raise ValueError(f"{what}: K={k} must be a multiple of {GROUP}")
+    return rows, k
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [M, K] (bf16/fp32/fp16) -> (xq [M, K] e4m3, xs [M, K//128] fp32)."""
-    if x.ndim != 2:
-        raise ValueError(f"quantize_activations: expected x of rank 2 [M, K], got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"quantize_activations: x must be floating, got {x.dtype}")
-    m, k = x.shape
-    _check_k(k, "quantize_activations")
+    m, k = _check_matrix(x, "quantize_activations", "x", "M, K")
     q, scale = quantize_rows(x.astype(jnp.float32).reshape(m, k // GROUP, GROUP))
     return q.reshape(m, k), scale
 
@@ -68,12 +70,7 @@ def quantize_rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """w [N, K] -> (wq [N, K] e4m3, ws [ceil(N/128), K//128] fp32)."""
-    if w.ndim != 2:
-        raise ValueError(f"quantize_weights: expected w of rank 2 [N, K], got shape {w.shape}")
-    if not jnp.issubdtype(w.dtype, jnp.floating):
-        raise ValueError(f"quantize_weights: w must be floating, got {w.dtype}")
-    n, k = w.shape
-    _check_k(k, "quantize_weights")
+    n, k = _check_matrix(w, "quantize_weights", "w", "N, K")
     nb = -(-n // GROUP)
     wf = w.astype(jnp.float32)
     if nb * GROUP != n:
@@ -106,7 +103,8 @@ def _check_operands(xq, xs, wq, ws):
     n, k2 = wq.shape
     if k != k2:
         raise ValueError(f"fp8_matmul: K mismatch: xq {xq.shape} vs wq {wq.shape} (y = x @ w.T)")
-    _check_k(k, "fp8_matmul")
+    if k % GROUP:
+        raise ValueError(f"fp8_matmul: K={k} must be a multiple of {GROUP}")
     if xs.shape != (m, k // GROUP):
         raise ValueError(f"fp8_matmul: xs must be {(m, k // GROUP)} for xq {xq.shape}, got {xs.shape}")
     if ws.shape != (-(-n // GROUP), k // GROUP):
