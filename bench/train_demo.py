@@ -42,10 +42,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from tools.checkpoints import TrainCheckpoints  # noqa: E402
 
 from dllm_jax.config import ModelConfig  # noqa: E402
 from dllm_jax.decoding import GenerationConfig, answer_tokens, generate  # noqa: E402
@@ -436,6 +438,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--init", default=None, help="start from this model directory (e.g. the bundled model)")
     ap.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save the training state here every --checkpoint-every steps and resume from its latest on start "
+        "(a run longer than one device session: repeat the same command); needs --steps N",
+    )
+    ap.add_argument("--checkpoint-every", type=int, default=500, help="steps between saved training states")
+    ap.add_argument(
         "--curriculum-frac",
         type=float,
         default=0.4,
@@ -468,6 +477,9 @@ def main(argv=None) -> int:
         raise SystemExit("a level-0 hold needs a curriculum (--levels >= 2)")
     if args.hold_until is not None and args.hold_steps is not None:
         raise SystemExit("--hold-until ends an adaptive hold; --hold-steps replays a fixed one: give one")
+    if args.checkpoint_dir and (args.steps == "auto" or args.hold_until is not None or args.checkpoint_every < 1):
+        # a resumed run must take the same steps: a step count fixed up front, no end decided by the clock
+        raise SystemExit("--checkpoint-dir needs --steps N, --checkpoint-every >= 1 and no --hold-until")
 
     task_weights = parse_task_weights(args.task_weights)
     t0 = time.time()
@@ -539,6 +551,14 @@ def main(argv=None) -> int:
     # hold is adaptive, that end also fixes the step count: replay with --steps N --hold-steps H).
     holding = hold_fn is not None and args.hold_steps != 0
     hold_end = 0 if not holding else args.hold_steps  # None: the adaptive hold has not ended yet
+    saved = TrainCheckpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    if saved is not None and saved.latest_step() is not None:
+        s, (params, opt_state), meta = saved.restore(like=(params, opt_state))
+        hist, hold_end = [tuple(h) for h in meta["history"]], meta["hold_end"]
+        holding = holding and (hold_end is None or s < hold_end)
+        if meta["steps"] != total:
+            raise SystemExit(f"--checkpoint-dir holds a run of --steps {meta['steps']}, not {total}")
+        print(f"resumed from {args.checkpoint_dir} at step {s}", flush=True)
     while total is None or s < total:
         if holding and hold_end is None:
             budget_used = (time.time() - t_train) / args.time_budget if total is None else s / total
@@ -586,6 +606,8 @@ def main(argv=None) -> int:
                 f"level<={max_level} one-shot heldout {probe}{easy} t {time.time() - t_train:.0f}s",
                 flush=True,
             )
+        if saved is not None and (s % args.checkpoint_every == 0 or s == total):
+            saved.save(s, (params, opt_state), {"history": hist, "hold_end": hold_end, "steps": total})
     jax.block_until_ready(params)
     train_s = time.time() - t_train
     print(f"trained {s} steps in {train_s:.1f}s", flush=True)

@@ -106,27 +106,42 @@ def test_training_row_sampling_follows_curriculum_and_task_weights():
         train.parse_task_weights("lokup=2")
 
 
-def test_training_smoke_reduces_loss():
-    """A few steps of the real training step on a tiny pool: finite, decreasing loss."""
+def test_training_smoke_reduces_loss_and_resumes(tmp_path):
+    """A few steps of the real training step on a tiny pool: finite, decreasing loss; a run resumed from the
+    checkpoint of its step 30 (orbax: params, Adam's state, the step) ends in the same state, bit for bit."""
     import optax
 
     from dllm_jax.transformer.params import init_params
 
     train = _bench("train_demo")
+    checkpoints = importlib.import_module("tools.checkpoints")  # bench/ is on the path once train_demo is loaded
     config = train.model_config(tiny=True)
     pool = tuple(jnp.asarray(a) for a in train.build_pool(40, seed=0, workers=1, levels=2))
     params = init_params(config, jax.random.key(0))
     tx = optax.scale_by_adam()  # the step applies `params - lr * update` itself
-    opt_state = tx.init(params)
     step = train.make_step(config, 16, 0.1, 0.05, tx, "xla", 2, (1.0, 1.0, 1.0))
-    losses = []
-    for s in range(40):
-        params, opt_state, loss, ans_ce, gn = step(
-            params, opt_state, pool, jax.random.key(s % 2), jnp.float32(3e-3), jnp.int32(1)
-        )
-        losses.append(float(loss))
-        assert np.isfinite(float(gn)) and float(gn) > 0
+    saved = checkpoints.TrainCheckpoints(tmp_path / "ckpt")
+
+    def run(state, start, end):
+        losses = []
+        for s in range(start, end):
+            p, o, loss, ans_ce, gn = step(*state, pool, jax.random.key(s % 2), jnp.float32(3e-3), jnp.int32(1))
+            state = (p, o)
+            losses.append(float(loss))
+            assert np.isfinite(float(gn)) and float(gn) > 0
+            if s + 1 == 30:
+                saved.save(s + 1, state, {"losses": losses})
+        return state, losses
+
+    state, losses = run((params, tx.init(params)), 0, 40)
     assert np.all(np.isfinite(losses)) and np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
+    at, restored, meta = saved.restore(like=(params, tx.init(params)))
+    assert at == 30 and meta["losses"] == losses[:30]
+    resumed, rest = run(restored, 30, 40)
+    assert rest == losses[30:]
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    saved.close()
 
 
 def test_lr_schedule_holds_the_peak_then_decays():
