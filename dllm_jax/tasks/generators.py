@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 TASKS = ("locate", "lookup", "rule")
 PLACEMENTS = ("prefix", "infix", "suffix")
@@ -206,9 +206,12 @@ class Problem:
     tail: tuple[str, ...]
     answer: tuple[str, ...]
     shared_id: str  # hash of the shared text (several problems share one)
+    placements: tuple[str, ...] = PLACEMENTS  # where the shared part may go (earlier turns: only first)
 
     def body(self, placement: str) -> tuple[tuple[str, ...], tuple[int, int]]:
         """Body words in the placement's order and the shared part's (start, end) word span inside the body."""
+        if placement in PLACEMENTS and placement not in self.placements:
+            raise ValueError(f"a {self.task} problem's shared part goes only at {self.placements}, not {placement!r}")
         h, s, t = self.head, self.shared, self.tail
         if placement == "prefix":
             return s + h + t, (0, len(s))
@@ -379,20 +382,39 @@ def iter_problems(
     difficulty in [0, 1] shrinks the shared part (fewer facts / people / moves) for a training curriculum;
     1.0 is the task as specified and the only level the quality benchmark uses.
     """
-    if not 0.0 <= difficulty <= 1.0:
-        raise ValueError(f"difficulty must be in [0, 1], got {difficulty}")
     if task not in _GEN:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    return problem_stream(task, _GEN[task], _TASK_SALT[task], split, seed, per_shared, difficulty)
+
+
+def problem_stream(
+    task: str,
+    make: Callable,
+    salt: int,
+    split: str,
+    seed: int,
+    per_shared: int,
+    difficulty: float,
+    placements: tuple[str, ...] = PLACEMENTS,
+) -> Iterator[Problem]:
+    """The stream of every task: `make(rng, difficulty)` -> (shared words, [(head, tail, answer)]), kept where the
+    shared part's hash falls in `split`, `per_shared` requests each."""
+    if not 0.0 <= difficulty <= 1.0:
+        raise ValueError(f"difficulty must be in [0, 1], got {difficulty}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    rng = random.Random(seed * 1_000_003 + _TASK_SALT[task] * 101 + _SPLIT_SALT[split])
-    while True:
-        shared, reqs = _GEN[task](rng, difficulty)
-        if split_of(shared) != split:
-            continue
-        sid = _shared_id(shared)
-        for head, tail, answer in reqs[:per_shared]:
-            yield Problem(task, shared, head, tail, answer, sid)
+    rng = random.Random(seed * 1_000_003 + salt * 101 + _SPLIT_SALT[split])
+
+    def stream() -> Iterator[Problem]:  # a generator inside, so that bad arguments raise at the call
+        while True:
+            shared, reqs = make(rng, difficulty)
+            if split_of(shared) != split:
+                continue
+            sid = _shared_id(shared)
+            for head, tail, answer in reqs[:per_shared]:
+                yield Problem(task, shared, head, tail, answer, sid, placements)
+
+    return stream()
 
 
 def generate(

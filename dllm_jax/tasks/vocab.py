@@ -16,6 +16,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from dllm_jax.io.byte_tokenizer import LLADA_SPECIALS
+from dllm_jax.tasks import long_form
 from dllm_jax.tasks.generators import all_words
 
 UNK = "<|unk|>"
@@ -23,8 +24,10 @@ BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
 
 
 def vocab() -> dict[str, int]:
-    """Specials first (ids 0..5 in LLADA_SPECIALS order, then UNK at 6), then the task words."""
+    """Specials first (ids 0..5 in LLADA_SPECIALS order, then UNK at 6), then the task words, then the long-form
+    tasks' new words (after, so that the bundled model's ids stay where they are)."""
     words = list(LLADA_SPECIALS) + [UNK] + all_words()
+    words += [w for w in dict.fromkeys(long_form.WORDS) if w not in words]
     return {w: i for i, w in enumerate(words)}
 
 
