@@ -106,9 +106,14 @@ def check_attention(args: argparse.Namespace) -> None:
 def load_model(args: argparse.Namespace) -> Model:
     """--model (the bundled model if none) with its tokenizer; a bad directory is one line (all of it with --debug)."""
     import dllm_jax
+    from dllm_jax.transformer.sharding import TensorParallelError
 
+    if args.tensor_parallel > 1 and args.attention not in ("auto", "xla"):
+        raise UsageError(f"argument --attention: --tensor-parallel runs XLA's attention, not {args.attention!r}")
     try:
-        model = dllm_jax.load(args.model, dtype=args.dtype, progress=True)
+        model = dllm_jax.load(args.model, dtype=args.dtype, progress=True, tensor_parallel=args.tensor_parallel)
+    except TensorParallelError as e:
+        raise UsageError(f"argument --tensor-parallel: {e}") from None
     except (dllm_jax.CheckpointError, dllm_jax.ConfigError, FileNotFoundError) as e:
         raise UsageError(str(e).splitlines()[0] if not args.debug else str(e)) from e
     if model.tokenizer is None:
@@ -203,6 +208,12 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
         help=f"attention kernel (auto: {attention})",
     )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        help="split the weights and the KV cache over this many devices (heads, FFN width, vocabulary)",
+    )
     p.add_argument("--verbose", action="store_true", help=verbose)
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
 

@@ -27,6 +27,18 @@ SPECS: dict[str, dict] = {
     "dream": dict(family="dream", vocab=103, d=56, heads=7, kv=1, layers=3, mlp=90, tied=False, theta=1e6, eps=1e-6),
     "dream_tied": dict(family="dream", vocab=89, d=48, heads=4, kv=2, layers=2, mlp=66, tied=True, theta=1e6, eps=1e-6),
 }
+# tensor-parallel fixtures: heads, KV heads, FFN width and vocabulary divisible by 8 (host devices in the tests)
+TP_SPECS: dict[str, dict] = {
+    "llada_tp": dict(
+        family="llada", vocab=128, d=64, heads=8, kv=8, layers=2, mlp=128, tied=False, theta=10000.0, eps=1e-5
+    ),
+    "dream_tp": dict(
+        family="dream", vocab=136, d=64, heads=16, kv=8, layers=2, mlp=96, tied=False, theta=1e6, eps=1e-6
+    ),
+    "llada_fp8_tp": dict(
+        family="llada", vocab=128, d=128, heads=8, kv=8, layers=3, mlp=256, tied=False, theta=10000.0, eps=1e-5
+    ),
+}
 MASK_OFFSET = 1  # mask id = vocab - 1, eos = vocab - 2, bos = vocab - 3
 
 
@@ -164,7 +176,7 @@ def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
 
 def write_checkpoint(name: str, out_dir: str | Path, shard_bytes: int | None = None, seed: int = 0) -> Path:
     """Write fixture `name` as an HF release directory (config.json + safetensors, sharded if asked)."""
-    spec = SPECS[name]
+    spec = {**SPECS, **TP_SPECS}[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = hf_tensors(spec, seed)

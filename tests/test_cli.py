@@ -88,6 +88,9 @@ def broken_models(tmp_path_factory):
         (["--cache", "paged"], "argument --cache: invalid choice: 'paged'"),
         (["--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--tensor-parallel", "0"], "argument --tensor-parallel: must be a positive integer, got 0"),
+        (["--tensor-parallel", "64"], "argument --tensor-parallel: tensor_parallel=64 needs 1.."),
+        (["--tensor-parallel", "2", "--attention", "pallas"], "argument --attention: --tensor-parallel runs XLA's"),
     ],
 )
 def test_bad_flags(argv, message, capsys):
@@ -108,6 +111,7 @@ def test_bad_flags(argv, message, capsys):
         (["--shallow-depth", "9"], "argument --shallow-depth: 9 exceeds the model's"),
         (["--affix-technique", "shallow"], "argument --shallow-depth: --affix-technique shallow needs it"),
         (["--max-batch", "0"], "argument --max-batch: must be a positive integer, got 0"),
+        (["--tensor-parallel", "64"], "argument --tensor-parallel: tensor_parallel=64 needs 1.."),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):

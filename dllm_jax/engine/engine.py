@@ -36,6 +36,7 @@ from dllm_jax.engine.runner import STRATEGY, ModelRunner, Shape, backend_compile
 from dllm_jax.engine.scheduler import QueueFull, Scheduler
 from dllm_jax.transformer import KernelChoice, Kernels
 from dllm_jax.transformer.params import unstack_layers
+from dllm_jax.transformer.sharding import mesh_of
 
 __all__ = ["AffixHandle", "Engine", "EngineConfig", "KVBudgetError", "QueueFull", "RequestError"]
 CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
@@ -123,7 +124,7 @@ class Engine:
             self.block_manager, self.config.max_batch, self.config.max_batch, self.config.max_queue
         )
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
-        params = unstack_layers(model.params)
+        params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
         self.runner = ModelRunner(
             params,

@@ -37,6 +37,7 @@ from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
 from dllm_jax.transformer import XLA, Kernels, forward
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
+from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
 Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
@@ -133,7 +134,11 @@ class ModelRunner:
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
         self.kernels = kernels
         shape = (num_slots, config.n_kv_heads, config.head_dim)
-        zeros = jax.jit(lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers)))
+        mesh = mesh_of(params)  # tensor parallel: each device holds its KV heads of every page
+        zeros = jax.jit(
+            lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers)),
+            out_shardings=None if mesh is None else (kv_sharding(mesh, 3),) * config.n_layers,
+        )
         self.k, self.v = zeros(), zeros()
         self.shapes_seen: set = set()
         self.compiles = 0

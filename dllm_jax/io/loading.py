@@ -10,11 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.io import checkpoint as ckpt
 from dllm_jax.io.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from dllm_jax.transformer import params as P
+from dllm_jax.transformer.sharding import AXIS, check_tensor_parallel, param_specs, tensor_parallel_mesh
 
 DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "default_model"
 
@@ -69,14 +71,25 @@ def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> N
         raise ckpt.CheckpointError(f"params at {where} do not match their config:\n  - " + "\n  - ".join(bad))
 
 
-def to_device(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
-    """Device arrays in the run dtype; the FP8 FFN leaves (e4m3 weights, fp32 scales) keep their own dtypes."""
+def to_device(params: dict[str, Any], config: ModelConfig, mesh: Mesh | None = None) -> dict[str, Any]:
+    """Device arrays in the run dtype; the FP8 FFN leaves (e4m3 weights, fp32 scales) keep their own dtypes. With a
+    tensor-parallel mesh each leaf goes straight from the host into its shards (never whole on one device)."""
+    specs = None if mesh is None else param_specs(params, mesh.shape[AXIS])
 
     def put(path, a):
         keep = any(getattr(k, "key", None) == "mlp_fp8" for k in path)
-        return jnp.asarray(a) if keep else jnp.asarray(a, config.jnp_dtype)
+        if mesh is None:
+            return jnp.asarray(a) if keep else jnp.asarray(a, config.jnp_dtype)
+        host = np.asarray(a) if keep else np.asarray(a).astype(config.jnp_dtype)
+        return jax.device_put(host, NamedSharding(mesh, _at(specs, path)))
 
     return jax.tree_util.tree_map_with_path(put, params)
+
+
+def _at(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[getattr(k, "key", getattr(k, "idx", None))]
+    return tree
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "unrolled")
@@ -102,13 +115,17 @@ def load(
     progress: bool = False,
     fp8_ffn: bool = False,
     layer_layout: str = "auto",
+    tensor_parallel: int = 1,
 ) -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
     memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32".
     fp8_ffn: quantise the FFNs of layers >= 2 to e4m3 now (a checkpoint converted with --fp8-ffn already is).
     layer_layout: "stacked" ([L, ...] weights, a lax.scan over layers), "unrolled" (one array per layer, an
-    unrolled layer loop: faster on the GPU), or "auto" (unrolled on a GPU; see `resolve_layer_layout`)."""
+    unrolled layer loop: faster on the GPU), or "auto" (unrolled on a GPU; see `resolve_layer_layout`).
+    tensor_parallel: split the weights over this many devices (`transformer.sharding`); every jitted call on the
+    model then runs on all of them."""
     layout = resolve_layer_layout(layer_layout)
+    mesh = tensor_parallel_mesh(tensor_parallel) if tensor_parallel != 1 else None  # a bad count: before reading
     path = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -121,10 +138,12 @@ def load(
         config = hf.model_config(dtype=dtype)
         params = ckpt.read_params(hf, config, progress=progress)
     _check_shapes(config, params, path)
+    if mesh is not None:
+        check_tensor_parallel(config, tensor_parallel)
     if fp8_ffn and not config.fp8_ffn:
         params, config = P.quantize_params(params, config)
     if layout == "unrolled":  # this dict is ours: split in place (numpy views; device arrays one leaf at a time)
-        params = P.unstack_layers_in_place(params)
-    params = to_device(params, config)
+        params = P.unstack_layers_in_place(params, fuse=mesh is None)  # tensor parallel splits q, k, v each by head
+    params = to_device(params, config, mesh)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

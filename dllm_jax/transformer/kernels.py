@@ -15,6 +15,7 @@ import jax
 from dllm_jax.config import ModelConfig
 from dllm_jax.transformer.attention import BACKENDS
 from dllm_jax.transformer.params import Params, is_unrolled
+from dllm_jax.transformer.sharding import mesh_of
 
 AttentionChoice = Literal["auto", "xla", "cudnn", "pallas", "cudnn_pallas"]
 RopeWriteChoice = Literal["auto", "xla", "pallas"]
@@ -64,6 +65,10 @@ class Kernels:
     def resolve(cls, choice: KernelChoice, config: ModelConfig, params: Params, padded: bool = False) -> "Kernels":
         gpu = jax.default_backend() == "gpu"
         attention = choice.attention
+        if mesh_of(params) is not None:  # tensor parallel: XLA partitions its own ops, not the Pallas/cuDNN calls
+            if attention not in ("auto", "xla") or choice.rope_write == "pallas":
+                raise ValueError(f"attention={attention!r}: tensor-parallel params run XLA's kernels (attention='xla')")
+            return cls("xla", False, "xla", not gpu)
         if attention == "auto":
             attention = "cudnn_pallas" if gpu and config.dtype == "bfloat16" and not padded else "xla"
         unrolled = is_unrolled(params["layers"])
