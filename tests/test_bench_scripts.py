@@ -4,6 +4,8 @@ quality.py and train_demo.py are run by tests/test_quality_smoke.py and tests/te
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -226,3 +228,23 @@ def test_bench_serve_rows_through_python_and_http(tmp_path):
     assert http["vs_python"] == http["tokens_per_s"] / python["tokens_per_s"]
     assert data["meta"]["runs"]["smoke"]["affix_len"] == 64
     assert (tmp_path / "serve_cpu_smoke.png").stat().st_size > 0
+
+
+def test_bench_tp_smoke(tmp_path):
+    """The tensor-parallel bench on 2 host devices (a fresh interpreter: XLA_FLAGS is read at jax's start): the
+    fields issue 34 names, tp 2 against tp 1 in the same run, a plot."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    args = ["--model", "tiny", "--batches", "1", "--prompt-len", "16", "--gen-len", "8", "--block-len", "4"]
+    args += ["--steps-per-block", "2", "--run", "smoke", "--out", str(tmp_path)]
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "bench_tp.py"), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "tp_cpu_smoke.json").read_text())
+    one, two = data["rows"]
+    for row in (one, two):
+        assert {"model", "tp", "batch", "mode", "tokens_per_s", "ms_block_step"} <= set(row)
+        assert row["tokens_per_s"] > 0 and row["nfe"] == 4  # 2 blocks of 2 steps
+    assert (one["tp"], two["tp"]) == (1, 2) and two["vs_tp1"] == two["tokens_per_s"] / one["tokens_per_s"]
+    assert data["meta"]["runs"]["smoke"]["devices"] == 2 and (tmp_path / "tp_cpu_smoke.png").stat().st_size > 0
