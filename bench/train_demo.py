@@ -54,18 +54,35 @@ from dllm_jax.decoding import GenerationConfig, answer_tokens, generate  # noqa:
 from dllm_jax.io import checkpoint  # noqa: E402
 from dllm_jax.io.loading import Model  # noqa: E402
 from dllm_jax.models import FAMILIES  # noqa: E402
+from dllm_jax.tasks import ALL_TASKS, problems  # noqa: E402
 from dllm_jax.tasks import generators as G  # noqa: E402
 from dllm_jax.tasks import vocab as V  # noqa: E402
 from dllm_jax.transformer import Kernels, forward  # noqa: E402
 from dllm_jax.transformer.params import cast_params, init_params  # noqa: E402
 
-GEN_LENGTH = 8
+GEN_LENGTH = 8  # the bundled model's tasks: answers of <= 4 tokens in one block
 SEQ_LEN = 160  # longest prompt (~150) + GEN_LENGTH, rounded up
+LONG_GEN_LENGTH = 128  # with long-form tasks: chain answers of up to 126 tokens (4 blocks of 32)
+LONG_SEQ_LEN = 1280  # longest long-form prompt (~1050: a 1020-token document) + LONG_GEN_LENGTH, rounded up
+
+
+def shapes_for(tasks: tuple[str, ...]) -> tuple[int, int]:
+    """(row length, generation region) of the rows of a task set."""
+    if all(t in G.TASKS for t in tasks):
+        return SEQ_LEN, GEN_LENGTH
+    return LONG_SEQ_LEN, LONG_GEN_LENGTH
+
+
 CHUNK = 2000  # problems per data chunk (one RNG seed each)
 
 
 def model_config(
-    tiny: bool, dtype: str = "float32", d_model: int = 256, n_layers: int = 6, family: str = "llada"
+    tiny: bool,
+    dtype: str = "float32",
+    d_model: int = 256,
+    n_layers: int = 6,
+    family: str = "llada",
+    max_seq_len: int = 1024,
 ) -> ModelConfig:
     """The demo model's shape in either family's layout. Dream's differs as the release does: GQA (a quarter of the
     heads for K/V), q/k/v biases, RoPE in the activation dtype; and it predicts position i at output i - 1."""
@@ -88,7 +105,7 @@ def model_config(
         rope_fp32=not dream,
         qkv_bias=dream,
         tie_embeddings=False,
-        max_seq_len=1024,
+        max_seq_len=max_seq_len,
         mask_token_id=v[V.MASK],
         eos_token_id=v[V.EOS],
         pad_token_id=v[V.EOS],
@@ -107,18 +124,18 @@ def predictions(logits: jax.Array, config: ModelConfig) -> jax.Array:
 
 # ------------------------------------------------------------------------------------------------ data
 def _chunk(args):
-    """Rows of one chunk: (tokens [n, SEQ_LEN] int16, valid length [n], answer start [n])."""
-    task, chunk_idx, n, seed, level, difficulty = args
+    """Rows of one chunk: (tokens [n, seq_len] int16, valid length [n], answer start [n])."""
+    task, chunk_idx, n, seed, level, difficulty, (seq_len, gen_length) = args
     v = V.vocab()
     eos = v[V.EOS]
-    rng = np.random.default_rng([seed, chunk_idx, G.TASKS.index(task), level])
-    toks = np.full((n, SEQ_LEN), eos, np.int16)
+    rng = np.random.default_rng([seed, chunk_idx, ALL_TASKS.index(task), level])
+    toks = np.full((n, seq_len), eos, np.int16)
     length = np.zeros(n, np.int32)
     start = np.zeros(n, np.int32)
-    probs = G.generate(task, "train", n, seed=seed * 100_000 + chunk_idx + 10_000 * level, difficulty=difficulty)
+    probs = problems(task, "train", n, seed=seed * 100_000 + chunk_idx + 10_000 * level, difficulty=difficulty)
     for i, p in enumerate(probs):
-        r = G.render(p, G.PLACEMENTS[rng.integers(3)], v)
-        row = r.prompt + r.answer + [eos] * (GEN_LENGTH - len(r.answer))
+        r = G.render(p, p.placements[rng.integers(len(p.placements))], v)
+        row = r.prompt + r.answer + [eos] * (gen_length - len(r.answer))
         toks[i, : len(row)] = row
         length[i] = len(row)
         start[i] = len(r.prompt)
@@ -128,13 +145,15 @@ def _chunk(args):
 def build_pool(n_per_task: int, seed: int, workers: int, levels: int = 1, tasks: tuple[str, ...] = G.TASKS):
     """Training rows of `tasks` (default all) at `levels` difficulties (linspace(0, 1) if levels > 1, else 1.0),
     level by level: returns (tokens, length, start) with rows [level][task][problem], each level
-    n_per_task x len(tasks) rows. A task's rows do not depend on which other tasks are built."""
+    n_per_task x len(tasks) rows (`shapes_for(tasks)` long). A task's rows do not depend on which other tasks are
+    built."""
     diffs = [1.0] if levels == 1 else list(np.linspace(0.0, 1.0, levels))
+    shapes = shapes_for(tasks)
     jobs = []
     for lv, dfc in enumerate(diffs):
         for task in tasks:
             for c in range(math.ceil(n_per_task / CHUNK)):
-                jobs.append((task, c, min(CHUNK, n_per_task - c * CHUNK), seed, lv, float(dfc)))
+                jobs.append((task, c, min(CHUNK, n_per_task - c * CHUNK), seed, lv, float(dfc), shapes))
     if workers > 1:
         with mp.get_context("fork").Pool(workers) as pool:
             parts = pool.map(_chunk, jobs)
@@ -209,7 +228,7 @@ def make_step(
 
 def sample_rows(key, n_rows: int, batch: int, levels: int, max_level, task_weights=None):
     """Pool row indices for one batch. The pool is [level][task][problem]; each row's level is uniform in
-    [0, max_level] (the curriculum), its task uniform or drawn with `task_weights` (in G.TASKS order)."""
+    [0, max_level] (the curriculum), its task uniform or drawn with `task_weights` (in the pool's task order)."""
     k_lv, k_task, k_idx = jax.random.split(key, 3)
     per_level = n_rows // levels
     level = jax.random.randint(k_lv, (batch,), 0, max_level + 1)
@@ -220,11 +239,11 @@ def sample_rows(key, n_rows: int, batch: int, levels: int, max_level, task_weigh
     return level * per_level + task * per_task + jax.random.randint(k_idx, (batch,), 0, per_task)
 
 
-def parse_task_weights(spec: str | None) -> tuple[float, ...] | None:
-    """'locate=1,lookup=2' -> weights in G.TASKS order (unnamed tasks weigh 1); None -> uniform."""
+def parse_task_weights(spec: str | None, tasks: tuple[str, ...] = G.TASKS) -> tuple[float, ...] | None:
+    """'locate=1,lookup=2' -> weights in `tasks` order (unnamed tasks weigh 1); None -> uniform."""
     if not spec:
         return None
-    w = dict.fromkeys(G.TASKS, 1.0)
+    w = dict.fromkeys(tasks, 1.0)
     for item in spec.split(","):
         name, _, value = item.partition("=")
         try:
@@ -233,12 +252,12 @@ def parse_task_weights(spec: str | None) -> tuple[float, ...] | None:
             weight = None
         if name.strip() not in w or weight is None or not math.isfinite(weight) or weight < 0:
             raise SystemExit(
-                f"--task-weights: bad item {item!r}; expected TASK=WEIGHT (a finite weight >= 0) with TASK in {G.TASKS}"
+                f"--task-weights: bad item {item!r}; expected TASK=WEIGHT (a finite weight >= 0) with TASK in {tasks}"
             )
         w[name.strip()] = weight
     if sum(w.values()) <= 0:
         raise SystemExit("--task-weights: the weights must not all be 0")
-    return tuple(w[t] for t in G.TASKS)
+    return tuple(w[t] for t in tasks)
 
 
 def lr_at(
@@ -268,17 +287,21 @@ def time_step(step_fn, params, opt_state, pool, n: int = 20) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ eval
-def quick_eval_set(n: int = 256, seed: int = 99, difficulty: float = 1.0, tasks: tuple[str, ...] = G.TASKS):
-    """Held-out rows (placements cycling) per task for the in-training probe; full difficulty unless asked."""
+def quick_eval_set(
+    n: int = 256, seed: int = 99, difficulty: float = 1.0, tasks: tuple[str, ...] = G.TASKS, shapes=None
+):
+    """Held-out rows (placements cycling) per task for the in-training probe; full difficulty unless asked;
+    rows `shapes` = (row length, generation region) long (default: those of `tasks`)."""
     v = V.vocab()
+    seq_len, gen_length = shapes or shapes_for(tasks)
     out = {}
     for task in tasks:
-        probs = G.generate(task, "heldout", n, seed=seed, difficulty=difficulty)
-        rows = [G.render(p, G.PLACEMENTS[i % 3], v) for i, p in enumerate(probs)]
-        toks = np.full((n, SEQ_LEN), v[V.EOS], np.int32)
+        probs = problems(task, "heldout", n, seed=seed, difficulty=difficulty)
+        rows = [G.render(p, p.placements[i % len(p.placements)], v) for i, p in enumerate(probs)]
+        toks = np.full((n, seq_len), v[V.EOS], np.int32)
         length, start = np.zeros(n, np.int32), np.zeros(n, np.int32)
         for i, r in enumerate(rows):
-            row = r.prompt + r.answer + [v[V.EOS]] * (GEN_LENGTH - len(r.answer))
+            row = r.prompt + r.answer + [v[V.EOS]] * (gen_length - len(r.answer))
             toks[i, : len(row)], length[i], start[i] = row, len(row), len(r.prompt)
         out[task] = (jnp.asarray(toks), jnp.asarray(length), jnp.asarray(start))
     return out
@@ -309,17 +332,20 @@ def make_quick_eval(config: ModelConfig, compute_dtype: str = "bfloat16"):
     return acc
 
 
-def evaluate(params, config: ModelConfig, n: int, seed: int = 1234, batch: int = 512) -> dict:
+def evaluate(
+    params, config: ModelConfig, n: int, seed: int = 1234, batch: int = 512, tasks: tuple[str, ...] = G.TASKS
+) -> dict:
     """Held-out exact match per (task, placement), the engine's no-cache decoding (bf16 weights, one token
     per step)."""
     v = V.vocab()
     cfg = config.replace(dtype="bfloat16")
     model = Model(cfg, cast_params(params, jnp.bfloat16))
-    gc = GenerationConfig.from_options(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, steps=GEN_LENGTH, cache="none")
+    gen = shapes_for(tasks)[1]
+    gc = GenerationConfig.from_options(gen_length=gen, block_length=min(gen, 32), steps=gen, cache="none")
     out = {}
-    for task in G.TASKS:
-        probs = G.generate(task, "heldout", n, seed=seed)
-        for pl in G.PLACEMENTS:
+    for task in tasks:
+        probs = problems(task, "heldout", n, seed=seed)
+        for pl in probs[0].placements:
             rs = [G.render(p, pl, v) for p in probs]
             correct = 0
             for i in range(0, len(rs), batch):
@@ -438,6 +464,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--init", default=None, help="start from this model directory (e.g. the bundled model)")
     ap.add_argument(
+        "--tasks",
+        default=",".join(G.TASKS),
+        help=f"comma-separated tasks to train on, of {','.join(ALL_TASKS)} (default: the bundled model's three; "
+        f"a long-form one makes rows {LONG_SEQ_LEN} tokens with a {LONG_GEN_LENGTH}-token answer region)",
+    )
+    ap.add_argument(
         "--checkpoint-dir",
         default=None,
         help="save the training state here every --checkpoint-every steps and resume from its latest on start "
@@ -481,15 +513,21 @@ def main(argv=None) -> int:
         # a resumed run must take the same steps: a step count fixed up front, no end decided by the clock
         raise SystemExit("--checkpoint-dir needs --steps N, --checkpoint-every >= 1 and no --hold-until")
 
-    task_weights = parse_task_weights(args.task_weights)
+    tasks = tuple(t.strip() for t in args.tasks.split(","))
+    if not tasks or len(set(tasks)) != len(tasks) or not set(tasks) <= set(ALL_TASKS):
+        raise SystemExit(f"--tasks: expected distinct names of {ALL_TASKS}, got {args.tasks!r}")
+    task_weights = parse_task_weights(args.task_weights, tasks)
+    seq_len, gen_length = shapes_for(tasks)
     t0 = time.time()
-    config = model_config(args.tiny, d_model=args.d_model, n_layers=args.layers, family=args.family)
+    config = model_config(
+        args.tiny, d_model=args.d_model, n_layers=args.layers, family=args.family, max_seq_len=max(1024, seq_len)
+    )
     # build the data in forked workers BEFORE anything starts JAX's backend threads (fork + threads can deadlock)
-    pool_np = build_pool(args.pool, args.seed, args.workers, args.levels)
+    pool_np = build_pool(args.pool, args.seed, args.workers, args.levels, tasks)
     if args.attention == "auto":
         args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
     print(
-        f"pool: {len(pool_np[0])} rows x {SEQ_LEN} built in {time.time() - t0:.1f}s "
+        f"pool: {len(pool_np[0])} rows x {seq_len} built in {time.time() - t0:.1f}s "
         f"(max len {pool_np[1].max()}); backend {jax.default_backend()}",
         flush=True,
     )
@@ -529,7 +567,7 @@ def main(argv=None) -> int:
             print(f"attention backend {args.attention!r} failed ({type(e).__name__}: {str(e)[:200]}); using xla")
             args.attention = "xla"
             step_fn = make_step(config, args.batch, args.full_frac, args.eps, tx, "xla", args.levels, task_weights)
-    quick_set, quick_acc = quick_eval_set(), make_quick_eval(config)
+    quick_set, quick_acc = quick_eval_set(tasks=tasks), make_quick_eval(config)
     hold_fn = None
     if args.hold_frac > 0 or args.hold_steps:
         # level-0 rows are at most ~80 tokens: a step over them cut to that length costs about half a full one
@@ -593,7 +631,7 @@ def main(argv=None) -> int:
                 print(f"auto: {per * 1e3:.1f} ms/step -> --steps {total}", flush=True)
         if s % args.log_every == 0 or s == total:
             loss, ans_ce, gn = float(loss), float(ans_ce), float(gn)
-            probe = {t: round(float(quick_acc(params, *quick_set[t])), 3) for t in G.TASKS}
+            probe = {t: round(float(quick_acc(params, *quick_set[t])), 3) for t in tasks}
             hist.append((s, loss, ans_ce, probe))
             easy = ""
             if holding:
@@ -616,9 +654,10 @@ def main(argv=None) -> int:
     checkpoint.export_hf(params, config, out)
     # the task prompts use LLaDA's chat template (its header tokens are in the vocabulary), whatever the layout
     V.write(out, chat_template=FAMILIES["llada"].chat_template if config.family != "llada" else None)
-    # the CLI's defaults for this model: it was trained to answer in GEN_LENGTH tokens
+    # the CLI's defaults for this model: it was trained to answer in gen_length tokens
+    block = min(gen_length, 32)
     (out / "generation_config.json").write_text(
-        json.dumps({"max_new_tokens": GEN_LENGTH, "block_length": GEN_LENGTH, "steps": GEN_LENGTH}, indent=2)
+        json.dumps({"max_new_tokens": gen_length, "block_length": block, "steps": gen_length}, indent=2)
     )
     # the flags the command line below repeats as they are
     flags = "family batch lr warmup full_frac eps pool seed d_model layers levels curriculum_frac".split()
@@ -629,7 +668,8 @@ def main(argv=None) -> int:
         train_seconds=round(train_s, 1),
         backend=jax.default_backend(),
         loss_history=hist,
-        gen_length=GEN_LENGTH,
+        gen_length=gen_length,
+        tasks=list(tasks),
         command=f"python bench/train_demo.py --out {args.out} --steps {s}"
         + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in flags)
         + (f" --task-weights {args.task_weights}" if args.task_weights else "")
@@ -639,7 +679,7 @@ def main(argv=None) -> int:
     )
     if args.eval_n > 0:
         t1 = time.time()
-        acc = evaluate(params, config, args.eval_n)
+        acc = evaluate(params, config, args.eval_n, tasks=tasks)
         meta["heldout_accuracy_nocache"] = acc
         print(f"held-out exact match (no cache, n={args.eval_n}/cell, {time.time() - t1:.0f}s):", flush=True)
         for k, a in acc.items():

@@ -240,3 +240,28 @@ def test_training_cli_dream_twin_with_adaptive_level0_hold(tmp_path):
     assert model.encode_chat(problem.prompt_text("infix")) == rendered.prompt
     with pytest.raises(SystemExit, match="give one"):
         train.main(["--out", str(out), "--tiny", "--hold-steps", "3", "--hold-until", "0.5"])
+
+
+def test_long_form_training_rows():
+    """--tasks with long-form tasks: 1280-token rows with a 128-token answer region (the answer, then EOS), every
+    row's answer the solver's; weights and probes follow the chosen tasks; a bad task name is refused."""
+    from dllm_jax.tasks import long_form as L
+    from dllm_jax.tasks import vocab as V
+
+    train = _bench("train_demo")
+    tasks = ("rule", "chain", "dialogue", "longdoc")
+    seq, gen = train.shapes_for(tasks)
+    assert (seq, gen) == (1280, 128) and train.shapes_for(("rule",)) == (160, 8)
+    toks, length, start = train.build_pool(5, seed=0, workers=1, levels=1, tasks=tasks)
+    assert toks.shape == (20, seq) and np.all(length - start == gen) and np.all(length <= seq)
+    inv = {i: w for w, i in V.vocab().items()}
+    for i in range(20):
+        words = [inv[int(t)] for t in toks[i, start[i] : length[i]]]
+        answer = words[: words.index(V.EOS)]
+        assert len(answer) >= (36 if i // 5 == 1 else 1) and set(words[len(answer) :]) == {V.EOS}
+    assert train.parse_task_weights("chain=3", tasks) == (1.0, 3.0, 1.0, 1.0)
+    quick = train.quick_eval_set(n=4, tasks=("chain",))
+    assert quick["chain"][0].shape == (4, seq)
+    with pytest.raises(SystemExit, match="--tasks"):
+        train.main(["--tiny", "--tasks", "rule,chian"])
+    assert L.LONG_FORM_TASKS == ("chain", "dialogue", "longdoc")
