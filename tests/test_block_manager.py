@@ -512,6 +512,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.acquires += 1
             self.held.append(e)
             assert bm.get_affix(e.key) is e
+            lru = [k for k in lru if k != e.key]  # a hit is held before the private pages evict: never evicted
         self._removal(entries, lru, evicting=True)
 
     @invariant()
