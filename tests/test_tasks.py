@@ -65,33 +65,13 @@ def test_render_spans_and_chat_template(placement):
 
 
 def test_tokenizer_round_trip_and_chat_template(tmp_path):
-    from dllm_jax.config import ModelConfig
     from dllm_jax.io.tokenizer import load_tokenizer
 
     V.write(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert cfg["mask_token"] == "<|mdm_mask|>" and cfg["bos_token"] == "<|startoftext|>"
     v = V.vocab()
-    mc = ModelConfig(
-        family="llada",
-        vocab_size=V.padded_vocab_size(),
-        d_model=8,
-        n_layers=1,
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=8,
-        mlp_hidden=8,
-        rms_eps=1e-5,
-        rope_theta=1e4,
-        rope_fp32=True,
-        qkv_bias=False,
-        tie_embeddings=False,
-        max_seq_len=256,
-        mask_token_id=v[V.MASK],
-        eos_token_id=v[V.EOS],
-        pad_token_id=v[V.EOS],
-        bos_token_id=v[V.BOS],
-    )
+    mc = _tiny_config()
     tok = load_tokenizer(tmp_path, mc)
     assert tok.hf.mask_token_id == v[V.MASK] and tok.hf.eos_token_id == v[V.EOS] and tok.hf.bos_token_id == v[V.BOS]
     for task in G.TASKS:
