@@ -11,6 +11,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # deadlocks. Must be set before jax starts its CPU client.
 if int(os.environ.get("NPROC") or 0) < 8:  # an inherited NPROC=2 would hang those tests, not fail them
     os.environ["NPROC"] = "8"
+# XLA's CPU backend without LLVM's optimisations: the tests' tiny programs are compile-bound (this cuts about 30% of
+# the suite's time); what they check (paths against references compiled the same way, goldens within tolerance)
+# does not depend on them. Subprocesses the tests start inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import fixtures  # noqa: E402
 

@@ -234,7 +234,7 @@ def test_bench_tp_smoke(tmp_path):
     """The tensor-parallel bench on 2 host devices (a fresh interpreter: XLA_FLAGS is read at jax's start): the
     fields issue 34 names, tp 2 against tp 1 in the same run, a plot."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     args = ["--model", "tiny", "--batches", "1", "--prompt-len", "16", "--gen-len", "8", "--block-len", "4"]
     args += ["--steps-per-block", "2", "--run", "smoke", "--out", str(tmp_path)]
     r = subprocess.run(

@@ -81,8 +81,8 @@ print(json.dumps(out))
 
 
 def run(body: str, tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     r = subprocess.run(
         [sys.executable, "-c", PRELUDE + body, str(TESTS), str(tmp_path)],
         capture_output=True,
