@@ -230,3 +230,28 @@ def decode_inputs(model, gc, prompts, spans=None):
     shift = 1 if model.config.family == "dream" else 0
     masks = jnp.asarray(positions), jnp.asarray(key_mask), jnp.asarray(frozen)
     return jnp.asarray(x), DecodeInputs(*masks, p, gc.schedule.block_length, shift, XLA)
+
+
+def start_server(*flags: str):
+    """`dllm-jax serve --port 0 FLAGS` in a subprocess (the installed package, not this checkout's PYTHONPATH):
+    (the process, its base URL read from the line it prints at start)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", *flags],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stderr.readline()
+    found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+    if found is None:
+        proc.kill()
+        raise AssertionError(f"dllm-jax serve did not start: {line}{proc.stderr.read()[-2000:]}")
+    return proc, found.group(1)

@@ -4,13 +4,11 @@ under jit, the engine example, and the client examples against `dllm-jax serve` 
 import contextlib
 import io
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
+import fixtures
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,18 +49,8 @@ def test_engine_example_prints_what_the_readme_says():
 def test_server_examples_against_dllm_jax_serve():
     command = block("dllm-jax serve", BASH_BLOCKS).split("#")[0].split()
     assert command == [".venv/bin/dllm-jax", "serve"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # the README's command on a free port (the README's 8000 may be taken on a test machine)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0"],
-        cwd=REPO,
-        env=env,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
+    proc, url = fixtures.start_server()  # the README's command on a free port (8000 may be taken here)
     try:
-        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", proc.stderr.readline()).group(1)
         client = block("from openai import OpenAI").replace("http://127.0.0.1:8000", url)
         lines = run(client).strip().splitlines()
         assert lines[:3] == ["8 9 5 -> 1 0 4", "1 2 3 -> 8 7 6", "0 0 7 -> 9 9 2"]  # the comment's answers

@@ -5,15 +5,13 @@ clients gets every answer once and right; SIGTERM drains."""
 
 import asyncio
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import fixtures
 import httpx
 import numpy as np
 import pytest
@@ -300,18 +298,8 @@ def test_soak(model, request):
 
 def test_sigterm_finishes_what_runs_then_exits(tmp_path):
     # one request decoded at a time and three sent: the drain outlasts the checks below on a loaded machine too
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", "--dtype", "float32", "--max-batch", "1"],
-        cwd=REPO,
-        env=env,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
+    proc, url = fixtures.start_server("--dtype", "float32", "--max-batch", "1")
     try:
-        line = proc.stderr.readline()
-        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
         body = {
             "model": NAME,
             "prompt": DEMO_PROMPT,
