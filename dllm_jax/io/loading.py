@@ -74,22 +74,17 @@ def _check_shapes(config: ModelConfig, params: dict[str, Any], where: Path) -> N
 def to_device(params: dict[str, Any], config: ModelConfig, mesh: Mesh | None = None) -> dict[str, Any]:
     """Device arrays in the run dtype; the FP8 FFN leaves (e4m3 weights, fp32 scales) keep their own dtypes. With a
     tensor-parallel mesh each leaf goes straight from the host into its shards (never whole on one device)."""
-    specs = None if mesh is None else param_specs(params, mesh.shape[AXIS])
 
-    def put(path, a):
-        keep = any(getattr(k, "key", None) == "mlp_fp8" for k in path)
-        if mesh is None:
-            return jnp.asarray(a) if keep else jnp.asarray(a, config.jnp_dtype)
-        host = np.asarray(a) if keep else np.asarray(a).astype(config.jnp_dtype)
-        return jax.device_put(host, NamedSharding(mesh, _at(specs, path)))
+    def dtype(path) -> Any:
+        return None if any(getattr(k, "key", None) == "mlp_fp8" for k in path) else config.jnp_dtype
 
-    return jax.tree_util.tree_map_with_path(put, params)
+    if mesh is None:
+        return jax.tree_util.tree_map_with_path(lambda path, a: jnp.asarray(a, dtype(path)), params)
 
+    def put(path, a, spec):
+        return jax.device_put(np.asarray(a, dtype(path)), NamedSharding(mesh, spec))
 
-def _at(tree: Any, path: tuple) -> Any:
-    for k in path:
-        tree = tree[getattr(k, "key", getattr(k, "idx", None))]
-    return tree
+    return jax.tree_util.tree_map_with_path(put, params, param_specs(params, mesh.shape[AXIS]))
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "unrolled")
