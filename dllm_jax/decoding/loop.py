@@ -41,6 +41,7 @@ class LoopState:
     steps_per_block: Array  # [n_blocks] int32
     committed_per_step: Array  # [max_total_steps] int32: tokens committed (whole batch) at each step
     done: Array  # [B] bool: the row's answer has ended (EOS committed and the rest filled with EOS)
+    rows: Any = None  # RowSettings: per-row sampling settings and step budgets (the engine), with a RowSampler
 
 
 def fixed_step_count(gc: GenerationConfig, config: ModelConfig) -> bool:
@@ -92,9 +93,11 @@ class BlockRunner:
         # committing it would leave a position masked forever)
         return exclude_token(logits, self.config.mask_token_id), cache
 
-    def commit(self, inp: DecodeInputs, logits, masked, key, step, first_of_block: bool, masked_at_start):
+    def commit(self, inp: DecodeInputs, logits, masked, key, step, first_of_block: bool, masked_at_start, rows=None):
         spb = self.gc.schedule.steps_per_block
-        if key.ndim == 0:
+        if rows is not None:  # settings per row (RowSampler): rows past their step budget commit nothing
+            x0, commit = self.sampler.commit_rows(logits, masked, key, step, masked_at_start, rows)
+        elif key.ndim == 0:
             x0, commit = self.sampler.commit(logits, masked, key, step, masked_at_start, spb)
         else:  # a key per row: each row's randomness is that of the row decoded alone
 
@@ -108,6 +111,8 @@ class BlockRunner:
             # unconditionally; in-block windows cannot predict it (its predictor sits before the window). With
             # refresh="step" every forward is full, the rule has no reason, and the cache equals no cache exactly.
             commit = commit_first_masked(masked)
+            if rows is not None:
+                commit = commit & (step < rows.steps)[:, None]
         return x0, commit
 
     def run_block(self, params, inp: DecodeInputs, s: LoopState, block_start: Array, static_steps: bool) -> LoopState:
@@ -121,6 +126,8 @@ class BlockRunner:
 
         def step_cond(s: LoopState):
             blk = jax.lax.dynamic_slice_in_dim(s.x, block_start, bl, axis=1)
+            if s.rows is not None:  # a row steps while it has masks and step budget
+                return jnp.any((blk == mask_id) & (s.step < s.rows.steps)[:, None]) & (s.step < spb)
             return jnp.any(blk == mask_id) & (s.step < spb)
 
         def step_body(s: LoopState, first_of_block: bool) -> LoopState:
@@ -132,9 +139,10 @@ class BlockRunner:
                 key, sub = jax.random.split(s.key)
             else:  # a row's key advances only at its own steps (a row whose block is done waits)
                 pairs = jax.vmap(jax.random.split)(s.key)
-                key = jnp.where(masked.any(axis=-1), pairs[:, 0], s.key)
+                stepping = masked.any(axis=-1) if s.rows is None else masked.any(axis=-1) & (s.step < s.rows.steps)
+                key = jnp.where(stepping, pairs[:, 0], s.key)
                 sub = pairs[:, 1]
-            x0, commit = self.commit(inp, logits, masked, sub, s.step, first_of_block, s.masked_at_start)
+            x0, commit = self.commit(inp, logits, masked, sub, s.step, first_of_block, s.masked_at_start, s.rows)
             x = jax.lax.dynamic_update_slice_in_dim(s.x, jnp.where(commit, x0, blk), block_start, axis=1)
             per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
             return dataclasses.replace(
@@ -155,7 +163,7 @@ class BlockRunner:
             return jax.lax.fori_loop(1, spb, lambda _, s: step_body(s, first_of_block=False), s)
         return jax.lax.while_loop(step_cond, lambda s: step_body(s, first_of_block=False), s)
 
-    def initial_state(self, x: Array, cache: Any, key: Array, max_total_steps: int) -> LoopState:
+    def initial_state(self, x: Array, cache: Any, key: Array, max_total_steps: int, rows: Any = None) -> LoopState:
         b = x.shape[0]
         return LoopState(
             x=x,
@@ -169,6 +177,7 @@ class BlockRunner:
             steps_per_block=jnp.zeros((self.gc.schedule.n_blocks,), jnp.int32),
             committed_per_step=jnp.zeros((max_total_steps,), jnp.int32),
             done=jnp.zeros((b,), bool),
+            rows=rows,
         )
 
 

@@ -4,7 +4,7 @@ One idea per module: request (a request's state), block_manager (pages, refcount
 shared spans), kv_pool (the device pool and its page tables), scheduler (admission), runner (device inputs and the
 jitted calls), engine (the loop)."""
 
-from dllm_jax.engine.engine import AffixHandle, Engine, EngineConfig, QueueFull, RequestError
+from dllm_jax.engine.engine import AffixHandle, Engine, EngineConfig, QueueFull, RequestError, enable_compile_cache
 from dllm_jax.engine.request import BlockOutput
 
-__all__ = ["AffixHandle", "BlockOutput", "Engine", "EngineConfig", "QueueFull", "RequestError"]
+__all__ = ["AffixHandle", "BlockOutput", "Engine", "EngineConfig", "QueueFull", "RequestError", "enable_compile_cache"]

@@ -9,15 +9,23 @@
 
 Each iteration admits waiting requests (FIFO) while pages and batch slots last, builds the K/V of newly needed
 affixes alone (once per affix, whatever its placement), runs ACache's probe for newly admitted requests, then one
-block of every running request (grouped by schedule and sampler, one device call per group: the block start and all
-its steps). A request's tokens are those of `dllm_jax.generate` on that request alone with the same settings.
+block of every running request (one device call per block length and BiCache depth: the block start and all its
+steps; temperatures, top-p / top-k, thresholds, steps, lengths, seeds and anchors differ per row as data). A
+request's tokens are those of `dllm_jax.generate` on that request alone with the same settings.
+
+The programs are fixed by the settings (`EngineConfig`: max_batch, max_model_len, the served block lengths, sampler
+and BiCache depths), never by the traffic: `warmup()` compiles every one of them (`program_count()`), after which
+no request compiles anything; a compile after warm-up is counted and logged as a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -26,19 +34,31 @@ from tqdm.auto import tqdm
 
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
-from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Shallow
+from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
 from dllm_jax.decoding.loop import BlockRunner
+from dllm_jax.decoding.samplers import FamilySampler
+from dllm_jax.decoding.samplers.rows import RowSampler, RowValues, static_part
 from dllm_jax.engine.affix_index import AffixIndex
 from dllm_jax.engine.block_manager import BlockManager, pages_for
 from dllm_jax.engine.kv_pool import kv_bytes_per_token
 from dllm_jax.engine.request import BlockOutput, Request, Status
-from dllm_jax.engine.runner import STRATEGY, ModelRunner, Shape, backend_compiles, bucket
+from dllm_jax.engine.runner import STRATEGY, Ladder, ModelRunner, compile_totals
 from dllm_jax.engine.scheduler import QueueFull, Scheduler
+from dllm_jax.io.loading import generation_defaults
 from dllm_jax.transformer import KernelChoice, Kernels
 from dllm_jax.transformer.params import unstack_layers
 from dllm_jax.transformer.sharding import mesh_of
 
-__all__ = ["AffixHandle", "Engine", "EngineConfig", "KVBudgetError", "QueueFull", "RequestError"]
+__all__ = [
+    "AffixHandle",
+    "Engine",
+    "EngineConfig",
+    "KVBudgetError",
+    "QueueFull",
+    "RequestError",
+    "enable_compile_cache",
+]
+log = logging.getLogger("dllm_jax.engine")
 CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
 
 
@@ -59,7 +79,11 @@ class EngineConfig:
     spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
     shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
     GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: powers of two up to
-    max_batch; (max_batch,) compiles one shape per program at the cost of padding small batches)."""
+    max_batch). block_lengths: the block lengths served (None: the model's generation_config.json block_length,
+    else 32). sampler: the static part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp
+    and eps; None: the family's default); temperature, top-p / top-k, threshold or factor and steps are per
+    request. shallow_depths: the BiCache depths served (none by default: BiCache requests are refused). Each of
+    these multiplies the programs compiled at warm-up; a request outside them gets RequestError naming the list."""
 
     max_batch: int = 16
     kv_budget_bytes: int | None = None
@@ -71,6 +95,9 @@ class EngineConfig:
     min_affix_tokens: int = 64
     attention: str = "auto"
     batch_sizes: tuple[int, ...] | None = None
+    block_lengths: tuple[int, ...] | None = None
+    sampler: FamilySampler | None = None
+    shallow_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens"):
@@ -83,6 +110,14 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
         KernelChoice(attention=self.attention)
+        for name in ("block_lengths", "shallow_depths"):
+            values = getattr(self, name)
+            if values is not None:
+                object.__setattr__(self, name, tuple(sorted({int(v) for v in values})))
+        if self.block_lengths is not None and (not self.block_lengths or min(self.block_lengths) <= 0):
+            raise ValueError(f"EngineConfig.block_lengths={self.block_lengths} must be positive")
+        if self.shallow_depths and min(self.shallow_depths) < 0:
+            raise ValueError(f"EngineConfig.shallow_depths={self.shallow_depths} must be >= 0")
         if self.batch_sizes is not None and (
             not self.batch_sizes or max(self.batch_sizes) != self.max_batch or min(self.batch_sizes) < 1
         ):
@@ -123,32 +158,54 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_batch, self.config.max_batch, self.config.max_queue
         )
+        # what is served, resolved once: each is part of the programs' keys (everything else is data)
+        default_block = generation_defaults(getattr(model, "path", None)).get("block_length", 32)
+        self.block_lengths = self.config.block_lengths or (default_block,)
+        self.sampler = static_part((self.config.sampler or FamilySampler()).resolve(mc.family))
+        for depth in self.config.shallow_depths:
+            if depth > mc.n_layers:
+                raise ValueError(f"EngineConfig.shallow_depths: {depth} exceeds the model's {mc.n_layers} layers")
+        if max(self.block_lengths) >= self.max_len:
+            raise ValueError(
+                f"EngineConfig.block_lengths={self.block_lengths}: a block must be shorter than max_model_len "
+                f"{self.max_len}"
+            )
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
-        self.runner = ModelRunner(
-            params,
-            mc,
-            num_pages * self.config.page_size,
-            self.max_len,
-            self.config.batch_sizes or _powers_of_two(self.config.max_batch),
-            kernels,
-        )
+        ladder = Ladder.for_settings(self.config.batch_sizes or _powers_of_two(self.config.max_batch), self.max_len)
+        self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels)
+        self._runners = {
+            (bl, depth): BlockRunner(
+                mc,
+                GenerationConfig(Schedule(bl, bl, bl), RowSampler(self.sampler), CacheConfig("dual")),
+                STRATEGY if depth is None else ShallowReuse(DualCache(), depth),
+                RowSampler(self.sampler),
+            )
+            for bl in self.block_lengths
+            for depth in (None, *self.config.shallow_depths)
+        }
         m = self.config.min_affix_tokens
         self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.warmed = False
+        self._compiles_at_start = compile_totals()
+        self._compiles_at_warm: tuple[int, float] | None = None
         self.counters = dict(
             requests=0,
             finished=0,
             aborted=0,
             generated_tokens=0,
             blocks=0,
+            block_rows=0,
             probes=0,
+            probe_calls=0,
             probe_seconds=0.0,
             affix_builds=0,
             affix_hits=0,
             peak_pages=0,
+            warmup_seconds=0.0,
         )
 
     def _pages_within_budget(self) -> int:
@@ -228,6 +285,8 @@ class Engine:
         req = Request(request_id, prompt, gc, self._affix_span(prompt, gc, affix, remember))
         if isinstance(req.technique, Shallow):
             req.depth = self._depth(req)
+        s = gc.schedule
+        req.row_values = RowValues.of(gc.sampler_for(self.model.config), s.steps_per_block, s.block_length)
         if not self.scheduler.fits_ever(req):
             raise RequestError(
                 f"request {request_id} needs {pages_for(req.private_tokens(), self.config.page_size)} "
@@ -254,6 +313,19 @@ class Engine:
             gc.check_model(self.model.config)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        # the settings that are part of a program's key must be among those served (and warmed)
+        bl = gc.schedule.block_length
+        if bl not in self.block_lengths:
+            raise RequestError(
+                f"block_length={bl} is not served: this engine serves block lengths {list(self.block_lengths)} "
+                "(EngineConfig.block_lengths; dllm-jax serve --block-lengths)"
+            )
+        sampler = static_part(gc.sampler_for(self.model.config))
+        if sampler != self.sampler:
+            raise RequestError(
+                f"the sampler {sampler} is not served: this engine decodes with {self.sampler} (temperature, top_p, "
+                "top_k, threshold, factor and steps may vary per request; EngineConfig.sampler sets the rest)"
+            )
 
     def _affix_span(
         self, prompt: list[int], gc: GenerationConfig, affix, remember: bool = True
@@ -281,11 +353,14 @@ class Engine:
         return s, e
 
     def _depth(self, req: Request) -> int:
+        """BiCache's depth for the request: its own, or its table's rounded down to a served depth (shallower
+        reuses less: closer to exact)."""
         from dllm_jax.decoding.caches.bicache import batch_depth
 
         t = req.config.cache.affix
+        served = self.config.shallow_depths
         try:
-            return batch_depth(
+            depth = batch_depth(
                 self.model.config,
                 [req.affix_span],
                 [len(req.prompt)],
@@ -295,6 +370,14 @@ class Engine:
             )
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if t.depth is None:
+            depth = max((d for d in served if d <= depth), default=depth)
+        if depth not in served:
+            raise RequestError(
+                f"shallow_depth={depth} is not served: this engine serves BiCache depths {list(served)} "
+                "(EngineConfig.shallow_depths; dllm-jax serve --shallow-depths)"
+            )
+        return depth
 
     # ---- running ------------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -302,6 +385,16 @@ class Engine:
 
     def step(self) -> list[BlockOutput]:
         """One scheduling iteration: admit, build new affixes, probe, then one block of every running request."""
+        before = compile_totals()[0]
+        outputs = self._step()
+        compiled = compile_totals()[0] - before
+        if compiled and self.warmed:
+            log.warning(
+                "the engine compiled %d program(s) after warm-up (a shape or setting it did not warm)", compiled
+            )
+        return outputs
+
+    def _step(self) -> list[BlockOutput]:
         outputs: list[BlockOutput] = []
         admitted = self.scheduler.admit()
         self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
@@ -329,6 +422,7 @@ class Engine:
             t0 = time.perf_counter()
             importances = self.runner.probe(chunk, self.block_manager)
             self.counters["probe_seconds"] += time.perf_counter() - t0
+            self.counters["probe_calls"] += 1
             for r, importance in zip(chunk, importances):
                 k = r.anchor_count
                 order = np.argsort(-importance, kind="stable")[:k]  # ties: the earlier token
@@ -341,14 +435,12 @@ class Engine:
             for r, blk, key in zip(group, tokens, keys):
                 outputs.append(self._commit(r, blk.tolist(), key, steps, now))
             self.counters["blocks"] += 1
+            self.counters["block_rows"] += len(group)
         return outputs
 
     def _program(self, req: Request) -> BlockRunner:
-        """What one compiled program runs: the schedule, the sampler and the step loop (affix data are inputs)."""
-        gc = req.config
-        group = GenerationConfig(gc.schedule, gc.sampler_for(self.model.config), CacheConfig("dual"), gc.kernels)
-        strategy = ShallowReuse(DualCache(), req.depth) if isinstance(req.technique, Shallow) else STRATEGY
-        return BlockRunner(self.model.config, group, strategy, group.sampler)
+        """The block runner of a request's calls: its block length and BiCache depth (everything else is data)."""
+        return self._runners[(req.block_length, req.depth if isinstance(req.technique, Shallow) else None)]
 
     def _commit(self, r: Request, block: list[int], key, steps: int, now: float) -> BlockOutput:
         stops = set(r.config.stop_token_ids(self.model.config))
@@ -415,46 +507,32 @@ class Engine:
             self.release(i)
         return answers
 
-    def warmup(self, samples: Sequence[tuple[Sequence[int], GenerationConfig | None, Any]]) -> int:
-        """Compile, before serving, every program traffic like `samples` ((prompt, config, affix) triples) needs:
-        its shapes become the floor of every call (a batch within them runs a warmed program), at every batch size
-        up to max_batch. Nothing is written to the pool. Returns the XLA compilations it took."""
-        before = backend_compiles()
-        seed_key(0)  # the tiny program that turns a seed into a key, compiled once here
-        reqs = [self.plan_request(prompt, config, affix, "warmup", remember=False) for prompt, config, affix in samples]
-        shapes = []
-        for r in reqs:  # what each request needs alone (the probe reads the whole affix as shared)
-            shares = r.technique is not None and (r.shares_affix or r.anchor_count)
-            shapes.append(
-                Shape(
-                    W=bucket(r.anchor_count + len(r.own_prompt_indices()) + 1 + r.gen_length),
-                    R=bucket(r.private_tokens()),
-                    A=bucket(r.affix_len) if r.technique else 0,
-                    rotate=bool(shares and r.affix_span[0]),
-                )
-            )
-            if isinstance(r.technique, Shallow):  # BiCache: its prefix's placed K/V (the hidden states: below)
-                self.runner.place([0] * r.affix_len, [self.runner.num_slots] * r.affix_len, 0)
-        # and their union, for batches that mix them
-        shapes.append(
-            Shape(
-                max(s.W for s in shapes),
-                max(s.R for s in shapes),
-                max(s.A for s in shapes),
-                any(s.rotate for s in shapes),
-            )
-        )
-        for r in reqs:
-            if isinstance(r.technique, Shallow):
-                self.runner.warm_hidden(r.affix_len, r.depth, sorted({s.A for s in shapes if s.A >= r.affix_len}))
-        runners = list(dict.fromkeys(self._program(r) for r in reqs))
-        affix_len = max([bucket(r.affix_len) for r in reqs if r.technique is not None] or [0])
-        self.runner.warm(sorted(set(shapes)), runners, any(r.anchor_count for r in reqs), affix_len)
-        return backend_compiles() - before
+    def program_count(self) -> int:
+        """How many programs serving can ever run (a function of the settings only): what `warmup` compiles."""
+        return len(self.runner.programs(list(self._runners.values())))
+
+    def warmup(self, progress: bool = True) -> dict:
+        """Compile every program the engine can ever run (its settings fix them), before serving: afterwards no
+        request compiles anything. Nothing is written to the pool. Returns the programs, the XLA compilations it
+        took (fewer than programs where jax's persistent compilation cache had them) and the seconds."""
+        t0 = time.perf_counter()
+        c0 = compile_totals()[0]
+        seed_key(0)  # the tiny program that turns a seed into a key
+        self.runner.warm(self.runner.programs(list(self._runners.values())), progress)
+        jax.block_until_ready(self.runner.k)
+        seconds = time.perf_counter() - t0
+        self.counters["warmup_seconds"] += seconds
+        self.warmed = True
+        self._compiles_at_warm = compile_totals()
+        return dict(programs=self.program_count(), compiles=self._compiles_at_warm[0] - c0, seconds=seconds)
 
     # ---- state --------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Counters and gauges (the server's /metrics). Compiles are XLA's, counted process-wide since the engine
+        was made and since its warm-up."""
         bm = self.block_manager
+        compiles, seconds = compile_totals()
+        warm = self._compiles_at_warm
         return dict(
             self.counters,
             waiting=len(self.scheduler.waiting),
@@ -466,9 +544,14 @@ class Engine:
             pages_cached=bm.num_cached_pages,
             kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
             peak_kv_bytes=self.counters["peak_pages"] * bm.page_size * kv_bytes_per_token(self.model.config),
-            programs=self.runner.compiles,
+            programs=self.program_count(),
+            compiles=compiles - self._compiles_at_start[0],
+            compile_seconds=seconds - self._compiles_at_start[1],
+            compiles_after_warmup=compiles - warm[0] if warm else 0,
+            compile_seconds_after_warmup=seconds - warm[1] if warm else 0.0,
             block_host_seconds=self.runner.host_seconds,
             block_device_seconds=self.runner.device_seconds,
+            probe_device_seconds=self.runner.probe_device_seconds,
         )
 
 
@@ -483,6 +566,15 @@ def _powers_of_two(n: int) -> tuple[int, ...]:
 def seed_key(seed: int) -> np.ndarray:
     """The key data `jax.random.key(seed)` holds: the request's random stream starts where generate's does."""
     return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+
+
+def enable_compile_cache(path: str | os.PathLike) -> None:
+    """Turn on jax's persistent compilation cache at `path` (created if missing): a restart with the same settings
+    loads the engine's programs instead of compiling them. Every program is cached, however fast it compiled."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _find(prompt: list[int], tokens: Sequence[int]) -> int | None:

@@ -52,6 +52,7 @@ class Request:
     key: np.ndarray | None = None  # the request's PRNG key data (advances only at its own steps)
     nfe: int = 0
     depth: int = 0  # BiCache: layers reusing the shared prefix
+    row_values: Any = None  # samplers.rows.RowValues: the sampling settings and step budget its rows carry
     plan: Any = None  # the runner's cached layout of the request (runner.RowPlan), by anchor set
     prefix_hidden: Any = None  # BiCache: its affix's hidden states alone entering every layer [L + 1, A, d] (device)
     first_block_time: float | None = None

@@ -12,8 +12,11 @@ Layout of a call (host numpy, then one transfer):
     slots, rotated at read time by the affix's placement offset, then private ones);
   * the block-start window [B, W]: the columns the refresh recomputes (anchors, the request's own prompt tokens
     and its generation region), every row's current block at one window index.
-R and W are rounded up to a ladder of buckets and B to a power of two, so a served workload compiles a handful of
-programs once (`compiles` counts them).
+Every shape is fixed by the engine's settings (`Ladder`), never by the traffic: B is rounded up to the batch ladder,
+W to the window ladder (powers of two up to max_model_len), and both read lists have one width (max_model_len: the
+attention kernel reads only each row's own length of them). Per-request settings (temperature, top-p / top-k,
+threshold or factor, steps, max_tokens, seed, anchors) are data. So the set of programs is known before serving
+(`programs`) and `warm` compiles all of them; nothing compiles afterwards.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, _forward_window, affix_importance_probe
+from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, affix_importance_probe, forward_window
 from dllm_jax.decoding.caches.base import DecodeInputs
-from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, _layer_inputs
+from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, layer_inputs
 from dllm_jax.decoding.caches.dual import DualCache
-from dllm_jax.decoding.loop import BlockRunner, fixed_step_count
+from dllm_jax.decoding.loop import BlockRunner
+from dllm_jax.decoding.samplers.rows import RowSettings, stack_rows
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
 from dllm_jax.transformer import XLA, Kernels, forward
@@ -41,42 +46,66 @@ from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
 Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
-_COMPILES = [0]
 
 
-def _on_event(event: str, duration: float, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _COMPILES[0] += 1
+class _CompileCounter:
+    """XLA compilations in this process (every program jax compiled, the engine's and anyone's) and their seconds:
+    the counts that must not move while a warmed-up engine serves. One listener, registered on first use."""
+
+    count, seconds, registered = 0, 0.0, False
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            cls.count += 1
+            cls.seconds += duration
+
+    @classmethod
+    def totals(cls) -> tuple[int, float]:
+        if not cls.registered:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls.registered = True
+        return cls.count, cls.seconds
 
 
 def backend_compiles() -> int:
-    """XLA compilations in this process so far (every program jax compiled, the engine's and anyone's): the count
-    that must not move while a warmed-up engine serves."""
-    if not _COMPILES[1:]:
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
-        _COMPILES.append(True)
-    return _COMPILES[0]
+    """XLA compilations in this process so far."""
+    return _CompileCounter.totals()[0]
 
 
-def bucket(n: int, smallest: int = 16) -> int:
-    """n rounded up to a multiple of 16, or of a sixteenth of its power of two past 512 (..., 512, 544, ..., 1024,
-    1088, ...): at most 1/16 of a long shape is padding, and a workload of similar lengths compiles few shapes."""
-    step = max(smallest, 1 << max(int(n - 1).bit_length() - 5, 0))
-    return max(smallest, -(-n // step) * step)
+def compile_totals() -> tuple[int, float]:
+    """(XLA compilations in this process so far, the seconds they took)."""
+    return _CompileCounter.totals()
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class Shape:
-    """The shape of one device call besides its batch: the shared and private read lists (A, R), the block-start
-    window (W) and whether a shared affix is read rotated (an infix or suffix placement)."""
+def round_up(n: int, multiple: int = 16) -> int:
+    return -(-n // multiple) * multiple
 
-    W: int
-    R: int
-    A: int
-    rotate: bool
 
-    def covers(self, other: "Shape") -> bool:
-        return self.W >= other.W and self.R >= other.R and self.A >= other.A and (self.rotate or not other.rotate)
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """The shapes every device call is padded to, fixed by the engine's settings: batch sizes, block-start window
+    widths (powers of two from 64 up to max_model_len) and the one width of the read lists."""
+
+    batch_sizes: tuple[int, ...]
+    window_sizes: tuple[int, ...]
+    read_len: int
+
+    @classmethod
+    def for_settings(cls, batch_sizes: Sequence[int], max_len: int, smallest_window: int = 64) -> "Ladder":
+        cap = round_up(max_len)
+        windows, w = [], smallest_window
+        while w < cap:
+            windows.append(w)
+            w *= 2
+        return cls(tuple(sorted(set(batch_sizes))), tuple(windows) + (cap,), cap)
+
+    def batch(self, n: int) -> int:
+        return next(b for b in self.batch_sizes if b >= n)
+
+    def window(self, n: int) -> int:
+        """The smallest window width that holds n tokens (every affix and window is at most max_model_len)."""
+        return next(w for w in self.window_sizes if w >= n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +137,7 @@ class Layout:
     block_col: int  # the buffer column where every row's current block starts
     block_index: np.ndarray  # [B] int32: where it sits in each row's window
     keys: np.ndarray  # [B, 2] uint32 key data
-    rotate: bool  # read the shared list rotated (rotation by 0 changes no bit, so a warmed rotating program serves
-    # prefix rows too)
+    rows: dict  # RowSettings' host arrays (per-row sampling settings and step budgets)
     # BiCache rows: the deep window (every real column), where the shallow window's hidden states go in it, and
     # where each row's prefix starts in it
     deep: np.ndarray | None = None
@@ -117,20 +145,46 @@ class Layout:
     splice_at: np.ndarray | None = None
     prefix_at: np.ndarray | None = None
 
+    @classmethod
+    def empty(cls, config: ModelConfig, b: int, t: int, w: int, read_len: int, num_slots: int, col: int = 0):
+        """b rows that write nothing and read nothing (padding rows; warm-up calls)."""
+        return cls(
+            x=np.full((b, t), config.pad_token_id, np.int32),
+            positions=np.zeros((b, t), np.int32),
+            col_slots=np.full((b, t), num_slots, np.int32),
+            shared_slots=np.zeros((b, read_len), np.int32),
+            shared_len=np.zeros(b, np.int32),
+            shared_delta=np.zeros(b, np.int32),
+            own_slots=np.zeros((b, read_len), np.int32),
+            own_len=np.zeros(b, np.int32),
+            window=np.full((b, w), col, np.int32),  # fillers: the current block's column, unwritten
+            writes=np.zeros((b, w), bool),
+            block_col=col,
+            block_index=np.zeros(b, np.int32),
+            keys=np.zeros((b, 2), np.uint32),
+            rows=stack_rows([], b),
+        )
+
+    def add_deep(self, b: int, f: int, w: int, col: int = 0) -> None:
+        self.deep, self.deep_writes = np.full((b, f), col, np.int32), np.zeros((b, f), bool)
+        self.splice_at, self.prefix_at = np.full((b, w), f, np.int32), np.full(b, f, np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the engine: what it runs and its shape (batch b, window or affix width w)."""
+
+    kind: str  # "block", "probe", "affix", "hidden" (BiCache: an affix's layer inputs), "place"
+    b: int
+    w: int
+    runner: BlockRunner | None = None
+
 
 class ModelRunner:
-    def __init__(
-        self,
-        params: dict,
-        config: ModelConfig,
-        num_slots: int,
-        max_len: int,
-        batch_sizes: Sequence[int],
-        kernels: Kernels,
-    ):
+    def __init__(self, params: dict, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels):
         self.params, self.config = params, config
         self.num_slots, self.max_len = num_slots, max_len
-        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.ladder = ladder
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
         self.kernels = kernels
         shape = (num_slots, config.n_kv_heads, config.head_dim)
@@ -140,17 +194,42 @@ class ModelRunner:
             out_shardings=None if mesh is None else (kv_sharding(mesh, 3),) * config.n_layers,
         )
         self.k, self.v = zeros(), zeros()
-        self.shapes_seen: set = set()
-        self.compiles = 0
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
-        # the shapes compiled at warm-up: a call runs the smallest one that covers what it needs
-        self.warmed: list[Shape] = []
+        self.probe_device_seconds = 0.0
 
-    # ---- bookkeeping of compiled shapes ----------------------------------------------------------------------------
-    def _note(self, key) -> None:
-        if key not in self.shapes_seen:
-            self.shapes_seen.add(key)
-            self.compiles += 1
+    # ---- the programs -----------------------------------------------------------------------------------------------
+    def programs(self, runners: Sequence[BlockRunner]) -> list[Program]:
+        """Every program the engine can run with these block runners (a function of the settings only)."""
+        lad = self.ladder
+        out = [Program("affix", 1, w) for w in lad.window_sizes]
+        out += [Program("probe", b, w) for b in lad.batch_sizes for w in lad.window_sizes]
+        for runner in runners:
+            out += [Program("block", b, w, runner) for b in lad.batch_sizes for w in lad.window_sizes]
+        if any(isinstance(r.strategy, ShallowReuse) for r in runners):
+            out += [Program(kind, 1, w) for kind in ("hidden", "place") for w in lad.window_sizes]
+        return out
+
+    def warm(self, programs: Sequence[Program], progress: bool = True) -> None:
+        """Run every program once on rows that write nothing (slots past the pool's end are dropped)."""
+        cfg, lad, t = self.config, self.ladder, self.buffer_len
+        for p in tqdm(programs, desc="compiling", unit="program", disable=not progress):
+            if p.kind == "affix":
+                self.build_affix([0] * p.w, [self.num_slots] * p.w)
+            elif p.kind == "hidden":
+                hidden = self.prefix_hidden([0] * p.w)
+                _hidden_rows(hidden, jnp.int32(0), jnp.int32(0), rows=lad.read_len)
+            elif p.kind == "place":
+                self.place([0] * p.w, [self.num_slots] * p.w, 0)
+            else:
+                lay = Layout.empty(cfg, p.b, t, p.w, lad.read_len, self.num_slots)
+                if p.kind == "probe":
+                    self._probe_call(lay)
+                elif isinstance(p.runner.strategy, ShallowReuse):
+                    lay.add_deep(p.b, lad.read_len, p.w)
+                    zero = jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)
+                    self._shallow_call(lay, p.runner, [zero] * p.b)
+                else:
+                    self._block_call(lay, p.runner)
 
     # ---- layouts ---------------------------------------------------------------------------------------------------
     def plan(self, r: Request, bm, probe: bool = False) -> RowPlan:
@@ -187,63 +266,37 @@ class ModelRunner:
 
     def layout(self, reqs: Sequence[Request], bm, probe: bool = False, shallow: bool = False) -> Layout:
         """The device inputs of one call over `reqs` (each at its current block; for the probe, at block 0 and with
-        no anchors yet; shallow: BiCache rows, with their deep window)."""
-        cfg = self.config
-        b = next((n for n in self.batch_sizes if n >= len(reqs)), len(reqs))
-        t = self.buffer_len
+        no anchors yet; shallow: BiCache rows, with their deep window), padded to the ladder's shapes."""
+        lad = self.ladder
+        b = lad.batch(len(reqs))
         plans = [self.plan(r, bm, probe) for r in reqs]
         done = [0 if probe else r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
         c = max(starts)
-        # A: the shared list; for BiCache rows the width of their prefixes' hidden states
-        widest = max(r.affix_len if shallow else len(pl.shared) for r, pl in zip(reqs, plans))
-        need = Shape(
-            W=bucket(max(len(pl.window) for pl in plans)),
-            R=bucket(max(int((pl.private >= 0).sum()) for pl in plans)),
-            A=bucket(widest) if widest else 0,
-            rotate=any(pl.delta for pl in plans),
-        )
-        shape = min((s for s in self.warmed if s.covers(need)), default=need)
-        lay = Layout(
-            x=np.full((b, t), cfg.pad_token_id, np.int32),
-            positions=np.zeros((b, t), np.int32),
-            col_slots=np.full((b, t), self.num_slots, np.int32),
-            shared_slots=np.zeros((b, shape.A), np.int32),
-            shared_len=np.zeros(b, np.int32),
-            shared_delta=np.zeros(b, np.int32),
-            own_slots=np.zeros((b, shape.R), np.int32),
-            own_len=np.zeros(b, np.int32),
-            window=np.full((b, shape.W), c, np.int32),  # fillers: the current block's column, unwritten
-            writes=np.zeros((b, shape.W), bool),
-            block_col=c,
-            block_index=np.zeros(b, np.int32),
-            keys=np.zeros((b, 2), np.uint32),
-            rotate=shape.rotate,
-        )
+        w = lad.window(max(len(pl.window) for pl in plans))
+        lay = Layout.empty(self.config, b, self.buffer_len, w, lad.read_len, self.num_slots, col=c)
+        lay.rows = stack_rows([r.row_values for r in reqs], b)
+        mask_id = self.config.mask_token_id
         for i, (r, pl) in enumerate(zip(reqs, plans)):
             p, g = len(r.prompt), r.gen_length
             pad = c - starts[i]  # every row's current block starts at column c
             gen = [] if probe else r.generated
             lay.x[i, pad : pad + p] = r.prompt
             lay.x[i, pad + p : pad + p + len(gen)] = gen
-            lay.x[i, pad + p + len(gen) : pad + p + g] = cfg.mask_token_id
+            lay.x[i, pad + p + len(gen) : pad + p + g] = mask_id
             lay.positions[i, pad : pad + p + g] = np.arange(p + g)
             mine = pl.private >= 0
             lay.col_slots[i, pad + np.flatnonzero(mine)] = pl.private[mine]
             own = pl.private[mine]
             lay.own_slots[i, : len(own)], lay.own_len[i] = own, len(own)
-            lay.shared_slots[i, : len(pl.shared)], lay.shared_len[i], lay.shared_delta[i] = (
-                pl.shared,
-                len(pl.shared),
-                pl.delta,
-            )
+            lay.shared_slots[i, : len(pl.shared)] = pl.shared
+            lay.shared_len[i], lay.shared_delta[i] = len(pl.shared), pl.delta
             lay.window[i, : len(pl.window)], lay.writes[i, : len(pl.window)] = pad + pl.window, pl.writes
             lay.block_index[i] = pl.gen_index + done[i] * r.block_length
             lay.keys[i] = r.key
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
-            f = shape.R
-            lay.deep, lay.deep_writes = np.full((b, f), c, np.int32), np.zeros((b, f), bool)
-            lay.splice_at, lay.prefix_at = np.full((b, shape.W), f, np.int32), np.full(b, f, np.int32)
+            f = lad.read_len
+            lay.add_deep(b, f, w, c)
             for i, (r, pl) in enumerate(zip(reqs, plans)):
                 n, pad = r.total_len, c - starts[i]
                 lay.deep[i, :n], lay.deep_writes[i, :n] = pad + np.arange(n), True
@@ -258,56 +311,15 @@ class ModelRunner:
         paged = {name: put(getattr(lay, name)) for name in _PAGED}
         return put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes)
 
-    def _shape(self, lay: Layout) -> tuple:
-        return lay.x.shape[0], lay.shared_slots.shape[1], lay.own_slots.shape[1], lay.window.shape[1]
-
-    def warm(self, shapes: Sequence[Shape], runners: Sequence[BlockRunner], probe: bool, affix_len: int) -> None:
-        """Run every program of these shapes once on empty rows (nothing is written), at every batch size."""
-        if affix_len:
-            self.build_affix([0] * affix_len, [self.num_slots] * affix_len)  # slots past the pool: dropped
-        for shape in shapes:
-            if shape not in self.warmed:
-                self.warmed.append(shape)
-            for b in self.batch_sizes:
-                t = self.buffer_len
-                lay = Layout(
-                    x=np.full((b, t), self.config.pad_token_id, np.int32),
-                    positions=np.zeros((b, t), np.int32),
-                    col_slots=np.full((b, t), self.num_slots, np.int32),
-                    shared_slots=np.zeros((b, shape.A), np.int32),
-                    shared_len=np.zeros(b, np.int32),
-                    shared_delta=np.zeros(b, np.int32),
-                    own_slots=np.zeros((b, shape.R), np.int32),
-                    own_len=np.zeros(b, np.int32),
-                    window=np.zeros((b, shape.W), np.int32),
-                    writes=np.zeros((b, shape.W), bool),
-                    block_col=0,
-                    block_index=np.zeros(b, np.int32),
-                    keys=np.zeros((b, 2), np.uint32),
-                    rotate=shape.rotate,
-                )
-                if probe and shape.A:
-                    self._probe_call(lay)
-                for runner in runners:
-                    if isinstance(runner.strategy, ShallowReuse):
-                        f, w = shape.R, shape.W
-                        lay.deep, lay.deep_writes = np.zeros((b, f), np.int32), np.zeros((b, f), bool)
-                        lay.splice_at, lay.prefix_at = np.full((b, w), f, np.int32), np.full(b, f, np.int32)
-                        zero = jnp.zeros((shape.A, self.config.d_model), self.config.jnp_dtype)
-                        self._shallow_call(lay, runner, [zero] * b)
-                    else:
-                        self._block_call(lay, runner)
-
     # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
         """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots."""
         a = len(tokens)
-        n = bucket(a)
+        n = self.ladder.window(a)
         ids = np.zeros((1, n), np.int32)
         ids[0, :a] = tokens
         sl = np.full(n, self.num_slots, np.int32)
         sl[:a] = slots
-        self._note(("affix", n))
         self.k, self.v = _build_affix(
             self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)), config=self.config
         )
@@ -315,19 +327,14 @@ class ModelRunner:
     def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
         """ACache's one-shot probe of newly admitted requests (one NFE): per request the importance of each affix
         token (the [MASK] queries' softmax mass over the affix keys, summed over heads and layers)."""
+        t0 = time.perf_counter()
         imp = self._probe_call(self.layout(reqs, bm, probe=True))
+        self.probe_device_seconds += time.perf_counter() - t0
         return [imp[i, : r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
 
     def _probe_call(self, lay: Layout) -> np.ndarray:
-        self._note(("probe", *self._shape(lay), lay.rotate))
         imp, self.k, self.v = _probe(
-            self.params,
-            self.k,
-            self.v,
-            *self._window_inputs(lay),
-            config=self.config,
-            rotate=lay.rotate,
-            kernels=self.kernels,
+            self.params, self.k, self.v, *self._window_inputs(lay), config=self.config, kernels=self.kernels
         )
         return np.asarray(imp)
 
@@ -338,7 +345,8 @@ class ModelRunner:
         lay = self.layout(reqs, bm, shallow=shallow)
         t1 = time.perf_counter()
         if shallow:
-            rows = [_hidden_rows(r.prefix_hidden, depth=r.depth, rows=lay.shared_slots.shape[1]) for r in reqs]
+            f = self.ladder.read_len
+            rows = [_hidden_rows(r.prefix_hidden, jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f) for r in reqs]
             blk, keys, steps = self._shallow_call(lay, runner, rows)
         else:
             blk, keys, steps = self._block_call(lay, runner)
@@ -347,19 +355,16 @@ class ModelRunner:
         return blk[: len(reqs)], keys[: len(reqs)], steps
 
     def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
-        self._note(("block", runner, *self._shape(lay), lay.rotate))
-        return self._run(_run_block, lay, runner, rotate=lay.rotate)
+        return self._run(_run_block, lay, runner)
 
     def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array]) -> tuple:
         """One block of BiCache rows: each row's prefix hidden state [A, d] (at its depth) goes in by row."""
         stacked = _stack_rows(tuple(hidden), lay.x.shape[0])
-        self._note(("shallow", runner, *self._shape(lay), stacked.shape[1]))
         deep = (put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked)
         return self._run(_run_shallow_block, lay, runner, *deep)
 
-    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra, **static) -> tuple[np.ndarray, np.ndarray, int]:
+    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra) -> tuple[np.ndarray, np.ndarray, int]:
         """One block through `fn` (_run_block or _run_shallow_block; `extra` goes in after the window inputs)."""
-        static_steps = runner.gc.kernels.step_loop == "auto" and fixed_step_count(runner.gc, self.config)
         blk, keys, steps, self.k, self.v = fn(
             self.params,
             self.k,
@@ -367,33 +372,29 @@ class ModelRunner:
             *self._window_inputs(lay),
             *extra,
             put(lay.keys),
+            {name: put(a) for name, a in lay.rows.items()},
             put(np.int32(lay.block_col)),
             put(lay.block_index),
             runner=runner,
             kernels=self.kernels,
-            static_steps=static_steps,
-            **static,
         )
         return np.asarray(blk), np.asarray(keys), int(steps)
 
     # ---- BiCache's shared prefix ---------------------------------------------------------------------------------
     def prefix_hidden(self, tokens: Sequence[int]) -> Array:
-        """The hidden state entering every layer of an affix computed alone [L + 1, A, d] (built once per entry)."""
-        self._note(("hidden", len(tokens)))
-        return _layer_inputs(self.params, self.config, put(np.asarray([tokens], np.int32)))
-
-    def warm_hidden(self, affix_len: int, depth: int, widths: Sequence[int]) -> None:
-        """Compile what a BiCache request's first block takes: its prefix's hidden rows at these widths."""
-        hidden = self.prefix_hidden([0] * affix_len)
-        for w in widths:
-            _hidden_rows(hidden, depth=depth, rows=w)
+        """The hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix padded to
+        the window ladder; built once per entry)."""
+        a = len(tokens)
+        n = self.ladder.window(a)
+        ids = np.zeros((1, n), np.int32)
+        ids[0, :a] = tokens
+        return layer_inputs(self.params, self.config, put(ids), put(np.arange(n)[None] < a))
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
-        n = bucket(len(src))
+        n = self.ladder.window(len(src))
         s_, d_ = np.zeros(n, np.int32), np.full(n, self.num_slots, np.int32)
         s_[: len(src)], d_[: len(dst)] = src, dst
-        self._note(("place", n))
         self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
 
 
@@ -445,47 +446,35 @@ def _build_affix(params, k, v, ids, slots, length, *, config):
     return k, v
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rotate", "kernels"), donate_argnames=("k", "v"))
-def _probe(params, k, v, x, positions, paged, window, writes, *, config, rotate, kernels):
+# Shared affixes are read rotated by their placement in every call: a rotation by 0 (a prefix, or no affix) changes
+# no bit, so one program serves every placement.
+@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("k", "v"))
+def _probe(params, k, v, x, positions, paged, window, writes, *, config, kernels):
     inp = _inputs(config, positions, 1, kernels)
-    kv = _view(config, k, v, paged, rotate)
+    kv = _view(config, k, v, paged, True)
     tokens = jnp.take_along_axis(x, window, axis=1)
     probe = affix_importance_probe(kv.shared_mask(), (tokens == config.mask_token_id) & writes)
-    out = _forward_window(params, config, inp, kv, x, window, writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe)
+    out = forward_window(params, config, inp, kv, x, window, writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe)
     return out.probe, out.cache.k, out.cache.v
 
 
-def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys, block_col, static_steps) -> tuple:
+def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys, rows, block_col) -> tuple:
     """Decode one block from a block-start state (traced inside _run_block and _run_shallow_block): its tokens,
     the new key data, the steps it took and the K/V."""
-    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), max(runner.gc.max_steps_per_block(), 1))
-    s = runner.run_block(params, inp, s, block_col, static_steps)
+    settings = RowSettings(**rows)
+    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), runner.gc.max_steps_per_block(), settings)
+    s = runner.run_block(params, inp, s, block_col, False)
     blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, runner.gc.schedule.block_length, axis=1)
     return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "rotate", "kernels", "static_steps"), donate_argnames=("k", "v"))
+@functools.partial(jax.jit, static_argnames=("runner", "kernels"), donate_argnames=("k", "v"))
 def _run_block(
-    params,
-    k,
-    v,
-    x,
-    positions,
-    paged,
-    window,
-    writes,
-    keys,
-    block_col,
-    block_index,
-    *,
-    runner,
-    rotate,
-    kernels,
-    static_steps,
+    params, k, v, x, positions, paged, window, writes, keys, rows, block_col, block_index, *, runner, kernels
 ):
     config = runner.config
     inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
-    kv = _view(config, k, v, paged, rotate)
+    kv = _view(config, k, v, paged, True)
     state = AnchoredState(
         kv=kv,
         window=window,
@@ -494,13 +483,16 @@ def _run_block(
         block_col=block_col,
         block_index=block_index,
     )
-    return _decode_block(params, runner, inp, x, state, keys, block_col, static_steps)
+    return _decode_block(params, runner, inp, x, state, keys, rows, block_col)
 
 
-@functools.partial(jax.jit, static_argnames=("depth", "rows"))
-def _hidden_rows(hidden, depth, rows):
-    """An entry's hidden state entering layer `depth`, padded to `rows` (one shape per affix bucket)."""
-    return jnp.pad(hidden[depth], ((0, rows - hidden.shape[1]), (0, 0)))
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _hidden_rows(hidden, depth, length, rows):
+    """An entry's hidden state entering layer `depth` [A, d], zero past the affix's length and padded to `rows`
+    (one program per affix width, whatever the depth)."""
+    h = jax.lax.dynamic_index_in_dim(hidden, depth, keepdims=False)
+    h = jnp.where((jnp.arange(h.shape[0]) < length)[:, None], h, 0)
+    return jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
 
 
 _stack = jax.jit(lambda rows: jnp.stack(rows))
@@ -523,7 +515,7 @@ def _place(k, v, src, dst, offset, *, theta):
     return tuple(new_k), tuple(new_v)
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "kernels", "static_steps"), donate_argnames=("k", "v"))
+@functools.partial(jax.jit, static_argnames=("runner", "kernels"), donate_argnames=("k", "v"))
 def _run_shallow_block(
     params,
     k,
@@ -539,20 +531,20 @@ def _run_shallow_block(
     prefix_at,
     hidden,
     keys,
+    rows,
     block_col,
     block_index,
     *,
     runner,
     kernels,
-    static_steps,
 ):
     config = runner.config
     inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
     kv = _view(config, k, v, paged, False)
     b, f = deep.shape
-    rows = jnp.arange(b)[:, None]
+    batch_rows = jnp.arange(b)[:, None]
     at = prefix_at[:, None] + jnp.arange(hidden.shape[1])[None]
-    prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype).at[rows, at].set(hidden, mode="drop")
+    prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype).at[batch_rows, at].set(hidden, mode="drop")
     state = ShallowState(
         kv=kv,
         prefix_hidden=prefix,
@@ -564,4 +556,4 @@ def _run_shallow_block(
         block_col=block_col,
         block_index=block_index,
     )
-    return _decode_block(params, runner, inp, x, state, keys, block_col, static_steps)
+    return _decode_block(params, runner, inp, x, state, keys, rows, block_col)

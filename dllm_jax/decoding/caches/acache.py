@@ -215,7 +215,7 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     return probe
 
 
-def _forward_window(
+def forward_window(
     params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array, logits_at: Array, probe=None
 ):
     return forward(
@@ -239,7 +239,7 @@ def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KV
         kv = affix_alone_cache(params, config, inp, x, a.affix)
     req_tokens = gather_rows(x, a.request)
     probe = affix_importance_probe(a.affix & inp.key_mask, (req_tokens == config.mask_token_id) & a.request_writes)
-    out = _forward_window(
+    out = forward_window(
         params, config, inp, kv, x, a.request, a.request_writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe
     )
     importance = jnp.where(a.affix, out.probe, 0.0)
@@ -281,5 +281,5 @@ class AnchoredRefresh(BlockStartOnly):
         first = jnp.reshape(state.block_index + (block_start - state.block_col), (-1, 1))  # per row, or one for all
         idx = first + jnp.arange(inp.block_length) - inp.shift
         at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
-        out = _forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
+        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
         return out.logits, dataclasses.replace(state, kv=out.cache)

@@ -170,16 +170,18 @@ class SharedPrefix:
 def build_shared_prefix(params, config, tokens: Sequence[int]) -> SharedPrefix:
     affix = build_shared_affix(params, config, tokens)  # validates the tokens
     x = jnp.asarray(affix.tokens, jnp.int32)[None]
-    return SharedPrefix(affix=affix, hidden=_layer_inputs(params, config, x))
+    return SharedPrefix(affix=affix, hidden=layer_inputs(params, config, x))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _layer_inputs(params, config, x):
+def layer_inputs(params, config, x: Array, key_mask: Array | None = None) -> Array:
+    """The hidden state entering every layer of a forward over x [1, n] alone [L + 1, n, d]; key_mask [1, n]: the
+    real tokens (a padded affix: the padding is never attended)."""
     pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    h = forward(params, config, x, pos, layers=(0, 0), output_hidden=True).hidden
+    h = forward(params, config, x, pos, key_mask=key_mask, layers=(0, 0), output_hidden=True).hidden
     out = [h]
     for layer in range(config.n_layers):
-        h = forward(params, config, h, pos, layers=(layer, layer + 1), output_hidden=True).hidden
+        h = forward(params, config, h, pos, key_mask=key_mask, layers=(layer, layer + 1), output_hidden=True).hidden
         out.append(h)
     return jnp.concatenate(out)
 
