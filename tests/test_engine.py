@@ -3,6 +3,10 @@ request alone with the same settings, whatever shares its batch and whenever it 
 shared affix at any placement; a pool smaller than the demand drains; a warmed-up engine compiles nothing more; bad
 requests are refused at submit."""
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -12,7 +16,7 @@ from dllm_jax.decoding.config import Shallow
 from dllm_jax.engine.block_manager import pages_for
 from dllm_jax.engine.engine import Engine, EngineConfig, KVBudgetError, RequestError
 from dllm_jax.engine.request import Status
-from dllm_jax.engine.runner import backend_compiles, bucket
+from dllm_jax.engine.runner import backend_compiles
 from dllm_jax.engine.scheduler import QueueFull
 
 opts = GenerationConfig.from_options
@@ -29,14 +33,36 @@ PLACED = [
 ]
 
 
+BASE = dict(max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8, max_model_len=64, block_lengths=(4,))
+
+
 def engine_for(model, **kw) -> Engine:
-    return Engine(model, EngineConfig(**{"max_batch": 4, "kv_budget_bytes": 1 << 22, "min_affix_tokens": 8, **kw}))
+    return Engine(model, EngineConfig(**{**BASE, **kw}))
 
 
-def solo(model, prompt, gc, span=None, seed=0):
+WARM = dict(batch_sizes=(2, 4), shallow_depths=(1,))  # BiCache at depth 1 served too
+
+
+@pytest.fixture(scope="module")
+def warm_engines(models_fp32):
+    """One engine per family with every program compiled, warmed when a test first asks for it and shared by the
+    tests that serve on it (they leave it idle). Each family's tests run in one xdist group: one warm-up each."""
+
+    class Warmed(dict):
+        def __missing__(self, name):
+            engine = engine_for(models_fp32[name], **WARM)
+            info = engine.warmup(progress=False)
+            assert info["programs"] == engine.program_count() and engine.warmed
+            self[name] = engine
+            return engine
+
+    return Warmed()
+
+
+def solo(model, prompt, gc, span=None, seed=0, affix=AFFIX):
     """generate on the request alone: the reference every engine answer must equal."""
     build = bicache.build_shared_prefix if isinstance(gc.cache.affix, Shallow) else acache.build_shared_affix
-    shared = build(model.params, model.config, AFFIX) if gc.cache.affix is not None else None
+    shared = build(model.params, model.config, affix) if gc.cache.affix is not None else None
     out = generate(
         model, [prompt], gc, seed=seed, shared_affix=shared, affix_spans=[span] if gc.cache.affix is not None else None
     )
@@ -66,37 +92,143 @@ def serve(engine, items, arrival_seed=None):
     for rid in ids:
         r = engine.request(rid)
         answers.append(r.answer(tuple(r.config.stop_token_ids(engine.model.config))))
+        engine.release(rid)
     return answers
 
 
-SETTINGS = [  # every request of a test runs one of these, all in one engine: a batch mixes them
-    dict(cache="dual"),
-    dict(cache="dual", affix="anchors", anchor_ratio=0.0),
-    dict(cache="dual", affix="anchors", anchor_ratio=0.2),
-    dict(cache="dual", affix="anchors", anchor_ratio=1.0),
-    dict(cache="dual", affix="anchors", anchor_ratio=0.2, threshold=0.3),
-    dict(cache="dual", affix="naive", temperature=0.7),  # a request's randomness is its own, as decoded alone
-    dict(cache="dual", affix="shallow", shallow_depth=1),  # BiCache
+# (technique, sampling, max_tokens, steps per block): every technique, sampler rule, temperature, length and step
+# count comes up; the solo references compile one program per entry
+CONFIGS = [
+    (dict(), dict(), 8, 2),
+    (dict(affix="anchors", anchor_ratio=0.0), dict(temperature=0.7), 4, 4),
+    (dict(affix="anchors", anchor_ratio=0.2), dict(threshold=0.3), 12, 4),
+    (dict(affix="anchors", anchor_ratio=1.0), dict(), 8, 4),
+    (dict(affix="naive"), dict(factor=1.0), 8, 4),
+    (dict(affix="shallow", shallow_depth=1), dict(temperature=0.7), 8, 2),
+    (dict(affix="anchors", anchor_ratio=0.2), dict(temperature=0.7, top_p=0.9), 4, 2),
 ]
 
 
-@pytest.mark.parametrize("name", ["llada", "dream"])
-def test_tokens_equal_solo_generate(name, models_fp32):
-    """No sharing, ACache at ratio 0 / 0.2 / 1, BiCache, threshold and fixed steps, sampling, mixed placements,
-    lengths and schedules in one engine, the requests arriving at random steps: each answer is the request's solo
-    one."""
-    m = models_fp32[name]
+def random_stream(n: int, seed: int, max_len: int = 64) -> list[tuple]:
+    """n requests of random affixes (lengths, placements), own lengths, seeds and EOS stops over CONFIGS, each
+    prompt + generation within max_len: (prompt, config, span, seed, affix tokens)."""
+    rng = np.random.default_rng(seed)
+    affixes = [rng.integers(0, 80, int(a)).tolist() for a in (8, 13, 24)]
     items = []
-    # each setting once per family, the placements in turn (llada shifted by two against dream, so that between
-    # them every setting meets two placements and every placement comes twice or more)
-    for j, setting in enumerate(SETTINGS):
-        for i in [(j + (2 if name == "llada" else 0)) % len(PLACED)]:
-            p, span = PLACED[i]
-            gen = 12 if j == 4 else 8
-            gc = opts(gen_length=gen, block_length=4, steps=gen if j != 1 else gen // 2, stop_at_eos=False, **setting)
-            items.append((p, gc, span, 7 * i + j))
-    got = serve(engine_for(m, max_batch=8), items, arrival_seed=1)
-    assert got == [solo(m, p, gc, span, seed) for p, gc, span, seed in items]
+    for i in range(n):
+        technique, sampling, gen, spb = CONFIGS[(i + seed) % len(CONFIGS)]
+        affix = affixes[int(rng.integers(len(affixes)))]
+        own = rng.integers(0, 80, int(rng.integers(1, max_len - gen - len(affix) + 1))).tolist()
+        cut = int(rng.choice([0, len(own) // 2, len(own)]))  # prefix, infix, suffix
+        prompt = own[:cut] + affix + own[cut:]
+        gc = opts(
+            gen_length=gen,
+            block_length=4,
+            steps=gen // 4 * spb,
+            cache="dual",
+            stop_at_eos=bool(i % 2),
+            **technique,
+            **sampling,
+        )
+        items.append((prompt, gc, (cut, cut + len(affix)), int(rng.integers(1000)), affix))
+    return items
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xdist_group(f"engine-{n}")) for n in ("llada", "dream")]
+)
+def test_warmed_engine_compiles_nothing_and_equals_solo_generate(name, models_fp32, warm_engines):
+    """After a warm-up with no samples, a random stream (affix lengths and placements, question lengths, max_tokens,
+    temperatures, thresholds and factors, step counts, techniques, EOS stops, random arrivals, up to max_model_len)
+    compiles nothing (XLA's own compile events), and each answer is the request's solo `generate` answer."""
+    m, engine = models_fp32[name], warm_engines[name]
+    items = random_stream(9, seed={"llada": 1, "dream": 2}[name])
+    before = backend_compiles()
+    got = serve(engine, [(p, gc, span, seed) for p, gc, span, seed, _ in items], arrival_seed=3)
+    assert backend_compiles() == before
+    assert engine.stats()["compiles_after_warmup"] == 0
+    assert got == [solo(m, p, gc, span, seed, affix) for p, gc, span, seed, affix in items]
+    assert engine.block_manager.num_used_pages == 0
+
+
+@pytest.mark.xdist_group("engine-llada")
+def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
+    """The programs are known before serving, do not change with traffic, and follow the settings only."""
+    m, engine = models_fp32["llada"], warm_engines["llada"]
+    count = engine.program_count()
+    assert engine_for(m, **WARM).program_count() == count  # a fresh engine, before any traffic
+    for seed in (5, 6):  # two different traffic samples
+        items = random_stream(4, seed)
+        serve(engine, [(p, gc, span, s) for p, gc, span, s, _ in items])
+        assert engine.program_count() == engine.stats()["programs"] == count
+    # 2 batch sizes x 1 window width: block, probe, BiCache block; affix builds, layer inputs, placements per width
+    assert count == 2 * 3 + 3
+    assert engine_for(m, shallow_depths=(1,)).program_count() == 3 * 3 + 3  # the default ladder: 1, 2, 4
+    assert engine_for(m, **WARM, max_model_len=100).program_count() == 2 * 3 * 2 + 3 * 2  # windows 64 and 112
+    assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 * 2 + 1  # no BiCache depth served
+
+
+@pytest.mark.xdist_group("engine-dream")
+def test_different_settings_share_one_device_call(models_fp32, warm_engines):
+    """Requests with different temperatures, thresholds, factors, steps and max_tokens run in one call."""
+    engine = warm_engines["dream"]
+    configs = [
+        opts(gen_length=4, block_length=4, steps=2, cache="dual"),
+        opts(gen_length=12, block_length=4, steps=12, cache="dual", temperature=0.9),
+        opts(gen_length=8, block_length=4, cache="dual", threshold=0.5),
+        opts(gen_length=8, block_length=4, steps=4, cache="dual", factor=2.0, top_p=0.9),
+    ]
+    ids = [engine.add_request(PLACED[i][0], gc, affix=None) for i, gc in enumerate(configs)]
+    blocks, rows = engine.counters["blocks"], engine.counters["block_rows"]
+    engine.step()
+    assert engine.counters["blocks"] - blocks == 1 and engine.counters["block_rows"] - rows == 4
+    while engine.has_unfinished():
+        engine.step()
+    for rid in ids:
+        engine.release(rid)
+
+
+@pytest.mark.xdist_group("engine-llada")
+def test_settings_outside_the_served_ones_are_refused(models_fp32, warm_engines):
+    """Block length, BiCache depth and the sampler's static part are programs' keys: outside the served list, a
+    RequestError names the setting and the list (before any device work)."""
+    engine = warm_engines["llada"]
+    with pytest.raises(RequestError, match=r"block_length=8 is not served: .* \[4\]"):
+        engine.add_request([1, 2, 3], opts(gen_length=8, block_length=8, steps=8, cache="dual"))
+    shallow2 = opts(gen_length=4, block_length=4, cache="dual", affix="shallow", shallow_depth=2)
+    with pytest.raises(RequestError, match=r"shallow_depth=2 is not served: .* \[1\]"):
+        engine.add_request(AFFIX + [1, 2], shallow2, affix=(0, 20))
+    with pytest.raises(RequestError, match="sampler .* is not served"):
+        engine.add_request([1, 2, 3], opts(gen_length=4, block_length=4, cache="dual", remasking="random"))
+    assert not engine.has_unfinished()
+
+
+def test_a_fresh_process_warms_from_the_persistent_cache(tmp_path, hf_dirs):
+    """The same engine settings in a new process load their programs from jax's persistent compilation cache."""
+    script = tmp_path / "warm.py"
+    script.write_text(
+        "import json, sys\n"
+        "import dllm_jax\n"
+        "from dllm_jax.engine import Engine, EngineConfig, enable_compile_cache\n"
+        "enable_compile_cache(sys.argv[2])\n"
+        "m = dllm_jax.load(sys.argv[1], dtype='float32')\n"
+        "e = Engine(m, EngineConfig(max_batch=1, kv_budget_bytes=1 << 20, max_model_len=48, block_lengths=(4,)))\n"
+        "print(json.dumps(e.warmup(progress=False)))\n"
+    )
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, str(script), str(hf_dirs["llada"]), str(tmp_path / "cache")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, cached = runs
+    assert cold["programs"] == cached["programs"] == 3  # block, probe, affix
+    assert cold["compiles"] >= cold["programs"] and cached["compiles"] == 0 and cached["loaded"] >= cold["programs"]
+    assert cached["seconds"] < 0.6 * cold["seconds"]
 
 
 def test_one_stored_copy_at_every_placement(models_fp32):
@@ -166,24 +298,6 @@ def test_a_pool_smaller_than_the_demand_drains(models_fp32):
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
-def test_no_compilation_after_warmup(models_fp32):
-    """After warm-up on samples of the traffic, serving a mix of it in random arrival orders compiles nothing
-    (counted by XLA's own compile events)."""
-    m = models_fp32["llada"]
-    share = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2)
-    plain = opts(gen_length=8, block_length=4, steps=8, cache="dual")
-    shallow = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="shallow", shallow_depth=1)
-    engine = engine_for(m, batch_sizes=(2, 4))
-    engine.warmup(
-        [(PLACED[1][0], share, PLACED[1][1]), (PLACED[0][0], plain, None), (PLACED[2][0], shallow, PLACED[2][1])]
-    )
-    kinds = [plain, share, shallow]
-    items = [(p, kinds[i % 3], span, i) for i, (p, span) in enumerate(PLACED * 2)]
-    before = backend_compiles()
-    serve(engine, items, arrival_seed=5)
-    assert backend_compiles() == before
-
-
 def test_abort_frees_pages_and_streams_the_end(models_fp32):
     m = models_fp32["llada"]
     gc = opts(gen_length=12, block_length=4, steps=12, cache="dual", stop_at_eos=False)
@@ -245,8 +359,3 @@ def test_requests_that_can_never_fit_and_a_full_queue(models_fp32):
     engine.add_request([1, 2], gc)
     with pytest.raises(QueueFull):
         engine.add_request([1, 2], gc)
-
-
-def test_bucket_ladder():
-    assert [bucket(n) for n in (1, 16, 17, 100, 525, 1344)] == [16, 16, 32, 112, 544, 1344]
-    assert all(n <= bucket(n) <= max(n * 1.0625, n + 15) for n in range(1, 5000, 7))

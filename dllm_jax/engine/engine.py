@@ -191,7 +191,6 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.warmed = False
         self._compiles_at_start = compile_totals()
-        self._compiles_at_warm: tuple[int, float] | None = None
         self.counters = dict(
             requests=0,
             finished=0,
@@ -206,6 +205,8 @@ class Engine:
             affix_hits=0,
             peak_pages=0,
             warmup_seconds=0.0,
+            compiles_after_warmup=0,
+            compile_seconds_after_warmup=0.0,
         )
 
     def _pages_within_budget(self) -> int:
@@ -385,13 +386,13 @@ class Engine:
 
     def step(self) -> list[BlockOutput]:
         """One scheduling iteration: admit, build new affixes, probe, then one block of every running request."""
-        before = compile_totals()[0]
+        before = compile_totals()
         outputs = self._step()
-        compiled = compile_totals()[0] - before
-        if compiled and self.warmed:
-            log.warning(
-                "the engine compiled %d program(s) after warm-up (a shape or setting it did not warm)", compiled
-            )
+        compiled, seconds, _ = (a - b for a, b in zip(compile_totals(), before))
+        if compiled and self.warmed:  # the engine's own calls (its thread's): a shape or setting it did not warm
+            self.counters["compiles_after_warmup"] += compiled
+            self.counters["compile_seconds_after_warmup"] += seconds
+            log.warning("the engine compiled %d program(s) after warm-up: a shape or setting it did not warm", compiled)
         return outputs
 
     def _step(self) -> list[BlockOutput]:
@@ -514,25 +515,25 @@ class Engine:
     def warmup(self, progress: bool = True) -> dict:
         """Compile every program the engine can ever run (its settings fix them), before serving: afterwards no
         request compiles anything. Nothing is written to the pool. Returns the programs, the XLA compilations it
-        took (fewer than programs where jax's persistent compilation cache had them) and the seconds."""
+        took, those loaded from jax's persistent compilation cache instead, and the seconds."""
         t0 = time.perf_counter()
-        c0 = compile_totals()[0]
+        c0, _, loads0 = compile_totals()
         seed_key(0)  # the tiny program that turns a seed into a key
         self.runner.warm(self.runner.programs(list(self._runners.values())), progress)
         jax.block_until_ready(self.runner.k)
         seconds = time.perf_counter() - t0
         self.counters["warmup_seconds"] += seconds
         self.warmed = True
-        self._compiles_at_warm = compile_totals()
-        return dict(programs=self.program_count(), compiles=self._compiles_at_warm[0] - c0, seconds=seconds)
+        c1, _, loads1 = compile_totals()
+        loaded = loads1 - loads0
+        return dict(programs=self.program_count(), compiles=c1 - c0 - loaded, loaded=loaded, seconds=seconds)
 
     # ---- state --------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters and gauges (the server's /metrics). Compiles are XLA's, counted process-wide since the engine
         was made and since its warm-up."""
         bm = self.block_manager
-        compiles, seconds = compile_totals()
-        warm = self._compiles_at_warm
+        events, seconds, loads = compile_totals()
         return dict(
             self.counters,
             waiting=len(self.scheduler.waiting),
@@ -545,10 +546,9 @@ class Engine:
             kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
             peak_kv_bytes=self.counters["peak_pages"] * bm.page_size * kv_bytes_per_token(self.model.config),
             programs=self.program_count(),
-            compiles=compiles - self._compiles_at_start[0],
+            compiles=events - loads - (self._compiles_at_start[0] - self._compiles_at_start[2]),
+            compiles_loaded=loads - self._compiles_at_start[2],
             compile_seconds=seconds - self._compiles_at_start[1],
-            compiles_after_warmup=compiles - warm[0] if warm else 0,
-            compile_seconds_after_warmup=seconds - warm[1] if warm else 0.0,
             block_host_seconds=self.runner.host_seconds,
             block_device_seconds=self.runner.device_seconds,
             probe_device_seconds=self.runner.probe_device_seconds,

@@ -49,32 +49,40 @@ STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowe
 
 
 class _CompileCounter:
-    """XLA compilations in this process (every program jax compiled, the engine's and anyone's) and their seconds:
-    the counts that must not move while a warmed-up engine serves. One listener, registered on first use."""
+    """Programs jax compiled or loaded from its persistent cache in this process (the engine's and anyone's), and
+    the seconds they took: the counts that must not move while a warmed-up engine serves. Listeners registered on
+    first use."""
 
-    count, seconds, registered = 0, 0.0, False
+    events, seconds, cache_loads, registered = 0, 0.0, 0, False
 
     @classmethod
-    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            cls.count += 1
+    def _on_duration(cls, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
+            cls.events += 1
             cls.seconds += duration
 
     @classmethod
-    def totals(cls) -> tuple[int, float]:
+    def _on_event(cls, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            cls.cache_loads += 1
+
+    @classmethod
+    def totals(cls) -> tuple[int, float, int]:
         if not cls.registered:
-            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+            jax.monitoring.register_event_listener(cls._on_event)
             cls.registered = True
-        return cls.count, cls.seconds
+        return cls.events, cls.seconds, cls.cache_loads
 
 
 def backend_compiles() -> int:
-    """XLA compilations in this process so far."""
+    """Programs compiled or loaded from the persistent cache in this process so far."""
     return _CompileCounter.totals()[0]
 
 
-def compile_totals() -> tuple[int, float]:
-    """(XLA compilations in this process so far, the seconds they took)."""
+def compile_totals() -> tuple[int, float, int]:
+    """(programs compiled or loaded from the persistent cache in this process so far, the seconds that took, how
+    many of them were loaded)."""
     return _CompileCounter.totals()
 
 
