@@ -271,3 +271,19 @@ def test_bad_shared_affix(models_fp32):
         acache.build_shared_affix(m.params, m.config, [1, 5000])
     with pytest.raises(ValueError, match="non-empty list"):
         acache.build_shared_affix(m.params, m.config, [])
+
+
+def test_probe_in_query_chunks_equals_one_pass():
+    """A window longer than PROBE_CHUNK is scored chunk by chunk (bounded memory): the same importance."""
+    rng = np.random.default_rng(0)
+    n, s = acache.PROBE_CHUNK + 77, 40
+    q = jnp.asarray(rng.normal(size=(2, n, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, s, 2, 8)), jnp.float32)
+    keys = jnp.asarray(rng.random((2, s)) < 0.7)
+    queries = jnp.asarray(rng.random((2, n)) < 0.5)
+    chunked = acache.affix_importance_probe(keys, queries)(q, k)
+    whole = sum(
+        acache.affix_importance_probe(keys, queries[:, i : i + 256])(q[:, i : i + 256], k) for i in range(0, n, 256)
+    )
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    assert float(chunked.sum()) > 0

@@ -163,8 +163,9 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
         assert engine.program_count() == engine.stats()["programs"] == count
     # 2 batch sizes x 1 window width: block, probe, BiCache block; affix builds, layer inputs, placements per width
     assert count == 2 * 3 + 3
-    assert engine_for(m, shallow_depths=(1,)).program_count() == 3 * 3 + 3  # the default ladder: 1, 2, 4
-    assert engine_for(m, **WARM, max_model_len=100).program_count() == 2 * 3 * 2 + 3 * 2  # windows 64 and 112
+    assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 3 + 3  # the default ladder: 1, 4
+    assert engine_for(m, max_batch=16).program_count() == 3 * 2 + 2 + 1  # 1, 4, 16; the probe at most 4 rows
+    assert engine_for(m, max_batch=16, max_model_len=2000).program_count() == (3 * 2 + 2 + 1) * 3  # 256, 1024, 2000
     assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 * 2 + 1  # no BiCache depth served
 
 

@@ -78,12 +78,13 @@ class EngineConfig:
     at most 4096). max_queue: waiting requests beyond which add_request raises QueueFull. auto_affix: find shared
     spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
     shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
-    GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: powers of two up to
-    max_batch). block_lengths: the block lengths served (None: the model's generation_config.json block_length,
-    else 32). sampler: the static part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp
-    and eps; None: the family's default); temperature, top-p / top-k, threshold or factor and steps are per
-    request. shallow_depths: the BiCache depths served (none by default: BiCache requests are refused). Each of
-    these multiplies the programs compiled at warm-up; a request outside them gets RequestError naming the list."""
+    GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: 1, 4, 16, ... up to
+    max_batch, and max_batch). block_lengths: the block lengths served (None: the model's generation_config.json
+    block_length, else 32). sampler: the static part of the sampler served (LLaDA's remasking rule, Dream's
+    algorithm, alg_temp and eps; None: the family's default); temperature, top-p / top-k, threshold or factor and
+    steps are per request. shallow_depths: the BiCache depths served (none by default: BiCache requests are
+    refused). Each of these multiplies the programs compiled at warm-up; a request outside them gets RequestError
+    naming the list."""
 
     max_batch: int = 16
     kv_budget_bytes: int | None = None
@@ -173,7 +174,7 @@ class Engine:
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
-        ladder = Ladder.for_settings(self.config.batch_sizes or _powers_of_two(self.config.max_batch), self.max_len)
+        ladder = Ladder.for_settings(self.config.max_batch, self.max_len, self.config.batch_sizes)
         self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels)
         self._runners = {
             (bl, depth): BlockRunner(
@@ -418,8 +419,9 @@ class Engine:
                 private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
                 self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
         to_probe = [r for r in admitted if r.anchor_count > 0]
-        for i in range(0, len(to_probe), self.config.max_batch):
-            chunk = to_probe[i : i + self.config.max_batch]
+        step = self.runner.ladder.probe_sizes[-1]
+        for i in range(0, len(to_probe), step):
+            chunk = to_probe[i : i + step]
             t0 = time.perf_counter()
             importances = self.runner.probe(chunk, self.block_manager)
             self.counters["probe_seconds"] += time.perf_counter() - t0
@@ -553,14 +555,6 @@ class Engine:
             block_device_seconds=self.runner.device_seconds,
             probe_device_seconds=self.runner.probe_device_seconds,
         )
-
-
-def _powers_of_two(n: int) -> tuple[int, ...]:
-    sizes, b = [], 1
-    while b < n:
-        sizes.append(b)
-        b *= 2
-    return tuple(sizes) + (n,)
 
 
 def seed_key(seed: int) -> np.ndarray:

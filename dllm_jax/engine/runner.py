@@ -92,28 +92,40 @@ def round_up(n: int, multiple: int = 16) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Ladder:
-    """The shapes every device call is padded to, fixed by the engine's settings: batch sizes, block-start window
-    widths (powers of two from 64 up to max_model_len) and the one width of the read lists."""
+    """The shapes every device call is padded to, fixed by the engine's settings: batch sizes (powers of 4 up to
+    max_batch, and max_batch), block-start window widths (powers of 4 from 256 up to max_model_len) and the one
+    width of the read lists. Few shapes on purpose: at LLaDA-8B a program takes 6-12 s to compile and 1.3-2.5 s to
+    load from the persistent cache (H200), so the ladder trades padding for start-up time."""
 
     batch_sizes: tuple[int, ...]
     window_sizes: tuple[int, ...]
     read_len: int
+    probe_batch: int = 4  # the probe's largest batch (its fp32 scores grow with batch x window x affix)
 
     @classmethod
-    def for_settings(cls, batch_sizes: Sequence[int], max_len: int, smallest_window: int = 64) -> "Ladder":
+    def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None) -> "Ladder":
         cap = round_up(max_len)
-        windows, w = [], smallest_window
-        while w < cap:
-            windows.append(w)
-            w *= 2
-        return cls(tuple(sorted(set(batch_sizes))), tuple(windows) + (cap,), cap)
+        return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), tuple(_powers(min(256, cap), cap)), cap)
 
-    def batch(self, n: int) -> int:
-        return next(b for b in self.batch_sizes if b >= n)
+    @property
+    def probe_sizes(self) -> tuple[int, ...]:
+        return tuple(b for b in self.batch_sizes if b <= self.probe_batch) or self.batch_sizes[:1]
+
+    def batch(self, n: int, probe: bool = False) -> int:
+        return next(b for b in (self.probe_sizes if probe else self.batch_sizes) if b >= n)
 
     def window(self, n: int) -> int:
         """The smallest window width that holds n tokens (every affix and window is at most max_model_len)."""
         return next(w for w in self.window_sizes if w >= n)
+
+
+def _powers(start: int, stop: int, ratio: int = 4) -> list[int]:
+    """start, start * ratio, ... below stop, then stop."""
+    out = []
+    while start < stop:
+        out.append(start)
+        start *= ratio
+    return out + [stop]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +222,7 @@ class ModelRunner:
         """Every program the engine can run with these block runners (a function of the settings only)."""
         lad = self.ladder
         out = [Program("affix", 1, w) for w in lad.window_sizes]
-        out += [Program("probe", b, w) for b in lad.batch_sizes for w in lad.window_sizes]
+        out += [Program("probe", b, w) for b in lad.probe_sizes for w in lad.window_sizes]
         for runner in runners:
             out += [Program("block", b, w, runner) for b in lad.batch_sizes for w in lad.window_sizes]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
@@ -272,11 +284,13 @@ class ModelRunner:
         r.plan = (key, plan)
         return plan
 
-    def layout(self, reqs: Sequence[Request], bm, probe: bool = False, shallow: bool = False) -> Layout:
+    def layout(
+        self, reqs: Sequence[Request], bm, probe: bool = False, shallow: bool = False, batch: int | None = None
+    ) -> Layout:
         """The device inputs of one call over `reqs` (each at its current block; for the probe, at block 0 and with
         no anchors yet; shallow: BiCache rows, with their deep window), padded to the ladder's shapes."""
         lad = self.ladder
-        b = lad.batch(len(reqs))
+        b = batch or lad.batch(len(reqs))
         plans = [self.plan(r, bm, probe) for r in reqs]
         done = [0 if probe else r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
@@ -336,7 +350,8 @@ class ModelRunner:
         """ACache's one-shot probe of newly admitted requests (one NFE): per request the importance of each affix
         token (the [MASK] queries' softmax mass over the affix keys, summed over heads and layers)."""
         t0 = time.perf_counter()
-        imp = self._probe_call(self.layout(reqs, bm, probe=True))
+        lay = self.layout(reqs, bm, probe=True, batch=self.ladder.batch(len(reqs), probe=True))
+        imp = self._probe_call(lay)
         self.probe_device_seconds += time.perf_counter() - t0
         return [imp[i, : r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
 

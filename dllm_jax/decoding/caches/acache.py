@@ -198,19 +198,34 @@ def place_shared_affix(
     return KVCache(jnp.stack(ks), jnp.stack(vs))
 
 
+PROBE_CHUNK = 512  # queries scored at once by the probe (longer windows: a loop over chunks)
+
+
 def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     """The probe hook for `modeling.forward`: per layer, for every head, the softmax over the affix keys only of
     q.k / sqrt(d) at the [MASK] queries, summed over those queries and heads -> [B, S] float32.
 
     affix_keys: [B, S] bool; mask_queries: [B, n] bool (the window's [MASK] positions, fillers excluded)."""
 
-    def probe(q: Array, k: Array) -> Array:
+    def part(q: Array, k: Array, queries: Array) -> Array:
         scores = grouped_scores(q, k)  # fp32 accumulation (exact bf16 products on the GPU's tensor cores)
         scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
         m = jnp.max(scores, axis=-1, keepdims=True)
         p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros
         p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        return jnp.einsum("bkgns,bn->bs", p, mask_queries.astype(jnp.float32))
+        return jnp.einsum("bkgns,bn->bs", p, queries.astype(jnp.float32))
+
+    def probe(q: Array, k: Array) -> Array:
+        n = q.shape[1]
+        if n <= PROBE_CHUNK:
+            return part(q, k, mask_queries)
+        # long windows: PROBE_CHUNK queries at a time, so the fp32 scores [B, H, chunk, S] stay bounded (a whole
+        # 4096-token window of 8 rows against a 4096-key list would take ~70 GiB)
+        pad = -n % PROBE_CHUNK
+        qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(q.shape[0], -1, PROBE_CHUNK, *q.shape[2:])
+        mc = jnp.pad(mask_queries, ((0, 0), (0, pad))).reshape(q.shape[0], -1, PROBE_CHUNK)
+        parts = jax.lax.map(lambda c: part(c[0], k, c[1]), (jnp.moveaxis(qc, 1, 0), jnp.moveaxis(mc, 1, 0)))
+        return parts.sum(axis=0)
 
     return probe
 
