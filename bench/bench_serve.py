@@ -1,187 +1,300 @@
 """How fast and how lean does the serving engine run many requests that share an affix? LLaDA-8B shapes, random
-bf16 weights (speed does not depend on them).
+bf16 weights (speed does not depend on them). Every engine is built as `dllm-jax serve` builds it: serve's own
+parser and `cli.engine_config` on the serve flags the JSON records (`serve_flags`), warmed with `Engine.warmup`
+(every program its settings allow) and reused by every row of those settings; nothing bench-only.
 
-Workloads in the terms of SGLang's `bench_serving --dataset-name generated-shared-prefix`: one group of
---requests prompts, each a shared affix of --affix-len tokens (the "system prompt") and --question-len tokens of
-its own, placed as a prefix [affix | own], an infix [own[:half] | affix | own[half:]] or a suffix [own | affix];
---output-len generated tokens, block 32, 8 steps a block (64 steps: random weights never pass a threshold).
-  closed16      a closed loop: 16 requests in flight, the next submitted as one finishes
-  poisson_R     open loop: Poisson arrivals at R requests/s
-Rows (`sharing`): off (the dual cache, every request its own copy of the affix), on (one stored copy; ACache at
-`ratio` 0, 0.2 and 1), generate (per-call `dllm_jax.generate` at batch 16 on the same prompts, the reference).
-Columns: tokens_per_s (generated tokens / wall time of the whole workload), p50_s / p99_s (request latency, from
-its arrival to its last block), peak_kv_bytes (pages held at the peak), probe_ms_per_request, max_requests_16gib
-(how many such requests a 16 GiB KV pool holds at once: the shared copy once plus each request's private pages),
-compiles_after_warmup (XLA compilations during the timed run), and the same-run ratios to sharing off.
---http serves the same workload through `dllm-jax serve`'s app (uvicorn on 127.0.0.1, the official `openai` client,
-prompts sent as token ids, one client task per request in flight) after the same row through the Python API
-(rows `transport` python and http, `vs_python` their ratio).
-Writes bench/results/serve_h200.json (rows merged by --run label; serve_cpu_smoke.json on the CPU) and a plot.
+Workloads in the terms of SGLang's `bench_serving --dataset-name generated-shared-prefix`:
+  closed16      one shared affix of --affix-len tokens and --question-len tokens of each request's own, placed as a
+                prefix [affix | own], an infix [own[:half] | affix | own[half:]] or a suffix [own | affix];
+                --output-len tokens, block 32, 8 steps a block; a closed loop of 16 in flight (poisson_R: open
+                loop, Poisson arrivals at R requests/s). Rows (`sharing`): off (the dual cache, every request its own
+                copy), on (one stored copy; ACache at `ratio` 0, 0.2 and 1; BiCache with --bicache), generate
+                (per-call `dllm_jax.generate` at batch 16, the reference). Writes serve_h200.json.
+  mixed         (issue 39) six shared affixes of 128, 256, 512, 1024, 1024 and 2048 tokens placed as prefix, suffix,
+                prefix, infix, suffix, prefix (three prefixes, one infix, two suffixes); --requests (200) requests,
+                each an affix drawn uniformly and a question of 16-256 tokens, max_tokens drawn from 64/128/256,
+                temperature 0 or 0.7 and 4 or 8 steps a block drawn per request (random weights never pass a
+                confidence threshold: a threshold row would run every step of a block), block 32; arrivals
+                (--arrivals) Poisson at 2, 4 and 8 requests/s and a closed loop of 16. Rows (--rows): off, acache_0.2,
+                acache_0 (serve's default engine) and bicache (an engine serving the one BiCache depth the row uses:
+                the shallowest of the LLaDA-8B table's depths over the workload's requests, to which the engine
+                rounds every request's table depth, as `serve --shallow-depths D` would). Writes
+                serve_mixed_h200.json.
+Columns: tokens_per_s (generated tokens / wall time of the workload), p50_s / p99_s (request latency from its
+arrival to its last block), ttfb_p50_s / ttfb_p99_s (to its first block), peak_kv_bytes (pages held at the peak),
+probe_ms_per_request (ACache's probe: device time where the engine reports it), max_requests_16gib (how many such
+requests a 16 GiB pool holds: the shared copies once plus each request's private pages), programs,
+compiles_after_warmup / compile_s_after_warmup (XLA compilations during the timed run), the same-run ratios to
+sharing off; mixed rows also load_s (an HF LLaDA-8B directory to the device, --hf-dir: written by
+bench_load.write_checkpoint when missing), warmup_s (a first start: the persistent compilation cache empty) and
+warmup_s_cached (a second start with it), each measured in a fresh process (--starts) before this process touches
+the device, else this process's own warm-up (`start`: which).
+--http serves rows through `dllm-jax serve`'s app (uvicorn on 127.0.0.1, the official `openai` client streaming,
+prompts sent as token ids, per-request settings as the request's fields) after the same row through the Python API
+(`transport` python and http, `vs_python` their ratio); for mixed, the closed loop only.
+Each row is written when it finishes (a run cut short keeps its rows; rows merge by --run label), a plot at the end.
 
     PYTHONPATH=. python bench/bench_serve.py --run NAME                       # the closed16 rows at 1024 tokens
-    PYTHONPATH=. python bench/bench_serve.py --affix-len 2048 --ratios 0 0.2 --placements prefix --run NAME
     PYTHONPATH=. python bench/bench_serve.py --workloads poisson_2 poisson_4 poisson_8 --ratios 0.2 --run NAME
-    PYTHONPATH=. python bench/bench_serve.py --http --placements prefix --ratios 0.2 --no-generate --run NAME
+    # mixed, on one H200: the two starts alone take about 8.5 min (serve's default engine is 77 programs at about
+    # 5.4 s each to compile, 0.85 s to load), so they get a command of their own; the next command, sent while the
+    # machine is still warm, finds their programs in build/xla-cache-bench-serve (rows of one --run label merge)
+    PYTHONPATH=. python bench/bench_serve.py --workloads mixed --starts-only --run NAME
+    PYTHONPATH=. python bench/bench_serve.py --workloads mixed --rows off acache_0.2 acache_0 --requests 100 \
+        --arrivals closed poisson_8 poisson_4 poisson_2 --http --hf-dir build/llada8b-hf --budget-s 480 --run NAME
+    PYTHONPATH=. python bench/bench_serve.py --workloads mixed --rows bicache --http --budget-s 480 --run NAME
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc as gc_module
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tools import common  # noqa: E402
+from tools import common  # noqa: E402  (imports no backend: the fresh-process starts run first)
 
 # package imports (re-point here when the package moves)
+from dllm_jax import cli  # noqa: E402
+from dllm_jax.decoding.caches.bicache import DEPTH_TABLES, depth_from_table  # noqa: E402
 from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
 from dllm_jax.decoding.generate import generate  # noqa: E402
-from dllm_jax.engine.engine import Engine, EngineConfig  # noqa: E402
+from dllm_jax.engine import Engine, enable_compile_cache  # noqa: E402
 from dllm_jax.engine.kv_pool import kv_bytes_per_token  # noqa: E402
-from dllm_jax.engine.runner import backend_compiles  # noqa: E402
 
 GIB = 1 << 30
+MIXED_PLACEMENTS = ("prefix", "suffix", "prefix", "infix", "suffix", "prefix")  # of --mixed-affix-lens, in order
+MIXED_ROWS = ("off", "acache_0.2", "acache_0", "bicache")
+DEFAULT_CACHE = "build/xla-cache-bench-serve"  # the persistent compilation cache (git-ignored)
+CACHE_MARK = "bench_serve_cache"  # a compilation cache directory this bench made (and may empty for a cold start)
+TECHNIQUE = {"none": "dual", "anchors": "acache", "shallow": "bicache"}
+
+
+class Item(NamedTuple):
+    """One request: its prompt, the shared affix's span (None: nothing shared), its settings for the engine and
+    the same settings as the HTTP request's fields."""
+
+    prompt: list[int]
+    span: tuple[int, int] | None
+    config: GenerationConfig
+    seed: int
+    http: dict
+
+
+def place(placement: str, affix: list[int], own: list[int]) -> tuple[list[int], tuple[int, int]]:
+    head = {"prefix": [], "infix": own[: len(own) // 2], "suffix": own}[placement]
+    tail = {"prefix": own, "infix": own[len(own) // 2 :], "suffix": []}[placement]
+    return head + affix + tail, (len(head), len(head) + len(affix))
 
 
 def prompts_for(placement: str, affix: list[int], own: list[list[int]]) -> list[tuple[list[int], tuple[int, int]]]:
-    out = []
-    for q in own:
-        head = {"prefix": [], "infix": q[: len(q) // 2], "suffix": q}[placement]
-        tail = {"prefix": q, "infix": q[len(q) // 2 :], "suffix": []}[placement]
-        out.append((head + affix + tail, (len(head), len(head) + len(affix))))
-    return out
+    return [place(placement, affix, q) for q in own]
 
 
-def gen_config(args, ratio: float | None, technique: str = "acache") -> GenerationConfig:
-    """ratio None: sharing off; technique "bicache": BiCache at the paper's table depth (LLaDA-8B / Dream-7B)."""
-    extra = {} if ratio is None else dict(affix="anchors", anchor_ratio=ratio)
-    if technique == "bicache":
-        extra = dict(affix="shallow", shallow_depth=args.bicache_depth)
-    return GenerationConfig.from_options(
-        gen_length=args.output_len,
-        block_length=args.block_len,
-        steps=args.output_len // args.block_len * args.steps_per_block,
+def item(
+    prompt,
+    span,
+    *,
+    technique: str,
+    ratio: float | None = None,
+    depth: int | None = None,
+    max_tokens: int,
+    block: int,
+    steps_per_block: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Item:
+    """technique "none" (sharing off), "anchors" (ACache at ratio) or "shallow" (BiCache: depth, or None for the
+    table's depth, rounded by the engine to a served one)."""
+    steps = max_tokens // block * steps_per_block
+    extra = {}
+    if technique == "anchors":
+        extra["anchor_ratio"] = ratio
+    if technique == "shallow" and depth is not None:
+        extra["shallow_depth"] = depth
+    config = GenerationConfig.from_options(
+        gen_length=max_tokens,
+        block_length=block,
+        steps=steps,
         cache="dual",
+        affix=technique,
+        temperature=temperature,
         stop_at_eos=False,
         **extra,
     )
+    shared = technique != "none"
+    body = dict(block_length=block, steps=steps, affix_technique=technique, **extra)
+    body["affix"] = {"start": span[0], "end": span[1]} if shared else "none"
+    http = dict(max_tokens=max_tokens, temperature=temperature, seed=seed, extra_body=body)
+    return Item(list(prompt), span if shared else None, config, seed, http)
 
 
-def drive(engine: Engine, items, workload: str, concurrency: int, rng) -> dict:
-    """Serve (prompt, span) items under the workload; returns timings."""
-    gc_items = list(items)
-    arrivals = None
-    if workload.startswith("poisson_"):
-        rate = float(workload.split("_", 1)[1])
-        arrivals = np.cumsum(rng.exponential(1.0 / rate, len(gc_items)))
+# ---- engines as `dllm-jax serve` builds them -------------------------------------------------------------------
+def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
+    """The `dllm-jax serve` flags of the engine a row runs on (serve's defaults for everything else)."""
+    flags = ["--max-batch", str(args.max_batch), "--kv-budget-gib", f"{args.kv_budget_gib:g}"]
+    if args.max_model_len is not None:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.block_len != 32:
+        flags += ["--block-lengths", str(args.block_len)]
+    if depths:
+        flags += ["--shallow-depths", *map(str, depths)]
+    return flags + ["--compile-cache", str(args.compile_cache)]
+
+
+def serve_engine(model, flags: list[str]) -> Engine:
+    """The engine `dllm-jax serve FLAGS` builds: its parser, its EngineConfig builder, its compilation cache."""
+    sargs = cli.build_parser().parse_args(["serve", *flags])
+    config = cli.engine_config(sargs, cli.shallow_depths(sargs, model.config))
+    enable_compile_cache(cli.compile_cache_dir(sargs))
+    return Engine(model, config)
+
+
+def warm(engine: Engine, what: str) -> dict:
     t0 = time.perf_counter()
-    submitted, ids, done = 0, [], 0
-    while done < len(gc_items):
-        now = time.perf_counter() - t0
-        if arrivals is None:  # closed loop: keep `concurrency` in flight
-            while submitted < len(gc_items) and submitted - done < concurrency:
-                prompt, gc, span = gc_items[submitted]
-                ids.append(engine.add_request(prompt, gc, affix=span))
-                submitted += 1
-        else:
-            while submitted < len(gc_items) and arrivals[submitted] <= now:
-                prompt, gc, span = gc_items[submitted]
-                ids.append(engine.add_request(prompt, gc, affix=span))
-                engine.request(ids[-1]).arrival = t0 + arrivals[submitted]
-                submitted += 1
-            if not engine.has_unfinished() and submitted < len(gc_items):
-                time.sleep(max(0.0, arrivals[submitted] - now))
-                continue
-        done += sum(1 for o in engine.step() if o.finished)
-    wall = time.perf_counter() - t0
-    reqs = [engine.request(i) for i in ids]
-    lat = np.array([r.finish_time - r.arrival for r in reqs])
-    return reqs, dict(
-        seconds=wall,
-        tokens=sum(len(r.generated) for r in reqs),
-        p50_s=float(np.percentile(lat, 50)),
-        p99_s=float(np.percentile(lat, 99)),
-        ttfb_p50_s=float(np.median([r.first_block_time - r.arrival for r in reqs])),
+    info = engine.warmup(progress=True)
+    seconds = time.perf_counter() - t0
+    print(f"{what}: warmed up in {seconds:.1f} s: {info}", flush=True)
+    return dict(info, seconds=seconds)
+
+
+def ensure_checkpoint(hf_dir: Path, config) -> None:
+    """An HF LLaDA directory with `config`'s shapes at hf_dir: bench_load's, reused when its marker matches."""
+    import bench_load
+
+    shard_gb = 5.0
+    shape = dict(
+        layers=config.n_layers,
+        d_model=config.d_model,
+        heads=config.n_heads,
+        mlp=config.mlp_hidden,
+        vocab=config.vocab_size,
+        shard_gb=shard_gb,
     )
+    marker = hf_dir / bench_load.MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("shape") == shape:
+        return
+    if config.family != "llada":
+        raise SystemExit(f"--hf-dir: bench_load writes LLaDA checkpoints only, not {config.family}")
+    print(f"writing a random {config.n_layers}-layer checkpoint to {hf_dir}", flush=True)
+    total, count = bench_load.write_checkpoint(hf_dir, config, int(shard_gb * GIB))
+    marker.write_text(json.dumps({"shape": shape, "bytes": total, "tensors": count}))
 
 
-def engine_for(model, args, budget: int) -> Engine:
-    return Engine(
-        model,
-        EngineConfig(
-            max_batch=args.concurrency,
-            kv_budget_bytes=budget,
-            max_model_len=args.max_len,
-            batch_sizes=(args.concurrency,),
-            min_affix_tokens=min(64, args.affix_len),
-        ),
-    )
+def build_model(args):
+    """(the model, load_s): --hf-dir through `dllm_jax.load` as serve loads it (timed until every param is on the
+    device), else random weights on the device (load_s None)."""
+    import jax
 
+    import dllm_jax
 
-def engine_row(
-    model,
-    args,
-    workload: str,
-    placement: str,
-    ratio: float | None,
-    items,
-    budget: int,
-    technique: str = "acache",
-    transport: str = "python",
-) -> dict:
-    gc = gen_config(args, ratio, technique)
-    shared = ratio is not None or technique == "bicache"
-    engine = engine_for(model, args, budget)
-    spans = [span if shared else None for _, span in items]
-    warm = engine.warmup([(p, gc, s) for (p, _), s in zip(items[:2], spans[:2])])
-    before = backend_compiles()
-    sizing = engine.plan_request(items[0][0], gc, spans[0], remember=False)  # its pages and depth
-    if transport == "http":
-        timing = http_drive(engine, args, [(p, gc, s) for (p, _), s in zip(items, spans)], workload)
+    if args.hf_dir is None:
+        model = common.random_model(args.model)
+        load_s = None
     else:
-        _, timing = drive(
-            engine,
-            [(p, gc, s) for (p, _), s in zip(items, spans)],
-            workload,
-            args.concurrency,
-            np.random.default_rng(0),
-        )
-    per_token = kv_bytes_per_token(model.config)
-    page_bytes = engine.block_manager.page_size * per_token
-    private = -(-sizing.private_tokens() // engine.block_manager.page_size) * page_bytes
-    shared_bytes = -(-args.affix_len // engine.block_manager.page_size) * page_bytes if shared else 0
-    c = dict(engine.counters)
-    host_s, device_s = engine.runner.host_seconds, engine.runner.device_seconds
-    del engine  # its pool goes before the next row's is allocated
-    gc_module.collect()
+        d = Path(args.hf_dir)
+        ensure_checkpoint(d, common.MODELS[args.model])
+        jax.devices()  # the backend's start is not loading
+        t0 = time.perf_counter()
+        model = dllm_jax.load(d, dtype="bfloat16")
+        jax.block_until_ready(model.params)
+        load_s = time.perf_counter() - t0
+    if model.tokenizer is None:  # what the server needs of one: a token is its id as text
+        model = dataclasses.replace(model, tokenizer=IdTokenizer())
+    return model, load_s
+
+
+def start_child(spec: dict) -> int:
+    """A fresh process's start (--start-child): load, build the engine, warm it; one JSON line on stdout."""
+    args = argparse.Namespace(model=spec["model"], hf_dir=spec["hf_dir"])
+    t0 = time.perf_counter()
+    model, load_s = build_model(args)
+    engine = serve_engine(model, spec["flags"])
+    info = engine.warmup(progress=True)
+    out = dict(load_s=load_s, warmup_s=info["seconds"], warmup=info, start_s=time.perf_counter() - t0)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def fresh_start(args, flags: list[str]) -> dict:
+    """Start the engine in a child process (this one has not touched the device) and return what it measured."""
+    spec = dict(model=args.model, hf_dir=args.hf_dir, flags=flags)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--start-child", json.dumps(spec)]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.start_timeout_s)
+    if r.returncode:
+        raise RuntimeError(f"the fresh-process start exited with {r.returncode}: {r.stdout[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def empty_cache_dir(path: Path) -> None:
+    """The cold start's cache: this bench's directory, emptied (a directory it did not make is refused)."""
+    if path.exists() and any(path.iterdir()):
+        if path.resolve() != Path(DEFAULT_CACHE).resolve() and not (path / CACHE_MARK).is_file():
+            raise SystemExit(f"--starts empties --compile-cache, and {path} is not a directory this bench made")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CACHE_MARK).write_text("made by bench/bench_serve.py; emptied by --starts\n")
+
+
+# ---- driving a workload ----------------------------------------------------------------------------------------
+def arrival_times(arrival: str, n: int) -> np.ndarray | None:
+    """Poisson arrivals (seconds from the start) for "poisson_R", None for a closed loop. The same for every row."""
+    if not arrival.startswith("poisson_"):
+        return None
+    return np.cumsum(np.random.default_rng(0).exponential(1.0 / float(arrival.split("_", 1)[1]), n))
+
+
+def drive(engine: Engine, items: list[Item], arrival: str, concurrency: int) -> dict:
+    """Serve the items (closed loop of `concurrency`, or Poisson arrivals) through the Python API; times are taken
+    where a caller sees them: a request's first block and last block when `step` returns them."""
+    arrivals = arrival_times(arrival, len(items))
+    t0 = time.perf_counter()
+    submitted, done = 0, 0
+    sent, first, last, tokens = {}, {}, {}, {}
+    while done < len(items):
+        now = time.perf_counter() - t0
+        while submitted < len(items) and (
+            submitted - done < concurrency if arrivals is None else arrivals[submitted] <= now
+        ):
+            it = items[submitted]
+            rid = engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed)
+            sent[rid] = time.perf_counter() if arrivals is None else t0 + arrivals[submitted]
+            tokens[rid] = 0
+            submitted += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[submitted] - now))
+            continue
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            tokens[o.request_id] += len(o.tokens)
+            first.setdefault(o.request_id, t)
+            if o.finished:
+                last[o.request_id] = t
+                done += 1
+                engine.release(o.request_id)
+    wall = time.perf_counter() - t0
+    return timing(wall, sum(tokens.values()), [last[r] - sent[r] for r in sent], [first[r] - sent[r] for r in sent])
+
+
+def timing(wall: float, tokens: int, latency: list[float], ttfb: list[float]) -> dict:
     return dict(
-        workload=workload,
-        affix_len=args.affix_len,
-        placement=placement,
-        sharing="on" if shared else "off",
-        technique=technique if shared else "dual",
-        ratio=ratio,
-        depth=sizing.depth if technique == "bicache" else None,
-        transport=transport,
-        tokens_per_s=timing["tokens"] / timing["seconds"],
-        **timing,
-        peak_kv_bytes=c["peak_pages"] * page_bytes,
-        probe_ms_per_request=1e3 * c["probe_seconds"] / c["probes"] if c["probes"] else None,
-        max_requests_16gib=int((16 * GIB - shared_bytes) // private),
-        compiles_after_warmup=backend_compiles() - before,
-        warmup_compiles=warm,
-        requests=len(items),
-        private_bytes_per_request=private,
-        shared_bytes=shared_bytes,
-        block_host_s=host_s,
-        block_device_s=device_s,
-        probe_s=c["probe_seconds"],
-        block_calls=c["blocks"],
+        seconds=wall,
+        tokens=tokens,
+        tokens_per_s=tokens / wall,
+        p50_s=float(np.percentile(latency, 50)),
+        p99_s=float(np.percentile(latency, 99)),
+        ttfb_p50_s=float(np.percentile(ttfb, 50)),
+        ttfb_p99_s=float(np.percentile(ttfb, 99)),
     )
 
 
@@ -195,10 +308,10 @@ class IdTokenizer:
         return [int(w) for w in text.split()]
 
 
-def http_drive(engine: Engine, args, items, workload: str) -> tuple[dict, list]:
-    """The workload through the HTTP API: uvicorn in a thread, the openai client's async API, closed loop."""
+def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
+    """The items through `dllm-jax serve`'s app (uvicorn in a thread on the warmed engine) with the openai client's
+    async API, streaming (the first chunk is the first block), a closed loop of `concurrency`."""
     import asyncio
-    import dataclasses
     import threading
 
     import uvicorn
@@ -207,12 +320,8 @@ def http_drive(engine: Engine, args, items, workload: str) -> tuple[dict, list]:
     from dllm_jax.server import EngineService, ServeSettings, create_app
     from dllm_jax.server.run import bind
 
-    if engine.model.tokenizer is None:
-        engine.model = dataclasses.replace(engine.model, tokenizer=IdTokenizer())
-    service = EngineService(engine).start()
-    app = create_app(
-        service, ServeSettings(model_name="bench", max_tokens=args.output_len, block_length=args.block_len)
-    )
+    service = EngineService(engine).start()  # already warm: serves at once
+    app = create_app(service, ServeSettings(model_name="bench"))
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -220,51 +329,126 @@ def http_drive(engine: Engine, args, items, workload: str) -> tuple[dict, list]:
     while not server.started:
         time.sleep(0.01)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    gc = items[0][1]
-    affix = gc.cache.affix
-    extra = dict(
-        block_length=args.block_len,
-        steps=gc.schedule.steps,
-        affix_technique={None: "none", "anchors": "anchors", "naive": "naive"}.get(
-            None if affix is None else affix.name, "none"
-        ),
-    )
-    if affix is not None and affix.name == "anchors":
-        extra["anchor_ratio"] = affix.ratio
 
     async def run():
         client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-        sem = asyncio.Semaphore(args.concurrency)
-        lat = []
+        sem = asyncio.Semaphore(concurrency)
 
-        async def one(prompt, span):
+        async def one(it: Item):
             async with sem:
                 t0 = time.perf_counter()
-                body = dict(extra, affix={"start": span[0], "end": span[1]} if span else "none")
-                r = await client.completions.create(
-                    model="bench", prompt=prompt, max_tokens=args.output_len, temperature=0, extra_body=body
-                )
-                lat.append(time.perf_counter() - t0)
-                return r.usage.completion_tokens
+                first, tokens = None, 0
+                stream = await client.completions.create(model="bench", prompt=it.prompt, stream=True, **it.http)
+                async for chunk in stream:
+                    first = first or time.perf_counter()
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                end = time.perf_counter()
+                return tokens, end - t0, first - t0
 
         t0 = time.perf_counter()
-        tokens = await asyncio.gather(*[one(p, s) for p, _, s in items])
-        return time.perf_counter() - t0, sum(tokens), lat
+        async with client:  # closed inside the loop
+            out = await asyncio.gather(*[one(it) for it in items])
+        return time.perf_counter() - t0, out
 
     try:
-        wall, tokens, lat = asyncio.run(run())
+        wall, out = asyncio.run(run())
     finally:
         server.should_exit = True
         thread.join(30)
         service.stop()
-    timing = dict(seconds=wall, tokens=tokens, p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)))
-    return timing
+    return timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
 
 
-def generate_row(model, args, workload: str, placement: str, items) -> dict:
+def measured(engine: Engine, items: list[Item], arrival: str, args, transport: str) -> dict:
+    """One row's timings plus the engine's counters over it (peak KV, probes, compiles after warm-up)."""
+    if "peak_pages" in engine.counters:  # the peak of this row, not of the engine's earlier rows
+        engine.counters["peak_pages"] = engine.block_manager.num_used_pages
+    s0 = engine.stats()
+    if transport == "http":
+        t = http_drive(engine, items, args.concurrency)
+    else:
+        t = drive(engine, items, arrival, args.concurrency)
+    s1 = engine.stats()
+    probes = s1.get("probes", 0) - s0.get("probes", 0)
+    probe_key = "probe_device_seconds" if "probe_device_seconds" in s1 else "probe_seconds"
+    probe_s = s1.get(probe_key, 0.0) - s0.get(probe_key, 0.0)
+    return dict(
+        transport=transport,
+        **t,
+        peak_kv_bytes=s1["peak_kv_bytes"],
+        probe_ms_per_request=1e3 * probe_s / probes if probes else None,
+        probe_timer=probe_key,
+        programs=s1.get("programs"),
+        compiles_after_warmup=s1.get("compiles_after_warmup", 0) - s0.get("compiles_after_warmup", 0),
+        compile_s_after_warmup=s1.get("compile_seconds_after_warmup", 0.0)
+        - s0.get("compile_seconds_after_warmup", 0.0),
+        requests=len(items),
+        block_host_s=s1.get("block_host_seconds", 0.0) - s0.get("block_host_seconds", 0.0),
+        block_device_s=s1.get("block_device_seconds", 0.0) - s0.get("block_device_seconds", 0.0),
+        block_calls=s1.get("blocks", 0) - s0.get("blocks", 0),
+    )
+
+
+def capacity(engine: Engine, items: list[Item], affix_lens: list[int], budget: int = 16 * GIB) -> int | None:
+    """Requests like these a `budget` pool holds at once: the shared copies once, each request's private pages (the
+    mean over the items)."""
+    page = engine.block_manager.page_size
+    page_bytes = page * kv_bytes_per_token(engine.model.config)
+    private = [
+        -(-engine.plan_request(it.prompt, it.config, it.span, remember=False).private_tokens() // page) * page_bytes
+        for it in items
+    ]
+    shared = sum(-(-n // page) * page_bytes for n in affix_lens)
+    return int((budget - shared) // np.mean(private))
+
+
+# ---- closed16 / poisson_R: one affix ---------------------------------------------------------------------------
+def gen_item(args, prompt, span, ratio: float | None, technique: str, depth: int | None, seed: int) -> Item:
+    name = "shallow" if technique == "bicache" else "none" if ratio is None else "anchors"
+    return item(
+        prompt,
+        span,
+        technique=name,
+        ratio=ratio,
+        depth=depth if args.bicache_depth is not None else None,
+        max_tokens=args.output_len,
+        block=args.block_len,
+        steps_per_block=args.steps_per_block,
+        seed=seed,
+    )
+
+
+def table_depth(config, items_lens: list[tuple[int, int, int]]) -> int:
+    """The shallowest BiCache table depth over (affix, prompt, gen) lengths: the one depth an engine serves them at
+    (the engine rounds each request's table depth down to a served one)."""
+    table = DEPTH_TABLES.get((config.family, config.n_layers))
+    if table is None:
+        raise SystemExit(f"no BiCache depth table for a {config.n_layers}-layer {config.family}: set --bicache-depth")
+    return min(depth_from_table(table, a, p, g) for a, p, g in items_lens)
+
+
+def engine_row(engine, args, workload, placement, ratio, technique, depth, prompts, transport) -> dict:
+    items = [gen_item(args, p, s, ratio, technique, depth, i) for i, (p, s) in enumerate(prompts)]
+    shared = items[0].span is not None
+    m = measured(engine, items, workload, args, transport)
+    return dict(
+        workload=workload,
+        affix_len=args.affix_len,
+        placement=placement,
+        sharing="on" if shared else "off",
+        technique=technique if shared else "dual",
+        ratio=ratio,
+        depth=depth if technique == "bicache" else None,
+        **m,
+        max_requests_16gib=capacity(engine, items[:1], [args.affix_len] if shared else []),
+    )
+
+
+def generate_row(model, args, workload: str, placement: str, prompts) -> dict:
     """The per-call reference: generate at batch `concurrency` over the same prompts (dual cache, no sharing)."""
-    gc = gen_config(args, None)
-    prompts = [p for p, _ in items]
+    gc = gen_item(args, prompts[0][0], None, None, "acache", None, 0).config
+    prompts = [p for p, _ in prompts]
     b = args.concurrency
     generate(model, prompts[:b], gc)  # compile
     t0 = time.perf_counter()
@@ -308,88 +492,90 @@ def plot(rows: list[dict], path: Path) -> None:
     common.grouped_bars(path, keys, series, "tokens / s", "serving engine: a shared affix, 16 requests in flight")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llada-8b", choices=list(common.MODELS))
-    ap.add_argument("--workloads", nargs="+", default=["closed16"], help="closed16 and/or poisson_RATE")
-    ap.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
-    ap.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")
-    ap.add_argument("--no-off", action="store_true", help="skip the sharing-off rows")
-    ap.add_argument("--no-generate", action="store_true", help="skip the per-call generate reference")
-    ap.add_argument("--bicache", action="store_true", help="BiCache rows too")
-    ap.add_argument("--bicache-depth", type=int, default=None, help="BiCache's depth (default: the paper's table)")
-    ap.add_argument("--http", action="store_true", help="through the HTTP server and the openai client")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--affix-len", type=int, default=1024)
-    ap.add_argument("--question-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--block-len", type=int, default=32)
-    ap.add_argument("--steps-per-block", type=int, default=8)
-    ap.add_argument("--kv-budget-gib", type=float, default=16.0, help="the engine's KV pool (the same in every row)")
-    common.output_args(ap, budget_s=540.0)
-    args = ap.parse_args(argv)
+def run_closed(args) -> int:
     t_start = time.perf_counter()
-    model = common.random_model(args.model)
+    args.requests = args.requests or 64
+    model, _ = build_model(args)
     cfg = model.config
-    args.max_len = args.affix_len + args.question_len + args.output_len
     rng = np.random.default_rng(0)
     hi = min(100_000, cfg.vocab_size - 3)
     affix = rng.integers(0, hi, args.affix_len).tolist()
     own = [rng.integers(0, hi, args.question_len).tolist() for _ in range(args.requests)]
-    budget = int(args.kv_budget_gib * GIB)
     rows, skipped = [], []
-    # the plan: sharing off once per workload (it has no placement), each ratio and BiCache per placement, and the
-    # per-call generate reference once
-    plan = []
+    depth = None
+    if args.bicache:
+        prompt_len = args.affix_len + args.question_len
+        depth = args.bicache_depth
+        depth = depth if depth is not None else table_depth(cfg, [(args.affix_len, prompt_len, args.output_len)])
+    # the plan, by engine: sharing off once per workload (it has no placement) and each ratio per placement on
+    # serve's default engine; BiCache per placement on an engine serving its depth
+    plans = {(): [], (depth,): []}
     for workload in args.workloads:
         if not args.no_off:
-            plan.append((workload, args.placements[0], None, "dual"))
-        plan += [(workload, pl, r, "acache") for pl in args.placements for r in args.ratios]
-        plan += [(workload, pl, None, "bicache") for pl in args.placements if args.bicache]
-    # --http: each row through the Python API, then the same through HTTP (the ratio compares the two)
-    plan = [(*p, t) for p in plan for t in (("python", "http") if args.http else ("python",))]
-    for workload, placement, ratio, technique, transport in plan:
+            plans[()].append((workload, args.placements[0], None, "dual"))
+        plans[()] += [(workload, pl, r, "acache") for pl in args.placements for r in args.ratios]
+        plans[(depth,)] += [(workload, pl, None, "bicache") for pl in args.placements if args.bicache]
+    transports = ("python", "http") if args.http else ("python",)  # --http: each row, then the same through HTTP
+    meta = dict(serve_flags={}, model_config=dataclasses.asdict(cfg))
+    for depths, plan in plans.items():
+        if not plan:
+            continue
         if time.perf_counter() - t_start > args.budget_s:
-            skipped.append(dict(workload=workload, placement=placement, ratio=ratio, technique=technique))
+            skipped += [dict(workload=w, placement=p, ratio=r, technique=t) for w, p, r, t in plan]
             continue
-        try:
-            row = engine_row(
-                model,
-                args,
-                workload,
-                placement,
-                ratio,
-                prompts_for(placement, affix, own),
-                budget,
-                technique,
-                transport,
+        flags = serve_flags(args, depths)
+        meta["serve_flags"][str(depths)] = "dllm-jax serve " + " ".join(flags)
+        engine = serve_engine(model, flags)
+        info = warm(engine, "dllm-jax serve " + " ".join(flags))
+        for (workload, placement, ratio, technique), transport in ((p, t) for p in plan for t in transports):
+            if time.perf_counter() - t_start > args.budget_s:
+                skipped.append(dict(workload=workload, placement=placement, ratio=ratio, technique=technique))
+                continue
+            try:
+                row = engine_row(
+                    engine,
+                    args,
+                    workload,
+                    placement,
+                    ratio,
+                    technique,
+                    depth,
+                    prompts_for(placement, affix, own),
+                    transport,
+                )
+            except Exception as e:  # noqa: BLE001  one failing row must not lose the run
+                print(f"FAILED {workload} {placement} {technique} {ratio}: {type(e).__name__}: {e}", flush=True)
+                skipped.append(
+                    dict(workload=workload, placement=placement, ratio=ratio, technique=technique, error=str(e)[:300])
+                )
+                continue
+            row.update(warmup_s=info["seconds"], warmup=info)
+            if transport == "http" and rows and rows[-1]["transport"] == "python":
+                row["vs_python"] = row["tokens_per_s"] / rows[-1]["tokens_per_s"]
+            base = next(
+                (
+                    r
+                    for r in rows
+                    if r["sharing"] == "off" and r["workload"] == workload and r["transport"] == transport
+                ),
+                None,
             )
-        except Exception as e:  # noqa: BLE001  one failing row must not lose the run
-            print(f"FAILED {workload} {placement} {technique} {ratio}: {type(e).__name__}: {e}", flush=True)
-            skipped.append(
-                dict(workload=workload, placement=placement, ratio=ratio, technique=technique, error=str(e)[:300])
+            if base is not None and row["sharing"] == "on":
+                row["speedup_vs_off"] = row["tokens_per_s"] / base["tokens_per_s"]
+                row["peak_kv_vs_off"] = row["peak_kv_bytes"] / base["peak_kv_bytes"]
+                row["capacity_vs_off"] = row["max_requests_16gib"] / base["max_requests_16gib"]
+            rows.append(row)
+            print(
+                f"[{time.perf_counter() - t_start:5.0f}s] {workload} {placement} {row['technique']} r={ratio} "
+                f"{row['transport']}: {row['tokens_per_s']:8.1f} tok/s p50 {row['p50_s']:.2f}s p99 "
+                f"{row['p99_s']:.2f}s peak KV {row['peak_kv_bytes'] / GIB:.2f} GiB "
+                f"x{row.get('speedup_vs_off', 1):.2f} probe {row['probe_ms_per_request'] or 0:.1f} ms "
+                f"compiles {row['compiles_after_warmup']}",
+                flush=True,
             )
-            continue
-        if transport == "http" and rows and rows[-1]["transport"] == "python":
-            row["vs_python"] = row["tokens_per_s"] / rows[-1]["tokens_per_s"]
-        base = next(
-            (r for r in rows if r["sharing"] == "off" and r["workload"] == workload and r["transport"] == transport),
-            None,
-        )
-        if base is not None and row["sharing"] == "on":
-            row["speedup_vs_off"] = row["tokens_per_s"] / base["tokens_per_s"]
-            row["peak_kv_vs_off"] = row["peak_kv_bytes"] / base["peak_kv_bytes"]
-            row["capacity_vs_off"] = row["max_requests_16gib"] / base["max_requests_16gib"]
-        rows.append(row)
-        print(
-            f"[{time.perf_counter() - t_start:5.0f}s] {workload} {placement} {row['technique']} r={ratio} "
-            f"{row['transport']}: {row['tokens_per_s']:8.1f} tok/s p50 {row['p50_s']:.2f}s p99 {row['p99_s']:.2f}s "
-            f"peak KV {row['peak_kv_bytes'] / GIB:.2f} GiB x{row.get('speedup_vs_off', 1):.2f} "
-            f"probe {row['probe_ms_per_request'] or 0:.1f} ms compiles {row['compiles_after_warmup']}",
-            flush=True,
-        )
-        save(args, rows, skipped)
+            save_closed(args, rows, skipped, meta)
+        del engine  # its pool goes before the next engine's is allocated
+        gc_module.collect()
     if not args.no_generate and time.perf_counter() - t_start <= args.budget_s:
         row = generate_row(model, args, "closed16", args.placements[0], prompts_for(args.placements[0], affix, own))
         off = next((r for r in rows if r["sharing"] == "off" and r["workload"] == "closed16"), None)
@@ -401,14 +587,13 @@ def main(argv=None) -> int:
             + (f" (sharing off: x{off['vs_generate']:.3f})" if off else ""),
             flush=True,
         )
-        save(args, rows, skipped)
-    path = save(args, rows, skipped)
+    path = save_closed(args, rows, skipped, meta)
     plot(json.loads(path.read_text())["rows"], path.with_suffix(".png"))  # every run's rows in the file
     print(f"wrote {path}")
     return 0
 
 
-def save(args, rows, skipped) -> Path:
+def save_closed(args, rows, skipped, meta) -> Path:
     meta = common.meta(
         model=args.model,
         weights="random bf16",
@@ -423,9 +608,335 @@ def save(args, rows, skipped) -> Path:
         skipped=skipped,
         dataset="generated-shared-prefix: 1 group, --requests prompts, shared affix + own question",
         baseline="sharing off (dual cache, own copy) and per-call generate at batch 16, same run",
+        **meta,
     )
     name = "serve_h200.json" if not common.SMOKE_ON_CPU else "serve_cpu_smoke.json"
     return common.write_results(name, meta, rows, args.out, args.run)
+
+
+# ---- mixed (issue 39) ------------------------------------------------------------------------------------------
+def mixed_requests(args, config) -> tuple[list[dict], list[int]]:
+    """The workload's requests (the same for every row): prompt, affix span, which affix, and the drawn settings."""
+    rng = np.random.default_rng(0)
+    hi = min(100_000, config.vocab_size - 3)
+    lens = args.mixed_affix_lens
+    affixes = [rng.integers(0, hi, n).tolist() for n in lens]
+    qmin, qmax = args.mixed_question_lens
+    out = []
+    for i in range(args.requests):
+        k = int(rng.integers(len(lens)))
+        own = rng.integers(0, hi, int(rng.integers(qmin, qmax + 1))).tolist()
+        prompt, span = place(MIXED_PLACEMENTS[k], affixes[k], own)
+        out.append(
+            dict(
+                prompt=prompt,
+                span=span,
+                affix=k,
+                max_tokens=int(rng.choice(args.mixed_max_tokens)),
+                temperature=float(rng.choice([0.0, 0.7])),
+                steps_per_block=int(rng.choice([4, 8])),
+                seed=i,
+            )
+        )
+    return out, lens
+
+
+def mixed_items(reqs: list[dict], row: str, depth: int | None, explicit_depth: bool, block: int) -> list[Item]:
+    technique, ratio = {"off": ("none", None), "bicache": ("shallow", None)}.get(row, ("anchors", None))
+    if technique == "anchors":
+        ratio = float(row.split("_", 1)[1])
+    return [
+        item(
+            r["prompt"],
+            r["span"],
+            technique=technique,
+            ratio=ratio,
+            depth=depth if explicit_depth else None,
+            max_tokens=r["max_tokens"],
+            block=block,
+            steps_per_block=r["steps_per_block"],
+            temperature=r["temperature"],
+            seed=r["seed"],
+        )
+        for r in reqs
+    ]
+
+
+def mixed_key(r: dict) -> tuple:
+    return (r["arrival"], r["row"], r["transport"])
+
+
+def run_mixed(args) -> int:
+    t_start = time.perf_counter()
+    args.requests = args.requests or 200
+    config = common.MODELS[args.model]
+    if len(args.mixed_affix_lens) != len(MIXED_PLACEMENTS):
+        raise SystemExit(f"--mixed-affix-lens takes {len(MIXED_PLACEMENTS)} lengths ({', '.join(MIXED_PLACEMENTS)})")
+    reqs, affix_lens = mixed_requests(args, config)
+    longest = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)
+    if longest > (args.max_model_len or min(config.max_seq_len, 4096)):
+        raise SystemExit(f"a request of {longest} tokens exceeds the engine's maximum length: lower the lengths")
+    depth = None
+    if "bicache" in args.rows:
+        depth = args.bicache_depth
+        if depth is None:
+            depth = table_depth(
+                config, [(r["span"][1] - r["span"][0], len(r["prompt"]), r["max_tokens"]) for r in reqs]
+            )
+    args.compile_cache = Path(args.compile_cache)
+    default_flags = serve_flags(args)
+    meta = dict(
+        model_config=dataclasses.asdict(config),
+        serve_flags={"serve": "dllm-jax serve " + " ".join(default_flags)},
+        bicache_depth=depth,
+        requests=args.requests,
+        affix_lens=affix_lens,
+        placements=list(MIXED_PLACEMENTS),
+        affix_counts=np.bincount([r["affix"] for r in reqs], minlength=len(affix_lens)).tolist(),
+        question_lens=args.mixed_question_lens,
+        max_tokens=args.mixed_max_tokens,
+        mean_prompt_tokens=float(np.mean([len(r["prompt"]) for r in reqs])),
+        generated_tokens=int(sum(r["max_tokens"] for r in reqs)),
+        temperatures=[0.0, 0.7],
+        steps_per_block=[4, 8],
+        block_length=args.block_len,
+        concurrency=args.concurrency,
+        kv_budget_gib=args.kv_budget_gib,
+        hf_dir=args.hf_dir,
+        skipped=[],
+    )
+    # 1. the starts, each in a fresh process before this one touches the device (nothing above does: on a GPU its
+    # memory is the children's): a first start with an empty persistent cache (it fills it), then a second with it
+    start = None
+    if args.starts or args.starts_only:
+        empty_cache_dir(args.compile_cache)
+        cold = fresh_start(args, default_flags)
+        print(f"first start: load {cold['load_s']} s, warm-up {cold['warmup_s']:.1f} s {cold['warmup']}", flush=True)
+        cached = fresh_start(args, default_flags)
+        print(f"second start: warm-up {cached['warmup_s']:.1f} s {cached['warmup']}", flush=True)
+        start = dict(
+            arrival="start",
+            row="serve",
+            transport="python",
+            start="fresh processes",
+            load_s=cold["load_s"],
+            warmup_s=cold["warmup_s"],
+            warmup_s_cached=cached["warmup_s"],
+            warmup=cold["warmup"],
+            warmup_cached=cached["warmup"],
+            programs=cold["warmup"]["programs"],
+            serve_flags=meta["serve_flags"]["serve"],
+        )
+    path = mixed_path(args)
+    rows = previous_rows(path, args.run)  # rows of this --run label from earlier commands stay unless re-measured
+
+    def save(row: dict | None = None) -> None:
+        if row is not None:
+            rows[:] = [r for r in rows if mixed_key(r) != mixed_key(row)] + [row]
+        common.write_results(
+            path.name, common.meta(model=args.model, workload="mixed", **meta), rows, path.parent, args.run
+        )
+
+    if start is not None:
+        save(start)
+    if args.starts_only:
+        print(f"wrote {path}")
+        return 0
+    start = next((r for r in rows if r["arrival"] == "start" and r["row"] == "serve"), None)
+    measured_here: set[tuple] = set()
+
+    # 2. the rows, engine by engine (serve's defaults; then the BiCache depth's), each engine warmed once
+    model, load_s = build_model(args)
+    groups = [((), [r for r in args.rows if r != "bicache"]), ((depth,), [r for r in args.rows if r == "bicache"])]
+    for depths, names in groups:
+        if not names:
+            continue
+        if time.perf_counter() - t_start > args.budget_s:
+            meta["skipped"] += [dict(row=n, arrival=a) for n in names for a in args.arrivals]
+            continue
+        flags = serve_flags(args, depths)
+        meta["serve_flags"]["bicache" if depths else "serve"] = "dllm-jax serve " + " ".join(flags)
+        engine = serve_engine(model, flags)
+        info = warm(engine, "dllm-jax serve " + " ".join(flags))
+        if start is not None and not depths:  # the fresh-process starts of this engine's settings
+            begin = {k: start[k] for k in ("start", "load_s", "warmup_s", "warmup_s_cached", "warmup")}
+            begin["load_s"] = begin["load_s"] if begin["load_s"] is not None else load_s  # starts on random weights
+        else:  # this process's warm-up (partly from the persistent cache where earlier engines filled it)
+            begin = dict(start="this process", load_s=load_s, warmup_s=info["seconds"], warmup_s_cached=None)
+            begin["warmup"] = info
+        begin["warmup_this_process"] = info
+        plan = [(a, n, "python") for a in args.arrivals for n in names]
+        plan += [(closed_name(args), n, "http") for n in names if args.http]
+        for arrival, name, transport in plan:
+            if time.perf_counter() - t_start > args.budget_s:
+                meta["skipped"].append(dict(row=name, arrival=arrival, transport=transport))
+                continue
+            items = mixed_items(reqs, name, depth, args.bicache_depth is not None, args.block_len)
+            try:
+                m = measured(engine, items, arrival, args, transport)
+            except Exception as e:  # noqa: BLE001  one failing row must not lose the run
+                print(f"FAILED {arrival} {name} {transport}: {type(e).__name__}: {e}", flush=True)
+                meta["skipped"].append(dict(row=name, arrival=arrival, transport=transport, error=str(e)[:300]))
+                continue
+            shared = name != "off"
+            row = dict(
+                workload="mixed",
+                arrival=arrival,
+                row=name,
+                affix_len="mixed",
+                placement="mixed",
+                sharing="on" if shared else "off",
+                technique=TECHNIQUE[items[0].http["extra_body"]["affix_technique"]],
+                ratio=float(name.split("_", 1)[1]) if name.startswith("acache_") else None,
+                depth=depth if name == "bicache" else None,
+                **m,
+                max_requests_16gib=capacity(engine, items, affix_lens if shared else []),
+                **begin,
+                serve_flags="dllm-jax serve " + " ".join(flags),
+            )
+            compare(row, rows, measured_here)
+            measured_here.add(mixed_key(row))
+            save(row)
+            print(
+                f"[{time.perf_counter() - t_start:5.0f}s] mixed {arrival} {name} {transport}: "
+                f"{row['tokens_per_s']:8.1f} tok/s p50 {row['p50_s']:.2f}s p99 {row['p99_s']:.2f}s ttfb p99 "
+                f"{row['ttfb_p99_s']:.2f}s peak KV {row['peak_kv_bytes'] / GIB:.2f} GiB "
+                f"x{row.get('speedup_vs_off', 1):.2f} probe {row['probe_ms_per_request'] or 0:.1f} ms "
+                f"compiles {row['compiles_after_warmup']}",
+                flush=True,
+            )
+        del engine  # its pool goes before the next engine's is allocated
+        gc_module.collect()
+    save()
+    plot_mixed([r for r in rows if r["arrival"] != "start"], path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def closed_name(args) -> str:
+    return f"closed{args.concurrency}"
+
+
+def compare(row: dict, rows: list[dict], here: set[tuple]) -> None:
+    """The same-run ratios: to sharing off at the same arrival and transport, and http to python (`baseline`: this
+    command's row, or one of an earlier command with this --run label)."""
+    off = next(
+        (
+            r
+            for r in rows
+            if r["row"] == "off" and r["arrival"] == row["arrival"] and r["transport"] == row["transport"]
+        ),
+        None,
+    )
+    if off is not None and row["row"] != "off":
+        row["speedup_vs_off"] = row["tokens_per_s"] / off["tokens_per_s"]
+        row["p99_vs_off"] = row["p99_s"] / off["p99_s"]
+        row["ttfb_p99_vs_off"] = row["ttfb_p99_s"] / off["ttfb_p99_s"]
+        row["peak_kv_vs_off"] = row["peak_kv_bytes"] / off["peak_kv_bytes"] if off["peak_kv_bytes"] else None
+        row["baseline"] = "this command" if mixed_key(off) in here else "an earlier command of this run"
+    py = next(
+        (r for r in rows if r["row"] == row["row"] and r["arrival"] == row["arrival"] and r["transport"] == "python"),
+        None,
+    )
+    if row["transport"] == "http" and py is not None:
+        row["vs_python"] = row["tokens_per_s"] / py["tokens_per_s"]
+
+
+def mixed_path(args) -> Path:
+    return Path(args.out) / ("serve_mixed_h200.json" if not common.SMOKE_ON_CPU else "serve_mixed_cpu_smoke.json")
+
+
+def previous_rows(path: Path, run: str) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [
+        {k: v for k, v in r.items() if k != "run"} for r in json.loads(path.read_text())["rows"] if r.get("run") == run
+    ]
+
+
+def plot_mixed(rows: list[dict], path: Path) -> None:
+    """Tokens/s and p99 latency of each row at each arrival (this run's rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def kind(r: dict) -> str:
+        name = {"off": "off (own copy)", "bicache": f"BiCache depth {r.get('depth')}"}.get(r["row"])
+        return (name or f"ACache r{r['ratio']:g}") + (" http" if r["transport"] == "http" else "")
+
+    arrivals = list(dict.fromkeys(r["arrival"] for r in rows))
+    kinds = list(dict.fromkeys(kind(r) for r in rows))
+    value = {(r["arrival"], kind(r)): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(arrivals) * max(1, len(kinds)) / 2), 4.5))
+    x = np.arange(len(arrivals))
+    width = 0.8 / max(1, len(kinds))
+    for ax, field, label in ((axes[0], "tokens_per_s", "tokens / s"), (axes[1], "p99_s", "p99 latency (s)")):
+        for i, k in enumerate(kinds):
+            ys = [value[(a, k)][field] if (a, k) in value else 0 for a in arrivals]
+            ax.bar(x + width * (i - (len(kinds) - 1) / 2), ys, width, label=k)
+        ax.set_xticks(x, arrivals, fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_xlabel("arrivals (requests/s) or closed loop")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("serving engine, mixed workload: six shared affixes, per-request settings", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llada-8b", choices=list(common.MODELS))
+    ap.add_argument("--workloads", nargs="+", default=["closed16"], help="closed16 and/or poisson_RATE, or mixed")
+    ap.add_argument("--requests", type=int, default=None, help="default: 64 (closed16 / poisson_R), 200 (mixed)")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests in flight in a closed loop")
+    ap.add_argument("--block-len", type=int, default=32)
+    ap.add_argument("--bicache-depth", type=int, default=None, help="BiCache's depth (default: the paper's table)")
+    ap.add_argument("--http", action="store_true", help="rows through the HTTP server and the openai client too")
+    g = ap.add_argument_group("the engine: `dllm-jax serve` flags (serve's defaults otherwise)")
+    g.add_argument("--max-batch", type=int, default=16)
+    g.add_argument("--kv-budget-gib", type=float, default=16.0, help="the KV pool (the same in every row)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--compile-cache", default=DEFAULT_CACHE, help="the persistent compilation cache")
+    g = ap.add_argument_group("closed16 / poisson_R")
+    g.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
+    g.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")
+    g.add_argument("--no-off", action="store_true", help="skip the sharing-off rows")
+    g.add_argument("--no-generate", action="store_true", help="skip the per-call generate reference")
+    g.add_argument("--bicache", action="store_true", help="BiCache rows too")
+    g.add_argument("--affix-len", type=int, default=1024)
+    g.add_argument("--question-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=256)
+    g.add_argument("--steps-per-block", type=int, default=8)
+    g = ap.add_argument_group("mixed")
+    g.add_argument(
+        "--arrivals",
+        nargs="*",
+        default=None,
+        help="poisson_RATE and/or closed (a loop of --concurrency); default: poisson_2 poisson_4 poisson_8 closed",
+    )
+    g.add_argument("--rows", nargs="*", default=list(MIXED_ROWS), choices=MIXED_ROWS)
+    g.add_argument("--starts", action="store_true", help="measure a first and a second start in fresh processes")
+    g.add_argument("--starts-only", action="store_true", help="only the starts (no rows)")
+    g.add_argument("--start-timeout-s", type=float, default=900.0)
+    g.add_argument("--hf-dir", default=None, help="an HF LLaDA directory to load (load_s; written when missing)")
+    g.add_argument("--mixed-affix-lens", nargs="+", type=int, default=[128, 256, 512, 1024, 1024, 2048])
+    g.add_argument("--mixed-question-lens", nargs=2, type=int, default=[16, 256], metavar=("MIN", "MAX"))
+    g.add_argument("--mixed-max-tokens", nargs="+", type=int, default=[64, 128, 256])
+    ap.add_argument("--start-child", default=None, help=argparse.SUPPRESS)
+    common.output_args(ap, budget_s=540.0)
+    args = ap.parse_args(argv)
+    if args.start_child is not None:
+        return start_child(json.loads(args.start_child))
+    if "mixed" in args.workloads:
+        if len(args.workloads) > 1:
+            ap.error("--workloads mixed runs alone")
+        arrivals = args.arrivals if args.arrivals is not None else ["poisson_2", "poisson_4", "poisson_8", "closed"]
+        args.arrivals = [closed_name(args) if a.startswith("closed") else a for a in arrivals]
+        return run_mixed(args)
+    return run_closed(args)
 
 
 if __name__ == "__main__":

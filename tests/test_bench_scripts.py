@@ -204,17 +204,20 @@ def test_profile_bicache_smoke(tmp_path):
 
 def test_bench_serve_rows_through_python_and_http(tmp_path):
     """The serving bench on the tiny model: a shared-affix row through the Python API, then the same through the
-    HTTP server and the openai client, with the fields issue 30 names, their ratio, and no compilations after
-    warm-up."""
+    HTTP server and the openai client, with the fields issue 30 names, their ratio, the engine as `dllm-jax serve`
+    builds it (warmed once) and no compilations after warm-up."""
+    import jax
+
     bench = _load("bench_serve")
     args = ["--model", "tiny", "--requests", "4", "--concurrency", "2", "--affix-len", "64", "--question-len", "8"]
     args += ["--output-len", "32", "--placements", "suffix", "--ratios", "0.2", "--no-off", "--no-generate"]
-    args += ["--kv-budget-gib", "0.01"]  # the default 16 GiB pool is a GPU's, not a CI machine's
+    args += ["--kv-budget-gib", "0.01", "--max-batch", "1", "--max-model-len", "128"]  # serve flags: a CPU's sizes
+    args += ["--compile-cache", jax.config.jax_compilation_cache_dir]  # the session's (conftest)
     assert bench.main([*args, "--http", "--run", "smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "serve_cpu_smoke.json").read_text())
     python, http = data["rows"]
     fields = "workload affix_len placement sharing technique ratio transport tokens_per_s p50_s p99_s peak_kv_bytes"
-    fields += " probe_ms_per_request max_requests_16gib compiles_after_warmup"
+    fields += " probe_ms_per_request max_requests_16gib compiles_after_warmup ttfb_p50_s ttfb_p99_s programs warmup_s"
     for row in (python, http):
         assert set(fields.split()) <= set(row)
         assert (row["workload"], row["placement"], row["sharing"], row["technique"]) == (
@@ -224,10 +227,67 @@ def test_bench_serve_rows_through_python_and_http(tmp_path):
             "acache",
         )
         assert row["tokens"] == 4 * 32 and row["compiles_after_warmup"] == 0 and row["probe_ms_per_request"] > 0
+        assert row["ttfb_p99_s"] <= row["p99_s"]
+        assert row["programs"] == row["warmup"]["programs"] == 3  # block, probe, affix
     assert (python["transport"], http["transport"]) == ("python", "http")
     assert http["vs_python"] == http["tokens_per_s"] / python["tokens_per_s"]
-    assert data["meta"]["runs"]["smoke"]["affix_len"] == 64
+    meta = data["meta"]["runs"]["smoke"]
+    assert meta["affix_len"] == 64 and meta["serve_flags"]["()"].startswith("dllm-jax serve --max-batch 1 ")
     assert (tmp_path / "serve_cpu_smoke.png").stat().st_size > 0
+
+
+def test_bench_serve_mixed(tmp_path):
+    """Issue 39's mixed workload at tiny sizes, run as on the GPU (a fresh interpreter; its starts in two more):
+    six affixes at three placements, per-request max_tokens / temperature / steps in one engine per setting set
+    with no compilation after warm-up, every row's fields, a second start that loads what the first compiled, the
+    BiCache engine serving its one depth, the closed loop through HTTP too."""
+    args = ["--workloads", "mixed", "--model", "tiny", "--requests", "6", "--concurrency", "2"]
+    args += ["--max-batch", "2", "--max-model-len", "64", "--block-len", "16", "--kv-budget-gib", "0.01"]
+    args += ["--mixed-affix-lens", "8", "8", "12", "16", "16", "20", "--mixed-question-lens", "2", "6"]
+    args += ["--mixed-max-tokens", "16", "32", "--arrivals", "poisson_50", "closed", "--bicache-depth", "1"]
+    args += ["--starts", "--hf-dir", str(tmp_path / "hf"), "--compile-cache", str(tmp_path / "xla"), "--http"]
+    args += ["--run", "smoke", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "bench_serve.py"), *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "serve_mixed_cpu_smoke.json").read_text())
+    meta = data["meta"]["runs"]["smoke"]
+    assert meta["affix_lens"] == [8, 8, 12, 16, 16, 20] and sum(meta["affix_counts"]) == 6
+    assert meta["serve_flags"]["bicache"].startswith("dllm-jax serve --max-batch 2 --kv-budget-gib 0.01 ")
+    start, *rows = data["rows"]
+    assert start["arrival"] == "start" and start["load_s"] > 0 and start["warmup_s"] > 0 < start["warmup_s_cached"]
+    assert start["warmup_cached"]["compiles"] < start["warmup"]["compiles"]  # from the persistent cache
+    plan = [(a, n, "python") for a in ("poisson_50", "closed2") for n in ("off", "acache_0.2", "acache_0")]
+    plan += [("closed2", n, "http") for n in ("off", "acache_0.2", "acache_0")]
+    plan += [("poisson_50", "bicache", "python"), ("closed2", "bicache", "python"), ("closed2", "bicache", "http")]
+    assert [(r["arrival"], r["row"], r["transport"]) for r in rows] == plan
+    fields = "tokens_per_s p50_s p99_s ttfb_p50_s ttfb_p99_s peak_kv_bytes probe_ms_per_request max_requests_16gib"
+    fields += " load_s warmup_s warmup_s_cached programs compiles_after_warmup compile_s_after_warmup"
+    for r in rows:
+        assert set(fields.split()) <= set(r) and r["requests"] == 6 and r["compiles_after_warmup"] == 0
+        assert r["ttfb_p50_s"] <= r["p50_s"] and r["ttfb_p99_s"] <= r["p99_s"] and r["max_requests_16gib"] > 0
+        # python: every request runs to its max_tokens; http: the server's requests stop at EOS
+        assert r["tokens"] == meta["generated_tokens"] if r["transport"] == "python" else r["tokens"] > 0
+        assert (r["probe_ms_per_request"] or 0) > 0 if r["row"] == "acache_0.2" else r["probe_ms_per_request"] is None
+        if r["row"] != "off":
+            off = next(
+                o for o in rows if (o["row"], o["arrival"], o["transport"]) == ("off", r["arrival"], r["transport"])
+            )
+            assert r["speedup_vs_off"] == r["tokens_per_s"] / off["tokens_per_s"] and r["baseline"] == "this command"
+        if r["row"] == "bicache":
+            assert (r["depth"], r["start"], r["warmup_s_cached"]) == (1, "this process", None)
+            assert r["programs"] > start["programs"]  # its depth's programs on top of serve's default set
+        else:
+            assert (r["start"], r["warmup_s"], r["programs"]) == (
+                "fresh processes",
+                start["warmup_s"],
+                start["programs"],
+            )
+    http = next(r for r in rows if (r["row"], r["transport"]) == ("acache_0.2", "http"))
+    assert http["vs_python"] == http["tokens_per_s"] / rows[4]["tokens_per_s"]
+    assert (tmp_path / "serve_mixed_cpu_smoke.png").stat().st_size > 0
 
 
 def test_bench_tp_smoke(tmp_path):

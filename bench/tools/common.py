@@ -89,12 +89,23 @@ TINY = LLADA_8B.replace(
 MODELS = {"llada-8b": LLADA_8B, "dream-7b": DREAM_7B, "tiny": TINY}
 
 # On the CPU the benches run only as smoke tests (tests/test_bench_scripts.py: the GPU runs' code paths, JSON and
-# plots); timings mean nothing there, so every repeat count collapses to one call.
-SMOKE_ON_CPU = jax.default_backend() == "cpu"
+# plots); timings mean nothing there, so every repeat count collapses to one call. `common.SMOKE_ON_CPU` is read on
+# first use (module __getattr__), not at import: importing this module starts no backend, so a bench can start
+# child processes on the device first (bench_serve.py's fresh-process starts).
+
+
+def smoke_on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def __getattr__(name: str):
+    if name == "SMOKE_ON_CPU":
+        return smoke_on_cpu()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def repeats(n: int) -> int:
-    return 1 if SMOKE_ON_CPU else n
+    return 1 if smoke_on_cpu() else n
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
