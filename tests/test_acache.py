@@ -70,7 +70,7 @@ def test_probe_hook_matches_reference():
     affix_keys = rng.random((b, s)) < 0.5
     affix_keys[2] = False  # a row without an affix scores zero, never NaN
     mask_queries = rng.random((b, n)) < 0.6
-    got = acache.affix_importance_probe(jnp.asarray(affix_keys), jnp.asarray(mask_queries))(q, k)
+    got = acache.affix_importance_probe(jnp.asarray(affix_keys), jnp.asarray(mask_queries))(q, KVCache((k,), (k,)), 0)
     np.testing.assert_allclose(np.asarray(got), probe_reference(q, k, affix_keys, mask_queries), rtol=1e-5, atol=1e-6)
 
 
@@ -281,9 +281,15 @@ def test_probe_in_query_chunks_equals_one_pass():
     k = jnp.asarray(rng.normal(size=(2, s, 2, 8)), jnp.float32)
     keys = jnp.asarray(rng.random((2, s)) < 0.7)
     queries = jnp.asarray(rng.random((2, n)) < 0.5)
-    chunked = acache.affix_importance_probe(keys, queries)(q, k)
+    cache = KVCache((k,), (k,))
+    chunked = acache.affix_importance_probe(keys, queries)(q, cache, 0)
     whole = sum(
-        acache.affix_importance_probe(keys, queries[:, i : i + 256])(q[:, i : i + 256], k) for i in range(0, n, 256)
+        acache.affix_importance_probe(keys, queries[:, i : i + 256])(q[:, i : i + 256], cache, 0)
+        for i in range(0, n, 256)
     )
+    # the engine's probe of listed rows only: the same for those rows, zero for the others
+    rows = acache.row_importance_probe(keys, queries, jnp.asarray([1, 2, 2, 2], jnp.int32))(q, cache, 0)
+    np.testing.assert_allclose(np.asarray(rows[1]), np.asarray(whole[1]), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(rows[0]).any()
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-5)
     assert float(chunked.sum()) > 0

@@ -16,7 +16,7 @@ from dllm_jax.decoding.config import Shallow
 from dllm_jax.engine.block_manager import pages_for
 from dllm_jax.engine.engine import Engine, EngineConfig, KVBudgetError, RequestError
 from dllm_jax.engine.request import Status
-from dllm_jax.engine.runner import backend_compiles
+from dllm_jax.engine.runner import Ladder, backend_compiles
 from dllm_jax.engine.scheduler import QueueFull
 
 opts = GenerationConfig.from_options
@@ -161,12 +161,13 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
         items = random_stream(4, seed)
         serve(engine, [(p, gc, span, s) for p, gc, span, s, _ in items])
         assert engine.program_count() == engine.stats()["programs"] == count
-    # 2 batch sizes x 1 window width: block, probe, BiCache block; affix builds, layer inputs, placements per width
-    assert count == 2 * 3 + 3
-    assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 3 + 3  # the default ladder: 1, 4
-    assert engine_for(m, max_batch=16).program_count() == 3 * 2 + 2 + 1  # 1, 4, 16; the probe at most 4 rows
-    assert engine_for(m, max_batch=16, max_model_len=2000).program_count() == (3 * 2 + 2 + 1) * 3  # 256, 1024, 2000
-    assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 * 2 + 1  # no BiCache depth served
+    # 2 batch sizes x 1 window width: block, BiCache block; affix builds, layer inputs, placements per width
+    assert count == 2 * 2 + 3
+    assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 2 + 3  # the default ladder: 1, 4
+    assert engine_for(m, max_batch=16).program_count() == 3 + 1  # 1, 4, 16; ACache's probe rides the block calls
+    ladder = Ladder.for_settings(16, 2000)  # LLaDA-8B's serve defaults but a 2000-token max_model_len
+    assert (ladder.batch_sizes, ladder.window_sizes, ladder.read_len) == ((1, 4, 16), (256, 1024, 2000), 2000)
+    assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 1  # no BiCache depth served
 
 
 @pytest.mark.xdist_group("engine-dream")
@@ -227,7 +228,7 @@ def test_a_fresh_process_warms_from_the_persistent_cache(tmp_path, hf_dirs):
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, cached = runs
-    assert cold["programs"] == cached["programs"] == 3  # block, probe, affix
+    assert cold["programs"] == cached["programs"] == 2  # block, affix
     assert cold["compiles"] >= cold["programs"] and cached["compiles"] == 0 and cached["loaded"] >= cold["programs"]
     assert cached["seconds"] < 0.6 * cold["seconds"]
 

@@ -8,10 +8,12 @@
             ...                                                # out.tokens: the block's new answer tokens
 
 Each iteration admits waiting requests (FIFO) while pages and batch slots last, builds the K/V of newly needed
-affixes alone (once per affix, whatever its placement), runs ACache's probe for newly admitted requests, then one
-block of every running request (one device call per block length and BiCache depth: the block start and all its
-steps; temperatures, top-p / top-k, thresholds, steps, lengths, seeds and anchors differ per row as data). A
-request's tokens are those of `dllm_jax.generate` on that request alone with the same settings.
+affixes alone (once per affix, whatever its placement), then one block of every running request (one device call
+per block length and BiCache depth: the block start and all its steps; temperatures, top-p / top-k, thresholds,
+steps, lengths, seeds and anchors differ per row as data). A newly admitted ACache request rides its first call as a
+probe (its window's forward, inside the block start of the others): it gets its anchors and commits nothing, then
+decodes from the next call on. A request's tokens are those of `dllm_jax.generate` on that request alone with the
+same settings.
 
 The programs are fixed by the settings (`EngineConfig`: max_batch, max_model_len, the served block lengths, sampler
 and BiCache depths), never by the traffic: `warmup()` compiles every one of them (`program_count()`), after which
@@ -200,8 +202,6 @@ class Engine:
             blocks=0,
             block_rows=0,
             probes=0,
-            probe_calls=0,
-            probe_seconds=0.0,
             affix_builds=0,
             affix_hits=0,
             peak_pages=0,
@@ -386,7 +386,8 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> list[BlockOutput]:
-        """One scheduling iteration: admit, build new affixes, probe, then one block of every running request."""
+        """One scheduling iteration: admit, build new affixes, then one block of every running request (or its
+        ACache probe)."""
         before = compile_totals()
         outputs = self._step()
         compiled, seconds, _ = (a - b for a, b in zip(compile_totals(), before))
@@ -418,25 +419,20 @@ class Engine:
                 s, e = r.affix_span
                 private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
                 self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
-        to_probe = [r for r in admitted if r.anchor_count > 0]
-        step = self.runner.ladder.probe_sizes[-1]
-        for i in range(0, len(to_probe), step):
-            chunk = to_probe[i : i + step]
-            t0 = time.perf_counter()
-            importances = self.runner.probe(chunk, self.block_manager)
-            self.counters["probe_seconds"] += time.perf_counter() - t0
-            self.counters["probe_calls"] += 1
-            for r, importance in zip(chunk, importances):
-                k = r.anchor_count
-                order = np.argsort(-importance, kind="stable")[:k]  # ties: the earlier token
-                r.anchors = sorted(int(j) + r.affix_span[0] for j in order)
-                r.nfe += 1
-            self.counters["probes"] += len(chunk)
         for group in self.scheduler.batches(self._program):
-            tokens, keys, steps = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+            probing = [r for r in group if r.needs_probe]
+            if len(probing) > Ladder.probe_rows:  # the rest are probed by the next calls
+                group = [r for r in group if not r.needs_probe] + probing[: Ladder.probe_rows]
+            tokens, keys, steps, importance = self.runner.run_block(group, self.block_manager, self._program(group[0]))
             now = time.perf_counter()
-            for r, blk, key in zip(group, tokens, keys):
-                outputs.append(self._commit(r, blk.tolist(), key, steps, now))
+            for i, (r, blk, key) in enumerate(zip(group, tokens, keys)):
+                if r.needs_probe:  # this call was its probe (one NFE): its anchors, then its first block next
+                    order = np.argsort(-importance[i, : r.affix_len], kind="stable")[: r.anchor_count]  # ties: earlier
+                    r.anchors = sorted(int(j) + r.affix_span[0] for j in order)
+                    r.probed, r.nfe = True, r.nfe + 1
+                    self.counters["probes"] += 1
+                else:
+                    outputs.append(self._commit(r, blk.tolist(), key, steps, now))
             self.counters["blocks"] += 1
             self.counters["block_rows"] += len(group)
         return outputs
@@ -553,7 +549,7 @@ class Engine:
             compile_seconds=seconds - self._compiles_at_start[1],
             block_host_seconds=self.runner.host_seconds,
             block_device_seconds=self.runner.device_seconds,
-            probe_device_seconds=self.runner.probe_device_seconds,
+            probe_seconds=self.runner.probe_seconds,
         )
 
 

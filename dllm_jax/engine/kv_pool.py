@@ -91,14 +91,16 @@ class PagedKV:
     def own_mask(self) -> Array:
         return jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
 
-    def keys(self, i: int) -> Array:
-        """Layer i's shared keys [B, A, Hkv, D], rotated to each row's placement (what ACache's probe scores)."""
-        shared = jnp.take(self.k[i], self.shared_slots, axis=0)
+    def keys(self, i: int, rows: Array | None = None) -> Array:
+        """Layer i's shared keys [B, A, Hkv, D] (rows: of those rows only), rotated to each row's placement (what
+        ACache's probe scores)."""
+        slots, delta = self.shared_slots, self.shared_delta
+        if rows is not None:
+            slots, delta = slots[rows], delta[rows]
+        shared = jnp.take(self.k[i], slots, axis=0)
         if not self.rotate:
             return shared
-        cos, sin = rope_cos_sin(
-            jnp.broadcast_to(self.shared_delta[:, None], self.shared_slots.shape), shared.shape[-1], self.rope_theta
-        )
+        cos, sin = rope_cos_sin(jnp.broadcast_to(delta[:, None], slots.shape), shared.shape[-1], self.rope_theta)
         return apply_rope(shared.astype(jnp.float32), cos, sin, fp32=True).astype(shared.dtype)
 
     def attend(self, i: int, q: Array, key_mask: Array | None, kernels) -> Array:

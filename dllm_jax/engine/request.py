@@ -95,6 +95,11 @@ class Request:
         return anchor_count(self.affix_len, t.ratio) if isinstance(t, Anchors) else 0
 
     @property
+    def needs_probe(self) -> bool:
+        """ACache: the anchors are not chosen yet (the request's next block call probes instead of decoding)."""
+        return self.anchor_count > 0 and not self.probed
+
+    @property
     def total_len(self) -> int:
         return len(self.prompt) + self.gen_length
 

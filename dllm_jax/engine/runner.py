@@ -32,7 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, affix_importance_probe, forward_window
+from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState
 from dllm_jax.decoding.caches.base import DecodeInputs
 from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, layer_inputs
 from dllm_jax.decoding.caches.dual import DualCache
@@ -100,19 +100,15 @@ class Ladder:
     batch_sizes: tuple[int, ...]
     window_sizes: tuple[int, ...]
     read_len: int
-    probe_batch: int = 4  # the probe's largest batch (its fp32 scores grow with batch x window x affix)
+    probe_rows: int = 4  # ACache probes a block call carries at most (each scored alone: fp32 scores per row)
 
     @classmethod
     def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None) -> "Ladder":
         cap = round_up(max_len)
         return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), tuple(_powers(min(256, cap), cap)), cap)
 
-    @property
-    def probe_sizes(self) -> tuple[int, ...]:
-        return tuple(b for b in self.batch_sizes if b <= self.probe_batch) or self.batch_sizes[:1]
-
-    def batch(self, n: int, probe: bool = False) -> int:
-        return next(b for b in (self.probe_sizes if probe else self.batch_sizes) if b >= n)
+    def batch(self, n: int) -> int:
+        return next(b for b in self.batch_sizes if b >= n)
 
     def window(self, n: int) -> int:
         """The smallest window width that holds n tokens (every affix and window is at most max_model_len)."""
@@ -158,6 +154,7 @@ class Layout:
     block_index: np.ndarray  # [B] int32: where it sits in each row's window
     keys: np.ndarray  # [B, 2] uint32 key data
     rows: dict  # RowSettings' host arrays (per-row sampling settings and step budgets)
+    probe_rows: np.ndarray  # [Ladder.probe_rows] int32: the rows the block start probes (b: an empty slot)
     # BiCache rows: the deep window (every real column), where the shallow window's hidden states go in it, and
     # where each row's prefix starts in it
     deep: np.ndarray | None = None
@@ -183,6 +180,7 @@ class Layout:
             block_index=np.zeros(b, np.int32),
             keys=np.zeros((b, 2), np.uint32),
             rows=stack_rows([], b),
+            probe_rows=np.full(Ladder.probe_rows, b, np.int32),
         )
 
     def add_deep(self, b: int, f: int, w: int, col: int = 0) -> None:
@@ -194,7 +192,7 @@ class Layout:
 class Program:
     """One compiled program of the engine: what it runs and its shape (batch b, window or affix width w)."""
 
-    kind: str  # "block", "probe", "affix", "hidden" (BiCache: an affix's layer inputs), "place"
+    kind: str  # "block", "affix", "hidden" (BiCache: an affix's layer inputs), "place"
     b: int
     w: int
     runner: BlockRunner | None = None
@@ -215,14 +213,13 @@ class ModelRunner:
         )
         self.k, self.v = zeros(), zeros()
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
-        self.probe_device_seconds = 0.0
+        self.probe_seconds = 0.0  # the probe tokens' share of the calls that carried them
 
     # ---- the programs -----------------------------------------------------------------------------------------------
     def programs(self, runners: Sequence[BlockRunner]) -> list[Program]:
         """Every program the engine can run with these block runners (a function of the settings only)."""
         lad = self.ladder
         out = [Program("affix", 1, w) for w in lad.window_sizes]
-        out += [Program("probe", b, w) for b in lad.probe_sizes for w in lad.window_sizes]
         for runner in runners:
             out += [Program("block", b, w, runner) for b in lad.batch_sizes for w in lad.window_sizes]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
@@ -242,9 +239,7 @@ class ModelRunner:
                 self.place([0] * p.w, [self.num_slots] * p.w, 0)
             else:
                 lay = Layout.empty(cfg, p.b, t, p.w, lad.read_len, self.num_slots)
-                if p.kind == "probe":
-                    self._probe_call(lay)
-                elif isinstance(p.runner.strategy, ShallowReuse):
+                if isinstance(p.runner.strategy, ShallowReuse):
                     lay.add_deep(p.b, lad.read_len, p.w)
                     zero = jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)
                     self._shallow_call(lay, p.runner, [zero] * p.b)
@@ -252,8 +247,10 @@ class ModelRunner:
                     self._block_call(lay, p.runner)
 
     # ---- layouts ---------------------------------------------------------------------------------------------------
-    def plan(self, r: Request, bm, probe: bool = False) -> RowPlan:
-        """What does not change between a request's blocks (cached on the request until its anchors change)."""
+    def plan(self, r: Request, bm) -> RowPlan:
+        """What does not change between a request's blocks (cached on the request until its anchors change). A
+        request still to be probed (ACache) has no anchors yet: its first block start is its probe."""
+        probe = r.needs_probe
         key = (probe, tuple(r.anchors))
         if r.plan is not None and r.plan[0] == key:
             return r.plan[1]
@@ -284,15 +281,13 @@ class ModelRunner:
         r.plan = (key, plan)
         return plan
 
-    def layout(
-        self, reqs: Sequence[Request], bm, probe: bool = False, shallow: bool = False, batch: int | None = None
-    ) -> Layout:
-        """The device inputs of one call over `reqs` (each at its current block; for the probe, at block 0 and with
-        no anchors yet; shallow: BiCache rows, with their deep window), padded to the ladder's shapes."""
+    def layout(self, reqs: Sequence[Request], bm, shallow: bool = False) -> Layout:
+        """The device inputs of one call over `reqs` (each at its current block; a request to be probed at block 0
+        with no anchors yet; shallow: BiCache rows, with their deep window), padded to the ladder's shapes."""
         lad = self.ladder
-        b = batch or lad.batch(len(reqs))
-        plans = [self.plan(r, bm, probe) for r in reqs]
-        done = [0 if probe else r.blocks_done for r in reqs]
+        b = lad.batch(len(reqs))
+        plans = [self.plan(r, bm) for r in reqs]
+        done = [r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
         c = max(starts)
         w = lad.window(max(len(pl.window) for pl in plans))
@@ -302,7 +297,7 @@ class ModelRunner:
         for i, (r, pl) in enumerate(zip(reqs, plans)):
             p, g = len(r.prompt), r.gen_length
             pad = c - starts[i]  # every row's current block starts at column c
-            gen = [] if probe else r.generated
+            gen = r.generated
             lay.x[i, pad : pad + p] = r.prompt
             lay.x[i, pad + p : pad + p + len(gen)] = gen
             lay.x[i, pad + p + len(gen) : pad + p + g] = mask_id
@@ -316,6 +311,10 @@ class ModelRunner:
             lay.window[i, : len(pl.window)], lay.writes[i, : len(pl.window)] = pad + pl.window, pl.writes
             lay.block_index[i] = pl.gen_index + done[i] * r.block_length
             lay.keys[i] = r.key
+        probing = [i for i, r in enumerate(reqs) if r.needs_probe]
+        lay.probe_rows[: len(probing)] = probing
+        for i in probing:
+            lay.rows["steps"][i] = 0  # a probed row's call is its probe: it commits nothing
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
             f = lad.read_len
             lay.add_deep(b, f, w, c)
@@ -346,23 +345,9 @@ class ModelRunner:
             self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)), config=self.config
         )
 
-    def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
-        """ACache's one-shot probe of newly admitted requests (one NFE): per request the importance of each affix
-        token (the [MASK] queries' softmax mass over the affix keys, summed over heads and layers)."""
-        t0 = time.perf_counter()
-        lay = self.layout(reqs, bm, probe=True, batch=self.ladder.batch(len(reqs), probe=True))
-        imp = self._probe_call(lay)
-        self.probe_device_seconds += time.perf_counter() - t0
-        return [imp[i, : r.affix_len] for i, r in enumerate(reqs)]  # the shared list, in affix order
-
-    def _probe_call(self, lay: Layout) -> np.ndarray:
-        imp, self.k, self.v = _probe(
-            self.params, self.k, self.v, *self._window_inputs(lay), config=self.config, kernels=self.kernels
-        )
-        return np.asarray(imp)
-
-    def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
-        """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps)."""
+    def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
+        """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps, and the
+        importance of each affix token [B, A] for the rows this call probed (ACache), in affix order)."""
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
@@ -370,12 +355,19 @@ class ModelRunner:
         if shallow:
             f = self.ladder.read_len
             rows = [_hidden_rows(r.prefix_hidden, jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f) for r in reqs]
-            blk, keys, steps = self._shallow_call(lay, runner, rows)
+            blk, keys, steps, importance = self._shallow_call(lay, runner, rows)
         else:
-            blk, keys, steps = self._block_call(lay, runner)
+            blk, keys, steps, importance = self._block_call(lay, runner)
         self.host_seconds += t1 - t0
-        self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
-        return blk[: len(reqs)], keys[: len(reqs)], steps
+        seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
+        self.device_seconds += seconds
+        probed = [r for r in reqs if r.needs_probe]
+        if probed:  # the probe tokens' share of the call's tokens (windows and steps)
+            window = lambda r: len(self.plan(r, bm).window)  # noqa: E731
+            steps_tokens = sum(r.block_length * r.row_values.steps for r in reqs if not r.needs_probe)
+            share = sum(map(window, probed)) / (sum(map(window, reqs)) + steps_tokens)
+            self.probe_seconds += seconds * share
+        return blk[: len(reqs)], keys[: len(reqs)], steps, importance
 
     def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
         return self._run(_run_block, lay, runner)
@@ -386,9 +378,9 @@ class ModelRunner:
         deep = (put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked)
         return self._run(_run_shallow_block, lay, runner, *deep)
 
-    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra) -> tuple[np.ndarray, np.ndarray, int]:
+    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra) -> tuple:
         """One block through `fn` (_run_block or _run_shallow_block; `extra` goes in after the window inputs)."""
-        blk, keys, steps, self.k, self.v = fn(
+        blk, keys, steps, importance, self.k, self.v = fn(
             self.params,
             self.k,
             self.v,
@@ -398,10 +390,12 @@ class ModelRunner:
             {name: put(a) for name, a in lay.rows.items()},
             put(np.int32(lay.block_col)),
             put(lay.block_index),
+            put(lay.probe_rows),
             runner=runner,
             kernels=self.kernels,
         )
-        return np.asarray(blk), np.asarray(keys), int(steps)
+        probed = bool((lay.probe_rows < lay.x.shape[0]).any())
+        return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(importance) if probed else None
 
     # ---- BiCache's shared prefix ---------------------------------------------------------------------------------
     def prefix_hidden(self, tokens: Sequence[int]) -> Array:
@@ -471,14 +465,6 @@ def _build_affix(params, k, v, ids, slots, length, *, config):
 
 # Shared affixes are read rotated by their placement in every call: a rotation by 0 (a prefix, or no affix) changes
 # no bit, so one program serves every placement.
-@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("k", "v"))
-def _probe(params, k, v, x, positions, paged, window, writes, *, config, kernels):
-    inp = _inputs(config, positions, 1, kernels)
-    kv = _view(config, k, v, paged, True)
-    tokens = jnp.take_along_axis(x, window, axis=1)
-    probe = affix_importance_probe(kv.shared_mask(), (tokens == config.mask_token_id) & writes)
-    out = forward_window(params, config, inp, kv, x, window, writes, jnp.zeros((x.shape[0], 1), jnp.int32), probe)
-    return out.probe, out.cache.k, out.cache.v
 
 
 def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys, rows, block_col) -> tuple:
@@ -488,12 +474,30 @@ def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys
     s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), runner.gc.max_steps_per_block(), settings)
     s = runner.run_block(params, inp, s, block_col, False)
     blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, runner.gc.schedule.block_length, axis=1)
-    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
+    importance = getattr(s.cache, "importance", None)  # ACache's probe of the probed rows (BiCache: none)
+    if importance is None:
+        importance = jnp.zeros(s.cache.kv.shared_slots.shape, jnp.float32)
+    return blk, jax.random.key_data(s.key), s.step, importance, s.cache.kv.k, s.cache.kv.v
 
 
 @functools.partial(jax.jit, static_argnames=("runner", "kernels"), donate_argnames=("k", "v"))
 def _run_block(
-    params, k, v, x, positions, paged, window, writes, keys, rows, block_col, block_index, *, runner, kernels
+    params,
+    k,
+    v,
+    x,
+    positions,
+    paged,
+    window,
+    writes,
+    keys,
+    rows,
+    block_col,
+    block_index,
+    probe_rows,
+    *,
+    runner,
+    kernels,
 ):
     config = runner.config
     inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
@@ -502,9 +506,10 @@ def _run_block(
         kv=kv,
         window=window,
         writes=writes,
-        importance=jnp.zeros((x.shape[0], 1), jnp.float32),
+        importance=jnp.zeros(kv.shared_slots.shape, jnp.float32),
         block_col=block_col,
         block_index=block_index,
+        probe_rows=probe_rows,
     )
     return _decode_block(params, runner, inp, x, state, keys, rows, block_col)
 
@@ -557,6 +562,7 @@ def _run_shallow_block(
     rows,
     block_col,
     block_index,
+    probe_rows,
     *,
     runner,
     kernels,

@@ -70,8 +70,9 @@ class KVCache:
         """Per-layer buffers with layer i's replaced (a kernel that wrote them in place)."""
         return KVCache(self.k[:i] + (k_buf,) + self.k[i + 1 :], self.v[:i] + (v_buf,) + self.v[i + 1 :])
 
-    def keys(self, i) -> Array:
-        return self.k[i]
+    def keys(self, i, rows: Array | None = None) -> Array:
+        """Layer i's keys [B, S, Hkv, D] (rows: of those rows only)."""
+        return self.k[i] if rows is None else self.k[i][rows]
 
     def attend(self, i, q: Array, key_mask: Array | None, kernels) -> Array:
         """Layer i's attention of q [B, n, Hq, D] over the whole buffer (key_mask [B, S] masks keys)."""

@@ -24,8 +24,9 @@ from dllm_jax.transformer.params import Params, is_unrolled, select_layers
 from dllm_jax.transformer.rope_write import ROPE_WRITE_MAX_TOKENS, rope_write
 
 Array = jax.Array
-# probe(q [B,n,Hq,D] rotated, layer K buffer [B,S,Hkv,D]) -> [B,S] float32, summed over layers (ACache's probe)
-ProbeFn = Callable[[Array, Array], Array]
+# probe(q [B,n,Hq,D] rotated, the cache, the layer index) -> [B,S] float32, summed over layers (ACache's probe); the
+# hook reads the keys it needs from the cache (cache.keys(i): [B,S,Hkv,D]) only when it scores anything
+ProbeFn = Callable[[Array, Any, Any], Array]
 
 
 @jax.tree_util.register_dataclass
@@ -79,8 +80,8 @@ def forward(
     layers: (start, stop) runs only those layers (cache buffers keep their absolute layer index); output_hidden
     returns the last run layer's output (before the final norm) instead of logits. With these a forward can be
     split at a layer (BiCache's shallow-layer reuse, LaCache's first-layer memo).
-    probe: with a cache, called in every layer on the rotated q and the layer's K buffer; the sum over layers comes
-    back as ForwardOutput.probe (ACache's one-shot anchor probe).
+    probe: with a cache, called in every layer on the rotated q, the cache and the layer index; the sum over layers
+    comes back as ForwardOutput.probe (ACache's one-shot anchor probe).
     """
     b, n = positions.shape
     start, stop = layers if layers is not None else (0, config.n_layers)
@@ -145,7 +146,7 @@ def forward(
             q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)
             cache = cache.write(i, k, v, write)
         if probe is not None:
-            probed = probed + probe(q, cache.keys(i))
+            probed = probed + probe(q, cache, i)
         x = finish(lp, i, x, cache.attend(i, q, key_mask, kernels))
         return (x, cache, probed), None
 

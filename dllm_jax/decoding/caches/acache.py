@@ -66,6 +66,8 @@ class AnchoredState:
     # row (the generation region's start in `generate`) or one per row [B] (the current block in the serving engine)
     block_col: Array | int = 0
     block_index: Array | int = 0
+    # the serving engine: rows probed by the next block-start forward ([P] batch indices; the batch size: none)
+    probe_rows: Array | None = None
 
 
 def anchor_inputs(
@@ -201,31 +203,69 @@ def place_shared_affix(
 PROBE_CHUNK = 512  # queries scored at once by the probe (longer windows: a loop over chunks)
 
 
+def _probe_part(affix_keys: Array, q: Array, k: Array, queries: Array) -> Array:
+    """[B, S]: the softmax over the affix keys only of q.k / sqrt(d), summed over the `queries` [B, n] and heads."""
+    scores = grouped_scores(q, k)  # fp32 accumulation (exact bf16 products on the GPU's tensor cores)
+    scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    return jnp.einsum("bkgns,bn->bs", p, queries.astype(jnp.float32))
+
+
+def _chunked(affix_keys: Array, q: Array, k: Array, queries: Array, skip_empty: bool = False) -> Array:
+    """_probe_part over PROBE_CHUNK queries at a time, so the fp32 scores [B, H, chunk, S] stay bounded (a whole
+    4096-token window of 8 rows against a 4096-key list would take ~70 GiB); skip_empty: chunks without a query
+    are not scored."""
+    n = q.shape[1]
+    if n <= PROBE_CHUNK:
+        return _probe_part(affix_keys, q, k, queries)
+    pad = -n % PROBE_CHUNK
+    qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(q.shape[0], -1, PROBE_CHUNK, *q.shape[2:])
+    mc = jnp.pad(queries, ((0, 0), (0, pad))).reshape(q.shape[0], -1, PROBE_CHUNK)
+
+    def chunk(c):
+        if not skip_empty:
+            return _probe_part(affix_keys, c[0], k, c[1])
+        zero = jnp.zeros(affix_keys.shape, jnp.float32)
+        return jax.lax.cond(c[1].any(), lambda: _probe_part(affix_keys, c[0], k, c[1]), lambda: zero)
+
+    return jax.lax.map(chunk, (jnp.moveaxis(qc, 1, 0), jnp.moveaxis(mc, 1, 0))).sum(axis=0)
+
+
 def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     """The probe hook for `modeling.forward`: per layer, for every head, the softmax over the affix keys only of
     q.k / sqrt(d) at the [MASK] queries, summed over those queries and heads -> [B, S] float32.
 
     affix_keys: [B, S] bool; mask_queries: [B, n] bool (the window's [MASK] positions, fillers excluded)."""
 
-    def part(q: Array, k: Array, queries: Array) -> Array:
-        scores = grouped_scores(q, k)  # fp32 accumulation (exact bf16 products on the GPU's tensor cores)
-        scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
-        m = jnp.max(scores, axis=-1, keepdims=True)
-        p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros
-        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        return jnp.einsum("bkgns,bn->bs", p, queries.astype(jnp.float32))
+    def probe(q: Array, cache, i) -> Array:
+        return _chunked(affix_keys, q, cache.keys(i), mask_queries)
 
-    def probe(q: Array, k: Array) -> Array:
-        n = q.shape[1]
-        if n <= PROBE_CHUNK:
-            return part(q, k, mask_queries)
-        # long windows: PROBE_CHUNK queries at a time, so the fp32 scores [B, H, chunk, S] stay bounded (a whole
-        # 4096-token window of 8 rows against a 4096-key list would take ~70 GiB)
-        pad = -n % PROBE_CHUNK
-        qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(q.shape[0], -1, PROBE_CHUNK, *q.shape[2:])
-        mc = jnp.pad(mask_queries, ((0, 0), (0, pad))).reshape(q.shape[0], -1, PROBE_CHUNK)
-        parts = jax.lax.map(lambda c: part(c[0], k, c[1]), (jnp.moveaxis(qc, 1, 0), jnp.moveaxis(mc, 1, 0)))
-        return parts.sum(axis=0)
+    return probe
+
+
+def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
+    """The probe of only some rows of a batch (`rows` [P] int32 batch indices, the batch size for an empty slot):
+    what `affix_importance_probe` gives those rows, zero elsewhere. Each listed row is scored alone (its own keys,
+    chunks without a [MASK] query skipped), and a forward that lists no row scores nothing: so the serving engine
+    probes newly admitted requests inside the block-start forward of the running ones, at the cost of their
+    tokens."""
+
+    def probe(q: Array, cache, i) -> Array:
+        b = q.shape[0]
+        zero = jnp.zeros(affix_keys.shape, jnp.float32)
+
+        def scored():
+            out = zero
+            for j in range(rows.shape[0]):
+                r = jnp.minimum(rows[j], b - 1)
+                queries = mask_queries[r][None] & (rows[j] < b)
+                imp = _chunked(affix_keys[r][None], q[r][None], cache.keys(i, r[None]), queries, skip_empty=True)
+                out = out.at[r].add(imp[0])
+            return out
+
+        return jax.lax.cond(jnp.any(rows < b), scored, lambda: zero)
 
     return probe
 
@@ -296,5 +336,10 @@ class AnchoredRefresh(BlockStartOnly):
         first = jnp.reshape(state.block_index + (block_start - state.block_col), (-1, 1))  # per row, or one for all
         idx = first + jnp.arange(inp.block_length) - inp.shift
         at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
-        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at)
-        return out.logits, dataclasses.replace(state, kv=out.cache)
+        probe = None
+        if state.probe_rows is not None:  # the probed rows' importance comes back in state.importance [B, S]
+            queries = (gather_rows(x, state.window) == config.mask_token_id) & state.writes
+            probe = row_importance_probe(state.kv.shared_mask(), queries, state.probe_rows)
+        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at, probe)
+        importance = state.importance if probe is None else out.probe
+        return out.logits, dataclasses.replace(state, kv=out.cache, importance=importance)
