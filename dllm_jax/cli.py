@@ -8,12 +8,16 @@ one line on stderr naming the flag or file, exit status 2, before any device wor
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dllm_jax.config import ModelConfig
+    from dllm_jax.engine.engine import EngineConfig
     from dllm_jax.io.loading import Model
 
 # A held-out problem of the bundled demo model's "rule" task (in-context function learning: here 9 - digit).
@@ -56,6 +60,58 @@ non_negative = _checked(float, lambda v: v < 0, ">= 0")
 positive = _checked(float, lambda v: not v > 0, "positive")
 unit_interval = _checked(float, lambda v: not 0.0 <= v <= 1.0, "in [0, 1]")
 non_negative_int = _checked(int, lambda v: v < 0, ">= 0")
+
+
+def default_of(cls: type, field: str) -> Any:
+    """A dataclass field's default: the flags that set ServeSettings / EngineConfig fields take theirs from there."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == field)
+
+
+def default_compile_cache() -> Path:
+    return Path.home() / ".cache" / "dllm-jax" / "xla"
+
+
+def compile_cache_dir(args: argparse.Namespace) -> Path | None:
+    """The persistent compilation cache's directory (None: --no-compile-cache). Checked here, not created: a path
+    that is a file, or under one, or not writable is one line before any device work."""
+    if args.no_compile_cache:
+        return None
+    if args.compile_cache is not None and not args.compile_cache.strip():
+        raise UsageError(f"argument --compile-cache: expected a directory, got {args.compile_cache!r}")
+    path = Path(args.compile_cache).expanduser() if args.compile_cache is not None else default_compile_cache()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"argument --compile-cache: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"argument --compile-cache: {existing} is not writable")
+    return path
+
+
+def shallow_depths(args: argparse.Namespace, mc: ModelConfig) -> tuple[int, ...]:
+    """The BiCache depths the engine warms: --shallow-depths, else those the server's default implies
+    (--shallow-depth, else every depth of the model's published table when --affix-technique is shallow)."""
+    from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
+
+    for flag, depths in (("--shallow-depths", args.shallow_depths or ()), ("--shallow-depth", [args.shallow_depth])):
+        for d in depths:
+            if d is not None and d > mc.n_layers:
+                raise UsageError(f"argument {flag}: {d} exceeds the model's {mc.n_layers} layers")
+    table = DEPTH_TABLES.get((mc.family, mc.n_layers))
+    if args.affix_technique == "shallow" and args.shallow_depth is None and table is None:
+        raise UsageError(
+            f"argument --shallow-depth: --affix-technique shallow needs it on this {mc.n_layers}-layer model "
+            "(BiCache's depth tables cover LLaDA-8B and Dream-7B)"
+        )
+    if args.shallow_depths is not None:
+        if args.shallow_depth is not None and args.shallow_depth not in args.shallow_depths:
+            served = " ".join(map(str, args.shallow_depths))
+            raise UsageError(f"argument --shallow-depth: {args.shallow_depth} is not among --shallow-depths {served}")
+        return tuple(sorted(set(args.shallow_depths)))
+    if args.shallow_depth is not None:
+        return (args.shallow_depth,)
+    if args.affix_technique == "shallow":
+        return tuple(sorted(set(table.values())))
+    return ()
 
 
 def model_generation_defaults(path: Path | None) -> dict:
@@ -151,34 +207,44 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
-    from dllm_jax.engine.engine import EngineConfig, KVBudgetError
-    from dllm_jax.server.app import ServeSettings
-    from dllm_jax.server.run import serve
+def engine_config(args: argparse.Namespace, depths: tuple[int, ...] = ()) -> EngineConfig:
+    """serve's EngineConfig; a value it refuses is one line naming the flag."""
+    from dllm_jax.engine.engine import EngineConfig
 
-    check_attention(args)
     try:
-        engine_config = EngineConfig(
+        return EngineConfig(
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             attention=args.attention,
             kv_budget_bytes=None if args.kv_budget_gib is None else int(args.kv_budget_gib * (1 << 30)),
             max_model_len=args.max_model_len,
+            block_lengths=None if args.block_lengths is None else tuple(args.block_lengths),
+            shallow_depths=depths,
         )
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise config_error(e) from None
+
+
+def config_error(e: ValueError) -> UsageError:
+    """An EngineConfig refusal as a usage error naming the flag that sets the field."""
+    from dllm_jax.engine.engine import EngineConfig
+
+    field = next((f.name for f in dataclasses.fields(EngineConfig) if f"EngineConfig.{f.name}" in str(e)), None)
+    flag = {"kv_budget_bytes": "kv_budget_gib"}.get(field, field)
+    return UsageError(f"argument --{flag.replace('_', '-')}: {e}" if flag else str(e))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from dllm_jax.engine.engine import KVBudgetError
+    from dllm_jax.server.run import CompileCacheError, serve
+    from dllm_jax.server.settings import ServeSettings
+
+    check_attention(args)
+    cache = compile_cache_dir(args)
+    engine_config(args)  # the flags checked before the model loads
     model = load_model(args)
-    mc = model.config
-    # BiCache's depth: checked here, once, rather than as a 400 on every request that takes the default
-    if args.shallow_depth is not None and args.shallow_depth > mc.n_layers:
-        raise UsageError(f"argument --shallow-depth: {args.shallow_depth} exceeds the model's {mc.n_layers} layers")
-    no_table = (mc.family, mc.n_layers) not in DEPTH_TABLES
-    if args.affix_technique == "shallow" and args.shallow_depth is None and no_table:
-        raise UsageError(
-            f"argument --shallow-depth: --affix-technique shallow needs it on this {mc.n_layers}-layer model "
-            "(BiCache's depth tables cover LLaDA-8B and Dream-7B)"
-        )
+    # BiCache's depths: checked here, once, rather than as a 400 on every request that takes the default
+    config = engine_config(args, shallow_depths(args, model.config))
     name = args.model_name or (model.path.name if args.model else "dllm-jax-demo")
     settings = ServeSettings(
         model_name=name,
@@ -191,10 +257,20 @@ def run_serve(args: argparse.Namespace) -> int:
     model_generation_defaults(model.path)  # a broken generation_config.json is one line here, not a 500 later
     try:
         return serve(
-            model, engine_config, settings, args.host, args.port, log_level="info" if args.verbose else "warning"
+            model,
+            config,
+            settings,
+            args.host,
+            args.port,
+            log_level="info" if args.verbose else "warning",
+            compile_cache=cache,
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
+    except CompileCacheError as e:
+        raise UsageError(f"argument --compile-cache: {e}") from None
+    except ValueError as e:  # what the engine checks against the model (a block as long as max_model_len)
+        raise config_error(e) from None
     except OSError as e:
         raise UsageError(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
@@ -219,6 +295,9 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
 
 
 def build_parser() -> Parser:
+    from dllm_jax.engine.engine import EngineConfig
+    from dllm_jax.server.settings import ServeSettings
+
     ap = Parser(prog=PROG, description="Diffusion language model inference in JAX (LLaDA, Dream).")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser, help="what to run")
@@ -277,7 +356,12 @@ def build_parser() -> Parser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     v.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    v.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together (and at once)")
+    v.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=default_of(EngineConfig, "max_batch"),
+        help="requests decoded together (and at once)",
+    )
     v.add_argument(
         "--max-queue",
         type=positive_int,
@@ -297,9 +381,30 @@ def build_parser() -> Parser:
         help="longest prompt + answer served (default: the model's maximum, at most 4096)",
     )
     v.add_argument(
+        "--block-lengths",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="the block lengths served (each is a set of compiled programs; a request for another gets a 400); "
+        "the first is the default unless the model's is listed (default: the model's generation_config.json "
+        "block_length, else 32)",
+    )
+    cache = v.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help=f"jax's persistent compilation cache: a restart loads the warm-up's programs from it (default: "
+        f"{default_compile_cache()})",
+    )
+    cache.add_argument(
+        "--no-compile-cache", action="store_true", help="compile every program at start, keeping nothing on disk"
+    )
+    v.add_argument(
         "--affix-technique",
         choices=["none", "naive", "anchors", "shallow"],
-        default="none",
+        default=default_of(ServeSettings, "affix_technique"),
         help="default reuse of a shared affix (a system prompt or document repeated across requests): "
         "none = exact; anchors = ACache (faster, approximate); shallow = BiCache (a shared prefix's K/V in the "
         "layers below --shallow-depth); requests may override",
@@ -307,7 +412,7 @@ def build_parser() -> Parser:
     v.add_argument(
         "--anchor-ratio",
         type=unit_interval,
-        default=0.2,
+        default=default_of(ServeSettings, "anchor_ratio"),
         help="default ACache anchor ratio: the share of the affix recomputed in each request's context (0..1)",
     )
     v.add_argument(
@@ -317,9 +422,18 @@ def build_parser() -> Parser:
         help="default BiCache depth (0 = exact; default: the model's depth table, LLaDA-8B and Dream-7B only)",
     )
     v.add_argument(
+        "--shallow-depths",
+        type=non_negative_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="the BiCache depths served (each is a set of compiled programs; a request for another gets a 400; "
+        "default: --shallow-depth, else with --affix-technique shallow the depths of the model's table, else none)",
+    )
+    v.add_argument(
         "--temperature",
         type=non_negative,
-        default=0.0,
+        default=default_of(ServeSettings, "temperature"),
         help="default sampling temperature when a request sets none (0: greedy)",
     )
     model_flags(v, attention="the paged slot kernel on a GPU, XLA elsewhere", verbose="uvicorn's access log")

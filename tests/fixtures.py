@@ -249,9 +249,14 @@ def start_server(*flags: str):
         stdout=subprocess.DEVNULL,
         text=True,
     )
-    line = proc.stderr.readline()
-    found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+    seen = ""
+    for _ in range(20):  # the line follows the model's loading bar when loading is slow
+        line = proc.stderr.readline()
+        seen += line
+        found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+        if found is not None or not line:
+            break
     if found is None:
         proc.kill()
-        raise AssertionError(f"dllm-jax serve did not start: {line}{proc.stderr.read()[-2000:]}")
+        raise AssertionError(f"dllm-jax serve did not start: {seen[-2000:]}{proc.stderr.read()[-2000:]}")
     return proc, found.group(1)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -112,6 +113,22 @@ def test_bad_flags(argv, message, capsys):
         (["--affix-technique", "shallow"], "argument --shallow-depth: --affix-technique shallow needs it"),
         (["--max-batch", "0"], "argument --max-batch: must be a positive integer, got 0"),
         (["--tensor-parallel", "64"], "argument --tensor-parallel: tensor_parallel=64 needs 1.."),
+        (["--compile-cache", "/dev/null/xla"], "argument --compile-cache: /dev/null is not a directory"),
+        (["--compile-cache", ""], "argument --compile-cache: expected a directory, got ''"),
+        (
+            ["--compile-cache", "/tmp/xla", "--no-compile-cache"],
+            "argument --no-compile-cache: not allowed with argument --compile-cache",
+        ),
+        (["--block-lengths", "0"], "argument --block-lengths: must be a positive integer, got 0"),
+        (["--block-lengths", "8", "x"], "argument --block-lengths: 'x' is not an integer"),
+        (["--block-lengths"], "argument --block-lengths: expected at least one argument"),
+        (
+            ["--block-lengths", "8", "64", "--max-model-len", "64"],
+            "argument --block-lengths: EngineConfig.block_lengths=(8, 64): a block must be shorter than max_model_len",
+        ),
+        (["--shallow-depths", "-1"], "argument --shallow-depths: must be >= 0, got -1"),
+        (["--shallow-depths", "2", "9"], "argument --shallow-depths: 9 exceeds the model's 6 layers"),
+        (["--shallow-depths", "2", "--shallow-depth", "3"], "argument --shallow-depth: 3 is not among --shallow-de"),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):
@@ -119,6 +136,26 @@ def test_bad_serve_flags(argv, message, capsys):
     assert cli.main(["serve", "--port", "0", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("dllm-jax: error: ") and message in err, err
+
+
+def test_served_shallow_depths_and_compile_cache_follow_the_flags(tmp_path):
+    """The BiCache depths warmed are those a request can get by default; the cache directory is checked, not made."""
+    from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
+
+    def parse(*argv):
+        return cli.build_parser().parse_args(["serve", *argv])
+
+    llada_8b = SimpleNamespace(family="llada", n_layers=32)
+    table = tuple(sorted(set(DEPTH_TABLES[("llada", 32)].values())))
+    assert cli.shallow_depths(parse(), llada_8b) == ()
+    assert cli.shallow_depths(parse("--affix-technique", "shallow"), llada_8b) == table
+    assert cli.shallow_depths(parse("--affix-technique", "shallow", "--shallow-depth", "3"), llada_8b) == (3,)
+    assert cli.shallow_depths(parse("--shallow-depth", "3"), llada_8b) == (3,)  # a request may still ask for it
+    assert cli.shallow_depths(parse("--shallow-depths", "4", "2", "4"), llada_8b) == (2, 4)
+    assert cli.compile_cache_dir(parse()) == Path.home() / ".cache" / "dllm-jax" / "xla"
+    assert cli.compile_cache_dir(parse("--no-compile-cache")) is None
+    assert cli.compile_cache_dir(parse("--compile-cache", str(tmp_path / "a" / "b"))) == tmp_path / "a" / "b"
+    assert not (tmp_path / "a").exists()
 
 
 def cli_gpu() -> bool:

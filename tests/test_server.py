@@ -1,7 +1,9 @@
 """The OpenAI-compatible server (`dllm-jax serve`) on the bundled model: a real uvicorn on 127.0.0.1 (port 0),
 driven by the official `openai` client and httpx. Streamed text equals the plain body equals `dllm_jax.generate`;
 every error has its status and OpenAI shape; a client that disconnects frees its pages; a soak of concurrent
-clients gets every answer once and right; SIGTERM drains."""
+clients gets every answer once and right; SIGTERM drains; `dllm-jax serve` answers /health at once, /ready once
+warmed up (requests sent meanwhile are answered), compiles nothing after its warm-up, and restarts faster from
+its compilation cache."""
 
 import asyncio
 import json
@@ -23,7 +25,6 @@ from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.cli import DEMO_PROMPT
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.engine.engine import Engine, EngineConfig
-from dllm_jax.io.loading import generation_defaults
 from dllm_jax.server import EngineService, ServeSettings, create_app
 from dllm_jax.server.run import bind
 
@@ -43,14 +44,16 @@ def model():
 
 
 class Server:
-    """An app on a started engine thread, served by uvicorn in a background thread."""
+    """An app on a started engine thread, served by uvicorn in a background thread. Not warmed up by default (each
+    test compiles only what it runs; `dllm-jax serve`'s warm-up is tested on a subprocess below). max_model_len 128:
+    every call reads that many tokens (the engine pads to it), and the longest request here fits."""
 
-    def __init__(self, model, api_key=None, **engine_kw):
-        engine = Engine(model, EngineConfig(**{"max_batch": 16, "kv_budget_bytes": 64 << 20, **engine_kw}))
-        self.service = EngineService(engine).start()
-        self.app = create_app(
-            self.service, ServeSettings(model_name=NAME, api_key=api_key), generation_defaults(model.path)
-        )
+    def __init__(self, model, api_key=None, warmup=False, engine=None, **engine_kw):
+        if engine is None:
+            settings = {"max_batch": 16, "kv_budget_bytes": 64 << 20, "max_model_len": 128, **engine_kw}
+            engine = Engine(model, EngineConfig(**settings))
+        self.service = EngineService(engine, warmup=warmup).start()
+        self.app = create_app(self.service, ServeSettings(model_name=NAME, api_key=api_key))
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="error", lifespan="off"))
@@ -76,12 +79,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model):
-    s = Server(model)
+    s = Server(model, block_lengths=(4, 8), shallow_depths=(2,))  # the model's block length (8) is the default
     yield s
     s.close()
 
 
-def solo(model, prompt_ids, config, affix_tokens=None, build=acache.build_shared_affix):
+def solo(model, prompt_ids, config, affix_tokens=None, build=acache.build_shared_affix, max_tokens=None):
     shared = None
     spans = None
     if affix_tokens is not None:
@@ -89,7 +92,7 @@ def solo(model, prompt_ids, config, affix_tokens=None, build=acache.build_shared
         at = next(i for i in range(len(prompt_ids)) if prompt_ids[i : i + len(affix_tokens)] == affix_tokens)
         spans = [(at, at + len(affix_tokens))]
     out = generate(model, [prompt_ids], config, shared_affix=shared, affix_spans=spans)
-    return model.tokenizer.decode(answer_tokens(out.tokens, model.config, config)[0])
+    return model.tokenizer.decode(answer_tokens(out.tokens, model.config, config)[0][:max_tokens])
 
 
 def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model):
@@ -119,6 +122,30 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     models = c.models.list()
     assert [m.id for m in models.data] == [NAME]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
+
+
+def test_small_max_tokens_keep_the_block_and_cut_the_answer(server, model):
+    """max_tokens under the block length decodes the whole block (no program of its own) and cuts the answer."""
+    c = server.client()
+    prompt = f"{DOC} question : what is the code of wizard ? reply with the digits ."
+    c.completions.create(model=NAME, prompt=prompt, max_tokens=8)
+    compiles = server.metric("dllm_jax_compiles_total")  # process-wide: nothing else compiles until read again
+    cuts = {n: c.completions.create(model=NAME, prompt=prompt, max_tokens=n) for n in (3, 5)}
+    assert server.metric("dllm_jax_compiles_total") == compiles  # the 8-token block's program served them
+    block = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")
+    for n, cut in cuts.items():
+        assert cut.usage.completion_tokens <= n
+        assert cut.choices[0].text == solo(model, model.tokenizer.encode(prompt), block, max_tokens=n)
+
+
+def test_settings_resolve_from_the_model_and_the_served_block_lengths():
+    s = ServeSettings(model_name=NAME).resolve({"gen_length": 16, "block_length": 8, "steps": 8}, (4, 8))
+    assert (s.max_tokens, s.block_length, s.steps_per_token) == (16, 8, 0.5)
+    s = ServeSettings(model_name=NAME).resolve({"block_length": 8}, (16, 32))  # the model's is not served
+    assert (s.max_tokens, s.block_length, s.steps_per_token) == (32, 16, 1.0)
+    s = ServeSettings(model_name=NAME, max_tokens=4, block_length=32).resolve({"gen_length": 16}, (32,))
+    assert (s.max_tokens, s.block_length) == (4, 32)
 
 
 def test_stop_strings_and_shared_affix_fields(server, model):
@@ -168,6 +195,13 @@ def _post(server, path, body, **kw):
         ({"model": NAME, "prompt": "the code", "affix": {"text": "rabbit"}}, 400, "affix.text", None),
         ({"model": NAME, "prompt": "x", "affix_technique": "shallow"}, 400, "shallow_depth", None),  # no table
         ({"model": NAME, "prompt": "x", "affix_technique": "shallow", "shallow_depth": 99}, 400, "shallow_depth", None),
+        (
+            {"model": NAME, "prompt": DOC, "affix_technique": "shallow", "shallow_depth": 1, "affix": {"text": DOC}},
+            400,
+            "shallow_depth",  # the module's server serves depth 2 only
+            None,
+        ),
+        ({"model": NAME, "prompt": "x", "max_tokens": 16, "block_length": 16}, 400, "block_length", None),
     ],
 )
 def test_bad_requests(server, body, status, param, code):
@@ -200,7 +234,7 @@ def test_api_key(model):
 def test_queue_full_and_draining(model):
     s = Server(model, max_batch=1, max_queue=1)
     try:
-        long = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 128, "block_length": 8, "steps": 128}
+        long = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 64, "block_length": 8, "steps": 64}
 
         async def burst():
             async with httpx.AsyncClient(timeout=60) as client:
@@ -213,14 +247,16 @@ def test_queue_full_and_draining(model):
         s.service.drain()
         r = _post(s, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-        assert httpx.get(f"{s.url}/health").status_code == 503
+        ready = httpx.get(f"{s.url}/ready")
+        assert ready.status_code == 503 and ready.json() == {"status": "draining"}
+        assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}  # draining, but alive
     finally:
         s.close()
 
 
 def test_disconnect_mid_stream_frees_the_pages(server):
     before = server.metric("dllm_jax_requests_aborted_total")
-    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 512, "block_length": 8, "steps": 512, "stream": True}
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 64, "block_length": 8, "steps": 64, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
@@ -276,16 +312,16 @@ def test_soak(model, request):
         doc_ids = model.tokenizer.encode(DOC)
         for (prompt, max_tokens, extra), (_, body) in zip(jobs, results):
             key = (prompt, max_tokens, bool(extra))
-            if key not in cache:
-                block = min(8, max_tokens)
+            if key not in cache:  # one 8-token block (the model's), cut at max_tokens
                 gc = GenerationConfig.from_options(
-                    gen_length=-(-max_tokens // block) * block,
-                    block_length=block,
-                    steps=-(-max_tokens // block) * block,
+                    gen_length=8,
+                    block_length=8,
+                    steps=8,
                     cache="dual",
                     **(dict(affix="anchors", anchor_ratio=0.5) if extra else {}),
                 )
-                cache[key] = solo(model, model.tokenizer.encode(prompt), gc, doc_ids if extra else None)
+                ids = model.tokenizer.encode(prompt)
+                cache[key] = solo(model, ids, gc, doc_ids if extra else None, max_tokens=max_tokens)
             want = cache[key]
             got = body["choices"][0]["text"]
             assert got == want, (prompt, got, want)
@@ -298,16 +334,13 @@ def test_soak(model, request):
 
 def test_sigterm_finishes_what_runs_then_exits(tmp_path):
     # one request decoded at a time and three sent: the drain outlasts the checks below on a loaded machine too
-    proc, url = fixtures.start_server("--dtype", "float32", "--max-batch", "1")
+    proc, url = fixtures.start_server(
+        "--dtype", "float32", "--max-batch", "1", "--max-model-len", "128", "--no-compile-cache"
+    )
+    stderr = _drain(proc)
     try:
-        body = {
-            "model": NAME,
-            "prompt": DEMO_PROMPT,
-            "max_tokens": 256,
-            "block_length": 8,
-            "steps": 256,
-            "stream": True,
-        }
+        _wait_ready(url, time.time() + 300)
+        body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 64, "block_length": 8, "steps": 64, "stream": True}
         streams = [[] for _ in range(3)]
 
         def stream(got):
@@ -330,9 +363,10 @@ def test_sigterm_finishes_what_runs_then_exits(tmp_path):
             time.sleep(0.05)
         assert in_engine() == 3
         proc.send_signal(signal.SIGTERM)
-        while httpx.get(f"{url}/health", timeout=10).status_code != 503:  # the signal handled: draining
+        while httpx.get(f"{url}/ready", timeout=10).json()["status"] != "draining":  # the signal handled
             assert time.time() < deadline
             time.sleep(0.05)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # alive while it drains
         r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": DEMO_PROMPT}, timeout=10)
         assert r.status_code == 503
         assert r.json()["error"]["code"] is not None or r.json()["error"]["type"]
@@ -341,7 +375,119 @@ def test_sigterm_finishes_what_runs_then_exits(tmp_path):
         for got in streams:  # the running request and the queued ones finished
             assert got[-1] == "data: [DONE]"
             assert json.loads(got[-2][5:])["choices"][0]["finish_reason"] in ("stop", "length")
-        assert proc.wait(60) == 0
+        assert proc.wait(60) == 0, "".join(stderr)[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _drain(proc) -> list[str]:
+    """Read the server's stderr as it comes (the warm-up's bar would fill the pipe and block it otherwise)."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return lines
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(dllm_jax_\w+) (\S+)$", text, re.M)}
+
+
+def _wait_ready(url: str, deadline: float) -> None:
+    """Poll /ready until 200; /health answers 200 all along (alive while warming)."""
+    while True:
+        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+        ready = httpx.get(f"{url}/ready", timeout=10)
+        if ready.status_code == 200:
+            assert ready.json() == {"status": "ready"}
+            return
+        assert ready.status_code == 503 and ready.json()["status"] == "warming", ready.text
+        assert time.time() < deadline, "no warm-up end in time"
+        time.sleep(0.2)
+
+
+QUESTION = "input : 8 9 5 what does the rule give ?"  # 11 tokens: the longest answer below fits max_model_len 64
+
+
+def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile_cache(tmp_path):
+    """`dllm-jax serve` (max_batch 2, max_model_len 64: a short warm-up) answers /health at once and /ready once
+    warmed; a request sent during the warm-up is answered; varied requests compile nothing after it; a second
+    start on the same --compile-cache warms up clearly faster."""
+    flags = ("--dtype", "float32", "--max-batch", "2", "--max-model-len", "64", "--compile-cache", str(tmp_path))
+    deadline = time.time() + 300
+    proc, url = fixtures.start_server(*flags)
+    stderr = _drain(proc)
+    try:
+        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+        warming = httpx.get(f"{url}/ready", timeout=10)
+        assert warming.status_code == 503 and warming.json()["status"] == "warming", warming.text
+        assert warming.json()["programs"] > 0
+        early: list = []
+        body = {"model": NAME, "prompt": QUESTION, "max_tokens": 8}
+        sent = threading.Thread(
+            target=lambda: early.append(httpx.post(f"{url}/v1/completions", json=body, timeout=300))
+        )
+        sent.start()
+        _wait_ready(url, deadline)
+        sent.join(300)
+        assert early[0].status_code == 200, early[0].text
+        later = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert early[0].json()["choices"][0]["text"] == later["choices"][0]["text"]  # greedy: the same answer
+        varied = [
+            {"max_tokens": 3},
+            {"max_tokens": 13, "steps": 4},
+            {"max_tokens": 16, "steps": 16, "temperature": 0.7, "seed": 1},
+            {"max_tokens": 5, "temperature": 1.0, "top_p": 0.9, "threshold": 0.9},
+        ]
+
+        async def all_at_once():  # two at a time fill the batch: every batch size runs
+            async with httpx.AsyncClient(timeout=120) as client:
+                bodies = [{"model": NAME, "prompt": QUESTION, **v} for v in varied]
+                return await asyncio.gather(*[client.post(f"{url}/v1/completions", json=b) for b in bodies])
+
+        replies = asyncio.run(all_at_once())
+        assert [r.status_code for r in replies] == [200] * len(varied), [r.text for r in replies]
+        assert all(r.json()["usage"]["completion_tokens"] <= v["max_tokens"] for r, v in zip(replies, varied))
+        m = _metrics(url)
+        assert m["dllm_jax_compiles_after_warmup_total"] == 0 and m["dllm_jax_compile_seconds_after_warmup_total"] == 0
+        assert m["dllm_jax_programs"] == warming.json()["programs"] and m["dllm_jax_ready"] == 1
+        assert m["dllm_jax_compiles_total"] > 0 and m["dllm_jax_compile_seconds_total"] > 0
+        first = m["dllm_jax_warmup_seconds"]
+        assert first > 0 and any(f"warmed up {int(m['dllm_jax_programs'])} programs in" in line for line in stderr)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        # the same settings again: the programs come from the cache
+        proc, url = fixtures.start_server(*flags)
+        stderr = _drain(proc)
+        _wait_ready(url, deadline)
+        again = _metrics(url)["dllm_jax_warmup_seconds"]
+        assert 0 < again < 0.7 * first, (again, first)
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"] == later["choices"]
+        assert _metrics(url)["dllm_jax_compiles_after_warmup_total"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_failed_warm_up_fails_health_and_ready(model, monkeypatch):
+    """Liveness and readiness when the engine cannot serve (a warm-up that raises: a device failure, made here)."""
+    engine = Engine(model, EngineConfig(max_batch=1, max_model_len=64, kv_budget_bytes=8 << 20))
+
+    def fail(progress=True):
+        raise RuntimeError("the device is gone")
+
+    monkeypatch.setattr(engine, "warmup", fail)
+    s = Server(model, warmup=True, engine=engine)
+    try:
+        deadline = time.time() + 30
+        while httpx.get(f"{s.url}/health").status_code == 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and "the device is gone" in health.json()["error"]
+        ready = httpx.get(f"{s.url}/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "failed"
+        r = _post(s, "/v1/completions", {"model": NAME, "prompt": QUESTION})
+        assert r.status_code == 503 and "the device is gone" in r.json()["error"]["message"]
+    finally:
+        s.close()

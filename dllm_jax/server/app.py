@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP API on the engine (FastAPI; run by uvicorn, see `dllm-jax serve`).
 
 POST /v1/completions, POST /v1/chat/completions (stream: one server-sent event per committed block, then [DONE];
-usage in the last chunk and in the plain body), GET /v1/models, GET /health, GET /metrics (Prometheus).
+usage in the last chunk and in the plain body), GET /v1/models, GET /health (liveness: 200 while the engine thread
+can serve, warming and draining included), GET /ready (readiness: 200 once warmed up and not draining, else 503
+with the status), GET /metrics (Prometheus). Requests sent during the warm-up wait for it.
 Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}}: 400 for a bad field, an unknown
-model or a request too long; 401 without the API key; 429 when the queue is full; 503 while draining.
+model, a request too long or a block length / BiCache depth the server does not serve; 401 without the API key;
+429 when the queue is full; 503 while draining or when the engine failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 from typing import Any
@@ -24,6 +26,7 @@ from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.engine.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
+from dllm_jax.io.loading import generation_defaults
 from dllm_jax.server.metrics import ServerMetrics
 from dllm_jax.server.protocol import (
     AffixMessage,
@@ -38,22 +41,10 @@ from dllm_jax.server.protocol import (
     parse,
     usage,
 )
-from dllm_jax.server.service import EngineService
+from dllm_jax.server.service import EngineService, ServiceUnavailable
+from dllm_jax.server.settings import ServeSettings
 
-
-@dataclasses.dataclass(frozen=True)
-class ServeSettings:
-    """Server-side defaults of the request fields (see protocol.py)."""
-
-    model_name: str
-    api_key: str | None = None
-    max_tokens: int = 32
-    block_length: int = 32
-    steps_per_token: float = 1.0
-    temperature: float = 0.0
-    affix_technique: str = "none"
-    anchor_ratio: float = 0.2
-    shallow_depth: int | None = None
+__all__ = ["ServeSettings", "create_app"]
 
 
 class Answer:
@@ -87,12 +78,13 @@ class Answer:
         return delta
 
 
-def create_app(service: EngineService, settings: ServeSettings, defaults: dict | None = None) -> FastAPI:
-    """The ASGI app on a started EngineService. defaults: the model's generation_config.json values."""
+def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
+    """The ASGI app on an EngineService (started, or started later: requests wait for it). Defaults the settings
+    leave open come from the model's generation_config.json."""
     app = FastAPI(title="dllm-jax", docs_url=None, redoc_url=None)
     model = service.engine.model
+    settings = settings.resolve(generation_defaults(model.path), service.engine.block_lengths)
     metrics = ServerMetrics(service, settings.model_name)
-    defaults = defaults or {}
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -118,9 +110,15 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
 
     @app.get("/health")
     async def health():
-        if service.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+        reason = service.alive()
+        if reason is not None:
+            return JSONResponse({"status": "failed", "error": reason}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        state = service.readiness()
+        return JSONResponse(state, status_code=200 if state["status"] == "ready" else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -154,15 +152,16 @@ def create_app(service: EngineService, settings: ServeSettings, defaults: dict |
             )
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
-        config, max_tokens = _config(req, settings, defaults, service.engine.model.config)
+        config, max_tokens = _config(req, settings, service.engine.model.config)
         affix = _affix(req, prompt, model.tokenizer)
         try:
             rid, stream = await service.submit(prompt, config, affix, req.seed or 0)
         except QueueFull as e:
             raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
         except RequestError as e:
-            code = "context_length_exceeded" if "maximum length" in str(e) else None
-            raise APIError(400, str(e), code=code) from None
+            raise _refused(e) from None
+        except ServiceUnavailable as e:
+            raise APIError(503, f"the engine cannot serve: {e}") from None
         answer = Answer(model.tokenizer, req.stop, max_tokens)
         cid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
@@ -224,18 +223,23 @@ async def _json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _config(req: Diffusion, s: ServeSettings, defaults: dict, model_config) -> tuple[GenerationConfig, int]:
-    """The engine settings of a request: its fields over the server's defaults over the model's."""
-    max_tokens = req.max_tokens or defaults.get("gen_length", s.max_tokens)
-    block = min(req.block_length or defaults.get("block_length", s.block_length), max_tokens)
+def _refused(e: RequestError) -> APIError:
+    """The 400 of a request the engine refuses, naming the field where the message does."""
+    text = str(e)
+    code = "context_length_exceeded" if "maximum length" in text else None
+    param = next((p for p in ("block_length", "shallow_depth") if p in text), None)
+    return APIError(400, text, param=param, code=code)
+
+
+def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationConfig, int]:
+    """The engine settings of a request: its fields over the server's (resolved) defaults. The block length is
+    never shrunk to max_tokens (each block length is a program of its own): the answer runs to whole blocks and
+    `Answer` cuts it at max_tokens."""
+    max_tokens = req.max_tokens or s.max_tokens
+    block = req.block_length or s.block_length
     gen_length = math.ceil(max_tokens / block) * block
     n_blocks = gen_length // block
-    per_token = (
-        defaults["steps"] / defaults["gen_length"]
-        if "steps" in defaults and "gen_length" in defaults
-        else s.steps_per_token
-    )
-    steps = req.steps or max(n_blocks, round(gen_length * per_token / n_blocks) * n_blocks)
+    steps = req.steps or max(n_blocks, round(gen_length * s.steps_per_token / n_blocks) * n_blocks)
     technique = req.affix_technique or s.affix_technique
     depth = s.shallow_depth if req.shallow_depth is None else req.shallow_depth
     if depth is not None and depth > model_config.n_layers:

@@ -42,6 +42,7 @@ class _EngineCollector:
 
     def collect(self):
         s = self.service.engine.stats()
+        ready = self.service.readiness()["status"] == "ready"
         gauges = {
             "requests_waiting": ("Requests queued for admission", s["waiting"]),
             "requests_running": ("Requests admitted and decoding", s["running"]),
@@ -55,6 +56,9 @@ class _EngineCollector:
                 self.service.tokens_per_second(),
             ),
             "draining": ("1 while the server finishes its requests before exiting", int(self.service.draining)),
+            "ready": ("1 once warmed up and not draining (GET /ready)", int(ready)),
+            "programs": ("Compiled programs the engine's settings imply (all warmed before serving)", s["programs"]),
+            "warmup_seconds": ("Seconds the warm-up took (0 until it ends)", s["warmup_seconds"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"dllm_jax_{name}", doc, value=value)
@@ -66,6 +70,10 @@ class _EngineCollector:
             "affix_hits": ("Requests that reused a stored affix copy", s["affix_hits"]),
             "affix_builds": ("Affix copies computed", s["affix_builds"]),
             "blocks": ("Device calls that ran one block of a batch", s["blocks"]),
+            "compiles": ("XLA compilations in this process (persistent-cache hits not counted)", s["compiles"]),
+            "compile_seconds": ("Seconds of those compilations", s["compile_seconds"]),
+            "compiles_after_warmup": ("XLA compilations after the warm-up (should stay 0)", s["compiles_after_warmup"]),
+            "compile_seconds_after_warmup": ("Seconds of those", s["compile_seconds_after_warmup"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"dllm_jax_{name}", doc, value=value)

@@ -2,7 +2,8 @@
 
 Extra fields (what `extra_body` of the official client sends), each optional with a server-side default:
   steps            denoising steps over the whole answer (default: the model's steps per token, else one per token)
-  block_length     semi-autoregressive block (default: the model's generation_config.json, else 32)
+  block_length     semi-autoregressive block, one the server serves (`--block-lengths`; default: the model's
+                   generation_config.json if served, else the first served); max_tokens is cut from whole blocks
   threshold        Fast-dLLM parallel decoding: commit every token at least this confident (then steps is ignored)
   affix_technique  "none" (exact: the dual cache), "naive", "anchors" (ACache) or "shallow" (BiCache): how a
                    shared affix is reused

@@ -1,9 +1,11 @@
-"""Run the server: the engine thread, the app, uvicorn on a socket bound here (so port 0 reports its real port),
-and a graceful exit: the first SIGTERM / SIGINT stops admitting (new requests get 503), lets what runs finish,
-then exits; a second one exits at once."""
+"""Run the server: uvicorn on a socket bound here (so port 0 reports its real port) while the engine thread warms
+up (GET /ready says when it serves; requests sent meanwhile wait), and a graceful exit: the first SIGTERM / SIGINT
+stops admitting (new requests get 503), lets what runs finish, then exits; a second one exits at once."""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import sys
 import threading
@@ -11,10 +13,15 @@ import time
 
 import uvicorn
 
+from dllm_jax.engine import enable_compile_cache
 from dllm_jax.engine.engine import Engine, EngineConfig
-from dllm_jax.io.loading import generation_defaults
-from dllm_jax.server.app import ServeSettings, create_app
+from dllm_jax.server.app import create_app
 from dllm_jax.server.service import EngineService
+from dllm_jax.server.settings import ServeSettings
+
+
+class CompileCacheError(ValueError):
+    """The compilation cache's directory cannot be made or written."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -35,11 +42,23 @@ class DrainingServer(uvicorn.Server):
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """A listening socket: connections made before uvicorn runs wait in its backlog instead of being refused."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def log_to_stderr() -> None:
+    """The package's log lines (the warm-up's, a compile after it) on stderr, once."""
+    root = logging.getLogger("dllm_jax")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("dllm-jax serve: %(levelname)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
 
 def serve(
@@ -49,25 +68,38 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "warning",
+    progress: bool = True,
+    compile_cache: str | os.PathLike | None = None,
 ) -> int:
+    """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
+    the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off)."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
     except ValueError:
         sock.close()
         raise
-    service = EngineService(engine).start()
-    app = create_app(service, settings, generation_defaults(model.path))
+    if compile_cache is not None:  # jax-wide: turned on only once nothing else can refuse the start
+        try:
+            enable_compile_cache(compile_cache)
+        except OSError as e:
+            sock.close()
+            raise CompileCacheError(f"cannot use {compile_cache}: {e.strerror or e}") from None
+    log_to_stderr()
+    service = EngineService(engine, progress=progress)
+    app = create_app(service, settings)
     server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30), service
     )
     actual = sock.getsockname()[1]
-    print(
-        f"dllm-jax serve: model {settings.model_name!r} at http://{host}:{actual}/v1 (Ctrl-C or SIGTERM: finish "
-        "what runs, then exit)",
+    print(  # the first line on stderr (tests read the port from it), before the warm-up's bar
+        f"dllm-jax serve: model {settings.model_name!r} at http://{host}:{actual}/v1, warming up "
+        f"{service.programs} programs first (GET /ready: 200 once done; Ctrl-C or SIGTERM: finish what runs, then "
+        "exit)",
         file=sys.stderr,
         flush=True,
     )
+    service.start()
     try:
         server.run(sockets=[sock])
     finally:

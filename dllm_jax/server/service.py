@@ -1,8 +1,9 @@
 """The engine in its own thread, so the server's event loop never waits on the device.
 
 HTTP handlers hand requests to the thread through a queue and get each request's blocks back on an asyncio queue
-of their own. The engine is only ever touched by its thread. `drain()` stops admitting (handlers answer 503) and
-lets what runs finish.
+of their own. The engine is only ever touched by its thread. The thread first warms the engine (compiles every
+program its settings allow), then serves: requests that arrive meanwhile wait in the queue. `drain()` stops
+admitting (handlers answer 503) and lets what runs finish.
 """
 
 from __future__ import annotations
@@ -21,14 +22,26 @@ from dllm_jax.engine.request import BlockOutput
 log = logging.getLogger("dllm_jax.server")
 
 
+class ServiceUnavailable(RuntimeError):
+    """The engine cannot serve (its warm-up failed or its thread stopped): the handler answers 503."""
+
+
 class EngineService:
-    def __init__(self, engine: Engine):
+    """warmup: compile every program before serving (skipped if the engine is already warm); progress: its tqdm
+    bar on stderr."""
+
+    def __init__(self, engine: Engine, warmup: bool = True, progress: bool = False):
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="dllm-jax-engine", daemon=True)
+        self._progress = progress
+        self.warmed = not warmup or engine.warmed
+        self.programs = engine.program_count()  # known before warming: /ready reports it
+        self.warmup_started: float | None = None
         self.draining = False
-        self.failure: BaseException | None = None
+        self.failure: BaseException | None = None  # the last failed step (the service goes on serving)
+        self.fatal: str | None = None  # why the engine cannot serve at all (/health answers 503 with it)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of ~10 s
         self.latencies: list[tuple[float, float]] = []  # (time to first block, latency) of finished requests
 
@@ -47,6 +60,27 @@ class EngineService:
 
     def idle(self) -> bool:
         return not self._streams and self._inbox.empty()
+
+    def alive(self) -> str | None:
+        """None while the engine thread runs and can serve, else why not."""
+        if self.fatal is not None:
+            return self.fatal
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return "the engine thread stopped"
+        return None
+
+    def readiness(self) -> dict:
+        """{"status": "ready" | "warming" | "draining" | "failed", ...}: what GET /ready answers."""
+        reason = self.alive()
+        if reason is not None:
+            return {"status": "failed", "error": reason}
+        if self.draining:
+            return {"status": "draining"}
+        if not self.warmed:
+            started = self.warmup_started
+            seconds = 0.0 if started is None else time.perf_counter() - started
+            return {"status": "warming", "programs": self.programs, "seconds": round(seconds, 1)}
+        return {"status": "ready"}
 
     # ---- requests ----------------------------------------------------------------------------------------------
     async def submit(self, prompt: list[int], config, affix: Any, seed: int) -> tuple[str, asyncio.Queue]:
@@ -95,6 +129,46 @@ class EngineService:
         loop.call_soon_threadsafe(_settle, done, rid, None)
 
     def _run(self) -> None:
+        try:
+            if self.warmed or self._warm():
+                self._serve()
+                return
+        except BaseException as e:  # noqa: BLE001  a bug in the loop: /health says so rather than hanging clients
+            log.exception("the engine thread stopped")
+            self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
+            for rid, (loop, stream) in list(self._streams.items()):  # their handlers answer 503
+                loop.call_soon_threadsafe(stream.put_nowait, BlockOutput(rid, -1, [], True, "abort"))
+            self._streams.clear()
+        self._refuse()
+
+    def _warm(self) -> bool:
+        self.warmup_started = time.perf_counter()
+        try:
+            info = self.engine.warmup(progress=self._progress)
+        except Exception as e:  # noqa: BLE001  nothing can be served: refuse what waits and what comes
+            log.exception("warm-up failed")
+            self.fatal = f"warm-up failed: {type(e).__name__}: {e}"
+            return False
+        self.warmed = True
+        log.info(
+            "warmed up %d programs in %.1f s (%d XLA compiles; fewer where the compilation cache had them)",
+            info["programs"],
+            info["seconds"],
+            info["compiles"],
+        )
+        return True
+
+    def _refuse(self) -> None:
+        """After a fatal error: answer every request (queued or to come) ServiceUnavailable until stop()."""
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            if item[0] == "add":
+                _, _, loop, done, _ = item
+                loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable(self.fatal))
+
+    def _serve(self) -> None:
         while True:
             try:  # wait for work when idle; otherwise take what arrived during the last block, then step
                 item = self._inbox.get(block=not self.engine.has_unfinished())
