@@ -66,7 +66,7 @@ ENGINE = """
 from dllm_jax import Engine, EngineConfig
 for tp in (1, 4):  # 2 and 8 run generate above
     m = load("llada_tp", tp)
-    engine = Engine(m, EngineConfig(max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8))
+    engine = Engine(m, EngineConfig(max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8, block_lengths=(4,)))
     ids = [engine.add_request(p, dual) for p in PROMPTS]
     ids += [engine.add_request(p, anchors, affix=s) for p, s in zip(PROMPTS, SPANS)]  # one stored copy
     while engine.has_unfinished():

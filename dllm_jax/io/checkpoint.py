@@ -1,16 +1,21 @@
 """Reading HF-layout safetensors checkpoints and writing/reading converted (orbax) ones.
 
 Everything is validated before any large allocation: a checkpoint with missing, unexpected or misshapen tensors
-fails with ONE error that lists every problem. Reading streams tensor by tensor into preallocated stacked arrays,
-so peak host memory is the converted params plus one tensor (LLaDA-8B: ~16 GB, fits 24 GB).
+fails with ONE error that lists every problem. Conversion (`iter_leaves`) streams tensor by tensor into preallocated
+stacked arrays, so peak host memory is the converted params plus one tensor (LLaDA-8B: ~16 GB, fits 24 GB).
+Loading (`dllm_jax.load`) takes the tensors as they lie in the files instead (`MappedShards`: memory-mapped, no
+host copy) and does the rest on the device (io/loading.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import mmap
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -105,6 +110,81 @@ class HFCheckpoint:
 
     def model_config(self, dtype: str = "bfloat16") -> ModelConfig:
         return ModelConfig.from_hf(self.hf_config, dtype=dtype)
+
+    def locations(self) -> dict[str, TensorLocation]:
+        """name -> where its bytes lie, from the shards' headers (no tensor is read)."""
+        out: dict[str, TensorLocation] = {}
+        for f in self.files:
+            out.update(safetensors_locations(f))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLocation:
+    """One tensor's bytes in a safetensors file: [start, start + nbytes), C order, PyTorch layout."""
+
+    file: Path
+    start: int
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' dtype string ("BF16", ...)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(SOURCE_DTYPES[self.dtype]).itemsize
+
+
+def safetensors_locations(path: Path) -> dict[str, TensorLocation]:
+    """Parse a safetensors header (u64 little-endian length, JSON, then the data) into absolute byte ranges, so
+    tensors can be memory-mapped without a copy. Only SOURCE_DTYPES tensors are listed (`validate` reports the
+    others); a range that disagrees with its shape or runs past the file is a CheckpointError."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read safetensors file {path}: {e}") from e
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info.get("dtype") not in SOURCE_DTYPES:
+            continue
+        begin, end = info["data_offsets"]
+        loc = TensorLocation(path, 8 + n + begin, tuple(info["shape"]), info["dtype"])
+        if end - begin != loc.nbytes or 8 + n + end > size:
+            raise CheckpointError(f"{path}: tensor {name} has data_offsets {[begin, end]} for shape {list(loc.shape)}")
+        out[name] = loc
+    return out
+
+
+class MappedShards:
+    """Zero-copy numpy views of tensors in memory-mapped safetensors files. A view keeps its file's map alive, so
+    nothing is closed by hand: each map goes when the last array over it does."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()  # arrays are taken on a loader's worker threads
+
+    def _map(self, file: Path) -> mmap.mmap:
+        with self._lock:
+            if file not in self._maps:
+                # no MADV_SEQUENTIAL: it lets the kernel drop pages once read (a second load would read the disk)
+                with open(file, "rb") as f:
+                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return self._maps[file]
+
+    def prefetch(self, loc: TensorLocation) -> None:
+        """Ask the kernel to start reading the tensor's pages now (returns at once): the disk works ahead of us."""
+        if hasattr(mmap, "MADV_WILLNEED") and loc.nbytes:
+            start = loc.start - loc.start % mmap.PAGESIZE
+            self._map(loc.file).madvise(mmap.MADV_WILLNEED, start, loc.start + loc.nbytes - start)
+
+    def array(self, loc: TensorLocation) -> np.ndarray:
+        """The tensor as a read-only numpy view of the file's pages (no bytes are copied here)."""
+        count = int(np.prod(loc.shape, dtype=np.int64))
+        flat = np.frombuffer(self._map(loc.file), SOURCE_DTYPES[loc.dtype], count, loc.start)
+        return flat.reshape(loc.shape)
 
 
 def family_of(config: ModelConfig) -> ParamMapping:
@@ -371,7 +451,8 @@ def read_converted(path: str | os.PathLike, dtype: str | None = None) -> tuple[M
         if not item.exists():
             raise CheckpointError(f"{path}: missing param leaf {'/'.join(leaf)} ({item})")
         arr = ckptr.restore(item)["value"]
-        _set(params, tuple(leaf), np.asarray(arr).astype(_NP_DTYPES[dtype]) if cast else arr)
+        fp8 = "mlp_fp8" in leaf  # e4m3 weights and fp32 scales keep their dtypes
+        _set(params, tuple(leaf), np.asarray(arr).astype(_NP_DTYPES[dtype]) if cast and not fp8 else arr)
     if cast:
         config = config.replace(dtype=dtype)
     return config, params
