@@ -227,24 +227,29 @@ class ModelRunner:
         return out
 
     def warm(self, programs: Sequence[Program], progress: bool = True) -> None:
-        """Run every program once on rows that write nothing (slots past the pool's end are dropped)."""
-        cfg, lad, t = self.config, self.ladder, self.buffer_len
+        """Compile every program (ahead of time: nothing runs, nothing is written; a later call of the same shapes
+        finds it compiled)."""
+        cfg, lad, t, end = self.config, self.ladder, self.buffer_len, self.num_slots
         for p in tqdm(programs, desc="compiling", unit="program", disable=not progress):
+            ids, nowhere = put(np.zeros((1, p.w), np.int32)), put(np.full(p.w, end, np.int32))
             if p.kind == "affix":
-                self.build_affix([0] * p.w, [self.num_slots] * p.w)
+                _build_affix.lower(self.params, self.k, self.v, ids, nowhere, put(np.int32(0)), config=cfg).compile()
             elif p.kind == "hidden":
-                hidden = self.prefix_hidden([0] * p.w)
-                _hidden_rows(hidden, jnp.int32(0), jnp.int32(0), rows=lad.read_len)
+                mask = put(np.zeros((1, p.w), bool))
+                layer_inputs.lower(self.params, cfg, ids, mask).compile()
+                hidden = jax.eval_shape(layer_inputs, self.params, cfg, ids, mask)
+                _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=lad.read_len)
             elif p.kind == "place":
-                self.place([0] * p.w, [self.num_slots] * p.w, 0)
+                zeros = put(np.zeros(p.w, np.int32))
+                _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
             else:
-                lay = Layout.empty(cfg, p.b, t, p.w, lad.read_len, self.num_slots)
+                lay = Layout.empty(cfg, p.b, t, p.w, lad.read_len, end)
                 if isinstance(p.runner.strategy, ShallowReuse):
                     lay.add_deep(p.b, lad.read_len, p.w)
                     zero = jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)
-                    self._shallow_call(lay, p.runner, [zero] * p.b)
+                    self._shallow_call(lay, p.runner, [zero] * p.b, compile_only=True)
                 else:
-                    self._block_call(lay, p.runner)
+                    self._block_call(lay, p.runner, compile_only=True)
 
     # ---- layouts ---------------------------------------------------------------------------------------------------
     def plan(self, r: Request, bm) -> RowPlan:
@@ -369,18 +374,19 @@ class ModelRunner:
             self.probe_seconds += seconds * share
         return blk[: len(reqs)], keys[: len(reqs)], steps, importance
 
-    def _block_call(self, lay: Layout, runner: BlockRunner) -> tuple[np.ndarray, np.ndarray, int]:
-        return self._run(_run_block, lay, runner)
+    def _block_call(self, lay: Layout, runner: BlockRunner, compile_only: bool = False) -> tuple | None:
+        return self._run(_run_block, lay, runner, compile_only=compile_only)
 
-    def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array]) -> tuple:
+    def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array], compile_only=False):
         """One block of BiCache rows: each row's prefix hidden state [A, d] (at its depth) goes in by row."""
         stacked = _stack_rows(tuple(hidden), lay.x.shape[0])
         deep = (put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked)
-        return self._run(_run_shallow_block, lay, runner, *deep)
+        return self._run(_run_shallow_block, lay, runner, *deep, compile_only=compile_only)
 
-    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra) -> tuple:
-        """One block through `fn` (_run_block or _run_shallow_block; `extra` goes in after the window inputs)."""
-        blk, keys, steps, importance, self.k, self.v = fn(
+    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra, compile_only: bool = False) -> tuple | None:
+        """One block through `fn` (_run_block or _run_shallow_block; `extra` goes in after the window inputs);
+        compile_only: compile its program for these shapes, run nothing."""
+        args = (
             self.params,
             self.k,
             self.v,
@@ -391,9 +397,11 @@ class ModelRunner:
             put(np.int32(lay.block_col)),
             put(lay.block_index),
             put(lay.probe_rows),
-            runner=runner,
-            kernels=self.kernels,
         )
+        if compile_only:
+            fn.lower(*args, runner=runner, kernels=self.kernels).compile()
+            return None
+        blk, keys, steps, importance, self.k, self.v = fn(*args, runner=runner, kernels=self.kernels)
         probed = bool((lay.probe_rows < lay.x.shape[0]).any())
         return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(importance) if probed else None
 

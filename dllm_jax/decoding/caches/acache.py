@@ -256,14 +256,14 @@ def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
         b = q.shape[0]
         zero = jnp.zeros(affix_keys.shape, jnp.float32)
 
+        def one(j, out):  # a loop, not unrolled: one copy of the scoring per layer in the program
+            r = jnp.minimum(rows[j], b - 1)
+            queries = mask_queries[r][None] & (rows[j] < b)
+            imp = _chunked(affix_keys[r][None], q[r][None], cache.keys(i, r[None]), queries, skip_empty=True)
+            return out.at[r].add(imp[0])
+
         def scored():
-            out = zero
-            for j in range(rows.shape[0]):
-                r = jnp.minimum(rows[j], b - 1)
-                queries = mask_queries[r][None] & (rows[j] < b)
-                imp = _chunked(affix_keys[r][None], q[r][None], cache.keys(i, r[None]), queries, skip_empty=True)
-                out = out.at[r].add(imp[0])
-            return out
+            return jax.lax.fori_loop(0, rows.shape[0], one, zero)
 
         return jax.lax.cond(jnp.any(rows < b), scored, lambda: zero)
 
