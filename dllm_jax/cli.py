@@ -220,6 +220,8 @@ def engine_config(args: argparse.Namespace, depths: tuple[int, ...] = ()) -> Eng
             max_model_len=args.max_model_len,
             block_lengths=None if args.block_lengths is None else tuple(args.block_lengths),
             shallow_depths=depths,
+            batch_sizes=None if args.batch_sizes is None else tuple(args.batch_sizes),
+            window_sizes=None if args.window_sizes is None else tuple(args.window_sizes),
         )
     except ValueError as e:
         raise config_error(e) from None
@@ -379,6 +381,24 @@ def build_parser() -> Parser:
         type=positive_int,
         default=None,
         help="longest prompt + answer served (default: the model's maximum, at most 4096)",
+    )
+    v.add_argument(
+        "--batch-sizes",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="batch sizes a call is padded to, the largest = --max-batch (default: 1, 4, 16, ...): each is a set of "
+        "compiled programs",
+    )
+    v.add_argument(
+        "--window-sizes",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="widths a block start's window (the tokens it recomputes) is padded to, --max-model-len always "
+        "added (default: 256, 1024, 4096): finer ladders pad less (faster on long prompts) and compile more",
     )
     v.add_argument(
         "--block-lengths",

@@ -81,12 +81,13 @@ class EngineConfig:
     spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
     shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
     GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: 1, 4, 16, ... up to
-    max_batch, and max_batch). block_lengths: the block lengths served (None: the model's generation_config.json
-    block_length, else 32). sampler: the static part of the sampler served (LLaDA's remasking rule, Dream's
-    algorithm, alg_temp and eps; None: the family's default); temperature, top-p / top-k, threshold or factor and
-    steps are per request. shallow_depths: the BiCache depths served (none by default: BiCache requests are
-    refused). Each of these multiplies the programs compiled at warm-up; a request outside them gets RequestError
-    naming the list."""
+    max_batch, and max_batch). window_sizes: the widths a block start's window is padded to (default: 256, 1024,
+    4096, ... up to max_model_len, which is always added); finer ladders pad less and compile more. block_lengths:
+    the block lengths served (None: the model's generation_config.json block_length, else 32). sampler: the static
+    part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp and eps; None: the family's
+    default); temperature, top-p / top-k, threshold or factor and steps are per request. shallow_depths: the BiCache
+    depths served (none by default: BiCache requests are refused). Each of these multiplies the programs compiled
+    at warm-up; a request outside them gets RequestError naming the list."""
 
     max_batch: int = 16
     kv_budget_bytes: int | None = None
@@ -98,6 +99,7 @@ class EngineConfig:
     min_affix_tokens: int = 64
     attention: str = "auto"
     batch_sizes: tuple[int, ...] | None = None
+    window_sizes: tuple[int, ...] | None = None
     block_lengths: tuple[int, ...] | None = None
     sampler: FamilySampler | None = None
     shallow_depths: tuple[int, ...] = ()
@@ -113,10 +115,12 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
         KernelChoice(attention=self.attention)
-        for name in ("block_lengths", "shallow_depths"):
+        for name in ("block_lengths", "shallow_depths", "window_sizes"):
             values = getattr(self, name)
             if values is not None:
                 object.__setattr__(self, name, tuple(sorted({int(v) for v in values})))
+        if self.window_sizes is not None and (not self.window_sizes or min(self.window_sizes) <= 0):
+            raise ValueError(f"EngineConfig.window_sizes={self.window_sizes} must be positive")
         if self.block_lengths is not None and (not self.block_lengths or min(self.block_lengths) <= 0):
             raise ValueError(f"EngineConfig.block_lengths={self.block_lengths} must be positive")
         if self.shallow_depths and min(self.shallow_depths) < 0:
@@ -176,7 +180,9 @@ class Engine:
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
-        ladder = Ladder.for_settings(self.config.max_batch, self.max_len, self.config.batch_sizes)
+        ladder = Ladder.for_settings(
+            self.config.max_batch, self.max_len, self.config.batch_sizes, self.config.window_sizes
+        )
         self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels)
         self._runners = {
             (bl, depth): BlockRunner(

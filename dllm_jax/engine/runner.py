@@ -103,9 +103,18 @@ class Ladder:
     probe_rows: int = 4  # ACache probes a block call carries at most (each scored alone: fp32 scores per row)
 
     @classmethod
-    def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None) -> "Ladder":
+    def for_settings(
+        cls,
+        max_batch: int,
+        max_len: int,
+        batch_sizes: Sequence[int] | None = None,
+        window_sizes: Sequence[int] | None = None,
+    ) -> "Ladder":
         cap = round_up(max_len)
-        return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), tuple(_powers(min(256, cap), cap)), cap)
+        windows = (
+            ({round_up(w) for w in window_sizes if w < cap} | {cap}) if window_sizes else _powers(min(256, cap), cap)
+        )
+        return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), tuple(sorted(windows)), cap)
 
     def batch(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
