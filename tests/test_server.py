@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+import types
 from pathlib import Path
 
 import fixtures
@@ -491,3 +492,20 @@ def test_a_failed_warm_up_fails_health_and_ready(model, monkeypatch):
         assert r.status_code == 503 and "the device is gone" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+def test_finished_request_timings_are_bounded(monkeypatch):
+    """The timings /metrics has not read yet are kept for the latest LATENCIES_KEPT requests only: memory stays
+    bounded however long nobody scrapes, and a scrape observes each kept request once."""
+    from dllm_jax.server import service as service_module
+
+    monkeypatch.setattr(service_module, "LATENCIES_KEPT", 3)
+    engine = types.SimpleNamespace(warmed=True, program_count=lambda: 0)  # only the service's bookkeeping runs
+    svc = service_module.EngineService(engine)
+    for i in range(5):
+        with svc._latency_lock:
+            svc.latencies.append((float(i), float(i)))
+            svc.finished_count += 1
+    got, seen = svc.latencies_since(0)
+    assert got == [(2.0, 2.0), (3.0, 3.0), (4.0, 4.0)] and seen == 5 and len(svc.latencies) == 3
+    assert svc.latencies_since(seen) == ([], 5)

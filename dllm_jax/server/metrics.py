@@ -28,11 +28,10 @@ class ServerMetrics:
         self._seen = 0
 
     def render(self) -> bytes:
-        finished = self.service.latencies
-        for ttfb, total in finished[self._seen :]:  # fed here: the engine thread never touches the registry
+        finished, self._seen = self.service.latencies_since(self._seen)
+        for ttfb, total in finished:  # fed here: the engine thread never touches the registry
             self.first_block.observe(ttfb)
             self.latency.observe(total)
-        self._seen = len(finished)
         return generate_latest(self.registry)
 
 

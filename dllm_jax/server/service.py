@@ -20,6 +20,7 @@ from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
 
 log = logging.getLogger("dllm_jax.server")
+LATENCIES_KEPT = 65536  # finished requests' timings waiting for /metrics (older ones are dropped, unobserved)
 
 
 class ServiceUnavailable(RuntimeError):
@@ -43,7 +44,10 @@ class EngineService:
         self.failure: BaseException | None = None  # the last failed step (the service goes on serving)
         self.fatal: str | None = None  # why the engine cannot serve at all (/health answers 503 with it)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of ~10 s
-        self.latencies: list[tuple[float, float]] = []  # (time to first block, latency) of finished requests
+        # (time to first block, latency) of the latest finished requests: bounded, read by /metrics
+        self.latencies: collections.deque[tuple[float, float]] = collections.deque(maxlen=LATENCIES_KEPT)
+        self.finished_count = 0  # every request that ever finished (the deque keeps the latest)
+        self._latency_lock = threading.Lock()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> "EngineService":
@@ -96,6 +100,12 @@ class EngineService:
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
+    def latencies_since(self, seen: int) -> tuple[list[tuple[float, float]], int]:
+        """The timings of requests finished after the first `seen` (those still kept), and the new count."""
+        with self._latency_lock:
+            new = min(self.finished_count - seen, len(self.latencies))
+            return list(self.latencies)[len(self.latencies) - new :], self.finished_count
+
     def tokens_per_second(self) -> float:
         now = time.perf_counter()
         while self._rate and now - self._rate[0][0] > 10.0:
@@ -112,7 +122,9 @@ class EngineService:
             self._streams.pop(out.request_id, None)
             r = self.engine.request(out.request_id)
             if r.finish_time is not None and r.first_block_time is not None and out.finish_reason != "abort":
-                self.latencies.append((r.first_block_time - r.arrival, r.finish_time - r.arrival))
+                with self._latency_lock:
+                    self.latencies.append((r.first_block_time - r.arrival, r.finish_time - r.arrival))
+                    self.finished_count += 1
             self.engine.release(out.request_id)
 
     def _handle(self, item) -> None:
