@@ -182,6 +182,29 @@ def time_load(d: Path, layer_layout: str) -> float:
     return secs
 
 
+def ensure_checkpoint(d: Path, config, shard_gb: float, clear: bool = True) -> tuple[dict, bool]:
+    """A random checkpoint with `config`'s shapes in d, reused when its marker matches; (its marker's info,
+    whether it was written now). clear: remove other shards first."""
+    shape = dict(
+        layers=config.n_layers,
+        d_model=config.d_model,
+        heads=config.n_heads,
+        mlp=config.mlp_hidden,
+        vocab=config.vocab_size,
+        shard_gb=shard_gb,
+    )
+    marker = d / MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("shape") == shape:
+        return json.loads(marker.read_text()), False
+    if d.exists() and clear:
+        for f in shard_files(d):
+            f.unlink()
+    total, count = write_checkpoint(d, config, int(shard_gb * (1 << 30)))
+    info = {"shape": shape, "bytes": total, "tensors": count}
+    marker.write_text(json.dumps(info))
+    return info, True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", help="where to write (or reuse) the checkpoint; default: a temporary directory")
@@ -201,27 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None if args.dir else tempfile.mkdtemp(prefix="bench_load-")
     d = Path(args.dir or tmp)
     try:
-        shape = dict(
-            layers=config.n_layers,
-            d_model=config.d_model,
-            heads=config.n_heads,
-            mlp=config.mlp_hidden,
-            vocab=config.vocab_size,
-            shard_gb=args.shard_gb,
-        )
-        marker = d / MARKER
         t0 = time.perf_counter()
-        if marker.is_file() and json.loads(marker.read_text()).get("shape") == shape:
-            info = json.loads(marker.read_text())
-            write_s = None
-        else:
-            if d.exists() and args.dir:
-                for f in shard_files(d):
-                    f.unlink()
-            total, count = write_checkpoint(d, config, int(args.shard_gb * (1 << 30)))
-            info = {"shape": shape, "bytes": total, "tensors": count}
-            marker.write_text(json.dumps(info))
-            write_s = time.perf_counter() - t0
+        info, wrote = ensure_checkpoint(d, config, args.shard_gb, clear=bool(args.dir))
+        write_s = time.perf_counter() - t0 if wrote else None
         nbytes, ntensors = info["bytes"], info["tensors"]
         print(f"checkpoint {d}: {nbytes / 1e9:.2f} GB, {ntensors} tensors (written in {write_s} s)", flush=True)
 
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
         row = {
             "model": "llada-8b" if config == common.LLADA_8B else "llada-synthetic",
-            "shape": shape,
+            "shape": info["shape"],
             "layer_layout": resolve_layer_layout(args.layer_layout),
             "assembly": "device"
             if nbytes >= DEVICE_ASSEMBLY_BYTES

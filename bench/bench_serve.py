@@ -171,23 +171,10 @@ def ensure_checkpoint(hf_dir: Path, config) -> None:
     """An HF LLaDA directory with `config`'s shapes at hf_dir: bench_load's, reused when its marker matches."""
     import bench_load
 
-    shard_gb = 5.0
-    shape = dict(
-        layers=config.n_layers,
-        d_model=config.d_model,
-        heads=config.n_heads,
-        mlp=config.mlp_hidden,
-        vocab=config.vocab_size,
-        shard_gb=shard_gb,
-    )
-    marker = hf_dir / bench_load.MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("shape") == shape:
-        return
     if config.family != "llada":
         raise SystemExit(f"--hf-dir: bench_load writes LLaDA checkpoints only, not {config.family}")
-    print(f"writing a random {config.n_layers}-layer checkpoint to {hf_dir}", flush=True)
-    total, count = bench_load.write_checkpoint(hf_dir, config, int(shard_gb * GIB))
-    marker.write_text(json.dumps({"shape": shape, "bytes": total, "tensors": count}))
+    print(f"a random {config.n_layers}-layer checkpoint at {hf_dir} (written if missing)", flush=True)
+    bench_load.ensure_checkpoint(hf_dir, config, 5.0, clear=False)
 
 
 def build_model(args):

@@ -142,7 +142,7 @@ def test_warmed_engine_compiles_nothing_and_equals_solo_generate(name, models_fp
     temperatures, thresholds and factors, step counts, techniques, EOS stops, random arrivals, up to max_model_len)
     compiles nothing (XLA's own compile events), and each answer is the request's solo `generate` answer."""
     m, engine = models_fp32[name], warm_engines[name]
-    items = random_stream(9, seed={"llada": 1, "dream": 2}[name])
+    items = random_stream(len(CONFIGS), seed={"llada": 1, "dream": 2}[name])  # each config once
     before = backend_compiles()
     got = serve(engine, [(p, gc, span, seed) for p, gc, span, seed, _ in items], arrival_seed=3)
     assert backend_compiles() == before

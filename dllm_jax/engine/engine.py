@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from dllm_jax.decoding.caches.acache import choose_anchors
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
@@ -433,8 +434,7 @@ class Engine:
             now = time.perf_counter()
             for i, (r, blk, key) in enumerate(zip(group, tokens, keys)):
                 if r.needs_probe:  # this call was its probe (one NFE): its anchors, then its first block next
-                    order = np.argsort(-importance[i, : r.affix_len], kind="stable")[: r.anchor_count]  # ties: earlier
-                    r.anchors = sorted(int(j) + r.affix_span[0] for j in order)
+                    r.anchors = choose_anchors(importance[i, : r.affix_len], r.affix_span[0], r.anchor_count)
                     r.probed, r.nfe = True, r.nfe + 1
                     self.counters["probes"] += 1
                 else:

@@ -43,6 +43,13 @@ def anchor_count(affix_len: int, ratio: float) -> int:
     return min(math.ceil(ratio * affix_len - 1e-9), affix_len)
 
 
+def choose_anchors(importance: np.ndarray, start: int, k: int) -> list[int]:
+    """The k most important affix tokens (importance in affix order; ties: the earlier token, as `prepare`'s top-k
+    on the device), as sorted prompt indices of an affix starting at `start` (the serving engine's host side)."""
+    order = np.argsort(-np.asarray(importance), kind="stable")[:k]
+    return sorted(int(j) + start for j in order)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AnchorInputs:
