@@ -194,6 +194,13 @@ def _post(server, path, body, **kw):
         ({"model": "gpt-5", "prompt": "x"}, 400, "model", "model_not_found"),
         ({"model": NAME, "prompt": "x " * 1100}, 400, None, "context_length_exceeded"),
         ({"model": NAME, "prompt": "the code", "affix": {"text": "rabbit"}}, 400, "affix.text", None),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": "the code"}], "affix": {"text": "rabbit"}},
+            400,
+            "affix.text",
+            None,
+        ),  # chat: named as the text missing from the messages
+        ({"model": NAME, "prompt": "zzqx blorf the code", "affix": {"text": "zzqx blorf"}}, 400, "affix.text", None),
         ({"model": NAME, "prompt": "x", "affix_technique": "shallow"}, 400, "shallow_depth", None),  # no table
         ({"model": NAME, "prompt": "x", "affix_technique": "shallow", "shallow_depth": 99}, 400, "shallow_depth", None),
         (
@@ -377,6 +384,41 @@ def test_sigterm_finishes_what_runs_then_exits(tmp_path):
             assert got[-1] == "data: [DONE]"
             assert json.loads(got[-2][5:])["choices"][0]["finish_reason"] in ("stop", "length")
         assert proc.wait(60) == 0, "".join(stderr)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_second_signal_exits_at_once_without_tracebacks():
+    """SIGTERM drains (saying what is left); a second one exits within seconds, even mid-request, cleanly."""
+    proc, url = fixtures.start_server(
+        "--dtype", "float32", "--max-batch", "1", "--max-model-len", "512", "--no-compile-cache"
+    )
+    stderr = _drain(proc)
+    try:
+        _wait_ready(url, time.time() + 300)
+        body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 400, "block_length": 8, "steps": 400}
+
+        def send():
+            try:
+                httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            except httpx.HTTPError:  # the connection is dropped by the exit: what this test causes
+                pass
+
+        threading.Thread(target=send, daemon=True).start()
+        deadline = time.time() + 60
+        while _metrics(url).get("dllm_jax_requests_running", 0) < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        while httpx.get(f"{url}/ready", timeout=10).json()["status"] != "draining":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM and time.time() - t0 < 10  # 400 tokens would take far longer
+        log = "".join(stderr)
+        assert "draining: 1 running" in log and "second signal: exiting now" in log and "Traceback" not in log
     finally:
         if proc.poll() is None:
             proc.kill()

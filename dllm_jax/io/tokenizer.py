@@ -50,6 +50,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
+    @property
+    def unk_token_id(self) -> int | None:
+        """The id every unknown word maps to (word-level vocabularies); None for byte-level tokenizers."""
+        return getattr(self.hf, "unk_token_id", None)
+
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
     p = Path(path)

@@ -293,6 +293,12 @@ def _affix(req: Diffusion, prompt: list[int], tokenizer) -> Any:
         text = req.affix.text
         if isinstance(getattr(req, "prompt", None), str) and text not in req.prompt:
             raise APIError(400, "affix.text is not part of the prompt", param="affix.text")
+        messages = getattr(req, "messages", None)
+        if messages is not None and not any(text in (m.content or "") for m in messages):
+            raise APIError(400, "affix.text is not part of any message", param="affix.text")
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and unknown in tokenizer.encode(text):  # unknown words all map to one id: no match
+        raise APIError(400, "affix.text has words the model's tokenizer does not know", param="affix.text")
     for candidate in (text, " " + text, text.strip()):
         ids = tokenizer.encode(candidate)
         at = _find(prompt, ids)

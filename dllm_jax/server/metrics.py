@@ -43,7 +43,10 @@ class _EngineCollector:
         s = self.service.engine.stats()
         ready = self.service.readiness()["status"] == "ready"
         gauges = {
-            "requests_waiting": ("Requests queued for admission", s["waiting"]),
+            "requests_waiting": (
+                "Requests queued for admission (the engine's queue and those not yet handed to it)",
+                s["waiting"] + self.service.submitted_waiting(),
+            ),
             "requests_running": ("Requests admitted and decoding", s["running"]),
             "kv_pages_total": ("Pages of the KV pool", s["pages_total"]),
             "kv_pages_used": ("Pages held by running requests and their affixes", s["pages_used"]),

@@ -30,13 +30,27 @@ class DrainingServer(uvicorn.Server):
         self.service = service
 
     def handle_exit(self, sig, frame) -> None:
-        if self.service.draining:  # a second signal: stop now
-            return super().handle_exit(sig, frame)
+        if self.service.draining:  # a second signal: stop now (open connections are dropped, not waited for)
+            # at once, as killed by the signal: a graceful shutdown would wait for the open requests (up to its
+            # timeout) and then cancel them into tracebacks while the engine thread still delivers
+            print(f"dllm-jax serve: second signal: exiting now (code {128 + sig})", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
         self.service.drain()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
     def _exit_when_idle(self) -> None:
+        """Wait for what runs and waits to finish, saying every few seconds how much is left."""
+        last = 0.0
         while not self.service.idle():
+            if time.monotonic() - last > 5.0:
+                s = self.service.engine.stats()
+                print(
+                    f"dllm-jax serve: draining: {s['running']} running, {s['waiting']} waiting (a second Ctrl-C or "
+                    "SIGTERM exits now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                last = time.monotonic()
             time.sleep(0.05)
         self.should_exit = True
 

@@ -106,6 +106,10 @@ class EngineService:
             new = min(self.finished_count - seen, len(self.latencies))
             return list(self.latencies)[len(self.latencies) - new :], self.finished_count
 
+    def submitted_waiting(self) -> int:
+        """Requests handed to the engine thread that it has not taken in yet (a burst while a block runs)."""
+        return sum(1 for item in list(self._inbox.queue) if item is not None and item[0] == "add")
+
     def tokens_per_second(self) -> float:
         now = time.perf_counter()
         while self._rate and now - self._rate[0][0] > 10.0:
@@ -117,7 +121,10 @@ class EngineService:
         loop_stream = self._streams.get(out.request_id)
         if loop_stream is not None:
             loop, stream = loop_stream
-            loop.call_soon_threadsafe(stream.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, out)
+            except RuntimeError:  # the event loop closed (the server exits at a second signal): nobody to tell
+                pass
         if out.finished:
             self._streams.pop(out.request_id, None)
             r = self.engine.request(out.request_id)
