@@ -22,8 +22,8 @@ Workloads in the terms of SGLang's `bench_serving --dataset-name generated-share
                 serve_mixed_h200.json.
 Columns: tokens_per_s (generated tokens / wall time of the workload), p50_s / p99_s (request latency from its
 arrival to its last block), ttfb_p50_s / ttfb_p99_s (to its first block), peak_kv_bytes (pages held at the peak),
-probe_ms_per_request (ACache's probe: device time where the engine reports it), max_requests_16gib (how many such
-requests a 16 GiB pool holds: the shared copies once plus each request's private pages), programs,
+probe_ms_per_request (ACache's probe: its tokens' share of the calls that carried them), max_requests_16gib (how
+many such requests a 16 GiB pool holds: the shared copies once plus each request's private pages), programs,
 compiles_after_warmup / compile_s_after_warmup (XLA compilations during the timed run), the same-run ratios to
 sharing off; mixed rows also load_s (an HF LLaDA-8B directory to the device, --hf-dir: written by
 bench_load.write_checkpoint when missing), warmup_s (a first start: the persistent compilation cache empty) and
@@ -357,23 +357,21 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
     else:
         t = drive(engine, items, arrival, args.concurrency)
     s1 = engine.stats()
-    probes = s1.get("probes", 0) - s0.get("probes", 0)
-    probe_key = "probe_device_seconds" if "probe_device_seconds" in s1 else "probe_seconds"
-    probe_s = s1.get(probe_key, 0.0) - s0.get(probe_key, 0.0)
+    delta = lambda key: s1[key] - s0[key]  # noqa: E731  the engine's counters over the row
+    probes = delta("probes")
     return dict(
         transport=transport,
         **t,
         peak_kv_bytes=s1["peak_kv_bytes"],
-        probe_ms_per_request=1e3 * probe_s / probes if probes else None,
-        probe_timer=probe_key,
-        programs=s1.get("programs"),
-        compiles_after_warmup=s1.get("compiles_after_warmup", 0) - s0.get("compiles_after_warmup", 0),
-        compile_s_after_warmup=s1.get("compile_seconds_after_warmup", 0.0)
-        - s0.get("compile_seconds_after_warmup", 0.0),
+        # the probe tokens' share of the block calls that carried them (Engine.stats' probe_seconds)
+        probe_ms_per_request=1e3 * delta("probe_seconds") / probes if probes else None,
+        programs=s1["programs"],
+        compiles_after_warmup=delta("compiles_after_warmup"),
+        compile_s_after_warmup=delta("compile_seconds_after_warmup"),
         requests=len(items),
-        block_host_s=s1.get("block_host_seconds", 0.0) - s0.get("block_host_seconds", 0.0),
-        block_device_s=s1.get("block_device_seconds", 0.0) - s0.get("block_device_seconds", 0.0),
-        block_calls=s1.get("blocks", 0) - s0.get("blocks", 0),
+        block_host_s=delta("block_host_seconds"),
+        block_device_s=delta("block_device_seconds"),
+        block_calls=delta("blocks"),
     )
 
 

@@ -195,6 +195,7 @@ class Engine:
             for bl in self.block_lengths
             for depth in (None, *self.config.shallow_depths)
         }
+        self._programs = self.runner.programs(list(self._runners.values()))  # fixed with the settings
         m = self.config.min_affix_tokens
         self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         self._ids = itertools.count()
@@ -514,7 +515,7 @@ class Engine:
 
     def program_count(self) -> int:
         """How many programs serving can ever run (a function of the settings only): what `warmup` compiles."""
-        return len(self.runner.programs(list(self._runners.values())))
+        return len(self._programs)
 
     def warmup(self, progress: bool = True) -> dict:
         """Compile every program the engine can ever run (its settings fix them), before serving: afterwards no
@@ -523,7 +524,7 @@ class Engine:
         t0 = time.perf_counter()
         c0, _, loads0 = compile_totals()
         seed_key(0)  # the tiny program that turns a seed into a key
-        self.runner.warm(self.runner.programs(list(self._runners.values())), progress)
+        self.runner.warm(self._programs, progress)
         jax.block_until_ready(self.runner.k)
         seconds = time.perf_counter() - t0
         self.counters["warmup_seconds"] += seconds
