@@ -33,7 +33,10 @@ PLACED = [
 ]
 
 
-BASE = dict(max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8, max_model_len=64, block_lengths=(4,))
+# block starts in chunks of 16: a call's window runs 1 to 4 chunks, the rest skipped
+BASE = dict(
+    max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8, max_model_len=64, block_lengths=(4,), window_chunk=16
+)
 
 
 def engine_for(model, **kw) -> Engine:
@@ -166,7 +169,8 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
     assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 2 + 3  # the default ladder: 1, 4
     assert engine_for(m, max_batch=16).program_count() == 3 + 1  # 1, 4, 16; ACache's probe rides the block calls
     ladder = Ladder.for_settings(16, 2000)  # LLaDA-8B's serve defaults but a 2000-token max_model_len
-    assert (ladder.batch_sizes, ladder.window_sizes, ladder.read_len) == ((1, 4, 16), (256, 1024, 2000), 2000)
+    assert (ladder.batch_sizes, ladder.window_sizes) == ((1, 4, 16), (256, 1024, 2000))
+    assert (ladder.window_chunk, ladder.read_len) == (256, 2048)  # block-start windows: whole chunks
     finer = Ladder.for_settings(16, 2000, (2, 16), (500, 1000, 3000))  # rounded to 16; max_model_len added
     assert (finer.batch_sizes, finer.window_sizes) == ((2, 16), (512, 1008, 2000))
     assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 1  # no BiCache depth served

@@ -10,7 +10,7 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate
 from dllm_jax.io.loading import Model
-from dllm_jax.transformer import CacheWrite, KVCache, forward
+from dllm_jax.transformer import CacheWrite, KVCache, WindowChunks, forward
 from dllm_jax.transformer.params import (
     fuse_projections,
     init_params,
@@ -114,6 +114,38 @@ def test_unrolled_layers_equal_scan(name, fuse, models):
         _close(cb.cache.stacked().v, ca.cache.v)
     with pytest.raises(ValueError, match="per-layer KVCache"):
         forward(m.params, m.config, tokens, positions, cache=per_layer, write=CacheWrite.at(4))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("unroll", [False, True])
+def test_chunked_window_equals_whole_window(name, unroll, models):
+    """A window run in chunks (only the live ones) gives the whole window's logits and K/V at its live entries,
+    with scattered and contiguous writes; entries past the live chunks write nothing."""
+    m = models[name]
+    params = unstack_layers(m.params) if unroll else m.params
+    tokens, positions = _window(m.config, n=16, seed=3)
+    cache = KVCache.for_params(params, m.config, 2, 24)
+    live = 12  # chunks of 4: 3 live, the last chunk padding
+    slots = jnp.asarray(np.stack([np.random.default_rng(r).permutation(24)[:16] for r in range(2)]), jnp.int32)
+    writes = jnp.arange(16)[None] < jnp.asarray([[live], [9]])
+    at = jnp.asarray([[0, 5, 11], [1, 2, 8]], jnp.int32)
+    for write in (CacheWrite.scatter(slots, writes), CacheWrite.at(3, writes)):
+        kw = dict(cache=cache, write=write, logits_at=at)
+        whole = forward(
+            params, m.config, tokens[:, :live], positions[:, :live] + 3, **{**kw, "write": _cut(write, live)}
+        )
+        chunked = forward(params, m.config, tokens, positions + 3, chunks=WindowChunks(4, jnp.int32(live)), **kw)
+        _close(chunked.logits, whole.logits)
+        _close(chunked.cache.stacked().k, whole.cache.stacked().k)
+        _close(chunked.cache.stacked().v, whole.cache.stacked().v)
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        forward(params, m.config, tokens, positions, cache=cache, chunks=WindowChunks(5, 12))
+
+
+def _cut(write: CacheWrite, n: int) -> CacheWrite:
+    if write.slots is not None:
+        return CacheWrite.scatter(write.slots[:, :n], write.mask[:, :n])
+    return CacheWrite.at(write.offset, write.mask[:, :n])
 
 
 @pytest.mark.parametrize("host", [False, True])

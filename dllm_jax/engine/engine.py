@@ -82,8 +82,10 @@ class EngineConfig:
     spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
     shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
     GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: 1, 4, 16, ... up to
-    max_batch, and max_batch). window_sizes: the widths a block start's window is padded to (default: 256, 1024,
-    4096, ... up to max_model_len, which is always added); finer ladders pad less and compile more. block_lengths:
+    max_batch, and max_batch). window_sizes: the widths an affix's own forward is padded to (default: 256, 1024,
+    4096, ... up to max_model_len, which is always added). window_chunk: block starts run in chunks of this many
+    tokens a row, as many as the longest window in the call needs (one program for every window length; smaller
+    chunks pad less, larger ones make larger GEMMs at small batches). block_lengths:
     the block lengths served (None: the model's generation_config.json block_length, else 32). sampler: the static
     part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp and eps; None: the family's
     default); temperature, top-p / top-k, threshold or factor and steps are per request. shallow_depths: the BiCache
@@ -101,12 +103,13 @@ class EngineConfig:
     attention: str = "auto"
     batch_sizes: tuple[int, ...] | None = None
     window_sizes: tuple[int, ...] | None = None
+    window_chunk: int = 256
     block_lengths: tuple[int, ...] | None = None
     sampler: FamilySampler | None = None
     shallow_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens"):
+        for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
@@ -182,7 +185,11 @@ class Engine:
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
         ladder = Ladder.for_settings(
-            self.config.max_batch, self.max_len, self.config.batch_sizes, self.config.window_sizes
+            self.config.max_batch,
+            self.max_len,
+            self.config.batch_sizes,
+            self.config.window_sizes,
+            self.config.window_chunk,
         )
         self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels)
         self._runners = {

@@ -11,10 +11,13 @@ Layout of a call (host numpy, then one transfer):
   * `col_slots` [B, T]: the private slot each column writes; the read list [B, R] of each row's keys (shared affix
     slots, rotated at read time by the affix's placement offset, then private ones);
   * the block-start window [B, W]: the columns the refresh recomputes (anchors, the request's own prompt tokens
-    and its generation region), every row's current block at one window index.
+    and its generation region), every row's current block at one window index. W is max_model_len, run in fixed
+    chunks of `Ladder.window_chunk` tokens, only those up to the longest row's window (`WindowChunks`): one program
+    serves every window length at the cost of its own tokens.
 Every shape is fixed by the engine's settings (`Ladder`), never by the traffic: B is rounded up to the batch ladder,
-W to the window ladder (powers of two up to max_model_len), and both read lists have one width (max_model_len: the
-attention kernel reads only each row's own length of them). Per-request settings (temperature, top-p / top-k,
+W and both read lists have one width (max_model_len rounded up to the chunk: the attention kernel reads only each
+row's own length of the lists). An affix's own forward is padded to the window ladder. Per-request settings
+(temperature, top-p / top-k,
 threshold or factor, steps, max_tokens, seed, anchors) are data. So the set of programs is known before serving
 (`programs`) and `warm` compiles all of them; nothing compiles afterwards.
 """
@@ -40,7 +43,7 @@ from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.decoding.samplers.rows import RowSettings, stack_rows
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
-from dllm_jax.transformer import XLA, Kernels, forward
+from dllm_jax.transformer import XLA, Kernels, WindowChunks, forward
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
@@ -93,13 +96,15 @@ def round_up(n: int, multiple: int = 16) -> int:
 @dataclasses.dataclass(frozen=True)
 class Ladder:
     """The shapes every device call is padded to, fixed by the engine's settings: batch sizes (powers of 4 up to
-    max_batch, and max_batch), block-start window widths (powers of 4 from 256 up to max_model_len) and the one
-    width of the read lists. Few shapes on purpose: at LLaDA-8B a program takes 6-12 s to compile and 1.3-2.5 s to
-    load from the persistent cache (H200), so the ladder trades padding for start-up time."""
+    max_batch, and max_batch), the widths an affix's own forward is padded to (powers of 4 from 256 up to
+    max_model_len), the block-start chunk, and the one width of the read lists and block-start windows. Few shapes
+    on purpose: at LLaDA-8B a program takes 6-24 s to compile and 1.2-2.9 s to load from the persistent cache
+    (H200), so the number of programs is the start-up time."""
 
     batch_sizes: tuple[int, ...]
     window_sizes: tuple[int, ...]
-    read_len: int
+    read_len: int  # a multiple of window_chunk
+    window_chunk: int = 256  # block-start tokens per chunk and row (at 16 rows a 4096-token GEMM)
     probe_rows: int = 4  # ACache probes a block call carries at most (each scored alone: fp32 scores per row)
 
     @classmethod
@@ -109,12 +114,15 @@ class Ladder:
         max_len: int,
         batch_sizes: Sequence[int] | None = None,
         window_sizes: Sequence[int] | None = None,
+        window_chunk: int = 256,
     ) -> "Ladder":
         cap = round_up(max_len)
         windows = (
             ({round_up(w) for w in window_sizes if w < cap} | {cap}) if window_sizes else _powers(min(256, cap), cap)
         )
-        return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), tuple(sorted(windows)), cap)
+        chunk = min(round_up(window_chunk), cap)
+        batches = tuple(sorted(set(batch_sizes or _powers(1, max_batch))))
+        return cls(batches, tuple(sorted(windows)), round_up(cap, chunk), chunk)
 
     def batch(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
@@ -161,6 +169,7 @@ class Layout:
     writes: np.ndarray
     block_col: int  # the buffer column where every row's current block starts
     block_index: np.ndarray  # [B] int32: where it sits in each row's window
+    live: int  # window entries 0..live-1 hold some row's work (the longest row's window)
     keys: np.ndarray  # [B, 2] uint32 key data
     rows: dict  # RowSettings' host arrays (per-row sampling settings and step budgets)
     probe_rows: np.ndarray  # [Ladder.probe_rows] int32: the rows the block start probes (b: an empty slot)
@@ -170,6 +179,7 @@ class Layout:
     deep_writes: np.ndarray | None = None
     splice_at: np.ndarray | None = None
     prefix_at: np.ndarray | None = None
+    deep_live: int = 0
 
     @classmethod
     def empty(cls, config: ModelConfig, b: int, t: int, w: int, read_len: int, num_slots: int, col: int = 0):
@@ -187,6 +197,7 @@ class Layout:
             writes=np.zeros((b, w), bool),
             block_col=col,
             block_index=np.zeros(b, np.int32),
+            live=0,
             keys=np.zeros((b, 2), np.uint32),
             rows=stack_rows([], b),
             probe_rows=np.full(Ladder.probe_rows, b, np.int32),
@@ -230,7 +241,7 @@ class ModelRunner:
         lad = self.ladder
         out = [Program("affix", 1, w) for w in lad.window_sizes]
         for runner in runners:
-            out += [Program("block", b, w, runner) for b in lad.batch_sizes for w in lad.window_sizes]
+            out += [Program("block", b, lad.read_len, runner) for b in lad.batch_sizes]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
             out += [Program(kind, 1, w) for kind in ("hidden", "place") for w in lad.window_sizes]
         return out
@@ -304,8 +315,8 @@ class ModelRunner:
         done = [r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
         c = max(starts)
-        w = lad.window(max(len(pl.window) for pl in plans))
-        lay = Layout.empty(self.config, b, self.buffer_len, w, lad.read_len, self.num_slots, col=c)
+        lay = Layout.empty(self.config, b, self.buffer_len, lad.read_len, lad.read_len, self.num_slots, col=c)
+        lay.live = max(len(pl.window) for pl in plans)
         lay.rows = stack_rows([r.row_values for r in reqs], b)
         mask_id = self.config.mask_token_id
         for i, (r, pl) in enumerate(zip(reqs, plans)):
@@ -331,7 +342,8 @@ class ModelRunner:
             lay.rows["steps"][i] = 0  # a probed row's call is its probe: it commits nothing
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
             f = lad.read_len
-            lay.add_deep(b, f, w, c)
+            lay.add_deep(b, f, lad.read_len, c)
+            lay.deep_live = max(r.total_len for r in reqs)
             for i, (r, pl) in enumerate(zip(reqs, plans)):
                 n, pad = r.total_len, c - starts[i]
                 lay.deep[i, :n], lay.deep_writes[i, :n] = pad + np.arange(n), True
@@ -342,9 +354,10 @@ class ModelRunner:
         return lay
 
     def _window_inputs(self, lay: Layout) -> tuple:
-        """The device inputs every windowed call starts with: x, positions, the paged read lists, window, writes."""
+        """The device inputs every windowed call starts with: x, positions, the paged read lists, window, writes,
+        the window's live length."""
         paged = {name: put(getattr(lay, name)) for name in _PAGED}
-        return put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes)
+        return put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes), put(np.int32(lay.live))
 
     # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
@@ -390,6 +403,7 @@ class ModelRunner:
         """One block of BiCache rows: each row's prefix hidden state [A, d] (at its depth) goes in by row."""
         stacked = _stack_rows(tuple(hidden), lay.x.shape[0])
         deep = (put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked)
+        deep += (put(np.int32(lay.deep_live)),)
         return self._run(_run_shallow_block, lay, runner, *deep, compile_only=compile_only)
 
     def _run(self, fn, lay: Layout, runner: BlockRunner, *extra, compile_only: bool = False) -> tuple | None:
@@ -407,10 +421,11 @@ class ModelRunner:
             put(lay.block_index),
             put(lay.probe_rows),
         )
+        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.window_chunk)
         if compile_only:
-            fn.lower(*args, runner=runner, kernels=self.kernels).compile()
+            fn.lower(*args, **static).compile()
             return None
-        blk, keys, steps, importance, self.k, self.v = fn(*args, runner=runner, kernels=self.kernels)
+        blk, keys, steps, importance, self.k, self.v = fn(*args, **static)
         probed = bool((lay.probe_rows < lay.x.shape[0]).any())
         return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(importance) if probed else None
 
@@ -497,7 +512,7 @@ def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys
     return blk, jax.random.key_data(s.key), s.step, importance, s.cache.kv.k, s.cache.kv.v
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "kernels"), donate_argnames=("k", "v"))
+@functools.partial(jax.jit, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"))
 def _run_block(
     params,
     k,
@@ -507,6 +522,7 @@ def _run_block(
     paged,
     window,
     writes,
+    live,
     keys,
     rows,
     block_col,
@@ -515,6 +531,7 @@ def _run_block(
     *,
     runner,
     kernels,
+    chunk,
 ):
     config = runner.config
     inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
@@ -527,6 +544,7 @@ def _run_block(
         block_col=block_col,
         block_index=block_index,
         probe_rows=probe_rows,
+        chunks=WindowChunks(chunk, live),
     )
     return _decode_block(params, runner, inp, x, state, keys, rows, block_col)
 
@@ -560,7 +578,7 @@ def _place(k, v, src, dst, offset, *, theta):
     return tuple(new_k), tuple(new_v)
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "kernels"), donate_argnames=("k", "v"))
+@functools.partial(jax.jit, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"))
 def _run_shallow_block(
     params,
     k,
@@ -570,11 +588,13 @@ def _run_shallow_block(
     paged,
     window,
     writes,
+    live,
     deep,
     deep_writes,
     splice_at,
     prefix_at,
     hidden,
+    deep_live,
     keys,
     rows,
     block_col,
@@ -583,6 +603,7 @@ def _run_shallow_block(
     *,
     runner,
     kernels,
+    chunk,
 ):
     config = runner.config
     inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
@@ -601,5 +622,7 @@ def _run_shallow_block(
         splice_at=splice_at,
         block_col=block_col,
         block_index=block_index,
+        chunks=WindowChunks(chunk, live),
+        deep_chunks=WindowChunks(chunk, deep_live),
     )
     return _decode_block(params, runner, inp, x, state, keys, rows, block_col)

@@ -2,7 +2,7 @@
 
 from dllm_jax.transformer.kernels import XLA, KernelChoice, Kernels
 from dllm_jax.transformer.kv_cache import CacheWrite, KVCache
-from dllm_jax.transformer.modeling import ForwardOutput, forward
+from dllm_jax.transformer.modeling import ForwardOutput, WindowChunks, forward
 from dllm_jax.transformer.params import init_params, param_shapes, stack_layers, unstack_layers
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "KVCache",
     "KernelChoice",
     "Kernels",
+    "WindowChunks",
     "forward",
     "init_params",
     "param_shapes",

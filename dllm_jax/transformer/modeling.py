@@ -39,6 +39,31 @@ class ForwardOutput:
     hidden: Array | None = None  # [B, n, d] the last layer's output before the final norm, with output_hidden
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowChunks:
+    """Run a cached forward's window `size` tokens at a time, and only its first `live` tokens' chunks: a window
+    padded to one fixed width costs what its live part costs (the serving engine pads every block start to
+    max_model_len, so one program serves every window length). In each layer every live chunk's K/V are written
+    before any chunk attends, so the result is the unchunked forward's. Entries past the live chunks keep their
+    input hidden state (their outputs must not be read) and write nothing."""
+
+    size: int = dataclasses.field(metadata=dict(static=True))
+    live: Array | int = 0  # int32: window entries 0..live-1 carry work
+
+
+def _cols(a: Array, start: Array, size: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+
+
+def _chunk_write(write: CacheWrite, start: Array, size: int) -> CacheWrite:
+    """Where a chunk of the window (its entries start..start+size-1) writes."""
+    mask = None if write.mask is None else _cols(write.mask, start, size)
+    if write.slots is not None:
+        return CacheWrite.scatter(_cols(write.slots, start, size), mask)
+    return CacheWrite.at(jnp.asarray(write.offset, jnp.int32) + start, mask)
+
+
 def layer_loop(fn, carry, layers, layer_ids: range):
     """lax.scan over stacked layer params, or an unrolled python loop over a tuple of per-layer params (static layer
     index), with the same (carry, stacked per-layer outputs) result. layer_ids: the absolute indices."""
@@ -66,6 +91,7 @@ def forward(
     output_hidden: bool = False,
     return_kv: bool = False,
     probe: ProbeFn | None = None,
+    chunks: WindowChunks | None = None,
     kernels: Kernels = XLA,
 ) -> ForwardOutput:
     """Run the model on a window.
@@ -82,6 +108,8 @@ def forward(
     split at a layer (BiCache's shallow-layer reuse, LaCache's first-layer memo).
     probe: with a cache, called in every layer on the rotated q, the cache and the layer index; the sum over layers
     comes back as ForwardOutput.probe (ACache's one-shot anchor probe).
+    chunks: with a cache, the window runs in fixed chunks, only its live ones (`WindowChunks`); n must be a
+    multiple of chunks.size.
     """
     b, n = positions.shape
     start, stop = layers if layers is not None else (0, config.n_layers)
@@ -91,6 +119,8 @@ def forward(
         raise ValueError("return_kv is for forwards without a cache (with one, read the cache)")
     if probe is not None and cache is None:
         raise ValueError("probe needs a cache (it reads each layer's K buffer)")
+    if chunks is not None and (cache is None or n % chunks.size):
+        raise ValueError(f"chunks need a cache and a window ({n}) that is a multiple of the chunk ({chunks.size})")
     block = block_for(params, config)
     inputs = jnp.asarray(inputs)
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
@@ -126,7 +156,8 @@ def forward(
         )
     # one kernel for the projection's reduction, RoPE and the K/V write: block-step windows written contiguously
     fused_write = (
-        kernels.rope_write
+        chunks is None
+        and kernels.rope_write
         and isinstance(cache, KVCache)
         and cache.per_layer
         and write.slots is None
@@ -150,6 +181,37 @@ def forward(
         x = finish(lp, i, x, cache.attend(i, q, key_mask, kernels))
         return (x, cache, probed), None
 
+    def layer_chunked(carry, inputs):
+        x, cache, probed = carry
+        lp, i = inputs
+        c = chunks.size
+        live_chunks = (jnp.asarray(chunks.live, jnp.int32) + c - 1) // c
+
+        def qkv(start):
+            return block.apply(
+                {"params": lp}, _cols(x, start, c), _cols(cos, start, c), _cols(sin, start, c), method=Block.qkv
+            )
+
+        def project(j, state):  # every live chunk's K/V first: any query may attend any key of the window
+            cache, qs = state
+            q, k, v = qkv(j * c)
+            cache = cache.write(i, k, v, _chunk_write(write, j * c, c))
+            return cache, jax.lax.dynamic_update_slice_in_dim(qs, q, j * c, axis=1)
+
+        q_chunk = jax.eval_shape(qkv, 0)[0]
+        qs = jnp.zeros((b, n) + q_chunk.shape[2:], q_chunk.dtype)
+        cache, qs = jax.lax.fori_loop(0, live_chunks, project, (cache, qs))
+        if probe is not None:
+            probed = probed + probe(qs, cache, i)
+
+        def attend_chunk(j, x):
+            start = j * c
+            out = finish(lp, i, _cols(x, start, c), cache.attend(i, _cols(qs, start, c), key_mask, kernels))
+            return jax.lax.dynamic_update_slice_in_dim(x, out.astype(x.dtype), start, axis=1)
+
+        return (jax.lax.fori_loop(0, live_chunks, attend_chunk, x), cache, probed), None
+
     probed0 = jnp.zeros((b, cache.length), jnp.float32) if probe is not None else None
-    (x, cache, probed), _ = layer_loop(layer_cached, (x, cache, probed0), layer_params, layer_ids)
+    body = layer_cached if chunks is None else layer_chunked
+    (x, cache, probed), _ = layer_loop(body, (x, cache, probed0), layer_params, layer_ids)
     return output(x, cache, probed=probed)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.decoding.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, gather_rows
-from dllm_jax.transformer import XLA, CacheWrite, ForwardOutput, KVCache, forward
+from dllm_jax.transformer import XLA, CacheWrite, ForwardOutput, KVCache, WindowChunks, forward
 from dllm_jax.transformer.attention import grouped_scores
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 
@@ -75,6 +75,8 @@ class AnchoredState:
     block_index: Array | int = 0
     # the serving engine: rows probed by the next block-start forward ([P] batch indices; the batch size: none)
     probe_rows: Array | None = None
+    # run the window in chunks, only its live ones (a window padded to one width for every call)
+    chunks: WindowChunks | None = None
 
 
 def anchor_inputs(
@@ -278,7 +280,16 @@ def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
 
 
 def forward_window(
-    params, config, inp: DecodeInputs, kv: KVCache, x: Array, window: Array, writes: Array, logits_at: Array, probe=None
+    params,
+    config,
+    inp: DecodeInputs,
+    kv: KVCache,
+    x: Array,
+    window: Array,
+    writes: Array,
+    logits_at: Array,
+    probe=None,
+    chunks: WindowChunks | None = None,
 ):
     return forward(
         params,
@@ -290,6 +301,7 @@ def forward_window(
         write=CacheWrite.scatter(window, writes),
         logits_at=logits_at,
         probe=probe,
+        chunks=chunks,
         kernels=inp.kernels,
     )
 
@@ -347,6 +359,6 @@ class AnchoredRefresh(BlockStartOnly):
         if state.probe_rows is not None:  # the probed rows' importance comes back in state.importance [B, S]
             queries = (gather_rows(x, state.window) == config.mask_token_id) & state.writes
             probe = row_importance_probe(state.kv.shared_mask(), queries, state.probe_rows)
-        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at, probe)
+        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at, probe, state.chunks)
         importance = state.importance if probe is None else out.probe
         return out.logits, dataclasses.replace(state, kv=out.cache, importance=importance)

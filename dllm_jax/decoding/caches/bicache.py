@@ -33,7 +33,7 @@ import numpy as np
 
 from dllm_jax.decoding.caches.acache import SharedAffix, alone_forward, build_shared_affix
 from dllm_jax.decoding.caches.base import BlockStartOnly, CacheStrategy, DecodeInputs, block_logit_index, gather_rows
-from dllm_jax.transformer import CacheWrite, KVCache, forward
+from dllm_jax.transformer import CacheWrite, KVCache, WindowChunks, forward
 
 Array = jax.Array
 
@@ -202,6 +202,9 @@ class ShallowState:
     splice_at: Array | None = None
     block_col: Array | int = 0
     block_index: Array | int = 0
+    # run the shallow window and the deep window in chunks, only their live ones (windows of one fixed width)
+    chunks: WindowChunks | None = None
+    deep_chunks: WindowChunks | None = None
 
 
 def prefix_alone_state(
@@ -254,6 +257,7 @@ class ShallowReuse(BlockStartOnly):
             write=CacheWrite.scatter(window, state.writes),
             layers=(0, self.depth),
             output_hidden=True,
+            chunks=state.chunks,
             kernels=inp.kernels,
         )
         # the window's hidden states replace the buffer's where it wrote, and at P - 1 even when that is affix:
@@ -291,6 +295,7 @@ class ShallowReuse(BlockStartOnly):
                 write=CacheWrite.scatter(state.deep, state.deep_writes),
                 layers=(self.depth, config.n_layers),
                 logits_at=logits_at,
+                chunks=state.deep_chunks,
                 kernels=inp.kernels,
             )
         return deep.logits, dataclasses.replace(state, kv=deep.cache)
