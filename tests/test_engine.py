@@ -171,6 +171,7 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
     ladder = Ladder.for_settings(16, 2000)  # LLaDA-8B's serve defaults but a 2000-token max_model_len
     assert (ladder.batch_sizes, ladder.window_sizes) == ((1, 4, 16), (256, 1024, 2000))
     assert (ladder.window_chunk, ladder.read_len) == (256, 2048)  # block-start windows: whole chunks
+    assert [ladder.chunk(b) for b in ladder.batch_sizes] == [256, 256, 128]  # <= 2048 tokens a chunk at 16 rows
     finer = Ladder.for_settings(16, 2000, (2, 16), (500, 1000, 3000))  # rounded to 16; max_model_len added
     assert (finer.batch_sizes, finer.window_sizes) == ((2, 16), (512, 1008, 2000))
     assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 1  # no BiCache depth served

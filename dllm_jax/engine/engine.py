@@ -84,8 +84,8 @@ class EngineConfig:
     GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: 1, 4, 16, ... up to
     max_batch, and max_batch). window_sizes: the widths an affix's own forward is padded to (default: 256, 1024,
     4096, ... up to max_model_len, which is always added). window_chunk: block starts run in chunks of this many
-    tokens a row, as many as the longest window in the call needs (one program for every window length; smaller
-    chunks pad less, larger ones make larger GEMMs at small batches). block_lengths:
+    tokens a row (halved at larger batches until a chunk of all rows is at most 2048 tokens), as many as the
+    longest window in the call needs: one program for every window length. block_lengths:
     the block lengths served (None: the model's generation_config.json block_length, else 32). sampler: the static
     part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp and eps; None: the family's
     default); temperature, top-p / top-k, threshold or factor and steps are per request. shallow_depths: the BiCache

@@ -15,9 +15,9 @@ Layout of a call (host numpy, then one transfer):
     chunks of `Ladder.window_chunk` tokens, only those up to the longest row's window (`WindowChunks`): one program
     serves every window length at the cost of its own tokens.
 Every shape is fixed by the engine's settings (`Ladder`), never by the traffic: B is rounded up to the batch ladder,
-W and both read lists have one width (max_model_len rounded up to the chunk: the attention kernel reads only each
-row's own length of the lists). An affix's own forward is padded to the window ladder. Per-request settings
-(temperature, top-p / top-k,
+W and both read lists have one width (max_model_len rounded up to the largest chunk: the attention kernel reads
+only each row's own length of the lists). An affix's own forward is padded to the window ladder. Per-request
+settings (temperature, top-p / top-k,
 threshold or factor, steps, max_tokens, seed, anchors) are data. So the set of programs is known before serving
 (`programs`) and `warm` compiles all of them; nothing compiles afterwards.
 """
@@ -104,7 +104,7 @@ class Ladder:
     batch_sizes: tuple[int, ...]
     window_sizes: tuple[int, ...]
     read_len: int  # a multiple of window_chunk
-    window_chunk: int = 256  # block-start tokens per chunk and row (at 16 rows a 4096-token GEMM)
+    window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
     probe_rows: int = 4  # ACache probes a block call carries at most (each scored alone: fp32 scores per row)
 
     @classmethod
@@ -127,9 +127,21 @@ class Ladder:
     def batch(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
 
+    def chunk(self, b: int) -> int:
+        """A row's block-start chunk at batch b: window_chunk, halved while a chunk of all b rows is more than
+        CHUNK_TOKENS (a GEMM of that many tokens already runs near the H200's peak, and a smaller chunk pads less:
+        windows are rounded up to it). A divisor of read_len."""
+        c = self.window_chunk
+        while c * b > CHUNK_TOKENS and c % 32 == 0:
+            c //= 2
+        return c
+
     def window(self, n: int) -> int:
         """The smallest window width that holds n tokens (every affix and window is at most max_model_len)."""
         return next(w for w in self.window_sizes if w >= n)
+
+
+CHUNK_TOKENS = 2048
 
 
 def _powers(start: int, stop: int, ratio: int = 4) -> list[int]:
@@ -421,7 +433,7 @@ class ModelRunner:
             put(lay.block_index),
             put(lay.probe_rows),
         )
-        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.window_chunk)
+        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(lay.x.shape[0]))
         if compile_only:
             fn.lower(*args, **static).compile()
             return None
