@@ -75,11 +75,16 @@ class PagedKV:
             else (jnp.asarray(where.offset, jnp.int32) + jnp.arange(n, dtype=jnp.int32))[None]
         )
         slots = jnp.take_along_axis(self.col_slots, jnp.broadcast_to(cols, k.shape[:2]), axis=1)
+        keep = slots < self.num_slots
         if where.mask is not None:
-            slots = jnp.where(where.mask, slots, self.num_slots)
-        flat = slots.reshape(-1)
-        new_k = self.k[i].at[flat].set(k.reshape(-1, *k.shape[2:]).astype(self.k[i].dtype), mode="drop")
-        new_v = self.v[i].at[flat].set(v.reshape(-1, *v.shape[2:]).astype(self.v[i].dtype), mode="drop")
+            keep &= where.mask
+        # every entry that must not be written goes to its own index past the pool's end (dropped): the written
+        # slots are distinct (each private slot is one column's), so every index is unique and XLA may scatter
+        # without ordering conflicting writes
+        flat = jnp.where(keep, slots, self.num_slots + jnp.arange(slots.size).reshape(slots.shape)).reshape(-1)
+        scatter = dict(mode="drop", unique_indices=True)
+        new_k = self.k[i].at[flat].set(k.reshape(-1, *k.shape[2:]).astype(self.k[i].dtype), **scatter)
+        new_v = self.v[i].at[flat].set(v.reshape(-1, *v.shape[2:]).astype(self.v[i].dtype), **scatter)
         return dataclasses.replace(
             self, k=self.k[:i] + (new_k,) + self.k[i + 1 :], v=self.v[:i] + (new_v,) + self.v[i + 1 :]
         )
