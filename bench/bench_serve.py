@@ -36,9 +36,9 @@ Each row is written when it finishes (a run cut short keeps its rows; rows merge
 
     PYTHONPATH=. python bench/bench_serve.py --run NAME                       # the closed16 rows at 1024 tokens
     PYTHONPATH=. python bench/bench_serve.py --workloads poisson_2 poisson_4 poisson_8 --ratios 0.2 --run NAME
-    # mixed, on one H200: the two starts alone take about 8.5 min (serve's default engine is 77 programs at about
-    # 5.4 s each to compile, 0.85 s to load), so they get a command of their own; the next command, sent while the
-    # machine is still warm, finds their programs in build/xla-cache-bench-serve (rows of one --run label merge)
+    # mixed, on one H200: the two starts take about 2.5 min (serve's default engine is 6 programs, ~96 s to compile,
+    # ~20 s to load); a command sent while the machine is still warm finds them in build/xla-cache-bench-serve (rows
+    # of one --run label merge)
     PYTHONPATH=. python bench/bench_serve.py --workloads mixed --starts-only --run NAME
     PYTHONPATH=. python bench/bench_serve.py --workloads mixed --rows off acache_0.2 acache_0 --requests 100 \
         --arrivals closed poisson_8 poisson_4 poisson_2 --http --hf-dir build/llada8b-hf --budget-s 480 --run NAME

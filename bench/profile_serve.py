@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--calls", type=int, default=3, help="block calls profiled")
     ap.add_argument("--kv-budget-gib", type=float, default=16.0)
+    ap.add_argument("--max-model-len", type=int, default=None, help="serve's default: the model's, at most 4096")
     ap.add_argument("--compile-cache", default=bench_serve.DEFAULT_CACHE)
     ap.add_argument("--no-generate", action="store_true")
     common.output_args(ap)
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     affix = rng.integers(0, hi, args.affix_len).tolist()
     prompts = [bench_serve.place("prefix", affix, rng.integers(0, hi, args.question_len).tolist()) for _ in range(16)]
     flags = ["--max-batch", "16", "--kv-budget-gib", f"{args.kv_budget_gib:g}", "--compile-cache", args.compile_cache]
+    if args.max_model_len is not None:
+        flags += ["--max-model-len", str(args.max_model_len)]
     engine = bench_serve.serve_engine(model, flags)
     bench_serve.warm(engine, "dllm-jax serve " + " ".join(flags))
     rows = []
