@@ -266,6 +266,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.port,
             log_level="info" if args.verbose else "warning",
             compile_cache=cache,
+            max_consecutive_faults=args.max_consecutive_faults,
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
@@ -369,6 +370,12 @@ def build_parser() -> Parser:
         type=positive_int,
         default=1024,
         help="requests waiting for admission beyond which the server answers 429",
+    )
+    v.add_argument(
+        "--max-consecutive-faults",
+        type=positive_int,
+        default=3,
+        help="failed device calls in a row after which GET /health answers 503 (an orchestrator restarts the server)",
     )
     v.add_argument(
         "--kv-budget-gib",

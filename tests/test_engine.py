@@ -212,6 +212,54 @@ def test_settings_outside_the_served_ones_are_refused(models_fp32, warm_engines)
     assert not engine.has_unfinished()
 
 
+@pytest.mark.xdist_group("engine-llada")
+def test_a_failed_device_call_fails_only_its_requests(models_fp32, warm_engines):
+    """A call that raises fails its requests (finish reason "error", pages freed, counted) and the engine serves on;
+    a call that consumed the donated pool also fails every running request, and the rebuilt pool (affix copies
+    rebuilt on use) serves answers equal to solo generate."""
+    m, engine = models_fp32["llada"], warm_engines["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=4, cache="dual", affix="anchors", anchor_ratio=0.2)
+    plain = opts(gen_length=8, block_length=4, steps=4, cache="dual")
+    faults = {"calls": 0, "lose_pool": False}
+
+    def inject(ids):
+        if faults["calls"]:
+            faults["calls"] -= 1
+            if faults["lose_pool"]:  # what a device fault inside a call leaves: the donated buffers consumed
+                for buf in engine.runner.k + engine.runner.v:
+                    buf.delete()
+            raise RuntimeError("injected device fault")
+
+    engine.before_call = inject
+    try:
+        before = dict(engine.counters)
+        for lose_pool in (False, True):
+            ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED[:2]]
+            while not all(engine.request(i).probed for i in ids):  # admitted, its affix built and probed
+                engine.step()
+            ids += [engine.add_request(PLACED[i][0], plain, affix=None) for i in (2, 3)]  # the batch is full
+            waiting = engine.add_request(PLACED[4][0], plain, affix=None)  # max_batch 4: it waits for pages
+            faults.update(calls=1, lose_pool=lose_pool)
+            outs = []
+            while engine.has_unfinished():
+                outs += engine.step()
+            failed = {o.request_id for o in outs if o.finish_reason == "error"}
+            assert failed == set(ids) and all(o.finished and not o.tokens for o in outs if o.request_id in failed)
+            r = engine.request(waiting)  # served after the fault
+            assert r.answer(tuple(plain.stop_token_ids(m.config))) == solo(m, PLACED[4][0], plain)
+            for rid in ids + [waiting]:
+                engine.release(rid)
+            assert engine.block_manager.num_used_pages == 0
+        assert engine.counters["faults"] - before["faults"] == 2 and engine.consecutive_faults == 0
+        assert engine.counters["pool_rebuilds"] - before["pool_rebuilds"] == 1
+        assert engine.block_manager.num_cached_pages == 0  # the stored copies went with the pool
+        again = serve(engine, [(p, gc, span, 0) for p, span in PLACED[:2]])
+        assert again == [solo(m, p, gc, span) for p, span in PLACED[:2]]
+        assert engine.stats()["compiles_after_warmup"] == 0
+    finally:
+        engine.before_call = None
+
+
 def test_a_fresh_process_warms_from_the_persistent_cache(tmp_path, hf_dirs):
     """The same engine settings in a new process load their programs from jax's persistent compilation cache."""
     script = tmp_path / "warm.py"

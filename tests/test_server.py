@@ -278,6 +278,52 @@ def test_disconnect_mid_stream_frees_the_pages(server):
     assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
 
 
+def test_a_failed_device_call_is_a_500_and_repeated_ones_fail_health(server, model):
+    """A device call that raises: its request gets a 500 in OpenAI's shape (a stream: an error event, then [DONE]),
+    counted in /metrics, and the next request is served right; max_consecutive_faults (3) calls failing in a row
+    turn /health to 503 until a call runs again."""
+    engine, faults = server.service.engine, {"left": 0}
+
+    def inject(ids):
+        if faults["left"]:
+            faults["left"] -= 1
+            raise RuntimeError("injected device fault")
+
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 8, "block_length": 8, "steps": 8}
+    before = server.metric("dllm_jax_engine_faults_total")
+    engine.before_call = inject
+    try:
+        faults["left"] = 1
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "engine_fault" and "injected" in err["message"]
+        faults["left"] = 1
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30) as st:
+            events = [ln[len("data: ") :] for ln in st.iter_lines() if ln.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "engine_fault" and events[-1] == "[DONE]"
+        ok = _post(server, "/v1/completions", body)
+        assert ok.status_code == 200
+        want = solo(
+            model,
+            model.tokenizer.encode(DEMO_PROMPT),
+            GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual"),
+            max_tokens=8,
+        )
+        assert ok.json()["choices"][0]["text"] == want
+        assert server.metric("dllm_jax_engine_faults_total") == before + 2
+        assert server.metric("dllm_jax_kv_pages_used") == 0
+        faults["left"] = 3
+        for _ in range(3):
+            assert _post(server, "/v1/completions", body).status_code == 500
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "3 device calls failed in a row" in health.json()["error"]
+        assert _post(server, "/v1/completions", body).status_code == 200  # the device is back: so is /health
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        engine.before_call = None
+
+
 def test_soak(model, request):
     """N requests (100 by default, --soak-requests 1000 for the long one) from 64 concurrent clients, mixed lengths,
     half sharing one document: every request answered once, each answer equal to its solo run, the pool idle at the

@@ -276,6 +276,15 @@ class BlockManager:
             self._remove(entry)
             self.stats.dropped += 1
 
+    def drop_cached(self) -> int:
+        """Remove every entry no request holds (their K/V were lost with the pool): how many. Held entries stay."""
+        n = len(self._lru)
+        while self._lru:
+            _, entry = self._lru.popitem(last=False)
+            self._num_cached -= len(entry.pages)
+            self._remove(entry)
+        return n
+
     def evictions(self) -> list[str]:
         """Keys of the entries removed (evicted, or dropped unready) since the last call, in order, then forgets
         them: the engine releases whatever device memory it keeps for those keys. A key can appear twice if it was

@@ -160,8 +160,19 @@ def free_memory_bytes(device: jax.Device) -> int:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig | None = None):
+    """before_call: called with the request ids of every device call before it runs (fault injection in tests: what
+    it raises is that call's fault). A failed call fails only its requests (finish reason "error", pages freed); when
+    it consumed the pool's buffers (they are donated to every call), the pool is rebuilt zeroed, stored affix copies
+    are dropped (rebuilt on their next use) and every running request fails with it: their K/V are gone, and some
+    may have streamed blocks already, so none is restarted. Waiting requests are untouched."""
+
+    def __init__(
+        self, model, config: EngineConfig | None = None, before_call: Callable[[list[str]], None] | None = None
+    ):
         self.model, self.config = model, config or EngineConfig()
+        self.before_call = before_call
+        self.consecutive_faults = 0  # failed device calls since the last one that ran
+        self.last_fault: str | None = None
         mc = model.config
         self.max_len = min(self.config.max_model_len or min(mc.max_seq_len, 4096), mc.max_seq_len)
         num_pages = self._pages_within_budget()
@@ -213,6 +224,9 @@ class Engine:
             requests=0,
             finished=0,
             aborted=0,
+            failed=0,
+            faults=0,
+            pool_rebuilds=0,
             generated_tokens=0,
             blocks=0,
             block_rows=0,
@@ -418,27 +432,26 @@ class Engine:
         self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
         bm = self.block_manager
         for r in admitted:
-            entry = r.affix_entry
-            if entry is None:
+            if r.affix_entry is None:
                 continue
-            if not entry.ready:
-                self.runner.build_affix(entry.tokens, bm.slots(entry.pages, len(entry.tokens)))
-                bm.mark_ready(entry, payload={})
-                self.counters["affix_builds"] += 1
-            else:
-                self.counters["affix_hits"] += 1
-            if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden states (once), its K/V placed
-                if "hidden" not in entry.payload:
-                    entry.payload["hidden"] = self.runner.prefix_hidden(entry.tokens)
-                r.prefix_hidden = entry.payload["hidden"]  # the runner takes the rows entering layer r.depth
-                s, e = r.affix_span
-                private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
-                self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
+            try:
+                self._prepare_affix(r)
+            except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
+                outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
             probing = [r for r in group if r.needs_probe]
             if len(probing) > Ladder.probe_rows:  # the rest are probed by the next calls
                 group = [r for r in group if not r.needs_probe] + probing[: Ladder.probe_rows]
-            tokens, keys, steps, importance = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+            if any(r.status != Status.RUNNING for r in group):  # failed with a lost pool earlier in this step
+                continue
+            try:
+                if self.before_call is not None:
+                    self.before_call([r.request_id for r in group])
+                tokens, keys, steps, importance = self.runner.run_block(group, bm, self._program(group[0]))
+            except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
+                outputs += self._fault(group, e)
+                continue
+            self.consecutive_faults = 0
             now = time.perf_counter()
             for i, (r, blk, key) in enumerate(zip(group, tokens, keys)):
                 if r.needs_probe:  # this call was its probe (one NFE): its anchors, then its first block next
@@ -450,6 +463,55 @@ class Engine:
             self.counters["blocks"] += 1
             self.counters["block_rows"] += len(group)
         return outputs
+
+    def _prepare_affix(self, r: Request) -> None:
+        """An admitted request's stored affix: built once (its K/V, alone), and for BiCache its hidden states and
+        its K/V placed in the request's pages."""
+        bm, entry = self.block_manager, r.affix_entry
+        if self.before_call is not None:
+            self.before_call([r.request_id])
+        if not entry.ready:
+            self.runner.build_affix(entry.tokens, bm.slots(entry.pages, len(entry.tokens)))
+            bm.mark_ready(entry, payload={})
+            self.counters["affix_builds"] += 1
+        else:
+            self.counters["affix_hits"] += 1
+        if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden states (once), its K/V placed
+            if "hidden" not in entry.payload:
+                entry.payload["hidden"] = self.runner.prefix_hidden(entry.tokens)
+            r.prefix_hidden = entry.payload["hidden"]  # the runner takes the rows entering layer r.depth
+            s, e = r.affix_span
+            private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
+            self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
+
+    def _fault(self, group: list[Request], error: Exception) -> list[BlockOutput]:
+        """A device call over `group` raised: fail those requests; if the call consumed the pool, rebuild it and
+        fail every running request (see the class docstring)."""
+        self.counters["faults"] += 1
+        self.consecutive_faults += 1
+        self.last_fault = f"{type(error).__name__}: {error}"
+        lost = self.runner.pool_lost()
+        failed = list(group) + ([r for r in self.scheduler.running if r not in group] if lost else [])
+        log.error(
+            "a device call failed (%d request(s) fail%s): %s",
+            len(failed),
+            "; the KV pool was lost and is rebuilt" if lost else "",
+            self.last_fault,
+            exc_info=error,
+        )
+        outputs = [self._fail(r) for r in failed if r.status != Status.FINISHED]
+        if lost:
+            self.runner.reset_pool()
+            self.block_manager.drop_cached()  # every copy's K/V went with the pool; rebuilt on their next use
+            self.counters["pool_rebuilds"] += 1
+        return outputs
+
+    def _fail(self, r: Request) -> BlockOutput:
+        self._finish(r, "error")
+        out = BlockOutput(r.request_id, r.blocks_done - 1, [], True, "error")
+        if r.on_block is not None:
+            r.on_block(out)
+        return out
 
     def _program(self, req: Request) -> BlockRunner:
         """The block runner of a request's calls: its block length and BiCache depth (everything else is data)."""
@@ -477,7 +539,7 @@ class Engine:
     def _finish(self, r: Request, reason: str, now: float | None = None) -> None:
         self.scheduler.finish(r)
         r.finish_reason, r.finish_time = reason, now or time.perf_counter()
-        self.counters["finished" if reason != "abort" else "aborted"] += 1
+        self.counters[{"abort": "aborted", "error": "failed"}.get(reason, "finished")] += 1
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (waiting or running) and free its pages. False if it is unknown or already done."""
@@ -564,6 +626,7 @@ class Engine:
             block_host_seconds=self.runner.host_seconds,
             block_device_seconds=self.runner.device_seconds,
             probe_seconds=self.runner.probe_seconds,
+            consecutive_faults=self.consecutive_faults,
         )
 
 

@@ -239,13 +239,21 @@ class ModelRunner:
         self.kernels = kernels
         shape = (num_slots, config.n_kv_heads, config.head_dim)
         mesh = mesh_of(params)  # tensor parallel: each device holds its KV heads of every page
-        zeros = jax.jit(
+        self._zeros = jax.jit(
             lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers)),
             out_shardings=None if mesh is None else (kv_sharding(mesh, 3),) * config.n_layers,
         )
-        self.k, self.v = zeros(), zeros()
+        self.reset_pool()
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
         self.probe_seconds = 0.0  # the probe tokens' share of the calls that carried them
+
+    def reset_pool(self) -> None:
+        """A zeroed pool (at start, and after a failed call consumed the donated one)."""
+        self.k, self.v = self._zeros(), self._zeros()
+
+    def pool_lost(self) -> bool:
+        """Whether a call consumed the pool's buffers without returning new ones (they are donated to every call)."""
+        return any(a.is_deleted() for a in self.k + self.v)
 
     # ---- the programs -----------------------------------------------------------------------------------------------
     def programs(self, runners: Sequence[BlockRunner]) -> list[Program]:

@@ -172,6 +172,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
         out = await stream.get()
+        if out.finish_reason == "error":  # its device call failed (the engine goes on serving the others)
+            fault = service.engine.last_fault
+            raise APIError(500, f"the device call serving this request failed: {fault}", code="engine_fault")
         if out.finish_reason == "abort" and answer.finish is None:
             raise APIError(503, "the request was stopped by the server (shutting down or a device failure)")
         delta = answer.add(out)
@@ -207,8 +210,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                     first = False
                     yield json.dumps(body)
             yield "[DONE]"
-        except APIError as e:
+        except APIError as e:  # an error event, then the end of the stream
             yield json.dumps(e.body())
+            yield "[DONE]"
         finally:
             if answer.finish is None:  # the client went away (or the server stopped it): free its pages
                 service.abort(rid)

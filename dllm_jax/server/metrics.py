@@ -59,6 +59,10 @@ class _EngineCollector:
             ),
             "draining": ("1 while the server finishes its requests before exiting", int(self.service.draining)),
             "ready": ("1 once warmed up and not draining (GET /ready)", int(ready)),
+            "consecutive_faults": (
+                "Device calls failed in a row (GET /health: 503 at the limit)",
+                s["consecutive_faults"],
+            ),
             "programs": ("Compiled programs the engine's settings imply (all warmed before serving)", s["programs"]),
             "warmup_seconds": ("Seconds the warm-up took (0 until it ends)", s["warmup_seconds"]),
         }
@@ -68,6 +72,9 @@ class _EngineCollector:
             "requests": ("Requests accepted", s["requests"]),
             "requests_finished": ("Requests finished (stop or length)", s["finished"]),
             "requests_aborted": ("Requests aborted (client gone, stop string, shutdown)", s["aborted"]),
+            "requests_failed": ("Requests failed by a device call that raised (answered 500)", s["failed"]),
+            "engine_faults": ("Device calls that raised (each fails only its own requests)", s["faults"]),
+            "kv_pool_rebuilds": ("Times a failed call consumed the KV pool and it was rebuilt", s["pool_rebuilds"]),
             "generation_tokens": ("Answer tokens generated", s["generated_tokens"]),
             "affix_hits": ("Requests that reused a stored affix copy", s["affix_hits"]),
             "affix_builds": ("Affix copies computed", s["affix_builds"]),

@@ -84,9 +84,11 @@ def serve(
     log_level: str = "warning",
     progress: bool = True,
     compile_cache: str | os.PathLike | None = None,
+    max_consecutive_faults: int = 3,
 ) -> int:
     """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
-    the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off)."""
+    the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
+    max_consecutive_faults: failed device calls in a row after which GET /health answers 503."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
@@ -100,7 +102,7 @@ def serve(
             sock.close()
             raise CompileCacheError(f"cannot use {compile_cache}: {e.strerror or e}") from None
     log_to_stderr()
-    service = EngineService(engine, progress=progress)
+    service = EngineService(engine, progress=progress, max_consecutive_faults=max_consecutive_faults)
     app = create_app(service, settings)
     server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30), service

@@ -29,14 +29,16 @@ class ServiceUnavailable(RuntimeError):
 
 class EngineService:
     """warmup: compile every program before serving (skipped if the engine is already warm); progress: its tqdm
-    bar on stderr."""
+    bar on stderr; max_consecutive_faults: failed device calls in a row after which the service is not alive (each
+    fails only its own requests, see Engine; repeated ones mean the device is gone)."""
 
-    def __init__(self, engine: Engine, warmup: bool = True, progress: bool = False):
+    def __init__(self, engine: Engine, warmup: bool = True, progress: bool = False, max_consecutive_faults: int = 3):
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="dllm-jax-engine", daemon=True)
         self._progress = progress
+        self.max_consecutive_faults = max_consecutive_faults
         self.warmed = not warmup or engine.warmed
         self.programs = engine.program_count()  # known before warming: /ready reports it
         self.warmup_started: float | None = None
@@ -71,6 +73,8 @@ class EngineService:
             return self.fatal
         if self._thread.ident is not None and not self._thread.is_alive():
             return "the engine thread stopped"
+        if self.engine.consecutive_faults >= self.max_consecutive_faults:
+            return f"{self.engine.consecutive_faults} device calls failed in a row, the last: {self.engine.last_fault}"
         return None
 
     def readiness(self) -> dict:
@@ -202,7 +206,7 @@ class EngineService:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception as e:  # noqa: BLE001  the device failed: fail what runs, keep serving
+            except Exception as e:  # noqa: BLE001  a bug outside the device calls (the engine fails those itself)
                 log.exception("engine step failed")
                 self.failure = e
                 for rid in list(self._streams):
