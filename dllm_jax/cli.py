@@ -303,7 +303,9 @@ def build_parser() -> Parser:
 
     ap = Parser(prog=PROG, description="Diffusion language model inference in JAX (LLaDA, Dream).")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser, help="what to run")
+    sub = ap.add_subparsers(
+        dest="command", required=True, parser_class=Parser, metavar="{generate,serve}", help="what to run"
+    )
     g = sub.add_parser("generate", help="generate an answer for a prompt or chat message")
     g.add_argument("prompt", nargs="*", help="user message(s); several make a batch (default: a demo question)")
     g.add_argument("--model", default=None, help="converted or HF-layout directory (default: the bundled model)")

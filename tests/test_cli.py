@@ -169,6 +169,12 @@ def cli_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def test_no_command_names_the_commands(capsys):
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "{generate,serve}" in err, err
+
+
 @pytest.mark.parametrize(
     "model,message",
     [

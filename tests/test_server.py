@@ -26,7 +26,7 @@ from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.cli import DEMO_PROMPT
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.engine.engine import Engine, EngineConfig
-from dllm_jax.server import EngineService, ServeSettings, create_app
+from dllm_jax.server import EngineService, ServeSettings, create_app, protocol
 from dllm_jax.server.run import bind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,6 +322,45 @@ def test_a_failed_device_call_is_a_500_and_repeated_ones_fail_health(server, mod
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         engine.before_call = None
+
+
+def test_the_openapi_schema_documents_every_body_and_response(server):
+    """/openapi.json declares both POST bodies (the request models the handlers validate with), their answers (JSON
+    and server-sent events) and every error status in OpenAI's shape, /metrics as Prometheus text; every $ref
+    resolves; /docs renders; real answers and errors validate against the documented models."""
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+
+    def refs(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                yield node["$ref"]
+            for v in node.values():
+                yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    assert all(r.startswith("#/components/schemas/") and r.rsplit("/", 1)[1] in schemas for r in refs(doc))
+    for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        op = doc["paths"][path]["post"]
+        body = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        assert field in schemas[body]["properties"] and "max_tokens" in schemas[body]["properties"]
+        assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+        for status in ("400", "401", "429", "500", "503"):
+            ref = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse")
+    assert "text/plain" in next(iter(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]))
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+    ok = _post(server, "/v1/completions", {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 4})
+    protocol.Completion.model_validate(ok.json())
+    chat = _post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "8 9 5"}]})
+    protocol.ChatCompletion.model_validate(chat.json())
+    bad = _post(server, "/v1/completions", {"model": NAME, "prompt": "x", "steps": 0})
+    assert bad.status_code == 400 and protocol.ErrorResponse.model_validate(bad.json()).error.param == "steps"
+    protocol.Health.model_validate(httpx.get(f"{server.url}/health").json())
+    protocol.Readiness.model_validate(httpx.get(f"{server.url}/ready").json())
+    protocol.ModelList.model_validate(httpx.get(f"{server.url}/v1/models").json())
 
 
 def test_soak(model, request):

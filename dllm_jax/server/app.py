@@ -6,7 +6,8 @@ can serve, warming and draining included), GET /ready (readiness: 200 once warme
 with the status), GET /metrics (Prometheus). Requests sent during the warm-up wait for it.
 Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}}: 400 for a bad field, an unknown
 model, a request too long or a block length / BiCache depth the server does not serve; 401 without the API key;
-429 when the queue is full; 503 while draining or when the engine failed.
+429 when the queue is full; 500 for the requests of a device call that failed; 503 while draining or when the
+engine cannot serve. GET /openapi.json documents every body and response (`openapi.py`), /docs browses it.
 """
 
 from __future__ import annotations
@@ -21,21 +22,28 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 
+from dllm_jax import __version__
 from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.engine.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
 from dllm_jax.io.loading import generation_defaults
+from dllm_jax.server import openapi
 from dllm_jax.server.metrics import ServerMetrics
 from dllm_jax.server.protocol import (
     AffixMessage,
     AffixSpan,
     AffixText,
     APIError,
+    ChatCompletion,
     ChatRequest,
+    Completion,
     CompletionRequest,
     Diffusion,
+    Health,
+    ModelList,
+    Readiness,
     completion_body,
     new_id,
     parse,
@@ -81,7 +89,14 @@ class Answer:
 def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     """The ASGI app on an EngineService (started, or started later: requests wait for it). Defaults the settings
     leave open come from the model's generation_config.json."""
-    app = FastAPI(title="dllm-jax", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="dllm-jax",
+        version=__version__,
+        description="OpenAI-compatible serving of diffusion language models (LLaDA, Dream) with shared affixes",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    openapi.install(app)
     model = service.engine.model
     settings = settings.resolve(generation_defaults(model.path), service.engine.block_lengths)
     metrics = ServerMetrics(service, settings.model_name)
@@ -101,30 +116,44 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401))
     async def models():
         return {
             "object": "list",
             "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}],
         }
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Not alive: restart"}})
     async def health():
         reason = service.alive()
         if reason is not None:
             return JSONResponse({"status": "failed", "error": reason}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "Warming up, draining or failed"}},
+    )
     async def ready():
         state = service.readiness()
         return JSONResponse(state, status_code=200 if state["status"] == "ready" else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+        },
+    )
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=openapi.body(CompletionRequest),
+        responses={**openapi.answer(Completion, "text_completion chunks"), **openapi.errors(400, 401, 429, 500, 503)},
+    )
     async def completions(request: Request):
         req = parse(CompletionRequest, await _json(request))
         if isinstance(req.prompt, list):
@@ -133,7 +162,14 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             prompt = model.tokenizer.encode(req.prompt)
         return await _serve(request, req, prompt, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=openapi.body(ChatRequest),
+        responses={
+            **openapi.answer(ChatCompletion, "chat.completion.chunk objects"),
+            **openapi.errors(400, 401, 429, 500, 503),
+        },
+    )
     async def chat(request: Request):
         req = parse(ChatRequest, await _json(request))
         messages = [{"role": m.role, "content": m.content} for m in req.messages]

@@ -148,6 +148,92 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# ---- response shapes (what the OpenAPI schema documents; the handlers build the same dicts) -------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error, server_error, ...")
+    param: str | None = Field(None, description="the request field at fault, where there is one")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    """POST /v1/completions; with stream: true, chunks of this shape (the last with usage), then [DONE]."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    """POST /v1/chat/completions without stream (streamed: chat.completion.chunk objects with a delta, then
+    [DONE])."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "failed"]
+    error: str | None = Field(None, description="why the server cannot serve (with 503)")
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "warming", "draining", "failed"]
+    programs: int | None = Field(None, description="while warming: the programs being compiled")
+    seconds: float | None = Field(None, description="while warming: seconds so far")
+    error: str | None = None
+
+
 def parse(model_cls: type[Diffusion], body: Any) -> Diffusion:
     """The request, or an APIError 400 naming the first bad field."""
     if not isinstance(body, dict):
