@@ -255,6 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
         affix_technique=args.affix_technique,
         anchor_ratio=args.anchor_ratio,
         shallow_depth=args.shallow_depth,
+        request_timeout=args.request_timeout,
     )
     model_generation_defaults(model.path)  # a broken generation_config.json is one line here, not a 500 later
     try:
@@ -437,6 +438,12 @@ def build_parser() -> Parser:
         help="default reuse of a shared affix (a system prompt or document repeated across requests): "
         "none = exact; anchors = ACache (faster, approximate); shallow = BiCache (a shared prefix's K/V in the "
         "layers below --shallow-depth); requests may override",
+    )
+    v.add_argument(
+        "--request-timeout",
+        type=positive,
+        default=default_of(ServeSettings, "request_timeout"),
+        help="seconds after which a request ends unfinished with a 504 (a request's own timeout field wins)",
     )
     v.add_argument(
         "--anchor-ratio",

@@ -6,6 +6,7 @@ requests are refused at submit."""
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -258,6 +259,31 @@ def test_a_failed_device_call_fails_only_its_requests(models_fp32, warm_engines)
         assert engine.stats()["compiles_after_warmup"] == 0
     finally:
         engine.before_call = None
+
+
+@pytest.mark.xdist_group("engine-llada")
+def test_requests_past_their_deadline_end_and_free_their_pages(warm_engines):
+    """timeout: a running and a waiting request past their deadlines end at the next step (finish reason "timeout",
+    no tokens, pages freed, counted); a non-positive timeout is refused."""
+    engine = warm_engines["llada"]
+    gc = opts(gen_length=12, block_length=4, steps=12, cache="dual")
+    with pytest.raises(RequestError, match="timeout=0 must be a positive"):
+        engine.add_request([1, 2, 3], gc, timeout=0)
+    before = engine.counters["timed_out"]
+    running = engine.add_request(PLACED[0][0], gc, affix=None, timeout=0.3)
+    first = engine.step()  # admitted: its first block
+    assert [o.request_id for o in first] == [running] and not first[0].finished
+    waiting = engine.add_request(PLACED[1][0], gc, affix=None, timeout=0.3)
+    time.sleep(0.35)
+    outs = engine.step()
+    assert {(o.request_id, o.finish_reason, len(o.tokens)) for o in outs} == {
+        (running, "timeout", 0),
+        (waiting, "timeout", 0),
+    }
+    assert not engine.has_unfinished() and engine.block_manager.num_used_pages == 0
+    assert engine.counters["timed_out"] - before == 2
+    for rid in (running, waiting):
+        engine.release(rid)
 
 
 def test_a_fresh_process_warms_from_the_persistent_cache(tmp_path, hf_dirs):

@@ -54,11 +54,12 @@ def test_server_examples_against_dllm_jax_serve():
         client = block("from openai import OpenAI").replace("http://127.0.0.1:8000", url)
         lines = run(client).strip().splitlines()
         assert lines[:3] == ["8 9 5 -> 1 0 4", "1 2 3 -> 8 7 6", "0 0 7 -> 9 9 2"]  # the comment's answers
-        assert len(lines) == 4 and lines[3]  # the streamed completion
+        assert len(lines) == 4 and lines[3] == "5 5 5"  # the streamed answer the comment promises
         curl = shlex.split(block("curl -s", BASH_BLOCKS).replace("\\\n", " "))
         target, body = curl[2], json.loads(curl[curl.index("-d") + 1])
         reply = httpx.post(target.replace("http://127.0.0.1:8000", url), json=body, timeout=60)
-        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "7 2 8"
+        assert "prints a `chat.completion` whose message is `7 2 8`" in README
     finally:
         proc.terminate()
         proc.wait(30)

@@ -324,6 +324,23 @@ def test_a_failed_device_call_is_a_500_and_repeated_ones_fail_health(server, mod
         engine.before_call = None
 
 
+def test_a_request_past_its_timeout_is_a_504_and_frees_its_pages(server):
+    """The timeout field: a request still decoding at its deadline ends with a 504 in OpenAI's shape (the openai
+    client told not to retry it), a stream with that error event then [DONE]; its pages are freed."""
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 64, "block_length": 8, "steps": 64, "timeout": 0.001}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 504 and r.headers["x-should-retry"] == "false"
+    assert r.json()["error"]["code"] == "request_timeout" and r.json()["error"]["param"] == "timeout"
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30) as st:
+        events = [ln[len("data: ") :] for ln in st.iter_lines() if ln.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == "request_timeout" and events[-1] == "[DONE]"
+    assert _post(server, "/v1/completions", {**body, "timeout": 0}).status_code == 400
+    deadline = time.time() + 10
+    while server.metric("dllm_jax_kv_pages_used") and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_timed_out_total") >= 2
+
+
 def test_the_openapi_schema_documents_every_body_and_response(server):
     """/openapi.json declares both POST bodies (the request models the handlers validate with), their answers (JSON
     and server-sent events) and every error status in OpenAI's shape, /metrics as Prometheus text; every $ref

@@ -225,6 +225,7 @@ class Engine:
             finished=0,
             aborted=0,
             failed=0,
+            timed_out=0,
             faults=0,
             pool_rebuilds=0,
             generated_tokens=0,
@@ -279,16 +280,22 @@ class Engine:
         seed: int = 0,
         request_id: str | None = None,
         on_block: Callable[[BlockOutput], Any] | None = None,
+        timeout: float | None = None,
     ) -> str:
         """Queue a request; returns its id. config: the decoding settings (cache "dual"; its affix technique, if
         any, says how a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier
-        prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). Raises
-        RequestError for bad input and QueueFull when the queue is at its bound, before any device work."""
+        prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). timeout: seconds
+        from now after which the request ends unfinished (finish reason "timeout", pages freed) at the next step,
+        waiting or running. Raises RequestError for bad input and QueueFull when the queue is at its bound, before
+        any device work."""
+        if timeout is not None and not timeout > 0:
+            raise RequestError(f"timeout={timeout} must be a positive number of seconds")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.plan_request(prompt, config, affix, rid)
         req.seed, req.on_block, req.key = seed, on_block, seed_key(seed)
+        req.deadline = None if timeout is None else req.arrival + timeout
         self.scheduler.add(req)
         self._requests[rid] = req
         self.counters["requests"] += 1
@@ -427,7 +434,8 @@ class Engine:
         return outputs
 
     def _step(self) -> list[BlockOutput]:
-        outputs: list[BlockOutput] = []
+        now = time.perf_counter()
+        outputs = [self._end(r, "timeout") for r in list(self.scheduler.requests()) if r.deadline and now >= r.deadline]
         admitted = self.scheduler.admit()
         self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
         bm = self.block_manager
@@ -499,16 +507,17 @@ class Engine:
             self.last_fault,
             exc_info=error,
         )
-        outputs = [self._fail(r) for r in failed if r.status != Status.FINISHED]
+        outputs = [self._end(r, "error") for r in failed if r.status != Status.FINISHED]
         if lost:
             self.runner.reset_pool()
             self.block_manager.drop_cached()  # every copy's K/V went with the pool; rebuilt on their next use
             self.counters["pool_rebuilds"] += 1
         return outputs
 
-    def _fail(self, r: Request) -> BlockOutput:
-        self._finish(r, "error")
-        out = BlockOutput(r.request_id, r.blocks_done - 1, [], True, "error")
+    def _end(self, r: Request, reason: str) -> BlockOutput:
+        """End a request unfinished ("error": its device call failed; "timeout": past its deadline)."""
+        self._finish(r, reason)
+        out = BlockOutput(r.request_id, r.blocks_done - 1, [], True, reason)
         if r.on_block is not None:
             r.on_block(out)
         return out
@@ -539,7 +548,7 @@ class Engine:
     def _finish(self, r: Request, reason: str, now: float | None = None) -> None:
         self.scheduler.finish(r)
         r.finish_reason, r.finish_time = reason, now or time.perf_counter()
-        self.counters[{"abort": "aborted", "error": "failed"}.get(reason, "finished")] += 1
+        self.counters[{"abort": "aborted", "error": "failed", "timeout": "timed_out"}.get(reason, "finished")] += 1
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (waiting or running) and free its pages. False if it is unknown or already done."""

@@ -27,7 +27,7 @@ class BlockOutput:
     block: int  # index of the block in the generation region
     tokens: list[int]  # the block's new answer tokens (cut before a stop token)
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort", "error" (its device call failed) or "timeout"
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,6 +42,7 @@ class Request:
     seed: int = 0
     on_block: Callable[[BlockOutput], Any] | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    deadline: float | None = None  # perf_counter time past which it ends unfinished ("timeout")
     # host state, owned by the engine
     status: Status = Status.WAITING
     generated: list[int] = dataclasses.field(default_factory=list)  # committed tokens, whole blocks

@@ -103,7 +103,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -152,7 +152,10 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     @app.post(
         "/v1/completions",
         openapi_extra=openapi.body(CompletionRequest),
-        responses={**openapi.answer(Completion, "text_completion chunks"), **openapi.errors(400, 401, 429, 500, 503)},
+        responses={
+            **openapi.answer(Completion, "text_completion chunks"),
+            **openapi.errors(400, 401, 429, 500, 503, 504),
+        },
     )
     async def completions(request: Request):
         req = parse(CompletionRequest, await _json(request))
@@ -167,7 +170,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         openapi_extra=openapi.body(ChatRequest),
         responses={
             **openapi.answer(ChatCompletion, "chat.completion.chunk objects"),
-            **openapi.errors(400, 401, 429, 500, 503),
+            **openapi.errors(400, 401, 429, 500, 503, 504),
         },
     )
     async def chat(request: Request):
@@ -191,7 +194,8 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         config, max_tokens = _config(req, settings, service.engine.model.config)
         affix = _affix(req, prompt, model.tokenizer)
         try:
-            rid, stream = await service.submit(prompt, config, affix, req.seed or 0)
+            timeout = req.timeout or settings.request_timeout
+            rid, stream = await service.submit(prompt, config, affix, req.seed or 0, timeout)
         except QueueFull as e:
             raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
         except RequestError as e:
@@ -208,6 +212,15 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
         out = await stream.get()
+        if out.finish_reason == "timeout":  # past its deadline: not worth retrying as it is
+            raise APIError(
+                504,
+                "the request ran past its timeout (the request's timeout field, else the server's "
+                "--request-timeout); raise it, or ask for fewer tokens",
+                param="timeout",
+                code="request_timeout",
+                headers={"x-should-retry": "false"},  # the openai client would otherwise retry a 5xx
+            )
         if out.finish_reason == "error":  # its device call failed (the engine goes on serving the others)
             fault = service.engine.last_fault
             raise APIError(500, f"the device call serving this request failed: {fault}", code="engine_fault")

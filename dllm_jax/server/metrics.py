@@ -73,6 +73,7 @@ class _EngineCollector:
             "requests_finished": ("Requests finished (stop or length)", s["finished"]),
             "requests_aborted": ("Requests aborted (client gone, stop string, shutdown)", s["aborted"]),
             "requests_failed": ("Requests failed by a device call that raised (answered 500)", s["failed"]),
+            "requests_timed_out": ("Requests ended at their timeout (answered 504)", s["timed_out"]),
             "engine_faults": ("Device calls that raised (each fails only its own requests)", s["faults"]),
             "kv_pool_rebuilds": ("Times a failed call consumed the KV pool and it was rebuilt", s["pool_rebuilds"]),
             "generation_tokens": ("Answer tokens generated", s["generated_tokens"]),

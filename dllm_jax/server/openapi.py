@@ -23,6 +23,7 @@ ERRORS = {
     429: "Too many requests waiting: retry later",
     500: "The device call serving this request failed (`code`: engine_fault); the server serves on",
     503: "The server is shutting down, or its engine cannot serve",
+    504: "The request ran past its timeout (`code`: request_timeout); its pages are freed",
 }
 
 

@@ -10,6 +10,7 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact)
   shallow_depth    BiCache's depth: the affix's stored K/V serve the layers below it (0 = exact); default: the
                    published table for LLaDA-8B / Dream-7B shapes (other models must set it)
+  timeout          seconds after which the request ends unfinished with a 504 (default: --request-timeout)
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
                    repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
                    {"message": i} (chat: the content of message i) or {"start": s, "end": e} (token positions)
@@ -83,6 +84,9 @@ class Diffusion(BaseModel):
     affix_technique: Literal["none", "naive", "anchors", "shallow"] | None = None
     anchor_ratio: float | None = Field(None, ge=0, le=1)
     shallow_depth: int | None = Field(None, ge=0)
+    timeout: float | None = Field(
+        None, gt=0, description="seconds after which the request ends unfinished (504); default: --request-timeout"
+    )
     affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan = "auto"
 
     @field_validator("stop")
@@ -132,16 +136,24 @@ class APIError(Exception):
     """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
         self.type = type_ or {
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
             429: "rate_limit_error",
             503: "service_unavailable",
+            504: "timeout_error",
         }.get(status, "server_error")
 
     def body(self) -> dict:

@@ -91,13 +91,15 @@ class EngineService:
         return {"status": "ready"}
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    async def submit(self, prompt: list[int], config, affix: Any, seed: int) -> tuple[str, asyncio.Queue]:
+    async def submit(
+        self, prompt: list[int], config, affix: Any, seed: int, timeout: float | None = None
+    ) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns (request id, the queue its BlockOutputs arrive on). Raises what
-        Engine.add_request raises (RequestError, QueueFull), before anything runs."""
+        Engine.add_request raises (RequestError, QueueFull), before anything runs. timeout: seconds from now."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         stream: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", (prompt, config, affix, seed), loop, done, stream))
+        self._inbox.put(("add", (prompt, config, affix, seed, timeout), loop, done, stream))
         rid = await done
         return rid, stream
 
@@ -142,9 +144,11 @@ class EngineService:
         if item[0] == "abort":
             self.engine.abort(item[1])  # its final output reaches _deliver through on_block
             return
-        _, (prompt, config, affix, seed), loop, done, stream = item
+        _, (prompt, config, affix, seed, timeout), loop, done, stream = item
         try:
-            rid = self.engine.add_request(prompt, config, affix=affix, seed=seed, on_block=self._deliver)
+            rid = self.engine.add_request(
+                prompt, config, affix=affix, seed=seed, on_block=self._deliver, timeout=timeout
+            )
         except Exception as e:  # noqa: BLE001  the handler answers it (400, 429)
             loop.call_soon_threadsafe(_settle, done, None, e)
             return
