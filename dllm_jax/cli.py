@@ -268,6 +268,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level="info" if args.verbose else "warning",
             compile_cache=cache,
             max_consecutive_faults=args.max_consecutive_faults,
+            log_format=args.log_format,
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
@@ -373,6 +374,12 @@ def build_parser() -> Parser:
         type=positive_int,
         default=1024,
         help="requests waiting for admission beyond which the server answers 429",
+    )
+    v.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="log lines on stderr as text or as JSON lines (each names its request: X-Request-Id, or one made)",
     )
     v.add_argument(
         "--max-consecutive-faults",

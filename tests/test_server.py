@@ -7,6 +7,7 @@ its compilation cache."""
 
 import asyncio
 import json
+import logging
 import re
 import signal
 import threading
@@ -26,7 +27,7 @@ from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.cli import DEMO_PROMPT
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.engine.engine import Engine, EngineConfig
-from dllm_jax.server import EngineService, ServeSettings, create_app, protocol
+from dllm_jax.server import EngineService, ServeSettings, create_app, logs, protocol
 from dllm_jax.server.run import bind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,6 +340,24 @@ def test_a_request_past_its_timeout_is_a_504_and_frees_its_pages(server):
     while server.metric("dllm_jax_kv_pages_used") and time.time() < deadline:
         time.sleep(0.05)
     assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_timed_out_total") >= 2
+
+
+def test_request_ids_name_every_answer_and_log_line(server, caplog):
+    """X-Request-Id: the client's is echoed (and names the engine's request and the log lines), one is made when
+    absent or unusable; a finished request logs one line with its id, status and tokens; JSON lines carry them."""
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 4}
+    with caplog.at_level(logging.INFO, logger="dllm_jax.server.requests"):
+        r = _post(server, "/v1/completions", body, headers={"X-Request-Id": "client-7.a"})
+        made = _post(server, "/v1/completions", body, headers={"X-Request-Id": "bad id with spaces"})
+        bad = _post(server, "/v1/completions", {**body, "steps": 0})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "client-7.a"
+    assert made.headers["x-request-id"].startswith("req-") and bad.headers["x-request-id"].startswith("req-")
+    lines = {rec.request_id: rec for rec in caplog.records if rec.name == "dllm_jax.server.requests"}
+    assert lines["client-7.a"].status == 200 and lines["client-7.a"].completion_tokens == 4
+    assert "request client-7.a: 200" in lines["client-7.a"].getMessage()
+    record = json.loads(logs.JsonFormatter().format(lines["client-7.a"]))
+    assert record["request_id"] == "client-7.a" and record["status"] == 200 and record["level"] == "info"
+    assert record["finish_reason"] == "length" and record["time"].endswith("Z")
 
 
 def test_the_openapi_schema_documents_every_body_and_response(server):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,7 +30,7 @@ from dllm_jax.engine.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
 from dllm_jax.io.loading import generation_defaults
-from dllm_jax.server import openapi
+from dllm_jax.server import logs, openapi
 from dllm_jax.server.metrics import ServerMetrics
 from dllm_jax.server.protocol import (
     AffixMessage,
@@ -116,6 +117,19 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
+    @app.middleware("http")  # outermost (added last): every answer, a 401 included, names its request
+    async def request_id(request: Request, call_next):
+        given = request.headers.get("x-request-id")
+        rid = given if given and logs.REQUEST_ID.fullmatch(given) else new_id("req")
+        request.state.request_id = rid
+        token = logs.current_request.set(rid)
+        try:
+            response = await call_next(request)
+        finally:
+            logs.current_request.reset(token)
+        response.headers["X-Request-Id"] = rid
+        return response
+
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401))
     async def models():
         return {
@@ -195,7 +209,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         affix = _affix(req, prompt, model.tokenizer)
         try:
             timeout = req.timeout or settings.request_timeout
-            rid, stream = await service.submit(prompt, config, affix, req.seed or 0, timeout)
+            rid, stream = await service.submit(
+                prompt, config, affix, req.seed or 0, timeout, request_id=request.state.request_id
+            )
         except QueueFull as e:
             raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
         except RequestError as e:
@@ -204,11 +220,17 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             raise APIError(503, f"the engine cannot serve: {e}") from None
         answer = Answer(model.tokenizer, req.stop, max_tokens)
         cid = new_id("chatcmpl" if chat else "cmpl")
+        t0 = time.perf_counter()
         if req.stream:
-            return EventSourceResponse(
-                _events(rid, stream, answer, cid, req.model, len(prompt), chat), ping=15, sep="\n"
-            )
-        return await _collect(request, rid, stream, answer, cid, req.model, len(prompt), chat)
+            events = _events(rid, stream, answer, cid, req.model, len(prompt), chat, request.state.request_id, t0)
+            return EventSourceResponse(events, ping=15, sep="\n")
+        try:
+            body = await _collect(request, rid, stream, answer, cid, req.model, len(prompt), chat)
+        except APIError as e:
+            _logged(request.state.request_id, e.status, len(prompt), answer, t0, e.code)
+            raise
+        _logged(request.state.request_id, 200, len(prompt), answer, t0)
+        return body
 
     async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
         out = await stream.get()
@@ -247,8 +269,8 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             raise
         return completion_body(cid, model_name, answer.emitted, answer.finish, usage(n_prompt, len(answer.ids)), chat)
 
-    async def _events(rid, stream, answer, cid, model_name, n_prompt, chat):
-        first = True
+    async def _events(rid, stream, answer, cid, model_name, n_prompt, chat, request_id, t0):
+        first, status, code = True, 200, None
         try:
             while answer.finish is None:
                 delta = await _next(stream, rid, answer)
@@ -260,13 +282,40 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                     yield json.dumps(body)
             yield "[DONE]"
         except APIError as e:  # an error event, then the end of the stream
+            status, code = e.status, e.code
             yield json.dumps(e.body())
             yield "[DONE]"
         finally:
+            _logged(request_id, status if answer.finish or code else 499, n_prompt, answer, t0, code, stream=True)
             if answer.finish is None:  # the client went away (or the server stopped it): free its pages
                 service.abort(rid)
 
     return app
+
+
+def _logged(rid: str, status: int, n_prompt: int, answer: Answer, t0: float, code=None, stream=False) -> None:
+    """One line per finished request (INFO, shown with --verbose): its id, status, tokens and seconds."""
+    seconds = time.perf_counter() - t0
+    logs.REQUESTS.info(
+        "request %s: %d%s, %d prompt + %d completion tokens, %s, %.3f s",
+        rid,
+        status,
+        f" {code}" if code else "",
+        n_prompt,
+        len(answer.ids),
+        f"finish {answer.finish}" if answer.finish else "unfinished",
+        seconds,
+        extra=dict(
+            request_id=rid,
+            status=status,
+            code=code,
+            stream=stream,
+            prompt_tokens=n_prompt,
+            completion_tokens=len(answer.ids),
+            finish_reason=answer.finish,
+            seconds=round(seconds, 4),
+        ),
+    )
 
 
 async def _json(request: Request) -> Any:

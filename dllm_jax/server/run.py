@@ -4,7 +4,6 @@ stops admitting (new requests get 503), lets what runs finish, then exits; a sec
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -15,6 +14,7 @@ import uvicorn
 
 from dllm_jax.engine import enable_compile_cache
 from dllm_jax.engine.engine import Engine, EngineConfig
+from dllm_jax.server import logs
 from dllm_jax.server.app import create_app
 from dllm_jax.server.service import EngineService
 from dllm_jax.server.settings import ServeSettings
@@ -65,16 +65,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def log_to_stderr() -> None:
-    """The package's log lines (the warm-up's, a compile after it) on stderr, once."""
-    root = logging.getLogger("dllm_jax")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("dllm-jax serve: %(levelname)s: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-
-
 def serve(
     model,
     engine_config: EngineConfig,
@@ -85,10 +75,12 @@ def serve(
     progress: bool = True,
     compile_cache: str | os.PathLike | None = None,
     max_consecutive_faults: int = 3,
+    log_format: str = "text",
 ) -> int:
     """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
     the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
-    max_consecutive_faults: failed device calls in a row after which GET /health answers 503."""
+    max_consecutive_faults: failed device calls in a row after which GET /health answers 503. log_format: "text"
+    or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
@@ -101,7 +93,7 @@ def serve(
         except OSError as e:
             sock.close()
             raise CompileCacheError(f"cannot use {compile_cache}: {e.strerror or e}") from None
-    log_to_stderr()
+    logs.configure(log_format, verbose=log_level == "info")
     service = EngineService(engine, progress=progress, max_consecutive_faults=max_consecutive_faults)
     app = create_app(service, settings)
     server = DrainingServer(

@@ -92,14 +92,22 @@ class EngineService:
 
     # ---- requests ----------------------------------------------------------------------------------------------
     async def submit(
-        self, prompt: list[int], config, affix: Any, seed: int, timeout: float | None = None
+        self,
+        prompt: list[int],
+        config,
+        affix: Any,
+        seed: int,
+        timeout: float | None = None,
+        request_id: str | None = None,
     ) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns (request id, the queue its BlockOutputs arrive on). Raises what
-        Engine.add_request raises (RequestError, QueueFull), before anything runs. timeout: seconds from now."""
+        """Queue a request; returns (its engine id, the queue its BlockOutputs arrive on). Raises what
+        Engine.add_request raises (RequestError, QueueFull), before anything runs. timeout: seconds from now;
+        request_id: the engine's id for it (the client's X-Request-Id: its log lines name it), unless one open
+        request has it already (then the engine makes one)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         stream: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", (prompt, config, affix, seed, timeout), loop, done, stream))
+        self._inbox.put(("add", (prompt, config, affix, seed, timeout, request_id), loop, done, stream))
         rid = await done
         return rid, stream
 
@@ -144,10 +152,18 @@ class EngineService:
         if item[0] == "abort":
             self.engine.abort(item[1])  # its final output reaches _deliver through on_block
             return
-        _, (prompt, config, affix, seed, timeout), loop, done, stream = item
+        _, (prompt, config, affix, seed, timeout, request_id), loop, done, stream = item
+        if request_id in self._streams:  # a client reusing an id while its first request runs
+            request_id = None
         try:
             rid = self.engine.add_request(
-                prompt, config, affix=affix, seed=seed, on_block=self._deliver, timeout=timeout
+                prompt,
+                config,
+                affix=affix,
+                seed=seed,
+                on_block=self._deliver,
+                timeout=timeout,
+                request_id=request_id,
             )
         except Exception as e:  # noqa: BLE001  the handler answers it (400, 429)
             loop.call_soon_threadsafe(_settle, done, None, e)
