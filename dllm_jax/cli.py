@@ -269,6 +269,7 @@ def run_serve(args: argparse.Namespace) -> int:
             compile_cache=cache,
             max_consecutive_faults=args.max_consecutive_faults,
             log_format=args.log_format,
+            drain_timeout=args.drain_timeout,
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
@@ -374,6 +375,13 @@ def build_parser() -> Parser:
         type=positive_int,
         default=1024,
         help="requests waiting for admission beyond which the server answers 429",
+    )
+    v.add_argument(
+        "--drain-timeout",
+        type=positive,
+        default=None,
+        help="seconds a shutdown may spend finishing the open requests; then they get a 503 and the server exits "
+        "(code 3). Default: as long as they take",
     )
     v.add_argument(
         "--log-format",

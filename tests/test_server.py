@@ -510,25 +510,31 @@ def test_sigterm_finishes_what_runs_then_exits(tmp_path):
             proc.kill()
 
 
-def test_a_second_signal_exits_at_once_without_tracebacks():
-    """SIGTERM drains (saying what is left); a second one exits within seconds, even mid-request, cleanly."""
-    proc, url = fixtures.start_server(
-        "--dtype", "float32", "--max-batch", "1", "--max-model-len", "512", "--no-compile-cache"
-    )
+@pytest.mark.parametrize("cut", ["second signal", "drain timeout"])
+def test_a_cut_drain_answers_every_open_request_and_exits_without_tracebacks(cut):
+    """SIGTERM drains (saying what is left); a second one, or --drain-timeout running out, answers every open
+    request at once (a plain one a 503 in OpenAI's shape, a stream the error event then [DONE]) and exits within
+    seconds (128 + SIGTERM, or 3), without a traceback."""
+    flags = ["--dtype", "float32", "--max-batch", "1", "--max-model-len", "512", "--no-compile-cache"]
+    proc, url = fixtures.start_server(*flags, *(["--drain-timeout", "2"] if cut == "drain timeout" else []))
     stderr = _drain(proc)
+    got: dict = {}
     try:
         _wait_ready(url, time.time() + 300)
         body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 400, "block_length": 8, "steps": 400}
 
-        def send():
-            try:
-                httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            except httpx.HTTPError:  # the connection is dropped by the exit: what this test causes
-                pass
+        def plain():
+            got["plain"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
-        threading.Thread(target=send, daemon=True).start()
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                got["stream"] = [ln[len("data: ") :] for ln in r.iter_lines() if ln.startswith("data: ")]
+
+        clients = [threading.Thread(target=f, daemon=True) for f in (plain, stream)]
+        for c in clients:
+            c.start()
         deadline = time.time() + 60
-        while _metrics(url).get("dllm_jax_requests_running", 0) < 1:
+        while _metrics(url).get("dllm_jax_requests_running", 0) + _metrics(url).get("dllm_jax_requests_waiting", 0) < 2:
             assert time.time() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
@@ -536,10 +542,18 @@ def test_a_second_signal_exits_at_once_without_tracebacks():
             assert time.time() < deadline
             time.sleep(0.05)
         t0 = time.time()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 128 + signal.SIGTERM and time.time() - t0 < 10  # 400 tokens would take far longer
+        if cut == "second signal":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        assert code == (128 + signal.SIGTERM if cut == "second signal" else 3) and time.time() - t0 < 10
+        for c in clients:
+            c.join(10)
+        assert got["plain"].status_code == 503
+        assert got["plain"].json()["error"]["type"] == "service_unavailable"
+        assert json.loads(got["stream"][-2])["error"]["type"] == "service_unavailable" and got["stream"][-1] == "[DONE]"
         log = "".join(stderr)
-        assert "draining: 1 running" in log and "second signal: exiting now" in log and "Traceback" not in log
+        assert "draining: 1 running" in log and "Traceback" not in log
+        assert ("second signal: exiting now" if cut == "second signal" else "the drain took over 2 s") in log
     finally:
         if proc.poll() is None:
             proc.kill()

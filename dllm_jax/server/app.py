@@ -137,7 +137,12 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}],
         }
 
-    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Not alive: restart"}})
+    @app.get(
+        "/health",
+        response_model=Health,
+        response_model_exclude_none=True,
+        responses={503: {"model": Health, "description": "Not alive: restart"}},
+    )
     async def health():
         reason = service.alive()
         if reason is not None:
@@ -147,6 +152,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     @app.get(
         "/ready",
         response_model=Readiness,
+        response_model_exclude_none=True,
         responses={503: {"model": Readiness, "description": "Warming up, draining or failed"}},
     )
     async def ready():

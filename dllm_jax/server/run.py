@@ -1,6 +1,9 @@
 """Run the server: uvicorn on a socket bound here (so port 0 reports its real port) while the engine thread warms
 up (GET /ready says when it serves; requests sent meanwhile wait), and a graceful exit: the first SIGTERM / SIGINT
-stops admitting (new requests get 503), lets what runs finish, then exits; a second one exits at once."""
+stops admitting (new requests get 503), lets what runs finish, then exits (code 0); a second one, or
+--drain-timeout running out, cuts the drain: every open request is answered at once (a 503 in OpenAI's shape; a
+stream, that error event then [DONE]) and the process exits with 128 + the signal's number (a second signal) or
+EXIT_DRAIN_TIMEOUT."""
 
 from __future__ import annotations
 
@@ -24,24 +27,54 @@ class CompileCacheError(ValueError):
     """The compilation cache's directory cannot be made or written."""
 
 
+EXIT_DRAIN_TIMEOUT = 3  # the exit code when --drain-timeout cut the drain
+ANSWER_GRACE_S = 2.0  # at a cut: how long the open requests' final answers get to reach their clients
+
+
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: EngineService):
+    def __init__(self, config: uvicorn.Config, service: EngineService, drain_timeout: float | None = None):
         super().__init__(config)
         self.service = service
+        self.drain_timeout = drain_timeout
+        self._cut = threading.Event()
 
     def handle_exit(self, sig, frame) -> None:
-        if self.service.draining:  # a second signal: stop now (open connections are dropped, not waited for)
-            # at once, as killed by the signal: a graceful shutdown would wait for the open requests (up to its
-            # timeout) and then cancel them into tracebacks while the engine thread still delivers
-            print(f"dllm-jax serve: second signal: exiting now (code {128 + sig})", file=sys.stderr, flush=True)
-            os._exit(128 + sig)
+        if self.service.draining:  # a second signal: answer what is open now, then exit
+            self.cut(f"second signal: exiting now (code {128 + sig})", 128 + sig)
+            return
         self.service.drain()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
+    def cut(self, why: str, code: int) -> None:
+        """End the drain now: every open request answered (503), then exit with `code`. The process exits itself
+        (uvicorn's graceful shutdown would wait for the open requests, then cancel them into tracebacks)."""
+        if self._cut.is_set():
+            return
+        self._cut.set()
+        print(f"dllm-jax serve: {why}: answering the open requests with 503", file=sys.stderr, flush=True)
+
+        def end() -> None:
+            self.service.abort_all()
+            deadline = time.monotonic() + ANSWER_GRACE_S
+            while not self.service.idle() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)  # the answers' last bytes, written by the event loop
+            os._exit(code)
+
+        threading.Thread(target=end, daemon=True).start()
+
     def _exit_when_idle(self) -> None:
-        """Wait for what runs and waits to finish, saying every few seconds how much is left."""
-        last = 0.0
+        """Wait for what runs and waits to finish, saying every few seconds how much is left; cut the drain when
+        it outlasts drain_timeout."""
+        last, start = 0.0, time.monotonic()
         while not self.service.idle():
+            if self._cut.is_set():
+                return
+            if self.drain_timeout is not None and time.monotonic() - start > self.drain_timeout:
+                self.cut(
+                    f"the drain took over {self.drain_timeout:g} s (code {EXIT_DRAIN_TIMEOUT})", EXIT_DRAIN_TIMEOUT
+                )
+                return
             if time.monotonic() - last > 5.0:
                 s = self.service.engine.stats()
                 print(
@@ -76,11 +109,13 @@ def serve(
     compile_cache: str | os.PathLike | None = None,
     max_consecutive_faults: int = 3,
     log_format: str = "text",
+    drain_timeout: float | None = None,
 ) -> int:
     """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
     the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
     max_consecutive_faults: failed device calls in a row after which GET /health answers 503. log_format: "text"
-    or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log."""
+    or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log.
+    drain_timeout: seconds a drain may take before it is cut (None: as long as it takes)."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
@@ -97,7 +132,9 @@ def serve(
     service = EngineService(engine, progress=progress, max_consecutive_faults=max_consecutive_faults)
     app = create_app(service, settings)
     server = DrainingServer(
-        uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30), service
+        uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30),
+        service,
+        drain_timeout,
     )
     actual = sock.getsockname()[1]
     print(  # the first line on stderr (tests read the port from it), before the warm-up's bar

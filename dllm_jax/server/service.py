@@ -43,6 +43,7 @@ class EngineService:
         self.programs = engine.program_count()  # known before warming: /ready reports it
         self.warmup_started: float | None = None
         self.draining = False
+        self.cutting = False  # abort_all was called: what comes in now is refused
         self.failure: BaseException | None = None  # the last failed step (the service goes on serving)
         self.fatal: str | None = None  # why the engine cannot serve at all (/health answers 503 with it)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of ~10 s
@@ -114,6 +115,11 @@ class EngineService:
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
+    def abort_all(self) -> None:
+        """Stop every open request now (their handlers answer 503) and refuse those not yet taken in."""
+        self.draining = self.cutting = True
+        self._inbox.put(("abort_all",))
+
     def latencies_since(self, seen: int) -> tuple[list[tuple[float, float]], int]:
         """The timings of requests finished after the first `seen` (those still kept), and the new count."""
         with self._latency_lock:
@@ -151,6 +157,14 @@ class EngineService:
     def _handle(self, item) -> None:
         if item[0] == "abort":
             self.engine.abort(item[1])  # its final output reaches _deliver through on_block
+            return
+        if item[0] == "abort_all":
+            for rid in list(self._streams):
+                self.engine.abort(rid)
+            return
+        if self.cutting:  # submitted before the cut, taken in after: refused
+            _, _, loop, done, _ = item
+            loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
             return
         _, (prompt, config, affix, seed, timeout, request_id), loop, done, stream = item
         if request_id in self._streams:  # a client reusing an id while its first request runs
