@@ -22,7 +22,7 @@ import fixtures  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--soak-requests", type=int, default=100, help="requests of the server soak test (the long version: 1000)"
+        "--soak-requests", type=int, default=300, help="requests of the server soak test (a longer one: 3000)"
     )
 
 

@@ -6,6 +6,8 @@ warmed up (requests sent meanwhile are answered), compiles nothing after its war
 its compilation cache."""
 
 import asyncio
+import collections
+import importlib.util
 import json
 import logging
 import re
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import fixtures
 import httpx
-import numpy as np
 import pytest
 import uvicorn
 from openai import OpenAI
@@ -400,65 +401,56 @@ def test_the_openapi_schema_documents_every_body_and_response(server):
 
 
 def test_soak(model, request):
-    """N requests (100 by default, --soak-requests 1000 for the long one) from 64 concurrent clients, mixed lengths,
-    half sharing one document: every request answered once, each answer equal to its solo run, the pool idle at the
-    end. Bounded in time."""
+    """bench/soak.py's driver: N requests (300 by default, --soak-requests for a longer one) from 64 concurrent
+    clients, mixed lengths, half sharing one document (ACache), some clients leaving mid-stream, some deadlines
+    too short to meet, a burst of 96 at once past the pool: 0 lost, 0 duplicated, every answer equal to its solo
+    `generate` and to its replay through the server, the deadlines 504s, the pool idle at the end. Bounded in time."""
     n = request.config.getoption("--soak-requests")
-    s = Server(model, max_batch=16, max_queue=4096)
-    rng = np.random.default_rng(0)
-    jobs = []
-    for i in range(n):
-        key = KEYS[int(rng.integers(3))]
-        shared = i % 2 == 0
-        question = f"question : what is the code of {key} ? reply with the digits ."
-        prompt = f"{DOC} {question}" if shared else f"{question} {DOC}" if rng.random() < 0.5 else question
-        max_tokens = int(rng.choice([4, 8]))
-        extra = dict(affix_technique="anchors", anchor_ratio=0.5, affix={"text": DOC}) if shared else {}
-        jobs.append((prompt, max_tokens, extra))
-
-    async def run():
-        sem = asyncio.Semaphore(64)
-        async with httpx.AsyncClient(timeout=300) as client:
-
-            async def one(job):
-                prompt, max_tokens, extra = job
-                async with sem:
-                    r = await client.post(
-                        f"{s.url}/v1/completions",
-                        json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **extra},
-                    )
-                    return r.status_code, r.json()
-
-            return await asyncio.wait_for(asyncio.gather(*[one(j) for j in jobs]), timeout=600)
-
+    soak = _bench("soak")
+    s = Server(model, max_batch=16, max_queue=4096, kv_budget_bytes=16 << 20)  # ~16 requests: a burst of 96 waits
+    job_list = soak.jobs(n, disconnect=0.05, deadline=0.05, lengths=(4, 8))  # one block each: the suite's time
+    keys = sorted({json.dumps(j["body"], sort_keys=True) for j in job_list if j["kind"] == "answer"})
     try:
         t0 = time.time()
-        results = asyncio.run(run())
-        assert all(code == 200 for code, _ in results), [b for c, b in results if c != 200][:3]
-        ids = [body["id"] for _, body in results]
-        assert len(set(ids)) == n  # every request answered once
-        cache = {}
-        doc_ids = model.tokenizer.encode(DOC)
-        for (prompt, max_tokens, extra), (_, body) in zip(jobs, results):
-            key = (prompt, max_tokens, bool(extra))
-            if key not in cache:  # one 8-token block (the model's), cut at max_tokens
-                gc = GenerationConfig.from_options(
-                    gen_length=8,
-                    block_length=8,
-                    steps=8,
-                    cache="dual",
-                    **(dict(affix="anchors", anchor_ratio=0.5) if extra else {}),
-                )
-                ids = model.tokenizer.encode(prompt)
-                cache[key] = solo(model, ids, gc, doc_ids if extra else None, max_tokens=max_tokens)
-            want = cache[key]
-            got = body["choices"][0]["text"]
-            assert got == want, (prompt, got, want)
-        assert s.metric("dllm_jax_kv_pages_used") == 0 and s.metric("dllm_jax_requests_waiting") == 0
-        assert s.metric("dllm_jax_requests_finished_total") == n
+        replayed = asyncio.run(soak.replay(s.url, keys, NAME))
+        rep = asyncio.run(asyncio.wait_for(soak.drive(s.url, job_list, NAME, 64, 96, progress=False), 600))
+        deadline = time.time() + 10
+        while s.metric("dllm_jax_kv_pages_used") and time.time() < deadline:
+            time.sleep(0.05)
+        out = soak.summary(rep, replayed, s.metric("dllm_jax_kv_pages_used"), [])
+        kinds = collections.Counter(j["kind"] for j in job_list)
+        assert out["lost"] == 0 and out["duplicated"] == 0 and out["wrong"] == 0, out
+        assert out["answered"] == kinds["answer"] and out["refused"] == {"504": kinds["deadline"]}, out
+        assert out["disconnected"] == kinds["disconnect"] > 0 and out["kv_pages_used_end"] == 0
+        doc_ids = model.tokenizer.encode(soak.DOC)
+        sample = {}  # one distinct request per (sharing, max_tokens): its replay equals solo generate
+        for key in keys:
+            body = json.loads(key)
+            sample.setdefault(("affix" in body, body["max_tokens"]), key)
+        for key in sample.values():
+            body = json.loads(key)
+            shared = "affix" in body
+            gc = GenerationConfig.from_options(
+                gen_length=-(-body["max_tokens"] // 8) * 8,
+                block_length=8,
+                steps=-(-body["max_tokens"] // 8) * 8,
+                cache="dual",
+                **(dict(affix="anchors", anchor_ratio=0.5) if shared else {}),
+            )
+            ids = model.tokenizer.encode(body["prompt"])
+            want = solo(model, ids, gc, doc_ids if shared else None, max_tokens=body["max_tokens"])
+            assert replayed[key] == want, (body, replayed[key], want)
+        assert s.metric("dllm_jax_requests_waiting") == 0 and s.metric("dllm_jax_requests_running") == 0
         assert time.time() - t0 < 600
     finally:
         s.close()
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_sigterm_finishes_what_runs_then_exits(tmp_path):
