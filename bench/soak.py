@@ -9,7 +9,8 @@ time through the same server: at temperature 0 each answer must equal its replay
 Reported (JSON): sent, answered (200), refused by status (429 / 503 / 504 / connect: never accepted), disconnected
 (by this driver), lost (accepted and never answered: must be 0), duplicated (an answer id seen twice: must be 0),
 wrong (an answer that differs from its replay: must be 0), the server's pages in use at the end (back to 0, from
-/metrics) and, with the server's pid, its RSS over time (after warm-up and at the end).
+/metrics) and, with the server's pid, its RSS over time (after warm-up: once a tenth of the requests were sent, when
+the first full batches have made their allocations; and at the end).
 
     PYTHONPATH=. python bench/soak.py --requests 3000 --clients 64 --sigterm-at 0.9 --out bench/results/soak_cpu.json
     PYTHONPATH=. python bench/soak.py --url http://127.0.0.1:8000 --requests 500       # against your own server
@@ -70,6 +71,7 @@ class Report:
         self.ids: collections.Counter = collections.Counter()
         self.answers: list[tuple[str, str]] = []  # (request key, text) of the answered ones
         self.lost_examples: list[str] = []
+        self.warm_time: float | None = None  # when a tenth of the requests had been sent
 
 
 async def drive(
@@ -85,6 +87,8 @@ async def drive(
     """Send the jobs from `clients` concurrent clients (a burst of `burst` at once halfway); SIGTERM the server
     after sigterm_at of them were sent."""
     rep = Report()
+    warm_at = max(1, len(job_list) // 10)  # the server's RSS after this many: its allocations' warm-up
+    term_at = int(sigterm_at * len(job_list)) if sigterm_at is not None and server_pid is not None else -1
     sem = asyncio.Semaphore(clients)
     bar = tqdm(total=len(job_list), desc="soak", unit="req", disable=not progress)
     limits = httpx.Limits(max_connections=clients + burst + 8)
@@ -96,6 +100,10 @@ async def drive(
             key = json.dumps(job["body"], sort_keys=True)
             async with gate or _Null():
                 rep.sent += 1
+                if rep.sent == warm_at:
+                    rep.warm_time = time.time()
+                if rep.sent == term_at:  # a moment later: some of those sent run, some wait
+                    asyncio.get_running_loop().call_later(0.5, os.kill, server_pid, signal.SIGTERM)
                 try:
                     if job["kind"] == "disconnect":
                         async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
@@ -124,9 +132,6 @@ async def drive(
         tasks = []
         half = len(job_list) // 2
         for i, job in enumerate(job_list):
-            if sigterm_at is not None and server_pid is not None and i == int(sigterm_at * len(job_list)):
-                await asyncio.sleep(0.5)  # some of the sent ones are running
-                os.kill(server_pid, signal.SIGTERM)
             if burst and i == half:  # many at once, past the clients' bound
                 tasks += [asyncio.create_task(one(j, None)) for j in job_list[half : half + burst]]
                 continue
@@ -188,8 +193,11 @@ def summary(rep: Report, replayed: dict[str, str] | None, pages_end: float | Non
         kv_pages_used_end=pages_end,
     )
     if rss:
-        out.update(rss_mib_after_warmup=rss[0][1], rss_mib_end=rss[-1][1], rss_mib=rss)
-        out["rss_end_vs_warmup"] = rss[-1][1] / rss[0][1]
+        warm = next((v for t, v in rss if rep.warm_time is not None and t >= rep.warm_time), rss[0][1])
+        out.update(
+            rss_mib_after_warmup=warm, rss_mib_end=rss[-1][1], rss_mib=[(round(t - rss[0][0], 1), v) for t, v in rss]
+        )
+        out["rss_end_vs_warmup"] = rss[-1][1] / warm
     return out
 
 
@@ -247,12 +255,11 @@ def main(argv=None) -> int:
     stop = False
 
     async def sample():
-        t0 = time.time()
         while not stop and pid is not None:
             value = rss_mib(pid)
             if value is not None:
-                rss.append((round(time.time() - t0, 1), round(value, 1)))
-            await asyncio.sleep(1.0)
+                rss.append((time.time(), round(value, 1)))
+            await asyncio.sleep(0.5)
 
     async def run():
         nonlocal stop
