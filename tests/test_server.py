@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import threading
 import time
 import types
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import fixtures
 import httpx
+import hypothesis
 import pytest
 import uvicorn
+from hypothesis import strategies as st
 from openai import OpenAI
 
 import dllm_jax
@@ -51,12 +54,12 @@ class Server:
     test compiles only what it runs; `dllm-jax serve`'s warm-up is tested on a subprocess below). max_model_len 128:
     every call reads that many tokens (the engine pads to it), and the longest request here fits."""
 
-    def __init__(self, model, api_key=None, warmup=False, engine=None, **engine_kw):
+    def __init__(self, model, api_key=None, warmup=False, engine=None, serve_settings=None, **engine_kw):
         if engine is None:
             settings = {"max_batch": 16, "kv_budget_bytes": 64 << 20, "max_model_len": 128, **engine_kw}
             engine = Engine(model, EngineConfig(**settings))
         self.service = EngineService(engine, warmup=warmup).start()
-        self.app = create_app(self.service, ServeSettings(model_name=NAME, api_key=api_key))
+        self.app = create_app(self.service, ServeSettings(model_name=NAME, api_key=api_key, **(serve_settings or {})))
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="error", lifespan="off"))
@@ -359,6 +362,93 @@ def test_request_ids_name_every_answer_and_log_line(server, caplog):
     record = json.loads(logs.JsonFormatter().format(lines["client-7.a"]))
     assert record["request_id"] == "client-7.a" and record["status"] == 200 and record["level"] == "info"
     assert record["finish_reason"] == "length" and record["time"].endswith("Z")
+
+
+def test_hostile_bodies_get_clear_errors(server, model):
+    """A 10 MB body (declared or chunked) is a 413, nesting deep enough to break a recursive parser and bytes that
+    are not UTF-8 are 400s, a client that trickles its body a byte at a time gets a 408 once the server's
+    body timeout passes; all in OpenAI's error shape."""
+    big = b'{"model": "x", "prompt": "' + b"a" * (10 << 20) + b'"}'
+    r = httpx.post(f"{server.url}/v1/completions", content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    chunked = httpx.post(
+        f"{server.url}/v1/completions",
+        content=iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+        timeout=60,
+    )
+    assert chunked.status_code == 413
+    for body in (
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"model": "\xff\xfe"}',
+        b"\xff\xfe{",
+    ):
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], (body[:20], r.text[:200])
+    slow = Server(model, max_batch=1, kv_budget_bytes=1 << 20, serve_settings={"body_timeout": 1.0})
+    try:
+        port = int(slow.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            sock.sendall(b"Content-Length: 100\r\n\r\n{")
+            t0, reply = time.time(), b""
+            for _ in range(20):  # a byte every 0.2 s: never all 100 within the 1 s timeout
+                time.sleep(0.2)
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    break
+                sock.setblocking(False)
+                try:
+                    reply += sock.recv(4096)
+                except BlockingIOError:
+                    pass
+                sock.setblocking(True)
+                if reply:
+                    break
+        assert reply.startswith(b"HTTP/1.1 408") and b"took over 1 s" in reply and time.time() - t0 < 4, reply[:200]
+    finally:
+        slow.close()
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = [
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
+    "n", "steps", "block_length", "threshold", "affix_technique", "anchor_ratio", "shallow_depth", "affix", "timeout",
+    "logprobs", "echo", "user", "best_of",
+]  # fmt: skip
+VALID = {
+    "/v1/completions": {"model": NAME, "prompt": "input : 1 2 3 what does the rule give ?", "max_tokens": 4},
+    "/v1/chat/completions": {"model": NAME, "messages": [{"role": "user", "content": "8 9 5"}], "max_tokens": 4},
+}
+
+
+@hypothesis.settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@hypothesis.given(
+    path=st.sampled_from(sorted(VALID)),
+    body=st.one_of(
+        JSON,  # anything at all
+        st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=5),  # the fields, any values
+        st.tuples(st.sampled_from(FIELDS), JSON),  # a valid request with one field changed
+    ),
+)
+def test_fuzzed_bodies_never_fail_the_server(server, path, body):
+    """Hypothesis over the request fields: whatever the body, the answer is a valid answer or an error in OpenAI's
+    shape with a 4xx status: never a 500, never a hang (each request bounded by its client's timeout)."""
+    if isinstance(body, tuple):
+        body = {**VALID[path], body[0]: body[1]}
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code in (200, 400, 504), (body, r.status_code, r.text[:300])
+    if r.status_code != 200:
+        protocol.ErrorResponse.model_validate(r.json())
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+    else:
+        (protocol.Completion if path == "/v1/completions" else protocol.ChatCompletion).model_validate(r.json())
 
 
 def test_the_openapi_schema_documents_every_body_and_response(server):

@@ -174,11 +174,11 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         openapi_extra=openapi.body(CompletionRequest),
         responses={
             **openapi.answer(Completion, "text_completion chunks"),
-            **openapi.errors(400, 401, 429, 500, 503, 504),
+            **openapi.errors(400, 401, 408, 413, 429, 500, 503, 504),
         },
     )
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _json(request))
+        req = parse(CompletionRequest, await _json(request, settings.body_timeout))
         if isinstance(req.prompt, list):
             prompt = [int(t) for t in req.prompt]
         else:
@@ -190,11 +190,11 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         openapi_extra=openapi.body(ChatRequest),
         responses={
             **openapi.answer(ChatCompletion, "chat.completion.chunk objects"),
-            **openapi.errors(400, 401, 429, 500, 503, 504),
+            **openapi.errors(400, 401, 408, 413, 429, 500, 503, 504),
         },
     )
     async def chat(request: Request):
-        req = parse(ChatRequest, await _json(request))
+        req = parse(ChatRequest, await _json(request, settings.body_timeout))
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         prompt = model.encode_chat(messages)
         if req.max_completion_tokens is not None and req.max_tokens is None:
@@ -324,11 +324,35 @@ def _logged(rid: str, status: int, n_prompt: int, answer: Answer, t0: float, cod
     )
 
 
-async def _json(request: Request) -> Any:
+MAX_BODY_BYTES = 4 << 20  # a prompt of any served length, as text or token ids, is far below this
+
+
+async def _json(request: Request, timeout: float) -> Any:
+    """The request's JSON body: at most MAX_BODY_BYTES (413), arriving within `timeout` seconds (408: a client
+    that trickles its body holds a connection, nothing more), valid JSON of sane depth (400)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {size} bytes, more than the {MAX_BODY_BYTES} this server takes")
+
+    async def read() -> bytes:
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is longer than the {MAX_BODY_BYTES} bytes this server takes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     try:
-        return json.loads(await request.body())
+        raw = await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise APIError(408, f"the request body took over {timeout:g} s to arrive") from None
+    try:
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
 
 
 def _refused(e: RequestError) -> APIError:

@@ -20,6 +20,8 @@ ERRORS = {
     400: "A bad field (`param` names it), an unknown model, a request longer than the server's maximum length, or "
     "a block length / BiCache depth the server does not serve",
     401: "A missing or wrong API key (servers started with --api-key)",
+    408: "The request body took too long to arrive",
+    413: "The request body is too large (over 4 MiB)",
     429: "Too many requests waiting: retry later",
     500: "The device call serving this request failed (`code`: engine_fault); the server serves on",
     503: "The server is shutting down, or its engine cannot serve",

@@ -150,6 +150,8 @@ class APIError(Exception):
         self.type = type_ or {
             400: "invalid_request_error",
             401: "authentication_error",
+            408: "timeout_error",
+            413: "invalid_request_error",
             404: "not_found_error",
             429: "rate_limit_error",
             503: "service_unavailable",

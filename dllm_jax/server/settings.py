@@ -23,6 +23,7 @@ class ServeSettings:
     anchor_ratio: float = 0.2
     shallow_depth: int | None = None
     request_timeout: float | None = 600.0  # seconds; a request's own timeout field wins
+    body_timeout: float = 30.0  # seconds a request body may take to arrive (408 after)
 
     def resolve(self, generation: dict, block_lengths: Sequence[int]) -> "ServeSettings":
         """Every default concrete, once: generation is the model's generation_config.json values
