@@ -373,7 +373,7 @@ def build_parser() -> Parser:
     v.add_argument(
         "--max-queue",
         type=positive_int,
-        default=1024,
+        default=default_of(EngineConfig, "max_queue"),
         help="requests waiting for admission beyond which the server answers 429",
     )
     v.add_argument(
