@@ -179,7 +179,8 @@ def rss_mib(pid: int) -> float | None:
 
 
 def summary(rep: Report, replayed: dict[str, str] | None, pages_end: float | None, rss: list) -> dict:
-    wrong = [(k, t, replayed[k]) for k, t in rep.answers if replayed is not None and replayed.get(k) != t]
+    # an answer is checked against its request's replay where that request was replayed
+    wrong = [(k, t, replayed[k]) for k, t in rep.answers if replayed is not None and k in replayed and replayed[k] != t]
     out = dict(
         sent=rep.sent,
         answered=rep.answered,

@@ -34,9 +34,9 @@ PLACED = [
 ]
 
 
-# block starts in chunks of 16: a call's window runs 1 to 4 chunks, the rest skipped
+# block starts in chunks of 32: a call's window runs 1 or 2 chunks, the rest skipped
 BASE = dict(
-    max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8, max_model_len=64, block_lengths=(4,), window_chunk=16
+    max_batch=4, kv_budget_bytes=1 << 22, min_affix_tokens=8, max_model_len=64, block_lengths=(4,), window_chunk=32
 )
 
 

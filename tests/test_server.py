@@ -426,7 +426,7 @@ VALID = {
 }
 
 
-@hypothesis.settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@hypothesis.settings(max_examples=50, deadline=None, derandomize=True, database=None)
 @hypothesis.given(
     path=st.sampled_from(sorted(VALID)),
     body=st.one_of(
@@ -502,8 +502,9 @@ def test_soak(model, request):
     flags = ["--dtype", "float32", "--max-batch", "16", "--max-model-len", "128", "--kv-budget-gib", "0.015625"]
     proc, url = fixtures.start_server(*flags, "--no-compile-cache")
     stderr = _drain(proc)
-    job_list = soak.jobs(n, disconnect=0.05, deadline=0.05, lengths=(4, 8))  # one block each: the suite's time
+    job_list = soak.jobs(n, disconnect=0.05, deadline=0.05, lengths=(4,))  # one block each: the suite's time
     keys = sorted({json.dumps(j["body"], sort_keys=True) for j in job_list if j["kind"] == "answer"})
+    keys = keys[:: max(1, len(keys) // 8)]  # about 8 distinct requests replayed: their answers are checked
     try:
         t0 = time.time()
         _wait_ready(url, t0 + 300)
@@ -515,6 +516,7 @@ def test_soak(model, request):
         out = soak.summary(rep, replayed, _metrics(url)["dllm_jax_kv_pages_used"], [])
         kinds = collections.Counter(j["kind"] for j in job_list)
         assert out["lost"] == 0 and out["duplicated"] == 0 and out["wrong"] == 0, out
+        assert sum(k in replayed for k, _ in rep.answers) >= n // 10  # the answers checked against a replay
         assert out["answered"] == kinds["answer"] and out["refused"] == {"504": kinds["deadline"]}, out
         assert out["disconnected"] == kinds["disconnect"] > 0 and out["kv_pages_used_end"] == 0
         doc_ids = model.tokenizer.encode(soak.DOC)
@@ -522,7 +524,7 @@ def test_soak(model, request):
         for key in keys:
             body = json.loads(key)
             sample.setdefault(("affix" in body, body["max_tokens"]), key)
-        for key in sample.values():
+        for key in list(sample.values())[:2]:
             body = json.loads(key)
             shared = "affix" in body
             gc = GenerationConfig.from_options(
@@ -617,7 +619,8 @@ def test_a_cut_drain_answers_every_open_request_and_exits_without_tracebacks(cut
 
         def stream():
             with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-                got["stream"] = [ln[len("data: ") :] for ln in r.iter_lines() if ln.startswith("data: ")]
+                got["stream_status"] = r.status_code
+                got["stream"] = list(r.iter_lines())
 
         clients = [threading.Thread(target=f, daemon=True) for f in (plain, stream)]
         for c in clients:
@@ -639,7 +642,12 @@ def test_a_cut_drain_answers_every_open_request_and_exits_without_tracebacks(cut
             c.join(10)
         assert got["plain"].status_code == 503
         assert got["plain"].json()["error"]["type"] == "service_unavailable"
-        assert json.loads(got["stream"][-2])["error"]["type"] == "service_unavailable" and got["stream"][-1] == "[DONE]"
+        if got["stream_status"] == 200:  # its stream had begun: the error event, then [DONE]
+            events = [ln[len("data: ") :] for ln in got["stream"] if ln.startswith("data: ")]
+            assert json.loads(events[-2])["error"]["type"] == "service_unavailable" and events[-1] == "[DONE]"
+        else:  # refused before it began (still waiting to be taken in): a plain 503
+            assert got["stream_status"] == 503
+            assert json.loads("".join(got["stream"]))["error"]["type"] == "service_unavailable"
         log = "".join(stderr)
         assert "draining: 1 running" in log and "Traceback" not in log
         assert ("second signal: exiting now" if cut == "second signal" else "the drain took over 2 s") in log

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from dllm_jax import __version__
 from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
@@ -213,17 +214,21 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
         config, max_tokens = _config(req, settings, service.engine.model.config)
         affix = _affix(req, prompt, model.tokenizer)
+        service.open_answers += 1  # until its answer is handed to the server (a cut shutdown waits for it)
         try:
             timeout = req.timeout or settings.request_timeout
             rid, stream = await service.submit(
                 prompt, config, affix, req.seed or 0, timeout, request_id=request.state.request_id
             )
-        except QueueFull as e:
-            raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
-        except RequestError as e:
-            raise _refused(e) from None
-        except ServiceUnavailable as e:
-            raise APIError(503, f"the engine cannot serve: {e}") from None
+        except BaseException as e:
+            service.open_answers -= 1  # its error answer is written at once
+            if isinstance(e, QueueFull):
+                raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
+            if isinstance(e, RequestError):
+                raise _refused(e) from None
+            if isinstance(e, ServiceUnavailable):
+                raise APIError(503, f"the engine cannot serve: {e}") from None
+            raise
         answer = Answer(model.tokenizer, req.stop, max_tokens)
         cid = new_id("chatcmpl" if chat else "cmpl")
         t0 = time.perf_counter()
@@ -234,9 +239,23 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             body = await _collect(request, rid, stream, answer, cid, req.model, len(prompt), chat)
         except APIError as e:
             _logged(request.state.request_id, e.status, len(prompt), answer, t0, e.code)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers, background=_sent())
+        except BaseException:
+            service.open_answers -= 1
             raise
         _logged(request.state.request_id, 200, len(prompt), answer, t0)
-        return body
+        if isinstance(body, Response):  # the client left
+            body.background = _sent()
+            return body
+        return JSONResponse(body, background=_sent())
+
+    def _sent() -> BackgroundTask:
+        """Runs once an answer is sent: one open answer fewer."""
+
+        def one_fewer() -> None:
+            service.open_answers -= 1
+
+        return BackgroundTask(one_fewer)
 
     async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
         out = await stream.get()
@@ -293,6 +312,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             yield "[DONE]"
         finally:
             _logged(request_id, status if answer.finish or code else 499, n_prompt, answer, t0, code, stream=True)
+            service.open_answers -= 1
             if answer.finish is None:  # the client went away (or the server stopped it): free its pages
                 service.abort(rid)
 

@@ -28,7 +28,7 @@ class CompileCacheError(ValueError):
 
 
 EXIT_DRAIN_TIMEOUT = 3  # the exit code when --drain-timeout cut the drain
-ANSWER_GRACE_S = 2.0  # at a cut: how long the open requests' final answers get to reach their clients
+ANSWER_GRACE_S = 5.0  # at a cut: how long the open requests' final answers get to reach their clients
 
 
 class DrainingServer(uvicorn.Server):
@@ -56,7 +56,7 @@ class DrainingServer(uvicorn.Server):
         def end() -> None:
             self.service.abort_all()
             deadline = time.monotonic() + ANSWER_GRACE_S
-            while not self.service.idle() and time.monotonic() < deadline:
+            while self.service.open_answers and time.monotonic() < deadline:
                 time.sleep(0.02)
             time.sleep(0.2)  # the answers' last bytes, written by the event loop
             os._exit(code)

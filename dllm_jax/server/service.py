@@ -44,6 +44,7 @@ class EngineService:
         self.warmup_started: float | None = None
         self.draining = False
         self.cutting = False  # abort_all was called: what comes in now is refused
+        self.open_answers = 0  # HTTP answers being written (the event loop's count: a cut waits for them)
         self.failure: BaseException | None = None  # the last failed step (the service goes on serving)
         self.fatal: str | None = None  # why the engine cannot serve at all (/health answers 503 with it)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of ~10 s
@@ -116,8 +117,22 @@ class EngineService:
         self._inbox.put(("abort", rid))
 
     def abort_all(self) -> None:
-        """Stop every open request now (their handlers answer 503) and refuse those not yet taken in."""
+        """End every open request now: its handler is told at once (it answers 503), without waiting for the
+        engine thread's current device call; the engine frees their pages after it. Those not yet taken in are
+        refused."""
         self.draining = self.cutting = True
+        for rid, (loop, stream) in list(self._streams.items()):
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, BlockOutput(rid, -1, [], True, "abort"))
+            except RuntimeError:  # the event loop closed
+                pass
+        for item in list(self._inbox.queue):  # submitted, not yet taken in: refused now (again later: a no-op)
+            if item is not None and item[0] == "add":
+                _, _, loop, done, _ = item
+                try:
+                    loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
+                except RuntimeError:
+                    pass
         self._inbox.put(("abort_all",))
 
     def latencies_since(self, seen: int) -> tuple[list[tuple[float, float]], int]:
