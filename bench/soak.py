@@ -27,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -218,19 +219,14 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
     else:
         proc.kill()
         raise RuntimeError("the server did not start")
-    threading_drain(proc)
+    # keep reading its stderr (a full pipe would block the server)
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
     deadline = time.time() + 600
     while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
         if time.time() > deadline or proc.poll() is not None:
             raise RuntimeError("the server did not get ready")
         time.sleep(0.2)
     return proc, url
-
-
-def threading_drain(proc: subprocess.Popen) -> None:
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
 
 
 def main(argv=None) -> int:

@@ -216,18 +216,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         affix = _affix(req, prompt, model.tokenizer)
         service.open_answers += 1  # until its answer is handed to the server (a cut shutdown waits for it)
         try:
-            timeout = req.timeout or settings.request_timeout
-            rid, stream = await service.submit(
-                prompt, config, affix, req.seed or 0, timeout, request_id=request.state.request_id
-            )
-        except BaseException as e:
+            rid, stream = await _submit(request, req, prompt, config, affix)
+        except BaseException:
             service.open_answers -= 1  # its error answer is written at once
-            if isinstance(e, QueueFull):
-                raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
-            if isinstance(e, RequestError):
-                raise _refused(e) from None
-            if isinstance(e, ServiceUnavailable):
-                raise APIError(503, f"the engine cannot serve: {e}") from None
             raise
         answer = Answer(model.tokenizer, req.stop, max_tokens)
         cid = new_id("chatcmpl" if chat else "cmpl")
@@ -256,6 +247,20 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             service.open_answers -= 1
 
         return BackgroundTask(one_fewer)
+
+    async def _submit(request: Request, req: Diffusion, prompt, config, affix) -> tuple[str, asyncio.Queue]:
+        """Hand the request to the engine thread; its refusals as OpenAI errors."""
+        try:
+            timeout = req.timeout or settings.request_timeout
+            return await service.submit(
+                prompt, config, affix, req.seed or 0, timeout, request_id=request.state.request_id
+            )
+        except QueueFull as e:
+            raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
+        except RequestError as e:
+            raise _refused(e) from None
+        except ServiceUnavailable as e:
+            raise APIError(503, f"the engine cannot serve: {e}") from None
 
     async def _next(stream: asyncio.Queue, rid: str, answer: Answer) -> str:
         out = await stream.get()
