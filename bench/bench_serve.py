@@ -148,6 +148,8 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--block-lengths", str(args.block_len)]
     if depths:
         flags += ["--shallow-depths", *map(str, depths)]
+    if args.admission_wait_ms is not None:
+        flags += ["--admission-wait-ms", f"{args.admission_wait_ms:g}"]
     return flags + ["--compile-cache", str(args.compile_cache)]
 
 
@@ -295,9 +297,9 @@ class IdTokenizer:
         return [int(w) for w in text.split()]
 
 
-def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
-    """The items through `dllm-jax serve`'s app (uvicorn in a thread on the warmed engine) with the openai client's
-    async API, streaming (the first chunk is the first block), a closed loop of `concurrency`."""
+def http_drive(engine: Engine, items: list[Item], concurrency: int, flags: list[str]) -> dict:
+    """The items through `dllm-jax serve FLAGS`'s app (uvicorn in a thread on the warmed engine) with the openai
+    client's async API, streaming (the first chunk is the first block), a closed loop of `concurrency`."""
     import asyncio
     import threading
 
@@ -307,7 +309,8 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
     from dllm_jax.server import EngineService, ServeSettings, create_app
     from dllm_jax.server.run import bind
 
-    service = EngineService(engine).start()  # already warm: serves at once
+    sargs = cli.build_parser().parse_args(["serve", *flags])
+    service = EngineService(engine, admission_wait=sargs.admission_wait_ms / 1000).start()  # warm: serves at once
     app = create_app(service, ServeSettings(model_name="bench"))
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
@@ -344,7 +347,8 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
         server.should_exit = True
         thread.join(30)
         service.stop()
-    return timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
+    waits = dict(admission_wait_s=service.admission_wait_seconds, admission_arrivals=service.admission_wait_arrivals)
+    return {**timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out]), **waits}
 
 
 def measured(engine: Engine, items: list[Item], arrival: str, args, transport: str) -> dict:
@@ -353,7 +357,7 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
         engine.counters["peak_pages"] = engine.block_manager.num_used_pages
     s0 = engine.stats()
     if transport == "http":
-        t = http_drive(engine, items, args.concurrency)
+        t = http_drive(engine, items, args.concurrency, serve_flags(args))
     else:
         t = drive(engine, items, arrival, args.concurrency)
     s1 = engine.stats()
@@ -882,6 +886,7 @@ def main(argv=None) -> int:
     ap.add_argument("--http", action="store_true", help="rows through the HTTP server and the openai client too")
     g = ap.add_argument_group("the engine: `dllm-jax serve` flags (serve's defaults otherwise)")
     g.add_argument("--max-batch", type=int, default=16)
+    g.add_argument("--admission-wait-ms", type=float, default=None, help="the HTTP rows' (default: serve's)")
     g.add_argument("--kv-budget-gib", type=float, default=16.0, help="the KV pool (the same in every row)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--compile-cache", default=DEFAULT_CACHE, help="the persistent compilation cache")

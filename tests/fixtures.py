@@ -234,11 +234,17 @@ def decode_inputs(model, gc, prompts, spans=None):
 
 def start_server(*flags: str):
     """`dllm-jax serve --port 0 FLAGS` in a subprocess (the installed package, not this checkout's PYTHONPATH):
-    (the process, its base URL read from the line it prints at start)."""
+    (the process, its base URL read from the line it prints at start). Unless FLAGS name one, the server uses the
+    run's compilation cache (conftest), not the user's: servers with the same settings load each other's programs."""
     import os
     import re
     import subprocess
     import sys
+
+    import jax
+
+    if not any(f in ("--compile-cache", "--no-compile-cache") for f in flags) and jax.config.jax_compilation_cache_dir:
+        flags = (*flags, "--compile-cache", jax.config.jax_compilation_cache_dir)
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(

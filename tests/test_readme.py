@@ -49,7 +49,7 @@ def test_engine_example_prints_what_the_readme_says():
 def test_server_examples_against_dllm_jax_serve():
     command = block("dllm-jax serve", BASH_BLOCKS).split("#")[0].split()
     assert command == [".venv/bin/dllm-jax", "serve"]
-    proc, url = fixtures.start_server()  # the README's command on a free port (8000 may be taken here)
+    proc, url = fixtures.start_server()  # the README's command on a free port, the run's compile cache
     try:
         client = block("from openai import OpenAI").replace("http://127.0.0.1:8000", url)
         lines = run(client).strip().splitlines()
