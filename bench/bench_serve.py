@@ -29,8 +29,9 @@ sharing off; mixed rows also load_s (an HF LLaDA-8B directory to the device, --h
 bench_load.write_checkpoint when missing), warmup_s (a first start: the persistent compilation cache empty) and
 warmup_s_cached (a second start with it), each measured in a fresh process (--starts) before this process touches
 the device, else this process's own warm-up (`start`: which).
---http serves rows through `dllm-jax serve`'s app (uvicorn on 127.0.0.1, the official `openai` client streaming,
-prompts sent as token ids, per-request settings as the request's fields) after the same row through the Python API
+--http serves rows through `dllm-jax serve`'s app (uvicorn on 127.0.0.1; the official `openai` client streaming from
+a process of its own, prompts sent as token ids, per-request settings as the request's fields) after the same row
+through the Python API
 (`transport` python and http, `vs_python` their ratio); for mixed, the closed loop only.
 Each row is written when it finishes (a run cut short keeps its rows; rows merge by --run label), a plot at the end.
 
@@ -51,6 +52,7 @@ import argparse
 import dataclasses
 import gc as gc_module
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -298,13 +300,13 @@ class IdTokenizer:
 
 
 def http_drive(engine: Engine, items: list[Item], concurrency: int, flags: list[str]) -> dict:
-    """The items through `dllm-jax serve FLAGS`'s app (uvicorn in a thread on the warmed engine) with the openai
-    client's async API, streaming (the first chunk is the first block), a closed loop of `concurrency`."""
-    import asyncio
+    """The items through `dllm-jax serve FLAGS`'s app (uvicorn in a thread on the warmed engine) from the openai
+    client's async API in a process of its own (as clients are: in this one they would take the GIL from the
+    engine thread and the server), streaming (the first chunk is the first block), a closed loop of `concurrency`."""
+    import tempfile
     import threading
 
     import uvicorn
-    from openai import AsyncOpenAI
 
     from dllm_jax.server import EngineService, ServeSettings, create_app
     from dllm_jax.server.run import bind
@@ -319,36 +321,54 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int, flags: list[
     while not server.started:
         time.sleep(0.01)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "clients.json"
+        spec.write_text(
+            json.dumps(dict(url=url, concurrency=concurrency, items=[[it.prompt, it.http] for it in items]))
+        )
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the clients never touch the device
+        try:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--client-child", str(spec)]
+            subprocess.run(cmd, check=True, env=env, timeout=1800)
+        finally:
+            server.should_exit = True
+            thread.join(30)
+            service.stop()
+        wall, out = json.loads(spec.read_text())["result"]
+    waits = dict(admission_wait_s=service.admission_wait_seconds, admission_arrivals=service.admission_wait_arrivals)
+    return {**timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out]), **waits}
+
+
+def client_child(path: str) -> int:
+    """--client-child: the clients of http_drive (spec and result in the JSON file at `path`)."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    spec = json.loads(Path(path).read_text())
 
     async def run():
-        client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-        sem = asyncio.Semaphore(concurrency)
+        client = AsyncOpenAI(base_url=spec["url"], api_key="unused", max_retries=0, timeout=600)
+        sem = asyncio.Semaphore(spec["concurrency"])
 
-        async def one(it: Item):
+        async def one(prompt, http):
             async with sem:
                 t0 = time.perf_counter()
                 first, tokens = None, 0
-                stream = await client.completions.create(model="bench", prompt=it.prompt, stream=True, **it.http)
+                stream = await client.completions.create(model="bench", prompt=prompt, stream=True, **http)
                 async for chunk in stream:
                     first = first or time.perf_counter()
                     if chunk.usage is not None:
                         tokens = chunk.usage.completion_tokens
-                end = time.perf_counter()
-                return tokens, end - t0, first - t0
+                return tokens, time.perf_counter() - t0, first - t0
 
         t0 = time.perf_counter()
         async with client:  # closed inside the loop
-            out = await asyncio.gather(*[one(it) for it in items])
+            out = await asyncio.gather(*[one(p, h) for p, h in spec["items"]])
         return time.perf_counter() - t0, out
 
-    try:
-        wall, out = asyncio.run(run())
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        service.stop()
-    waits = dict(admission_wait_s=service.admission_wait_seconds, admission_arrivals=service.admission_wait_arrivals)
-    return {**timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out]), **waits}
+    Path(path).write_text(json.dumps({**spec, "result": asyncio.run(run())}))
+    return 0
 
 
 def measured(engine: Engine, items: list[Item], arrival: str, args, transport: str) -> dict:
@@ -916,10 +936,13 @@ def main(argv=None) -> int:
     g.add_argument("--mixed-question-lens", nargs=2, type=int, default=[16, 256], metavar=("MIN", "MAX"))
     g.add_argument("--mixed-max-tokens", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--start-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--client-child", default=None, help=argparse.SUPPRESS)
     common.output_args(ap, budget_s=540.0)
     args = ap.parse_args(argv)
     if args.start_child is not None:
         return start_child(json.loads(args.start_child))
+    if args.client_child is not None:
+        return client_child(args.client_child)
     if "mixed" in args.workloads:
         if len(args.workloads) > 1:
             ap.error("--workloads mixed runs alone")
