@@ -31,8 +31,7 @@ warmup_s_cached (a second start with it), each measured in a fresh process (--st
 the device, else this process's own warm-up (`start`: which).
 --http serves rows through `dllm-jax serve`'s app (uvicorn on 127.0.0.1; the official `openai` client streaming from
 a process of its own, prompts sent as token ids, per-request settings as the request's fields) after the same row
-through the Python API
-(`transport` python and http, `vs_python` their ratio); for mixed, the closed loop only.
+through the Python API (`transport` python and http, `vs_python` their ratio); for mixed, the closed loop only.
 Each row is written when it finishes (a run cut short keeps its rows; rows merge by --run label), a plot at the end.
 
     PYTHONPATH=. python bench/bench_serve.py --run NAME                       # the closed16 rows at 1024 tokens
@@ -150,8 +149,6 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--block-lengths", str(args.block_len)]
     if depths:
         flags += ["--shallow-depths", *map(str, depths)]
-    if args.admission_wait_ms is not None:
-        flags += ["--admission-wait-ms", f"{args.admission_wait_ms:g}"]
     return flags + ["--compile-cache", str(args.compile_cache)]
 
 
@@ -299,8 +296,8 @@ class IdTokenizer:
         return [int(w) for w in text.split()]
 
 
-def http_drive(engine: Engine, items: list[Item], concurrency: int, flags: list[str]) -> dict:
-    """The items through `dllm-jax serve FLAGS`'s app (uvicorn in a thread on the warmed engine) from the openai
+def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
+    """The items through `dllm-jax serve`'s app (uvicorn in a thread on the warmed engine) from the openai
     client's async API in a process of its own (as clients are: in this one they would take the GIL from the
     engine thread and the server), streaming (the first chunk is the first block), a closed loop of `concurrency`."""
     import tempfile
@@ -311,8 +308,7 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int, flags: list[
     from dllm_jax.server import EngineService, ServeSettings, create_app
     from dllm_jax.server.run import bind
 
-    sargs = cli.build_parser().parse_args(["serve", *flags])
-    service = EngineService(engine, admission_wait=sargs.admission_wait_ms / 1000).start()  # warm: serves at once
+    service = EngineService(engine).start()  # already warm: serves at once
     app = create_app(service, ServeSettings(model_name="bench"))
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
@@ -335,8 +331,7 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int, flags: list[
             thread.join(30)
             service.stop()
         wall, out = json.loads(spec.read_text())["result"]
-    waits = dict(admission_wait_s=service.admission_wait_seconds, admission_arrivals=service.admission_wait_arrivals)
-    return {**timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out]), **waits}
+    return timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
 
 
 def client_child(path: str) -> int:
@@ -377,7 +372,7 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
         engine.counters["peak_pages"] = engine.block_manager.num_used_pages
     s0 = engine.stats()
     if transport == "http":
-        t = http_drive(engine, items, args.concurrency, serve_flags(args))
+        t = http_drive(engine, items, args.concurrency)
     else:
         t = drive(engine, items, arrival, args.concurrency)
     s1 = engine.stats()
@@ -906,7 +901,6 @@ def main(argv=None) -> int:
     ap.add_argument("--http", action="store_true", help="rows through the HTTP server and the openai client too")
     g = ap.add_argument_group("the engine: `dllm-jax serve` flags (serve's defaults otherwise)")
     g.add_argument("--max-batch", type=int, default=16)
-    g.add_argument("--admission-wait-ms", type=float, default=None, help="the HTTP rows' (default: serve's)")
     g.add_argument("--kv-budget-gib", type=float, default=16.0, help="the KV pool (the same in every row)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--compile-cache", default=DEFAULT_CACHE, help="the persistent compilation cache")

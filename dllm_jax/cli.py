@@ -270,7 +270,6 @@ def run_serve(args: argparse.Namespace) -> int:
             max_consecutive_faults=args.max_consecutive_faults,
             log_format=args.log_format,
             drain_timeout=args.drain_timeout,
-            admission_wait=args.admission_wait_ms / 1000,
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
@@ -303,7 +302,7 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
 
 def build_parser() -> Parser:
     from dllm_jax.engine.engine import EngineConfig
-    from dllm_jax.server.settings import ADMISSION_WAIT, ServeSettings
+    from dllm_jax.server.settings import ServeSettings
 
     ap = Parser(prog=PROG, description="Diffusion language model inference in JAX (LLaDA, Dream).")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -389,15 +388,6 @@ def build_parser() -> Parser:
         choices=["text", "json"],
         default="text",
         help="log lines on stderr as text or as JSON lines (each names its request: X-Request-Id, or one made)",
-    )
-    v.add_argument(
-        "--admission-wait-ms",
-        type=non_negative,
-        default=ADMISSION_WAIT * 1000,
-        help="after a block call that finished requests, the most (ms) the engine waits for as many new ones before "
-        "its next call, while batch rows are free and nothing waits, and never more than 5%% of that call's time: "
-        "clients that send again on reading an answer join the next call instead of sitting one out. 0: off. "
-        "Default: %(default)g",
     )
     v.add_argument(
         "--max-consecutive-faults",

@@ -329,45 +329,6 @@ def test_a_failed_device_call_is_a_500_and_repeated_ones_fail_health(server, mod
         engine.before_call = None
 
 
-def test_clients_that_send_again_on_an_answer_join_the_next_call(server):
-    """The admission wait: after a call that finished requests, the engine thread waits (bounded) for as many new
-    ones before its next call, so two closed-loop clients share every call after the first instead of taking turns
-    (each would otherwise arrive just after the next call started). The waits are counted in /metrics, and with
-    nobody coming a wait lasts at most its share (5%) of the call before it."""
-    service, engine = server.service, server.service.engine
-    calls: list[list[str]] = []
-    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 8, "block_length": 8, "steps": 8}
-
-    def client():
-        for _ in range(3):
-            assert _post(server, "/v1/completions", body).status_code == 200
-
-    # nobody comes: the wait stays within its share of the call it follows (a few % of throughput at most)
-    waited, device = service.admission_wait_seconds, engine.stats()["block_device_seconds"]
-    service.admission_wait = 1.0
-    try:
-        assert _post(server, "/v1/completions", body).status_code == 200
-        time.sleep(0.2)  # the wait after the answer's call ends
-    finally:
-        service.admission_wait = 0.05
-    spent = engine.stats()["block_device_seconds"] - device
-    assert service.admission_wait_seconds - waited <= 0.05 * spent + 0.01
-    arrivals, waited = (server.metric(f"dllm_jax_admission_wait_{m}_total") for m in ("arrivals", "seconds"))
-    service.admission_wait, service.admission_share, engine.before_call = 1.0, 100.0, calls.append
-    try:
-        threads = [threading.Thread(target=client) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        service.admission_wait, service.admission_share, engine.before_call = 0.05, 0.05, None
-    assert sum(map(len, calls)) == 6 and len(calls) <= 4, calls  # at most the first call runs one alone
-    assert all(len(c) == 2 for c in calls[1:-1]), calls
-    assert server.metric("dllm_jax_admission_wait_arrivals_total") - arrivals >= 3
-    assert 0 < server.metric("dllm_jax_admission_wait_seconds_total") - waited <= 1.0 * len(calls) + 0.5
-
-
 def test_a_request_past_its_timeout_is_a_504_and_frees_its_pages(server):
     """The timeout field: a request still decoding at its deadline ends with a 504 in OpenAI's shape (the openai
     client told not to retry it), a stream with that error event then [DONE]; its pages are freed."""

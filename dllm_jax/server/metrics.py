@@ -84,11 +84,6 @@ class _EngineCollector:
             "compile_seconds": ("Seconds of those compilations", s["compile_seconds"]),
             "compiles_after_warmup": ("XLA compilations after the warm-up (should stay 0)", s["compiles_after_warmup"]),
             "compile_seconds_after_warmup": ("Seconds of those", s["compile_seconds_after_warmup"]),
-            "admission_wait_seconds": (
-                "Seconds the engine waited for new requests after calls that freed rows (--admission-wait-ms)",
-                self.service.admission_wait_seconds,
-            ),
-            "admission_wait_arrivals": ("Requests taken in during those waits", self.service.admission_wait_arrivals),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"dllm_jax_{name}", doc, value=value)

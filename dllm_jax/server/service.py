@@ -18,7 +18,6 @@ from typing import Any
 
 from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
-from dllm_jax.server.settings import ADMISSION_WAIT, ADMISSION_WAIT_SHARE
 
 log = logging.getLogger("dllm_jax.server")
 LATENCIES_KEPT = 65536  # finished requests' timings waiting for /metrics (older ones are dropped, unobserved)
@@ -31,28 +30,10 @@ class ServiceUnavailable(RuntimeError):
 class EngineService:
     """warmup: compile every program before serving (skipped if the engine is already warm); progress: its tqdm
     bar on stderr; max_consecutive_faults: failed device calls in a row after which the service is not alive (each
-    fails only its own requests, see Engine; repeated ones mean the device is gone). admission_wait: after a block
-    call that finished requests, the most seconds the thread waits for as many new ones (while batch rows are free
-    and nothing waits) before its next call, and never more than admission_share of the call just made: a
-    client that sends its next request on reading an answer arrives a few ms later, and without the wait it would
-    sit out a whole call (up to a second at 16 rows); with no one coming, the wait costs at most that share of the
-    throughput, and short calls (light traffic) wait little. 0 turns it off."""
+    fails only its own requests, see Engine; repeated ones mean the device is gone)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        warmup: bool = True,
-        progress: bool = False,
-        max_consecutive_faults: int = 3,
-        admission_wait: float = ADMISSION_WAIT,
-        admission_share: float = ADMISSION_WAIT_SHARE,
-    ):
-        if admission_wait < 0:
-            raise ValueError(f"admission_wait={admission_wait} must be >= 0 seconds")
+    def __init__(self, engine: Engine, warmup: bool = True, progress: bool = False, max_consecutive_faults: int = 3):
         self.engine = engine
-        self.admission_wait, self.admission_share = admission_wait, admission_share
-        self.admission_wait_seconds = 0.0  # time spent in those waits (/metrics)
-        self.admission_wait_arrivals = 0  # requests taken in during them
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="dllm-jax-engine", daemon=True)
@@ -273,9 +254,7 @@ class EngineService:
             if not self.engine.has_unfinished():
                 continue
             try:
-                t0 = time.perf_counter()
                 outs = self.engine.step()
-                call_seconds = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001  a bug outside the device calls (the engine fails those itself)
                 log.exception("engine step failed")
                 self.failure = e
@@ -285,32 +264,6 @@ class EngineService:
             tokens = sum(len(o.tokens) for o in outs)
             if tokens:
                 self._rate.append((time.perf_counter(), tokens))
-            if not self._await_arrivals(sum(o.finished for o in outs), call_seconds):
-                return
-
-    def _await_arrivals(self, finished: int, call_seconds: float) -> bool:
-        """Wait (at most admission_wait, and admission_share of the last call's seconds) for as many new
-        requests as `finished` freed rows that nothing waiting will take. False: stop() was called."""
-        sched = self.engine.scheduler
-        wanted = min(finished, self.engine.config.max_batch - len(sched.running) - len(sched.waiting))
-        if wanted <= 0 or self.admission_wait <= 0 or self.draining:
-            return True
-        t0 = time.perf_counter()
-        deadline = t0 + min(self.admission_wait, self.admission_share * call_seconds)
-        try:
-            while wanted > 0 and (left := deadline - time.perf_counter()) > 0:
-                item = self._inbox.get(timeout=left)
-                if item is None:
-                    return False
-                self._handle(item)
-                if item[0] == "add":
-                    wanted -= 1
-                    self.admission_wait_arrivals += 1
-        except queue.Empty:
-            pass
-        finally:
-            self.admission_wait_seconds += time.perf_counter() - t0
-        return True
 
 
 def _settle(fut: asyncio.Future, value, exc) -> None:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-# after a call that freed rows, the engine thread waits for new requests at most this many seconds and this share of
-# the call's own time (service.py)
-ADMISSION_WAIT, ADMISSION_WAIT_SHARE = 0.05, 0.05
 FALLBACK_TOKENS = 32  # max_tokens when neither the server nor the model's generation_config.json sets one
 
 
