@@ -98,8 +98,8 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         docs_url="/docs",
         redoc_url=None,
     )
-    openapi.install(app)
     model = service.engine.model
+    openapi.install(app, settings.model_name, model.config.vocab_size)
     settings = settings.resolve(generation_defaults(model.path), service.engine.block_lengths)
     metrics = ServerMetrics(service, settings.model_name)
 

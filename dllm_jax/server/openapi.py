@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from dllm_jax.server.protocol import ChatRequest, CompletionRequest, ErrorResponse
+from dllm_jax.server.protocol import NEUTRAL, ChatRequest, CompletionRequest, ErrorResponse
 
 REF = "#/components/schemas/{model}"
 BODIES = (CompletionRequest, ChatRequest)  # their JSON schemas join the document's components
@@ -41,7 +41,12 @@ def errors(*codes: int) -> dict[int, dict[str, Any]]:
 
 def answer(model: type[BaseModel], streamed: str) -> dict[int, dict[str, Any]]:
     """The 200 of a generation endpoint: JSON, or server-sent events with stream: true."""
-    events = {"schema": {"type": "string"}, "example": 'data: {"id": ..., "choices": [...]}\n\ndata: [DONE]\n\n'}
+    event = {  # one server-sent event: its data is a chunk's JSON, an error's JSON, or [DONE]
+        "type": "object",
+        "properties": {"data": {"type": "string", "description": "a chunk's JSON, an error's JSON, or [DONE]"}},
+        "required": ["data"],
+    }
+    events = {"schema": event, "example": 'data: {"id": ..., "choices": [...]}\n\ndata: [DONE]\n\n'}
     return {
         200: {
             "model": model,
@@ -52,13 +57,33 @@ def answer(model: type[BaseModel], streamed: str) -> dict[int, dict[str, Any]]:
     }
 
 
-def install(app: FastAPI) -> None:
-    """Serve the document with the request bodies' schemas among its components."""
+def _neutral_fields() -> dict[str, Any]:
+    """OpenAI's fields this engine has no use for, documented at the values it accepts (protocol.NEUTRAL)."""
+    out = {}
+    for name, allowed in NEUTRAL.items():
+        note = "accepted, ignored" if allowed == "any" else "accepted at its neutral value only"
+        out[name] = {"description": f"OpenAI's field: {note}"}
+        if allowed != "any":
+            out[name]["enum"] = [v for i, v in enumerate(allowed) if v not in allowed[:i]]  # 0 and 0.0: one JSON 0
+    return out
+
+
+def install(app: FastAPI, model_name: str, vocab_size: int) -> None:
+    """Serve the document with the request bodies' schemas among its components; their `model` is the one name
+    this server answers to and token ids are below its vocabulary size (anything else is a 400)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             _, defs = models_json_schema([(m, "validation") for m in BODIES], ref_template=REF)
+            for m in BODIES:  # what the handlers accept, exactly: any other field or model is a 400
+                body = defs["$defs"][m.__name__]
+                body["properties"]["model"]["enum"] = [model_name]
+                for alt in body["properties"].get("prompt", {}).get("anyOf", []):
+                    if alt.get("items", {}).get("type") == "integer":  # token ids
+                        alt["items"]["maximum"] = vocab_size - 1
+                body["properties"].update(_neutral_fields())
+                body["additionalProperties"] = False
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             app.openapi_schema = schema
         return app.openapi_schema

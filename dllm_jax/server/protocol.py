@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 
 # OpenAI fields accepted at these values only (anything else is a 400 naming the field)
 NEUTRAL = {
@@ -48,6 +48,14 @@ NEUTRAL = {
 }
 
 
+# JSON types as the schema states them: no true for 1, no 3.0 for 3, no "0.5" for 0.5 (pydantic's lax mode would
+# take them)
+Int = StrictInt
+Float = StrictFloat  # strict: an int is a float, true is not
+TokenId = Annotated[StrictInt, Field(ge=0)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
 class AffixText(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(min_length=1)
@@ -55,15 +63,15 @@ class AffixText(BaseModel):
 
 class AffixMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    message: int = Field(ge=0)
+    message: Int = Field(ge=0)
 
 
 class AffixSpan(BaseModel):
     """Token positions [start, end) of the prompt (for prompts sent as token ids)."""
 
     model_config = ConfigDict(extra="forbid")
-    start: int = Field(ge=0)
-    end: int = Field(ge=1)
+    start: Int = Field(ge=0)
+    end: Int = Field(ge=1)
 
 
 class Diffusion(BaseModel):
@@ -71,29 +79,29 @@ class Diffusion(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # checked against NEUTRAL in `check_extra`
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    steps: int | None = Field(None, ge=1)
-    block_length: int | None = Field(None, ge=1)
-    threshold: float | None = Field(None, gt=0, le=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0, le=2)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = Field(None, validate_default=True)
+    seed: Int | None = None
+    stream: StrictBool = False
+    n: Int = Field(1, ge=1, le=1, description="one choice per request")
+    steps: Int | None = Field(None, ge=1)
+    block_length: Int | None = Field(None, ge=1)
+    threshold: Float | None = Field(None, gt=0, le=1)
     affix_technique: Literal["none", "naive", "anchors", "shallow"] | None = None
-    anchor_ratio: float | None = Field(None, ge=0, le=1)
-    shallow_depth: int | None = Field(None, ge=0)
-    timeout: float | None = Field(
+    anchor_ratio: Float | None = Field(None, ge=0, le=1)
+    shallow_depth: Int | None = Field(None, ge=0)
+    timeout: Float | None = Field(
         None, gt=0, description="seconds after which the request ends unfinished (504); default: --request-timeout"
     )
     affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan = "auto"
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")  # before the types: this message rather than a union's
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4 or any(not s for s in stops):
+        stops = [v] if isinstance(v, str) else v if isinstance(v, list) else [] if v is None else None
+        if stops is None or len(stops) > 4 or any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop takes at most 4 non-empty strings")
         return stops
 
@@ -102,23 +110,35 @@ class Diffusion(BaseModel):
             allowed = NEUTRAL.get(name)
             if allowed is None:
                 raise ValueError(f"unrecognized request argument: {name}")
-            if allowed != "any" and value not in allowed:
+            if allowed != "any" and not any(_same(value, a) for a in allowed):
                 raise ValueError(f"{name}={value!r} is not supported by this engine")
 
 
+def _same(value, neutral) -> bool:
+    """JSON equality: false is not 0."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
 class CompletionRequest(Diffusion):
-    prompt: str | list[str] | list[int]
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+    )
+
+    @field_validator("prompt", mode="before")  # before the types: these messages rather than a union's
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("one prompt per request (send several requests: they are batched)")
+        if v == "" or v == [] or v == [""]:
+            raise ValueError("the prompt is empty")
+        return v
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (send several requests: they are batched)")
-            v = v[0]
-        if not v:
-            raise ValueError("the prompt is empty")
-        return v
+    def _unwrapped(cls, v):
+        return v[0] if isinstance(v, list) and isinstance(v[0], str) else v
 
 
 class Message(BaseModel):
@@ -129,7 +149,7 @@ class Message(BaseModel):
 
 class ChatRequest(Diffusion):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
 
 
 class APIError(Exception):
