@@ -308,6 +308,14 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
     from dllm_jax.server import EngineService, ServeSettings, create_app
     from dllm_jax.server.run import bind
 
+    calls, arrived = [], {}  # call start times; each request's arrival (the engine's clock)
+
+    def record(ids: list[str]) -> None:  # Engine.before_call: when each call starts, and who arrived when
+        calls.append(time.perf_counter())
+        for rid in ids:
+            arrived.setdefault(rid, engine.request(rid).arrival)
+
+    engine.before_call = record
     service = EngineService(engine).start()  # already warm: serves at once
     app = create_app(service, ServeSettings(model_name="bench"))
     sock = bind("127.0.0.1", 0)
@@ -331,7 +339,31 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
             thread.join(30)
             service.stop()
         wall, out = json.loads(spec.read_text())["result"]
-    return timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
+    engine.before_call = None
+    row = timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
+    return {**row, **arrival_offsets(calls, list(arrived.values()))}
+
+
+def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
+    """How far into a running block call requests arrived (ms), for those that arrived while one ran: near 0, the
+    next call started just before they came; near a call's length, they came just before it ended."""
+    starts = np.asarray(calls)
+    lengths = np.diff(starts)
+    offsets = []
+    for t in arrivals:
+        k = int(np.searchsorted(starts, t)) - 1  # the last call that started before the arrival
+        if 0 <= k < len(lengths) and t - starts[k] < lengths[k]:
+            offsets.append((t - starts[k]) * 1e3)
+    if not offsets:
+        return dict(arrived_in_call=0)
+    q = np.percentile(offsets, [10, 50, 90])
+    return dict(
+        arrived_in_call=len(offsets),
+        arrival_offset_ms_p10=q[0],
+        arrival_offset_ms_p50=q[1],
+        arrival_offset_ms_p90=q[2],
+        call_ms_p50=float(np.median(lengths) * 1e3),
+    )
 
 
 def client_child(path: str) -> int:
