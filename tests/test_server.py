@@ -548,7 +548,7 @@ def test_soak(model, request):
     # a server process of its own (an in-process one would share the GIL with the 64 clients); a 16 MiB pool holds
     # about 16 of these requests: the burst of 96 waits for pages
     flags = ["--dtype", "float32", "--max-batch", "16", "--max-model-len", "128", "--kv-budget-gib", "0.015625"]
-    proc, url = fixtures.start_server(*flags)
+    proc, url = fixtures.start_server(*flags, optimized=True)
     stderr = _drain(proc)
     job_list = soak.jobs(n, disconnect=0.05, deadline=0.05, lengths=(4,))  # one block each: the suite's time
     keys = sorted({json.dumps(j["body"], sort_keys=True) for j in job_list if j["kind"] == "answer"})
