@@ -51,7 +51,6 @@ import argparse
 import dataclasses
 import gc as gc_module
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -330,10 +329,9 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
         spec.write_text(
             json.dumps(dict(url=url, concurrency=concurrency, items=[[it.prompt, it.http] for it in items]))
         )
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the clients never touch the device
         try:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--client-child", str(spec)]
-            subprocess.run(cmd, check=True, env=env, timeout=1800)
+            cmd = [sys.executable, str(Path(__file__).resolve().parent / "tools" / "http_clients.py"), str(spec)]
+            subprocess.run(cmd, check=True, timeout=1800)
         finally:
             server.should_exit = True
             thread.join(30)
@@ -364,38 +362,6 @@ def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
         arrival_offset_ms_p90=q[2],
         call_ms_p50=float(np.median(lengths) * 1e3),
     )
-
-
-def client_child(path: str) -> int:
-    """--client-child: the clients of http_drive (spec and result in the JSON file at `path`)."""
-    import asyncio
-
-    from openai import AsyncOpenAI
-
-    spec = json.loads(Path(path).read_text())
-
-    async def run():
-        client = AsyncOpenAI(base_url=spec["url"], api_key="unused", max_retries=0, timeout=600)
-        sem = asyncio.Semaphore(spec["concurrency"])
-
-        async def one(prompt, http):
-            async with sem:
-                t0 = time.perf_counter()
-                first, tokens = None, 0
-                stream = await client.completions.create(model="bench", prompt=prompt, stream=True, **http)
-                async for chunk in stream:
-                    first = first or time.perf_counter()
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
-                return tokens, time.perf_counter() - t0, first - t0
-
-        t0 = time.perf_counter()
-        async with client:  # closed inside the loop
-            out = await asyncio.gather(*[one(p, h) for p, h in spec["items"]])
-        return time.perf_counter() - t0, out
-
-    Path(path).write_text(json.dumps({**spec, "result": asyncio.run(run())}))
-    return 0
 
 
 def measured(engine: Engine, items: list[Item], arrival: str, args, transport: str) -> dict:
@@ -962,13 +928,10 @@ def main(argv=None) -> int:
     g.add_argument("--mixed-question-lens", nargs=2, type=int, default=[16, 256], metavar=("MIN", "MAX"))
     g.add_argument("--mixed-max-tokens", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--start-child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--client-child", default=None, help=argparse.SUPPRESS)
     common.output_args(ap, budget_s=540.0)
     args = ap.parse_args(argv)
     if args.start_child is not None:
         return start_child(json.loads(args.start_child))
-    if args.client_child is not None:
-        return client_child(args.client_child)
     if "mixed" in args.workloads:
         if len(args.workloads) > 1:
             ap.error("--workloads mixed runs alone")
