@@ -41,7 +41,7 @@ def test_python_api_and_forward_examples():
 
 
 def test_engine_example_prints_what_the_readme_says():
-    printed = run(block("engine = Engine(model, EngineConfig(max_batch=6))")).strip().splitlines()
+    printed = run(block("engine = Engine(model, EngineConfig(max_batch=6, max_model_len=128))")).strip().splitlines()
     said = re.search(r"It prints `(none: [^`]+)` and `(anchors: [^`]+)`", README)
     assert printed == [said.group(1), said.group(2)]
 
