@@ -129,16 +129,13 @@ class CompletionRequest(Diffusion):
     @field_validator("prompt", mode="before")  # before the types: these messages rather than a union's
     @classmethod
     def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("one prompt per request (send several requests: they are batched)")
-        if v == "" or v == [] or v == [""]:
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (send several requests: they are batched)")
+            v = v[0]
+        if v == "" or v == []:
             raise ValueError("the prompt is empty")
         return v
-
-    @field_validator("prompt")
-    @classmethod
-    def _unwrapped(cls, v):
-        return v[0] if isinstance(v, list) and isinstance(v[0], str) else v
 
 
 class Message(BaseModel):
@@ -202,11 +199,14 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
     logprobs: None = None
     finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionChoice(_Choice):
+    text: str
 
 
 class Completion(BaseModel):
@@ -225,11 +225,8 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
 
 
 class ChatCompletion(BaseModel):
