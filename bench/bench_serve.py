@@ -148,6 +148,8 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--block-lengths", str(args.block_len)]
     if depths:
         flags += ["--shallow-depths", *map(str, depths)]
+    if args.admission_wait is not None:
+        flags += ["--admission-wait", f"{args.admission_wait:g}"]
     return flags + ["--compile-cache", str(args.compile_cache)]
 
 
@@ -295,7 +297,7 @@ class IdTokenizer:
         return [int(w) for w in text.split()]
 
 
-def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
+def http_drive(engine: Engine, items: list[Item], concurrency: int, admission_wait: float) -> dict:
     """The items through `dllm-jax serve`'s app (uvicorn in a thread on the warmed engine) from the openai
     client's async API in a process of its own (as clients are: in this one they would take the GIL from the
     engine thread and the server), streaming (the first chunk is the first block), a closed loop of `concurrency`."""
@@ -315,7 +317,7 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
             arrived.setdefault(rid, engine.request(rid).arrival)
 
     engine.before_call = record
-    service = EngineService(engine).start()  # already warm: serves at once
+    service = EngineService(engine, admission_wait=admission_wait).start()  # already warm: serves at once
     app = create_app(service, ServeSettings(model_name="bench"))
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
@@ -339,7 +341,8 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int) -> dict:
         wall, out = json.loads(spec.read_text())["result"]
     engine.before_call = None
     row = timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
-    return {**row, **arrival_offsets(calls, list(arrived.values()))}
+    waits = dict(admission_wait=admission_wait, **{f"admission_waits_{k}": v for k, v in service.waits.items()})
+    return {**row, **arrival_offsets(calls, list(arrived.values())), **waits}
 
 
 def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
@@ -370,7 +373,8 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
         engine.counters["peak_pages"] = engine.block_manager.num_used_pages
     s0 = engine.stats()
     if transport == "http":
-        t = http_drive(engine, items, args.concurrency)
+        wait = cli.build_parser().parse_args(["serve", *serve_flags(args)]).admission_wait
+        t = http_drive(engine, items, args.concurrency, wait)
     else:
         t = drive(engine, items, arrival, args.concurrency)
     s1 = engine.stats()
@@ -902,6 +906,7 @@ def main(argv=None) -> int:
     g.add_argument("--kv-budget-gib", type=float, default=16.0, help="the KV pool (the same in every row)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--compile-cache", default=DEFAULT_CACHE, help="the persistent compilation cache")
+    g.add_argument("--admission-wait", type=float, default=None, help="the HTTP rows' hold for arrivals")
     g = ap.add_argument_group("closed16 / poisson_R")
     g.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
     g.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")

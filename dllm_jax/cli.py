@@ -268,6 +268,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level="info" if args.verbose else "warning",
             compile_cache=cache,
             max_consecutive_faults=args.max_consecutive_faults,
+            admission_wait=args.admission_wait,
             log_format=args.log_format,
             drain_timeout=args.drain_timeout,
         )
@@ -302,7 +303,7 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
 
 def build_parser() -> Parser:
     from dllm_jax.engine.engine import EngineConfig
-    from dllm_jax.server.settings import ServeSettings
+    from dllm_jax.server.settings import ADMISSION_WAIT, ServeSettings
 
     ap = Parser(prog=PROG, description="Diffusion language model inference in JAX (LLaDA, Dream).")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -394,6 +395,15 @@ def build_parser() -> Parser:
         type=positive_int,
         default=3,
         help="failed device calls in a row after which GET /health answers 503 (an orchestrator restarts the server)",
+    )
+    v.add_argument(
+        "--admission-wait",
+        type=unit_interval,
+        default=ADMISSION_WAIT,
+        metavar="FRACTION",
+        help="after a block call that finished requests, hold the next one up to this fraction of a call for new "
+        f"requests to take the freed rows (clients that send their next request on an answer; 0: never; default "
+        f"{ADMISSION_WAIT})",
     )
     v.add_argument(
         "--kv-budget-gib",

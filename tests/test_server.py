@@ -31,6 +31,7 @@ import dllm_jax
 from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.cli import DEMO_PROMPT
 from dllm_jax.decoding.caches import acache, bicache
+from dllm_jax.decoding.config import Schedule
 from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.server import EngineService, ServeSettings, create_app, logs, protocol
 from dllm_jax.server.run import bind
@@ -826,3 +827,39 @@ def test_finished_request_timings_are_bounded(monkeypatch):
     got, seen = svc.latencies_since(0)
     assert got == [(2.0, 2.0), (3.0, 3.0), (4.0, 4.0)] and seen == 5 and len(svc.latencies) == 3
     assert svc.latencies_since(seen) == ([], 5)
+
+
+def test_a_request_sent_on_an_answer_takes_the_freed_row_of_the_next_call(model):
+    """A client that sends its next request when an answer ends (a closed loop) arrives just after the engine
+    thread started its next call; the admission wait holds that call (up to its fraction of the last call) so the
+    newcomer rides it instead of waiting a whole call."""
+    calls: list[list[str]] = []
+
+    def slow_call(ids: list[str]) -> None:  # a device call that takes 0.3 s, as an 8B model's calls do
+        calls.append(ids)
+        time.sleep(0.3)
+
+    engine = Engine(model, EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128))
+    engine.before_call = slow_call
+    svc = EngineService(engine, warmup=False, admission_wait=1.0).start()
+    prompt = model.encode_chat(DEMO_PROMPT)
+    cfg = lambda n: GenerationConfig(Schedule(n, 8, n), cache="dual", stop_at_eos=False)  # noqa: E731
+
+    async def scenario():
+        await svc.submit(prompt, cfg(40), None, 0)  # keeps the engine stepping: 5 calls
+        first, stream = await svc.submit(prompt, cfg(8), None, 0)
+        while not (await stream.get()).finished:
+            pass
+        await asyncio.sleep(0.05)  # the client's own time to send its next request
+        second, stream = await svc.submit(prompt, cfg(8), None, 0)
+        while not (await stream.get()).finished:
+            pass
+        return first, second
+
+    try:
+        first, second = asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        svc.stop()
+    last = max(i for i, ids in enumerate(calls) if first in ids)
+    assert second in calls[last + 1], calls  # without the hold: calls[last + 2]
+    assert svc.waits["admitted"] == 1 and svc.waits["seconds"] < 0.25  # it ended once the row was taken

@@ -281,13 +281,15 @@ class Engine:
         request_id: str | None = None,
         on_block: Callable[[BlockOutput], Any] | None = None,
         timeout: float | None = None,
+        arrival: float | None = None,
     ) -> str:
         """Queue a request; returns its id. config: the decoding settings (cache "dual"; its affix technique, if
         any, says how a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier
         prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). timeout: seconds
-        from now after which the request ends unfinished (finish reason "timeout", pages freed) at the next step,
-        waiting or running. Raises RequestError for bad input and QueueFull when the queue is at its bound, before
-        any device work."""
+        from its arrival after which the request ends unfinished (finish reason "timeout", pages freed) at the next
+        step, waiting or running. arrival: when it arrived (`time.perf_counter()`; default now): a server passes the
+        time its handler got it, so latencies and timeouts count the wait for the engine's thread. Raises
+        RequestError for bad input and QueueFull when the queue is at its bound, before any device work."""
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout={timeout} must be a positive number of seconds")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -295,6 +297,8 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.plan_request(prompt, config, affix, rid)
         req.seed, req.on_block, req.key = seed, on_block, seed_key(seed)
+        if arrival is not None:
+            req.arrival = arrival
         req.deadline = None if timeout is None else req.arrival + timeout
         self.scheduler.add(req)
         self._requests[rid] = req
@@ -420,6 +424,11 @@ class Engine:
     # ---- running ------------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def open_rows(self) -> int:
+        """Batch rows a request added now would take at the next step (0 while requests wait for admission)."""
+        s = self.scheduler
+        return 0 if s.waiting else max(self.config.max_batch - len(s.running), 0)
 
     def step(self) -> list[BlockOutput]:
         """One scheduling iteration: admit, build new affixes, then one block of every running request (or its

@@ -41,6 +41,7 @@ class _EngineCollector:
 
     def collect(self):
         s = self.service.engine.stats()
+        waits = dict(self.service.waits)
         ready = self.service.readiness()["status"] == "ready"
         gauges = {
             "requests_waiting": (
@@ -84,6 +85,9 @@ class _EngineCollector:
             "compile_seconds": ("Seconds of those compilations", s["compile_seconds"]),
             "compiles_after_warmup": ("XLA compilations after the warm-up (should stay 0)", s["compiles_after_warmup"]),
             "compile_seconds_after_warmup": ("Seconds of those", s["compile_seconds_after_warmup"]),
+            "admission_waits": ("Block calls held for arrivals to take freed rows (--admission-wait)", waits["count"]),
+            "admission_wait_seconds": ("Seconds those holds took", waits["seconds"]),
+            "admission_wait_requests": ("Requests taken in during those holds", waits["admitted"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"dllm_jax_{name}", doc, value=value)

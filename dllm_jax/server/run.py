@@ -20,7 +20,7 @@ from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.server import logs
 from dllm_jax.server.app import create_app
 from dllm_jax.server.service import EngineService
-from dllm_jax.server.settings import ServeSettings
+from dllm_jax.server.settings import ADMISSION_WAIT, ServeSettings
 
 
 class CompileCacheError(ValueError):
@@ -108,12 +108,14 @@ def serve(
     progress: bool = True,
     compile_cache: str | os.PathLike | None = None,
     max_consecutive_faults: int = 3,
+    admission_wait: float = ADMISSION_WAIT,
     log_format: str = "text",
     drain_timeout: float | None = None,
 ) -> int:
     """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
     the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
-    max_consecutive_faults: failed device calls in a row after which GET /health answers 503. log_format: "text"
+    max_consecutive_faults: failed device calls in a row after which GET /health answers 503. admission_wait: the
+    fraction of a block call the next one may be held for new requests to take freed rows. log_format: "text"
     or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log.
     drain_timeout: seconds a drain may take before it is cut (None: as long as it takes)."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
@@ -129,7 +131,9 @@ def serve(
             sock.close()
             raise CompileCacheError(f"cannot use {compile_cache}: {e.strerror or e}") from None
     logs.configure(log_format, verbose=log_level == "info")
-    service = EngineService(engine, progress=progress, max_consecutive_faults=max_consecutive_faults)
+    service = EngineService(
+        engine, progress=progress, max_consecutive_faults=max_consecutive_faults, admission_wait=admission_wait
+    )
     app = create_app(service, settings)
     server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30),

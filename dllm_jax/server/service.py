@@ -18,6 +18,7 @@ from typing import Any
 
 from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
+from dllm_jax.server.settings import ADMISSION_WAIT
 
 log = logging.getLogger("dllm_jax.server")
 LATENCIES_KEPT = 65536  # finished requests' timings waiting for /metrics (older ones are dropped, unobserved)
@@ -30,10 +31,25 @@ class ServiceUnavailable(RuntimeError):
 class EngineService:
     """warmup: compile every program before serving (skipped if the engine is already warm); progress: its tqdm
     bar on stderr; max_consecutive_faults: failed device calls in a row after which the service is not alive (each
-    fails only its own requests, see Engine; repeated ones mean the device is gone)."""
+    fails only its own requests, see Engine; repeated ones mean the device is gone). admission_wait: after a block
+    call that finished requests, hold the next call up to this fraction of the last call's seconds for new requests
+    to take the freed rows (ends as soon as they are taken): a client that sends its next request on an answer
+    arrives a few ms after the next call started, and would otherwise wait that whole call. 0: never hold."""
 
-    def __init__(self, engine: Engine, warmup: bool = True, progress: bool = False, max_consecutive_faults: int = 3):
+    def __init__(
+        self,
+        engine: Engine,
+        warmup: bool = True,
+        progress: bool = False,
+        max_consecutive_faults: int = 3,
+        admission_wait: float = ADMISSION_WAIT,
+    ):
+        if not 0 <= admission_wait <= 1:
+            raise ValueError(f"admission_wait={admission_wait} must be a fraction of a call in [0, 1]")
         self.engine = engine
+        self.admission_wait = admission_wait
+        # holds of the next call for arrivals: how many, their seconds, the requests they took in
+        self.waits = dict(count=0, seconds=0.0, admitted=0)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="dllm-jax-engine", daemon=True)
@@ -109,7 +125,8 @@ class EngineService:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         stream: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", (prompt, config, affix, seed, timeout, request_id), loop, done, stream))
+        args = (prompt, config, affix, seed, timeout, request_id, time.perf_counter())
+        self._inbox.put(("add", args, loop, done, stream))
         rid = await done
         return rid, stream
 
@@ -181,7 +198,7 @@ class EngineService:
             _, _, loop, done, _ = item
             loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
             return
-        _, (prompt, config, affix, seed, timeout, request_id), loop, done, stream = item
+        _, (prompt, config, affix, seed, timeout, request_id, arrival), loop, done, stream = item
         if request_id in self._streams:  # a client reusing an id while its first request runs
             request_id = None
         try:
@@ -193,6 +210,7 @@ class EngineService:
                 on_block=self._deliver,
                 timeout=timeout,
                 request_id=request_id,
+                arrival=arrival,
             )
         except Exception as e:  # noqa: BLE001  the handler answers it (400, 429)
             loop.call_soon_threadsafe(_settle, done, None, e)
@@ -241,6 +259,7 @@ class EngineService:
                 loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable(self.fatal))
 
     def _serve(self) -> None:
+        freed, since, call_seconds = 0, 0, 0.0  # requests the last call finished, the request count then, its seconds
         while True:
             try:  # wait for work when idle; otherwise take what arrived during the last block, then step
                 item = self._inbox.get(block=not self.engine.has_unfinished())
@@ -251,19 +270,50 @@ class EngineService:
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
+            if freed and not self._hold(freed, since, call_seconds):
+                return
             if not self.engine.has_unfinished():
                 continue
             try:
+                t0 = time.perf_counter()
                 outs = self.engine.step()
+                call_seconds = time.perf_counter() - t0
+                freed, since = sum(1 for o in outs if o.finished), self.engine.counters["requests"]
             except Exception as e:  # noqa: BLE001  a bug outside the device calls (the engine fails those itself)
                 log.exception("engine step failed")
-                self.failure = e
+                self.failure, freed = e, 0
                 for rid in list(self._streams):
                     self.engine.abort(rid)
                 continue
             tokens = sum(len(o.tokens) for o in outs)
             if tokens:
                 self._rate.append((time.perf_counter(), tokens))
+
+    def _hold(self, freed: int, since: int, call_seconds: float) -> bool:
+        """Hold the next call up to admission_wait x call_seconds while rows are open, taking in what arrives,
+        until `freed` requests came after the last call (`since`: the engine's request count then): the successors
+        of those it finished. False: stop was asked."""
+        engine = self.engine
+        if not self.admission_wait or not engine.has_unfinished() or not engine.open_rows():
+            return True
+        t0 = time.perf_counter()
+        deadline = t0 + self.admission_wait * call_seconds
+        before = engine.counters["requests"]
+        while engine.counters["requests"] - since < freed and engine.open_rows():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            try:
+                item = self._inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            if item is None:
+                return False
+            self._handle(item)
+        self.waits["count"] += 1
+        self.waits["seconds"] += time.perf_counter() - t0
+        self.waits["admitted"] += engine.counters["requests"] - before
+        return True
 
 
 def _settle(fut: asyncio.Future, value, exc) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Sequence
 
 FALLBACK_TOKENS = 32  # max_tokens when neither the server nor the model's generation_config.json sets one
+ADMISSION_WAIT = 0.1  # the fraction of a block call the next one may be held for arrivals (service.EngineService)
 
 
 @dataclasses.dataclass(frozen=True)
