@@ -841,9 +841,12 @@ def test_a_request_sent_on_an_answer_takes_the_freed_row_of_the_next_call(model)
 
     engine = Engine(model, EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128))
     engine.before_call = slow_call
-    svc = EngineService(engine, warmup=False, admission_wait=1.0).start()
     prompt = model.encode_chat(DEMO_PROMPT)
     cfg = lambda n: GenerationConfig(Schedule(n, 8, n), cache="dual", stop_at_eos=False)  # noqa: E731
+    queued = engine.add_request(prompt, cfg(8))
+    assert engine.open_rows() == 3  # a queued request takes its row too: the hold waits only for the others
+    engine.abort(queued)
+    svc = EngineService(engine, warmup=False, admission_wait=1.0).start()
 
     async def scenario():
         await svc.submit(prompt, cfg(40), None, 0)  # keeps the engine stepping: 5 calls

@@ -426,9 +426,9 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def open_rows(self) -> int:
-        """Batch rows a request added now would take at the next step (0 while requests wait for admission)."""
+        """Batch rows no running or queued request will take at the next step."""
         s = self.scheduler
-        return 0 if s.waiting else max(self.config.max_batch - len(s.running), 0)
+        return max(self.config.max_batch - len(s.running) - len(s.waiting), 0)
 
     def step(self) -> list[BlockOutput]:
         """One scheduling iteration: admit, build new affixes, then one block of every running request (or its
