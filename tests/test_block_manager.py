@@ -15,9 +15,7 @@ from dllm_jax.engine.block_manager import AffixEntry, BlockManager, OutOfPages, 
 
 def snap(bm: BlockManager):
     """Everything observable about the manager's state (for "an error changed nothing")."""
-    entries = {
-        k: (e.tokens, list(e.pages), e.holders, e.last_used, e.ready, id(e.payload)) for k, e in bm._entries.items()
-    }
+    entries = {k: (e.tokens, list(e.pages), e.holders, e.last_used, e.ready) for k, e in bm._entries.items()}
     return (
         list(bm._free),
         bytes(bm._kind),
@@ -33,10 +31,10 @@ def snap(bm: BlockManager):
     )
 
 
-def ready(bm, tokens, payload=None):
+def ready(bm, tokens):
     """Acquire an affix, mark it computed, release it: a cached (unheld, evictable) entry."""
     e, _ = bm.acquire_affix(tokens)
-    bm.mark_ready(e, payload)
+    bm.mark_ready(e)
     bm.release_affix(e)
     return e
 
@@ -157,15 +155,15 @@ def test_acquire_miss_then_hit():
     e2, hit2 = bm.acquire_affix(tuple(toks))
     assert hit2 and e2 is e and e.holders == 2 and not e.ready  # a hit can still be waiting for the K/V
     assert (bm.stats.hits, bm.stats.misses) == (1, 1)
-    bm.mark_ready(e, payload="hidden")
-    assert e.ready and e.payload == "hidden"
+    bm.mark_ready(e)
+    assert e.ready
     bm.release_affix(e)
     assert e.holders == 1 and bm.num_shared_pages == 3 and bm.lru_keys() == []
     bm.release_affix(e)
     assert e.holders == 0 and bm.num_shared_pages == 0 and bm.num_cached_pages == 3 and bm.lru_keys() == [e.key]
     assert bm.num_used_pages == 0 and bm.num_available_pages == 8
     e3, hit3 = bm.acquire_affix(toks)  # from the cache
-    assert hit3 and e3 is e and e.ready and e.payload == "hidden" and bm.num_cached_pages == 0
+    assert hit3 and e3 is e and e.ready and bm.num_cached_pages == 0
     bm.check_invariants()
     with pytest.raises(ValueError):
         bm.acquire_affix([])
@@ -193,14 +191,13 @@ def test_release_errors():
 def test_unready_entry_is_dropped_on_last_release():
     bm = BlockManager(4, 2)
     e, _ = bm.acquire_affix([5, 6, 7])
-    e.payload = "partial"
     bm.acquire_affix([5, 6, 7])
     bm.release_affix(e)
     assert bm.get_affix(e.key) is e and bm.evictions() == []  # still held by the second request
     bm.release_affix(e)
     assert bm.get_affix(e.key) is None and bm.num_free_pages == 4 and bm.lru_keys() == []
     assert bm.evictions() == [e.key] and bm.stats.dropped == 1 and bm.stats.evictions == 0
-    assert e.payload is None and e.pages == []
+    assert e.pages == []
     e2, hit = bm.acquire_affix([5, 6, 7])
     assert not hit and e2 is not e and not e2.ready
     bm.check_invariants()
@@ -211,7 +208,7 @@ def test_lru_order_follows_last_use_and_evictions_are_drained():
     a, b, c = ([10 + i] for i in range(3))
     ea, eb, ec = (bm.acquire_affix(t)[0] for t in (a, b, c))
     for e in (ea, eb, ec):
-        bm.mark_ready(e, payload=object())
+        bm.mark_ready(e)
     for e in (eb, ea, ec):  # release order is last-use order
         bm.release_affix(e)
     assert bm.lru_keys() == [eb.key, ea.key, ec.key]
@@ -220,27 +217,27 @@ def test_lru_order_follows_last_use_and_evictions_are_drained():
     assert bm.lru_keys() == [ea.key, ec.key, eb.key]
     assert bm.get_affix(ea.key) is ea and bm.lru_keys()[0] == ea.key  # get_affix does not touch the order
     bm.allocate(4)  # 3 free pages: one eviction, the least recently used
-    assert bm.evictions() == [ea.key] and ea.payload is None and ea.pages == []
+    assert bm.evictions() == [ea.key] and ea.pages == []
     assert bm.evictions() == []  # drained
     x = bm.allocate(2)
     assert bm.evictions() == [ec.key, eb.key] and bm.stats.evictions == 3
     bm.free(x)
     e, hit = bm.acquire_affix(a)  # re-acquiring an evicted affix: a miss, a new entry
     assert bm.stats.misses == 4  # (3 + this one; the hit on b was a hit)
-    assert not hit and e is not ea and not e.ready and e.payload is None
+    assert not hit and e is not ea and not e.ready
     bm.check_invariants()
 
 
 def test_held_entry_is_never_evicted():
     bm = BlockManager(4, 2)
     held, _ = bm.acquire_affix([1, 2, 3])  # 2 pages
-    bm.mark_ready(held, payload="kv")
+    bm.mark_ready(held)
     assert not bm.can_allocate(3)
     with pytest.raises(OutOfPages):
         bm.allocate(3)
     with pytest.raises(OutOfPages):
         bm.acquire_affix([4, 5, 6, 7, 8])
-    assert bm.get_affix(held.key) is held and held.payload == "kv" and bm.evictions() == []
+    assert bm.get_affix(held.key) is held and held.ready and bm.evictions() == []
     bm.allocate(2)
     bm.check_invariants()
 
@@ -464,7 +461,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def mark_ready(self, i):
         e = self.held[i % len(self.held)]
-        self.bm.mark_ready(e, payload=("kv", e.key))
+        self.bm.mark_ready(e)
         assert e.ready
 
     @precondition(lambda self: self.held)
@@ -539,7 +536,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.num_used_pages == bm.num_private_pages + bm.num_shared_pages
         assert bm.stats.hits + bm.stats.misses == self.acquires
         assert bm.stats.evictions + bm.stats.dropped == self.removed
-        assert all(e.pages == [] and e.payload is None for e in self.stale)
+        assert all(e.pages == [] for e in self.stale)
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -25,16 +25,13 @@ Guarantees a demanding user expects:
   cap; they may then get a shorter span, still verified);
 * bounded memory: at most `max_prompts` remembered prompts and `max_tokens` of their tokens (least recently added
   forgotten first; an identical prompt is stored once), int32 storage, index entries proportional to the tokens.
-  Registered affixes are pinned until unregistered: the engine keeps them in step with its stored entries, which
-  the KV pool bounds. Looking them up costs one pass plus one C search per registered affix whose first k-gram
-  occurs in the prompt.
+  Registered affixes are pinned until unregistered (the engine registers only the affixes its user declares,
+  `Engine.register_affix`). Looking them up costs one pass plus one C search per registered affix whose first
+  k-gram occurs in the prompt.
 
-The queries (find, match, find_*) have no side effects. The engine's loop, per request:
-    m = index.observe(prompt)                      # match, then remember the prompt
-    tokens = prompt[m.start:m.end]                 # if m: the affix to share
-    pages, entry, hit = blocks.admit(n_private, tokens)
-    if not hit: compute its K/V; blocks.mark_ready(entry); index.register(tokens)
-    for key in blocks.evictions(): index.unregister(key)   # the same affix_key on both sides
+The queries (find, match, find_*) have no side effects. The engine calls `observe(prompt)` once per request (match,
+then remember the prompt); the span it reports is the affix whose one stored copy the block manager keeps under
+the same content key (`block_manager.affix_key`), so a later prompt with that span reuses it.
 """
 
 from __future__ import annotations

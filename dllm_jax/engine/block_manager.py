@@ -37,7 +37,6 @@ __all__ = [
 
 # Page kinds (one byte per page): where the page is now.
 _FREE, _PRIVATE, _AFFIX = 0, 1, 2
-_UNSET: Any = object()
 
 
 class OutOfPages(RuntimeError):
@@ -85,7 +84,6 @@ class AffixEntry:
     pages: list[int]  # token j lives in slot pages[j // page_size] * page_size + j % page_size
     holders: int = 0  # running requests using it; > 0 means it can never be evicted
     last_used: int = 0  # logical clock of the last acquire or release (LRU order of unheld entries)
-    payload: Any = None  # opaque engine data (e.g. BiCache hidden states); dropped on eviction
     ready: bool = False  # its K/V has been computed (mark_ready); only held entries can be not ready
 
     @property
@@ -246,15 +244,13 @@ class BlockManager:
         self.stats.misses += 1
         return entry, False
 
-    def mark_ready(self, entry: AffixEntry, payload: Any = _UNSET) -> None:
-        """Record that the entry's K/V has been written (and optionally attach the engine's payload). Only a holder
-        can do this: an unheld entry is always ready."""
+    def mark_ready(self, entry: AffixEntry) -> None:
+        """Record that the entry's K/V has been written. Only a holder can do this: an unheld entry is always
+        ready."""
         self._check_stored(entry)
         if entry.holders < 1:
             raise ValueError(f"affix entry {entry.key} is not held")
         entry.ready = True
-        if payload is not _UNSET:
-            entry.payload = payload
 
     def release_affix(self, entry: AffixEntry) -> None:
         """Drop one hold (ValueError, changing nothing, if it has none or is not a stored entry). Its last release
@@ -395,9 +391,7 @@ class BlockManager:
             self._kind[p] = _FREE
             self._tag[p] = None
             self._free.append(p)
-        # A stale reference must not keep device memory alive nor point at pages now reused.
-        entry.pages = []
-        entry.payload = None
+        entry.pages = []  # a stale reference must not point at pages now reused
         self._evicted.append(entry.key)
 
 

@@ -34,7 +34,6 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from dllm_jax.decoding.caches.acache import choose_anchors
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
@@ -62,6 +61,11 @@ __all__ = [
     "enable_compile_cache",
 ]
 log = logging.getLogger("dllm_jax.engine")
+# the engine's counters (stats(); the server's /metrics): requests by outcome, device faults, work done, peaks
+COUNTERS = (
+    "requests finished aborted failed timed_out faults pool_rebuilds generated_tokens blocks block_rows probes "
+    "affix_builds affix_hits peak_pages warmup_seconds compiles_after_warmup compile_seconds_after_warmup"
+).split()
 CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
 
 
@@ -220,25 +224,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.warmed = False
         self._compiles_at_start = compile_totals()
-        self.counters = dict(
-            requests=0,
-            finished=0,
-            aborted=0,
-            failed=0,
-            timed_out=0,
-            faults=0,
-            pool_rebuilds=0,
-            generated_tokens=0,
-            blocks=0,
-            block_rows=0,
-            probes=0,
-            affix_builds=0,
-            affix_hits=0,
-            peak_pages=0,
-            warmup_seconds=0.0,
-            compiles_after_warmup=0,
-            compile_seconds_after_warmup=0.0,
-        )
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # what stats() reports, with the gauges
 
     def _pages_within_budget(self) -> int:
         """The pool's pages: kv_budget_bytes, or kv_fraction of the free memory (at most 1 GiB on the CPU, where the
@@ -446,6 +432,7 @@ class Engine:
         now = time.perf_counter()
         outputs = [self._end(r, "timeout") for r in list(self.scheduler.requests()) if r.deadline and now >= r.deadline]
         admitted = self.scheduler.admit()
+        self.runner.forget(self.block_manager.evictions())  # what the runner keeps of evicted affixes
         self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
         bm = self.block_manager
         for r in admitted:
@@ -464,7 +451,7 @@ class Engine:
             try:
                 if self.before_call is not None:
                     self.before_call([r.request_id for r in group])
-                tokens, keys, steps, importance = self.runner.run_block(group, bm, self._program(group[0]))
+                tokens, keys, steps, ranks = self.runner.run_block(group, bm, self._program(group[0]))
             except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
                 outputs += self._fault(group, e)
                 continue
@@ -472,7 +459,7 @@ class Engine:
             now = time.perf_counter()
             for i, (r, blk, key) in enumerate(zip(group, tokens, keys)):
                 if r.needs_probe:  # this call was its probe (one NFE): its anchors, then its first block next
-                    r.anchors = choose_anchors(importance[i, : r.affix_len], r.affix_span[0], r.anchor_count)
+                    r.anchors = sorted(r.affix_span[0] + int(j) for j in ranks[i, : r.anchor_count])
                     r.probed, r.nfe = True, r.nfe + 1
                     self.counters["probes"] += 1
                 else:
@@ -489,14 +476,12 @@ class Engine:
             self.before_call([r.request_id])
         if not entry.ready:
             self.runner.build_affix(entry.tokens, bm.slots(entry.pages, len(entry.tokens)))
-            bm.mark_ready(entry, payload={})
+            bm.mark_ready(entry)
             self.counters["affix_builds"] += 1
         else:
             self.counters["affix_hits"] += 1
         if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden states (once), its K/V placed
-            if "hidden" not in entry.payload:
-                entry.payload["hidden"] = self.runner.prefix_hidden(entry.tokens)
-            r.prefix_hidden = entry.payload["hidden"]  # the runner takes the rows entering layer r.depth
+            self.runner.store_hidden(entry.key, entry.tokens)
             s, e = r.affix_span
             private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
             self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
@@ -520,6 +505,7 @@ class Engine:
         if lost:
             self.runner.reset_pool()
             self.block_manager.drop_cached()  # every copy's K/V went with the pool; rebuilt on their next use
+            self.runner.forget(self.block_manager.evictions())
             self.counters["pool_rebuilds"] += 1
         return outputs
 

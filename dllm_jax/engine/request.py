@@ -55,7 +55,6 @@ class Request:
     depth: int = 0  # BiCache: layers reusing the shared prefix
     row_values: Any = None  # samplers.rows.RowValues: the sampling settings and step budget its rows carry
     plan: Any = None  # the runner's cached layout of the request (runner.RowPlan), by anchor set
-    prefix_hidden: Any = None  # BiCache: its affix's hidden states alone entering every layer [L + 1, A, d] (device)
     first_block_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None

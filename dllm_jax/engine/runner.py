@@ -35,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState
+from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, rank_anchors
 from dllm_jax.decoding.caches.base import DecodeInputs
 from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, layer_inputs
 from dllm_jax.decoding.caches.dual import DualCache
@@ -215,6 +215,15 @@ class Layout:
             probe_rows=np.full(Ladder.probe_rows, b, np.int32),
         )
 
+    def arrays(self) -> dict:
+        """Every field as a host array (the call's inputs; BiCache's only where set)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value if isinstance(value, (np.ndarray, dict)) else np.int32(value)
+        return out
+
     def add_deep(self, b: int, f: int, w: int, col: int = 0) -> None:
         self.deep, self.deep_writes = np.full((b, f), col, np.int32), np.zeros((b, f), bool)
         self.splice_at, self.prefix_at = np.full((b, w), f, np.int32), np.full(b, f, np.int32)
@@ -246,6 +255,7 @@ class ModelRunner:
         self.reset_pool()
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
         self.probe_seconds = 0.0  # the probe tokens' share of the calls that carried them
+        self.hidden: dict[str, Array] = {}  # BiCache: each stored affix's hidden states (`store_hidden`)
 
     def reset_pool(self) -> None:
         """A zeroed pool (at start, and after a failed call consumed the donated one)."""
@@ -284,12 +294,11 @@ class ModelRunner:
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
             else:
                 lay = Layout.empty(cfg, p.b, t, p.w, lad.read_len, end)
+                hidden = None
                 if isinstance(p.runner.strategy, ShallowReuse):
                     lay.add_deep(p.b, lad.read_len, p.w)
-                    zero = jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)
-                    self._shallow_call(lay, p.runner, [zero] * p.b, compile_only=True)
-                else:
-                    self._block_call(lay, p.runner, compile_only=True)
+                    hidden = [jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)] * p.b
+                self._call(lay, p.runner, hidden, compile_only=True)
 
     # ---- layouts ---------------------------------------------------------------------------------------------------
     def plan(self, r: Request, bm) -> RowPlan:
@@ -373,12 +382,6 @@ class ModelRunner:
                 lay.block_index[i] = len(r.prompt) + done[i] * r.block_length
         return lay
 
-    def _window_inputs(self, lay: Layout) -> tuple:
-        """The device inputs every windowed call starts with: x, positions, the paged read lists, window, writes,
-        the window's live length."""
-        paged = {name: put(getattr(lay, name)) for name in _PAGED}
-        return put(lay.x), put(lay.positions), paged, put(lay.window), put(lay.writes), put(np.int32(lay.live))
-
     # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
         """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots."""
@@ -394,17 +397,20 @@ class ModelRunner:
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps, and the
-        importance of each affix token [B, A] for the rows this call probed (ACache), in affix order)."""
+        ranking of the affix tokens [B, A] for the rows this call probed (ACache: indices in affix order, the most
+        important first; None when it probed none))."""
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
         t1 = time.perf_counter()
+        hidden = None
         if shallow:
             f = self.ladder.read_len
-            rows = [_hidden_rows(r.prefix_hidden, jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f) for r in reqs]
-            blk, keys, steps, importance = self._shallow_call(lay, runner, rows)
-        else:
-            blk, keys, steps, importance = self._block_call(lay, runner)
+            hidden = [
+                _hidden_rows(self.hidden[r.affix_entry.key], jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f)
+                for r in reqs
+            ]
+        blk, keys, steps, ranks = self._call(lay, runner, hidden)
         self.host_seconds += t1 - t0
         seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
         self.device_seconds += seconds
@@ -414,50 +420,39 @@ class ModelRunner:
             steps_tokens = sum(r.block_length * r.row_values.steps for r in reqs if not r.needs_probe)
             share = sum(map(window, probed)) / (sum(map(window, reqs)) + steps_tokens)
             self.probe_seconds += seconds * share
-        return blk[: len(reqs)], keys[: len(reqs)], steps, importance
+        return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
 
-    def _block_call(self, lay: Layout, runner: BlockRunner, compile_only: bool = False) -> tuple | None:
-        return self._run(_run_block, lay, runner, compile_only=compile_only)
-
-    def _shallow_call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array], compile_only=False):
-        """One block of BiCache rows: each row's prefix hidden state [A, d] (at its depth) goes in by row."""
-        stacked = _stack_rows(tuple(hidden), lay.x.shape[0])
-        deep = (put(lay.deep), put(lay.deep_writes), put(lay.splice_at), put(lay.prefix_at), stacked)
-        deep += (put(np.int32(lay.deep_live)),)
-        return self._run(_run_shallow_block, lay, runner, *deep, compile_only=compile_only)
-
-    def _run(self, fn, lay: Layout, runner: BlockRunner, *extra, compile_only: bool = False) -> tuple | None:
-        """One block through `fn` (_run_block or _run_shallow_block; `extra` goes in after the window inputs);
+    def _call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
+        """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
         compile_only: compile its program for these shapes, run nothing."""
-        args = (
-            self.params,
-            self.k,
-            self.v,
-            *self._window_inputs(lay),
-            *extra,
-            put(lay.keys),
-            {name: put(a) for name, a in lay.rows.items()},
-            put(np.int32(lay.block_col)),
-            put(lay.block_index),
-            put(lay.probe_rows),
-        )
+        inputs = jax.device_put(lay.arrays())
+        if hidden is not None:
+            inputs["hidden"] = _stack_rows(tuple(hidden), lay.x.shape[0])
+        args = (self.params, self.k, self.v, inputs)
         static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(lay.x.shape[0]))
         if compile_only:
-            fn.lower(*args, **static).compile()
+            _run_block.lower(*args, **static).compile()
             return None
-        blk, keys, steps, importance, self.k, self.v = fn(*args, **static)
+        blk, keys, steps, ranks, self.k, self.v = _run_block(*args, **static)
         probed = bool((lay.probe_rows < lay.x.shape[0]).any())
-        return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(importance) if probed else None
+        return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(ranks) if probed else None
 
     # ---- BiCache's shared prefix ---------------------------------------------------------------------------------
-    def prefix_hidden(self, tokens: Sequence[int]) -> Array:
-        """The hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix padded to
-        the window ladder; built once per entry)."""
+    def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
+        """Keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix padded
+        to the window ladder) under its entry's key, unless kept already (until `forget`)."""
+        if key in self.hidden:
+            return
         a = len(tokens)
         n = self.ladder.window(a)
         ids = np.zeros((1, n), np.int32)
         ids[0, :a] = tokens
-        return layer_inputs(self.params, self.config, put(ids), put(np.arange(n)[None] < a))
+        self.hidden[key] = layer_inputs(self.params, self.config, put(ids), put(np.arange(n)[None] < a))
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
+        for key in keys:
+            self.hidden.pop(key, None)
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
@@ -491,10 +486,6 @@ def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInp
     )
 
 
-def _view(config, k, v, paged: dict, rotate: bool) -> PagedKV:
-    return PagedKV(k=k, v=v, **paged, rope_theta=config.rope_theta, rotate=rotate)
-
-
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k", "v"))
 def _build_affix(params, k, v, ids, slots, length, *, config):
     n = ids.shape[1]
@@ -515,58 +506,52 @@ def _build_affix(params, k, v, ids, slots, length, *, config):
     return k, v
 
 
-# Shared affixes are read rotated by their placement in every call: a rotation by 0 (a prefix, or no affix) changes
-# no bit, so one program serves every placement.
-
-
-def _decode_block(params, runner: BlockRunner, inp: DecodeInputs, x, state, keys, rows, block_col) -> tuple:
-    """Decode one block from a block-start state (traced inside _run_block and _run_shallow_block): its tokens,
-    the new key data, the steps it took and the K/V."""
-    settings = RowSettings(**rows)
-    s = runner.initial_state(x, state, jax.random.wrap_key_data(keys), runner.gc.max_steps_per_block(), settings)
-    s = runner.run_block(params, inp, s, block_col, False)
-    blk = jax.lax.dynamic_slice_in_dim(s.x, block_col, runner.gc.schedule.block_length, axis=1)
-    importance = getattr(s.cache, "importance", None)  # ACache's probe of the probed rows (BiCache: none)
-    if importance is None:
-        importance = jnp.zeros(s.cache.kv.shared_slots.shape, jnp.float32)
-    return blk, jax.random.key_data(s.key), s.step, importance, s.cache.kv.k, s.cache.kv.v
-
-
 @functools.partial(jax.jit, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"))
-def _run_block(
-    params,
-    k,
-    v,
-    x,
-    positions,
-    paged,
-    window,
-    writes,
-    live,
-    keys,
-    rows,
-    block_col,
-    block_index,
-    probe_rows,
-    *,
-    runner,
-    kernels,
-    chunk,
-):
-    config = runner.config
-    inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
-    kv = _view(config, k, v, paged, True)
-    state = AnchoredState(
+def _run_block(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
+    """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
+    ranking of the probed rows' affix tokens and the pool. `inputs`: `Layout.arrays()` on the device (plus "hidden" for
+    BiCache rows)."""
+    config, d = runner.config, inputs
+    inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
+    shallow = isinstance(runner.strategy, ShallowReuse)
+    # shared affixes are read rotated by their placement: a rotation by 0 (a prefix, or no affix) changes no bit, so
+    # one program serves every placement (BiCache rows read their affix from their own, placed copy)
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
+    common = dict(
         kv=kv,
-        window=window,
-        writes=writes,
-        importance=jnp.zeros(kv.shared_slots.shape, jnp.float32),
-        block_col=block_col,
-        block_index=block_index,
-        probe_rows=probe_rows,
-        chunks=WindowChunks(chunk, live),
+        window=d["window"],
+        writes=d["writes"],
+        block_col=d["block_col"],
+        block_index=d["block_index"],
+        chunks=WindowChunks(chunk, d["live"]),
     )
-    return _decode_block(params, runner, inp, x, state, keys, rows, block_col)
+    if shallow:  # each row's prefix hidden states, placed at its prefix in the deep window
+        hidden, (b, f) = d["hidden"], d["deep"].shape
+        at = d["prefix_at"][:, None] + jnp.arange(hidden.shape[1])[None]
+        prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype)
+        prefix = prefix.at[jnp.arange(b)[:, None], at].set(hidden, mode="drop")
+        state = ShallowState(
+            **common,
+            prefix_hidden=prefix,
+            deep=d["deep"],
+            deep_writes=d["deep_writes"],
+            splice_at=d["splice_at"],
+            deep_chunks=WindowChunks(chunk, d["deep_live"]),
+        )
+    else:
+        importance = jnp.zeros(kv.shared_slots.shape, jnp.float32)
+        state = AnchoredState(**common, importance=importance, probe_rows=d["probe_rows"])
+    settings = RowSettings(**d["rows"])
+    key = jax.random.wrap_key_data(d["keys"])
+    s = runner.initial_state(d["x"], state, key, runner.gc.max_steps_per_block(), settings)
+    s = runner.run_block(params, inp, s, d["block_col"], False)
+    blk = jax.lax.dynamic_slice_in_dim(s.x, d["block_col"], runner.gc.schedule.block_length, axis=1)
+    kv = s.cache.kv
+    if shallow:  # BiCache rows are never probed
+        ranks = jnp.zeros(kv.shared_slots.shape, jnp.int32)
+    else:  # the probed rows' affix tokens (their shared list: the whole affix, in order), most important first
+        ranks = rank_anchors(s.cache.importance, kv.shared_mask(), kv.shared_slots.shape[1])
+    return blk, jax.random.key_data(s.key), s.step, ranks, kv.k, kv.v
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
@@ -596,53 +581,3 @@ def _place(k, v, src, dst, offset, *, theta):
         new_k.append(kl.at[dst].set(rotated, mode="drop"))
         new_v.append(vl.at[dst].set(vl[src], mode="drop"))
     return tuple(new_k), tuple(new_v)
-
-
-@functools.partial(jax.jit, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"))
-def _run_shallow_block(
-    params,
-    k,
-    v,
-    x,
-    positions,
-    paged,
-    window,
-    writes,
-    live,
-    deep,
-    deep_writes,
-    splice_at,
-    prefix_at,
-    hidden,
-    deep_live,
-    keys,
-    rows,
-    block_col,
-    block_index,
-    probe_rows,
-    *,
-    runner,
-    kernels,
-    chunk,
-):
-    config = runner.config
-    inp = _inputs(config, positions, runner.gc.schedule.block_length, kernels)
-    kv = _view(config, k, v, paged, False)
-    b, f = deep.shape
-    batch_rows = jnp.arange(b)[:, None]
-    at = prefix_at[:, None] + jnp.arange(hidden.shape[1])[None]
-    prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype).at[batch_rows, at].set(hidden, mode="drop")
-    state = ShallowState(
-        kv=kv,
-        prefix_hidden=prefix,
-        window=window,
-        writes=writes,
-        deep=deep,
-        deep_writes=deep_writes,
-        splice_at=splice_at,
-        block_col=block_col,
-        block_index=block_index,
-        chunks=WindowChunks(chunk, live),
-        deep_chunks=WindowChunks(chunk, deep_live),
-    )
-    return _decode_block(params, runner, inp, x, state, keys, rows, block_col)

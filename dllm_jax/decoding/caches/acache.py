@@ -43,11 +43,10 @@ def anchor_count(affix_len: int, ratio: float) -> int:
     return min(math.ceil(ratio * affix_len - 1e-9), affix_len)
 
 
-def choose_anchors(importance: np.ndarray, start: int, k: int) -> list[int]:
-    """The k most important affix tokens (importance in affix order; ties: the earlier token, as `prepare`'s top-k
-    on the device), as sorted prompt indices of an affix starting at `start` (the serving engine's host side)."""
-    order = np.argsort(-np.asarray(importance), kind="stable")[:k]
-    return sorted(int(j) + start for j in order)
+def rank_anchors(scores: Array, affix: Array, k: int) -> Array:
+    """[B, k] int32: each row's k highest-scoring affix positions (`affix` True), best first, ties to the lower
+    position: the one anchor choice, of `prepare` and of the serving engine's probe (its first K of them)."""
+    return jax.lax.top_k(jnp.where(affix, scores, -jnp.inf), k)[1].astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -323,7 +322,7 @@ def prepare(params, config, inp: DecodeInputs, a: AnchorInputs, x: Array, kv: KV
         anchor_writes = jnp.zeros((b, 0), bool)
     else:
         # top-K of the affix positions (ties: the lower position), then ranks past the row's own K are fillers
-        _, top = jax.lax.top_k(jnp.where(a.affix, out.probe, -jnp.inf), a.max_anchors)
+        top = rank_anchors(out.probe, a.affix, a.max_anchors)
         anchor_writes = jnp.arange(a.max_anchors)[None, :] < a.anchor_counts[:, None]
         # in position order; the fillers (marked past the end) sort last, where anchor_writes is already False
         anchors = jnp.sort(jnp.where(anchor_writes, top, x.shape[1]), axis=1)
