@@ -14,6 +14,7 @@ import pytest
 from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.decoding.config import Shallow
+from dllm_jax.engine import engine as engine_module
 from dllm_jax.engine.block_manager import pages_for
 from dllm_jax.engine.engine import Engine, EngineConfig, KVBudgetError, RequestError
 from dllm_jax.engine.request import Status
@@ -395,6 +396,24 @@ def test_abort_frees_pages_and_streams_the_end(models_fp32):
     assert not engine.abort(rid) and not engine.abort("unknown")  # already finished; never submitted
     assert not engine.has_unfinished() and engine.block_manager.num_used_pages == 0
     assert engine.request(rid).status == engine.request(waiting).status == Status.FINISHED
+
+
+def test_finished_records_are_bounded_without_release(models_fp32, monkeypatch):
+    """A caller that never releases its finished requests does not grow the engine without end: the latest
+    FINISHED_KEPT stay readable, older ones are dropped (aborts: finished without any device work)."""
+    monkeypatch.setattr(engine_module, "FINISHED_KEPT", 3)
+    engine = engine_for(models_fp32["llada"], max_queue=8)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual")
+    ids = [engine.add_request(PLACED[0][0], gc, affix=None) for _ in range(5)]
+    for rid in ids:
+        assert engine.abort(rid)
+    for rid in ids[:2]:
+        with pytest.raises(KeyError):
+            engine.request(rid)
+    assert all(engine.request(rid).finish_reason == "abort" for rid in ids[2:])
+    engine.release(ids[2])  # a released record leaves at once; the bound still counts it until it ages out
+    with pytest.raises(KeyError):
+        engine.request(ids[2])
 
 
 @pytest.mark.parametrize(

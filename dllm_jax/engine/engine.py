@@ -22,6 +22,7 @@ no request compiles anything; a compile after warm-up is counted and logged as a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -66,6 +67,7 @@ COUNTERS = (
     "requests finished aborted failed timed_out faults pool_rebuilds generated_tokens blocks block_rows probes "
     "affix_builds affix_hits peak_pages warmup_seconds compiles_after_warmup compile_seconds_after_warmup"
 ).split()
+FINISHED_KEPT = 4096  # finished requests whose records stay readable until `release` (older ones are dropped)
 CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
 
 
@@ -222,6 +224,7 @@ class Engine:
         self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._finished: collections.deque[Request] = collections.deque()  # finished records, oldest first
         self.warmed = False
         self._compiles_at_start = compile_totals()
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # what stats() reports, with the gauges
@@ -544,6 +547,11 @@ class Engine:
         self.scheduler.finish(r)
         r.finish_reason, r.finish_time = reason, now or time.perf_counter()
         self.counters[{"abort": "aborted", "error": "failed", "timeout": "timed_out"}.get(reason, "finished")] += 1
+        self._finished.append(r)  # bounded: a caller that never releases does not grow the engine without end
+        while len(self._finished) > FINISHED_KEPT:
+            old = self._finished.popleft()
+            if self._requests.get(old.request_id) is old:
+                del self._requests[old.request_id]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (waiting or running) and free its pages. False if it is unknown or already done."""
@@ -556,6 +564,8 @@ class Engine:
         return True
 
     def request(self, request_id: str) -> Request:
+        """A request's record: while it waits or runs, and once finished until `release` (or until FINISHED_KEPT
+        later requests finished). KeyError otherwise."""
         return self._requests[request_id]
 
     def release(self, request_id: str) -> None:
@@ -575,16 +585,19 @@ class Engine:
     ) -> list[list[int]]:
         """Serve a list of prompts to the end (a progress bar over blocks); returns each one's answer tokens."""
         ids = [self.add_request(p, config, affix=affix, seed=seeds[i] if seeds else 0) for i, p in enumerate(prompts)]
+        answers: dict[str, list[int]] = dict.fromkeys(ids)
         total = sum(self._requests[i].n_blocks for i in ids)
         with tqdm(total=total, desc="blocks", unit="block", disable=not progress) as bar:
-            while any(self._requests[i].status != Status.FINISHED for i in ids):
-                outs = self.step()
-                bar.update(sum(1 for o in outs if o.request_id in ids))
-        stops = lambda r: tuple(r.config.stop_token_ids(self.model.config))  # noqa: E731
-        answers = [self._requests[i].answer(stops(self._requests[i])) for i in ids]
-        for i in ids:
-            self.release(i)
-        return answers
+            while any(a is None for a in answers.values()):
+                for out in self.step():
+                    if out.request_id not in answers:
+                        continue  # another caller's request
+                    bar.update(1)
+                    if out.finished:  # its answer now: the record is released at once
+                        r = self._requests[out.request_id]
+                        answers[out.request_id] = r.answer(tuple(r.config.stop_token_ids(self.model.config)))
+                        self.release(out.request_id)
+        return list(answers.values())
 
     def program_count(self) -> int:
         """How many programs serving can ever run (a function of the settings only): what `warmup` compiles."""
