@@ -155,11 +155,6 @@ class BlockManager:
         """Pages an allocation may take now: free plus evictable (num_pages - num_used_pages)."""
         return len(self._free) + self._num_cached
 
-    @property
-    def num_entries(self) -> int:
-        """Stored affix entries, held or not."""
-        return len(self._entries)
-
     def lru_keys(self) -> list[str]:
         """Keys of the unheld entries in eviction order (least recently used first)."""
         return list(self._lru)

@@ -40,9 +40,10 @@ from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
 from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.decoding.samplers import FamilySampler
-from dllm_jax.decoding.samplers.rows import RowSampler, RowValues, static_part
+from dllm_jax.decoding.samplers.rows import RowSampler
 from dllm_jax.engine.affix_index import AffixIndex
 from dllm_jax.engine.block_manager import BlockManager, pages_for
+from dllm_jax.engine.intake import AffixHandle, Intake, RequestError
 from dllm_jax.engine.kv_pool import kv_bytes_per_token
 from dllm_jax.engine.request import BlockOutput, Request, Status
 from dllm_jax.engine.runner import STRATEGY, Ladder, ModelRunner, compile_totals
@@ -69,10 +70,6 @@ COUNTERS = (
 ).split()
 FINISHED_KEPT = 4096  # finished requests whose records stay readable until `release` (older ones are dropped)
 CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
-
-
-class RequestError(ValueError):
-    """A request the engine refuses at submit: the message names the field."""
 
 
 class KVBudgetError(ValueError):
@@ -144,14 +141,6 @@ class EngineConfig:
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class AffixHandle:
-    """A registered affix (`Engine.register_affix`)."""
-
-    key: str
-    tokens: tuple[int, ...]
-
-
 def free_memory_bytes(device: jax.Device) -> int:
     """Bytes free on `device`: what its allocator reports, else (the CPU) the host's available memory; 0 if
     unknown."""
@@ -187,17 +176,19 @@ class Engine:
             self.block_manager, self.config.max_batch, self.config.max_batch, self.config.max_queue
         )
         # what is served, resolved once: each is part of the programs' keys (everything else is data)
+        m = self.config.min_affix_tokens
+        self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         default_block = generation_defaults(getattr(model, "path", None)).get("block_length", 32)
-        self.block_lengths = self.config.block_lengths or (default_block,)
-        self.sampler = static_part((self.config.sampler or FamilySampler()).resolve(mc.family))
-        for depth in self.config.shallow_depths:
-            if depth > mc.n_layers:
-                raise ValueError(f"EngineConfig.shallow_depths: {depth} exceeds the model's {mc.n_layers} layers")
-        if max(self.block_lengths) >= self.max_len:
-            raise ValueError(
-                f"EngineConfig.block_lengths={self.block_lengths}: a block must be shorter than max_model_len "
-                f"{self.max_len}"
-            )
+        self.intake = Intake.serving(
+            mc,
+            self.max_len,
+            self.config.block_lengths or (default_block,),
+            self.config.sampler,
+            self.config.shallow_depths,
+            self.affixes,
+            self.config.auto_affix,
+        )
+        self.block_lengths, self.sampler = self.intake.block_lengths, self.intake.sampler
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
@@ -220,8 +211,6 @@ class Engine:
             for depth in (None, *self.config.shallow_depths)
         }
         self._programs = self.runner.programs(list(self._runners.values()))  # fixed with the settings
-        m = self.config.min_affix_tokens
-        self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._finished: collections.deque[Request] = collections.deque()  # finished records, oldest first
@@ -255,10 +244,7 @@ class Engine:
     def register_affix(self, tokens: Sequence[int]) -> AffixHandle:
         """Declare a span many requests will contain (a system prompt, few-shot examples, a document): requests
         naming the handle, or containing its tokens anywhere, share its one stored copy."""
-        toks = tuple(int(t) for t in tokens)
-        self._check_tokens(toks, "affix")
-        key = self.affixes.register(toks)
-        return AffixHandle(key, toks)
+        return self.intake.handle(tokens)
 
     def add_request(
         self,
@@ -304,111 +290,13 @@ class Engine:
     ) -> Request:
         """The checked request `add_request` would queue (RequestError otherwise), with its affix span resolved
         and, for BiCache, its depth; not queued. remember=False: affix discovery does not record the prompt."""
-        gc = config or GenerationConfig(cache=CacheConfig("dual"))
-        prompt = [int(t) for t in prompt]
-        self._check_config(gc)
-        self._check_tokens(prompt, "prompt")
-        if len(prompt) + gc.schedule.gen_length > self.max_len:
-            raise RequestError(
-                f"prompt of {len(prompt)} tokens + gen_length {gc.schedule.gen_length} exceeds the "
-                f"engine's maximum length {self.max_len}"
-            )
-        req = Request(request_id, prompt, gc, self._affix_span(prompt, gc, affix, remember))
-        if isinstance(req.technique, Shallow):
-            req.depth = self._depth(req)
-        s = gc.schedule
-        req.row_values = RowValues.of(gc.sampler_for(self.model.config), s.steps_per_block, s.block_length)
+        req = self.intake.request(prompt, config, affix, request_id, remember)
         if not self.scheduler.fits_ever(req):
             raise RequestError(
                 f"request {request_id} needs {pages_for(req.private_tokens(), self.config.page_size)} "
                 f"pages (plus its affix), more than the whole pool's {self.block_manager.num_pages}"
             )
         return req
-
-    def _check_tokens(self, toks: Sequence[int], what: str) -> None:
-        if len(toks) == 0:
-            raise RequestError(f"the {what} is empty")
-        v = self.model.config.vocab_size
-        bad = [t for t in toks if not 0 <= t < v]
-        if bad:
-            raise RequestError(f"the {what} has token ids outside [0, {v}): {bad[:5]}")
-
-    def _check_config(self, gc: GenerationConfig) -> None:
-        if not isinstance(gc, GenerationConfig):
-            raise RequestError(f"config must be a GenerationConfig, got {type(gc).__name__}")
-        if gc.cache.mode != "dual":
-            raise RequestError(f"the engine decodes with the dual cache: cache={gc.cache.mode!r} is not served")
-        if gc.cache.refresh != "block" or gc.cfg_scale:
-            raise RequestError("the engine serves refresh='block' without classifier-free guidance")
-        try:
-            gc.check_model(self.model.config)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        # the settings that are part of a program's key must be among those served (and warmed)
-        bl = gc.schedule.block_length
-        if bl not in self.block_lengths:
-            raise RequestError(
-                f"block_length={bl} is not served: this engine serves block lengths {list(self.block_lengths)} "
-                "(EngineConfig.block_lengths; dllm-jax serve --block-lengths)"
-            )
-        sampler = static_part(gc.sampler_for(self.model.config))
-        if sampler != self.sampler:
-            raise RequestError(
-                f"the sampler {sampler} is not served: this engine decodes with {self.sampler} (temperature, top_p, "
-                "top_k, threshold, factor and steps may vary per request; EngineConfig.sampler sets the rest)"
-            )
-
-    def _affix_span(
-        self, prompt: list[int], gc: GenerationConfig, affix, remember: bool = True
-    ) -> tuple[int, int] | None:
-        if affix is None or gc.cache.affix is None:
-            return None
-        if isinstance(affix, AffixHandle):
-            at = _find(prompt, affix.tokens)
-            if at is None:
-                raise RequestError(f"the prompt does not contain the affix {affix.key}")
-            return at, at + len(affix.tokens)
-        if isinstance(affix, str):
-            if affix != "auto":
-                raise RequestError(f"affix={affix!r}: expected 'auto', a handle, a (start, end) span or None")
-            if not self.config.auto_affix:
-                return None
-            match = self.affixes.observe(prompt) if remember else self.affixes.match(prompt)
-            return None if match is None else (match.start, match.end)
-        try:
-            s, e = (int(v) for v in affix)
-        except (TypeError, ValueError):
-            raise RequestError(f"affix={affix!r}: expected 'auto', a handle, a (start, end) span or None") from None
-        if not 0 <= s < e <= len(prompt):
-            raise RequestError(f"affix span ({s}, {e}) is not a non-empty span of the {len(prompt)}-token prompt")
-        return s, e
-
-    def _depth(self, req: Request) -> int:
-        """BiCache's depth for the request: its own, or its table's rounded down to a served depth (shallower
-        reuses less: closer to exact)."""
-        from dllm_jax.decoding.caches.bicache import batch_depth
-
-        t = req.config.cache.affix
-        served = self.config.shallow_depths
-        try:
-            depth = batch_depth(
-                self.model.config,
-                [req.affix_span],
-                [len(req.prompt)],
-                req.gen_length,
-                t.depth,
-                dict(t.table) if t.table else None,
-            )
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if t.depth is None:
-            depth = max((d for d in served if d <= depth), default=depth)
-        if depth not in served:
-            raise RequestError(
-                f"shallow_depth={depth} is not served: this engine serves BiCache depths {list(served)} "
-                "(EngineConfig.shallow_depths; dllm-jax serve --shallow-depths)"
-            )
-        return depth
 
     # ---- running ------------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -461,9 +349,8 @@ class Engine:
             self.consecutive_faults = 0
             now = time.perf_counter()
             for i, (r, blk, key) in enumerate(zip(group, tokens, keys)):
-                if r.needs_probe:  # this call was its probe (one NFE): its anchors, then its first block next
-                    r.anchors = sorted(r.affix_span[0] + int(j) for j in ranks[i, : r.anchor_count])
-                    r.probed, r.nfe = True, r.nfe + 1
+                if r.needs_probe:  # this call was its probe: its anchors now, its first block next call
+                    r.probe_done(ranks[i])
                     self.counters["probes"] += 1
                 else:
                     outputs.append(self._commit(r, blk.tolist(), key, steps, now))
@@ -659,12 +546,3 @@ def enable_compile_cache(path: str | os.PathLike) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def _find(prompt: list[int], tokens: Sequence[int]) -> int | None:
-    n = len(tokens)
-    first = tokens[0]
-    for i in range(len(prompt) - n + 1):
-        if prompt[i] == first and prompt[i : i + n] == list(tokens):
-            return i
-    return None

@@ -99,6 +99,12 @@ class Request:
         """ACache: the anchors are not chosen yet (the request's next block call probes instead of decoding)."""
         return self.anchor_count > 0 and not self.probed
 
+    def probe_done(self, ranking) -> None:
+        """ACache: its probe ran (one NFE): its anchors are the first anchor_count of `ranking` (its affix tokens,
+        the most important first, from `acache.rank_anchors`), as sorted prompt indices."""
+        self.anchors = sorted(self.affix_span[0] + int(j) for j in ranking[: self.anchor_count])
+        self.probed, self.nfe = True, self.nfe + 1
+
     @property
     def total_len(self) -> int:
         return len(self.prompt) + self.gen_length
