@@ -255,23 +255,20 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
 
 def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
     """The probe of only some rows of a batch (`rows` [P] int32 batch indices, the batch size for an empty slot):
-    what `affix_importance_probe` gives those rows, zero elsewhere. Each listed row is scored alone (its own keys,
-    chunks without a [MASK] query skipped), and a forward that lists no row scores nothing: so the serving engine
-    probes newly admitted requests inside the block-start forward of the running ones, at the cost of their
-    tokens."""
+    what `affix_importance_probe` gives those rows, zero elsewhere. The listed rows are scored together, each with
+    its own keys (chunks without a [MASK] query skipped), and a forward that lists no row scores nothing: so the
+    serving engine probes newly admitted requests inside the block-start forward of the running ones, at the cost
+    of their tokens. No loop over the rows: each iteration of a loop in a GPU program waits for its predicate on
+    the host, per layer and per block-start chunk."""
 
     def probe(q: Array, cache, i) -> Array:
         b = q.shape[0]
         zero = jnp.zeros(affix_keys.shape, jnp.float32)
 
-        def one(j, out):  # a loop, not unrolled: one copy of the scoring per layer in the program
-            r = jnp.minimum(rows[j], b - 1)
-            queries = mask_queries[r][None] & (rows[j] < b)
-            imp = _chunked(affix_keys[r][None], q[r][None], cache.keys(i, r[None]), queries, skip_empty=True)
-            return out.at[r].add(imp[0])
-
         def scored():
-            return jax.lax.fori_loop(0, rows.shape[0], one, zero)
+            r, live = jnp.minimum(rows, b - 1), rows < b
+            imp = _chunked(affix_keys[r], q[r], cache.keys(i, r), mask_queries[r] & live[:, None], skip_empty=True)
+            return zero.at[r].add(jnp.where(live[:, None], imp, 0.0))
 
         return jax.lax.cond(jnp.any(rows < b), scored, lambda: zero)
 
