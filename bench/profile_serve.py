@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="serve's default: the model's, at most 4096")
     ap.add_argument("--compile-cache", default=bench_serve.DEFAULT_CACHE)
     ap.add_argument("--no-generate", action="store_true")
+    ap.add_argument("--compiler-option", action="append", metavar="NAME=VALUE", help="serve's, for the engine")
     common.output_args(ap)
     args = ap.parse_args(argv)
     item_args = SimpleNamespace(output_len=args.output_len, block_len=32, steps_per_block=8, bicache_depth=None)
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     flags = ["--max-batch", "16", "--kv-budget-gib", f"{args.kv_budget_gib:g}", "--compile-cache", args.compile_cache]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
+    for option in args.compiler_option or ():
+        flags += ["--compiler-option", option]
     engine = bench_serve.serve_engine(model, flags)
     bench_serve.warm(engine, "dllm-jax serve " + " ".join(flags))
     rows = []

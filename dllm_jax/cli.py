@@ -62,6 +62,21 @@ unit_interval = _checked(float, lambda v: not 0.0 <= v <= 1.0, "in [0, 1]")
 non_negative_int = _checked(int, lambda v: v < 0, ">= 0")
 
 
+def compiler_option(text: str) -> tuple[str, Any]:
+    """NAME=VALUE as an XLA option: true / false as booleans, numbers as numbers, anything else as text."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("xla_"):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with an XLA option name (xla_...), got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
+
+
 def default_of(cls: type, field: str) -> Any:
     """A dataclass field's default: the flags that set ServeSettings / EngineConfig fields take theirs from there."""
     return next(f.default for f in dataclasses.fields(cls) if f.name == field)
@@ -222,6 +237,7 @@ def engine_config(args: argparse.Namespace, depths: tuple[int, ...] = ()) -> Eng
             shallow_depths=depths,
             batch_sizes=None if args.batch_sizes is None else tuple(args.batch_sizes),
             window_sizes=None if args.window_sizes is None else tuple(args.window_sizes),
+            compiler_options=tuple(args.compiler_option or ()),
         )
     except ValueError as e:
         raise config_error(e) from None
@@ -232,7 +248,7 @@ def config_error(e: ValueError) -> UsageError:
     from dllm_jax.engine.engine import EngineConfig
 
     field = next((f.name for f in dataclasses.fields(EngineConfig) if f"EngineConfig.{f.name}" in str(e)), None)
-    flag = {"kv_budget_bytes": "kv_budget_gib"}.get(field, field)
+    flag = {"kv_budget_bytes": "kv_budget_gib", "compiler_options": "compiler_option"}.get(field, field)
     return UsageError(f"argument --{flag.replace('_', '-')}: {e}" if flag else str(e))
 
 
@@ -432,8 +448,16 @@ def build_parser() -> Parser:
         nargs="+",
         default=None,
         metavar="N",
-        help="widths a block start's window (the tokens it recomputes) is padded to, --max-model-len always "
-        "added (default: 256, 1024, 4096): finer ladders pad less (faster on long prompts) and compile more",
+        help="widths a stored affix's own forward (once per affix) is padded to, --max-model-len always added "
+        "(default: 256, 1024, 4096, ...): each is a compiled program",
+    )
+    v.add_argument(
+        "--compiler-option",
+        type=compiler_option,
+        action="append",
+        metavar="NAME=VALUE",
+        help="an XLA option the block programs are compiled with (repeatable; e.g. "
+        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE); checked at start",
     )
     v.add_argument(
         "--block-lengths",

@@ -134,6 +134,9 @@ def test_bad_flags(argv, message, capsys):
         (["--shallow-depths", "-1"], "argument --shallow-depths: must be >= 0, got -1"),
         (["--shallow-depths", "2", "9"], "argument --shallow-depths: 9 exceeds the model's 6 layers"),
         (["--shallow-depths", "2", "--shallow-depth", "3"], "argument --shallow-depth: 3 is not among --shallow-de"),
+        (["--compiler-option", "fast=1"], "argument --compiler-option: expected NAME=VALUE with an XLA option name"),
+        (["--compiler-option", "xla_no_such_option=1"], "argument --compiler-option: EngineConfig.compiler_options="),
+        (["--compiler-option", "xla_cpu_enable_fast_math=maybe"], "not a valid bool value"),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):

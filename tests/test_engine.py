@@ -398,6 +398,18 @@ def test_abort_frees_pages_and_streams_the_end(models_fp32):
     assert engine.request(rid).status == engine.request(waiting).status == Status.FINISHED
 
 
+def test_compiler_options_reach_the_block_programs(models_fp32, tmp_path):
+    """EngineConfig.compiler_options are the block programs' XLA options (here XLA's dump directory, which then
+    holds the block program), and answers are unchanged; a bad option is refused when the engine is made."""
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual")
+    engine = engine_for(m, compiler_options=(("xla_dump_to", str(tmp_path)),))
+    assert engine.generate([PLACED[0][0]], gc, affix=None, progress=False) == [solo(m, PLACED[0][0], gc)]
+    assert any("block_call" in p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="No such compile option"):
+        engine_for(m, compiler_options=(("xla_no_such_option", 1),))
+
+
 def test_finished_records_are_bounded_without_release(models_fp32, monkeypatch):
     """A caller that never releases its finished requests does not grow the engine without end: the latest
     FINISHED_KEPT stay readable, older ones are dropped (aborts: finished without any device work)."""

@@ -93,7 +93,9 @@ class EngineConfig:
     part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp and eps; None: the family's
     default); temperature, top-p / top-k, threshold or factor and steps are per request. shallow_depths: the BiCache
     depths served (none by default: BiCache requests are refused). Each of these multiplies the programs compiled
-    at warm-up; a request outside them gets RequestError naming the list."""
+    at warm-up; a request outside them gets RequestError naming the list. compiler_options: XLA options (name,
+    value) the block programs are compiled with (XLA's defaults when empty; for experiments such as command
+    buffers), checked when the engine is made."""
 
     max_batch: int = 16
     kv_budget_bytes: int | None = None
@@ -110,6 +112,7 @@ class EngineConfig:
     block_lengths: tuple[int, ...] | None = None
     sampler: FamilySampler | None = None
     shallow_depths: tuple[int, ...] = ()
+    compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk"):
@@ -130,6 +133,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.window_sizes={self.window_sizes} must be positive")
         if self.block_lengths is not None and (not self.block_lengths or min(self.block_lengths) <= 0):
             raise ValueError(f"EngineConfig.block_lengths={self.block_lengths} must be positive")
+        object.__setattr__(
+            self, "compiler_options", tuple((str(k), str(v)) for k, v in dict(self.compiler_options).items())
+        )
         if self.shallow_depths and min(self.shallow_depths) < 0:
             raise ValueError(f"EngineConfig.shallow_depths={self.shallow_depths} must be >= 0")
         if self.batch_sizes is not None and (
@@ -199,7 +205,8 @@ class Engine:
             self.config.window_sizes,
             self.config.window_chunk,
         )
-        self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels)
+        options = self.config.compiler_options
+        self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels, options)
         self._runners = {
             (bl, depth): BlockRunner(
                 mc,

@@ -240,8 +240,18 @@ class Program:
 
 
 class ModelRunner:
-    def __init__(self, params: dict, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels):
+    def __init__(
+        self,
+        params: dict,
+        config: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        ladder: Ladder,
+        kernels,
+        compiler_options: tuple = (),
+    ):
         self.params, self.config = params, config
+        self._run_block = _block_program(compiler_options)
         self.num_slots, self.max_len = num_slots, max_len
         self.ladder = ladder
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
@@ -431,9 +441,9 @@ class ModelRunner:
         args = (self.params, self.k, self.v, inputs)
         static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(lay.x.shape[0]))
         if compile_only:
-            _run_block.lower(*args, **static).compile()
+            self._run_block.lower(*args, **static).compile()
             return None
-        blk, keys, steps, ranks, self.k, self.v = _run_block(*args, **static)
+        blk, keys, steps, ranks, self.k, self.v = self._run_block(*args, **static)
         probed = bool((lay.probe_rows < lay.x.shape[0]).any())
         return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(ranks) if probed else None
 
@@ -506,8 +516,24 @@ def _build_affix(params, k, v, ids, slots, length, *, config):
     return k, v
 
 
-@functools.partial(jax.jit, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"))
-def _run_block(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
+@functools.lru_cache(maxsize=None)
+def _block_program(options: tuple = ()):
+    """The jitted block call compiled with these XLA options ((name, value) pairs; () = XLA's defaults): one jit
+    object, hence one compilation cache, per set. A bad option fails here, at a trivial program, not at warm-up."""
+    if options:
+        try:
+            jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).lower().compile()
+        except Exception as e:  # noqa: BLE001  XLA says which option, in its own words
+            raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
+    return jax.jit(
+        _block_call,
+        static_argnames=("runner", "kernels", "chunk"),
+        donate_argnames=("k", "v"),
+        compiler_options=dict(options) or None,
+    )
+
+
+def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
     """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
     ranking of the probed rows' affix tokens and the pool. `inputs`: `Layout.arrays()` on the device (plus "hidden" for
     BiCache rows)."""
