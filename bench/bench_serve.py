@@ -31,7 +31,7 @@ warmup_s_cached (a second start with it), each measured in a fresh process (--st
 the device, else this process's own warm-up (`start`: which).
 --http serves rows through `dllm-jax serve`'s app (uvicorn on 127.0.0.1; the official `openai` client streaming from
 a process of its own, prompts sent as token ids, per-request settings as the request's fields) after the same row
-through the Python API (`transport` python and http, `vs_python` their ratio); for mixed, the closed loop only.
+through the Python API (`transport` python and http, `vs_python` their ratio); for mixed, at every --arrivals.
 Each row is written when it finishes (a run cut short keeps its rows; rows merge by --run label), a plot at the end.
 
     PYTHONPATH=. python bench/bench_serve.py --run NAME                       # the closed16 rows at 1024 tokens
@@ -299,10 +299,11 @@ class IdTokenizer:
         return [int(w) for w in text.split()]
 
 
-def http_drive(engine: Engine, items: list[Item], concurrency: int, admission_wait: float) -> dict:
+def http_drive(engine: Engine, items: list[Item], arrival: str, concurrency: int, admission_wait: float) -> dict:
     """The items through `dllm-jax serve`'s app (uvicorn in a thread on the warmed engine) from the openai
-    client's async API in a process of its own (as clients are: in this one they would take the GIL from the
-    engine thread and the server), streaming (the first chunk is the first block), a closed loop of `concurrency`."""
+    client's async API in processes of their own (as clients are: in this one they would take the GIL from the
+    engine thread and the server; bench/tools/http_clients.py), streaming (the first chunk is the first block): a
+    closed loop of `concurrency`, or the arrival pattern's times."""
     import tempfile
     import threading
 
@@ -331,7 +332,14 @@ def http_drive(engine: Engine, items: list[Item], concurrency: int, admission_wa
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "clients.json"
         spec.write_text(
-            json.dumps(dict(url=url, concurrency=concurrency, items=[[it.prompt, it.http] for it in items]))
+            json.dumps(
+                dict(
+                    url=url,
+                    concurrency=concurrency,
+                    items=[[it.prompt, it.http] for it in items],
+                    arrivals=None if (times := arrival_times(arrival, len(items))) is None else times.tolist(),
+                )
+            )
         )
         try:
             cmd = [sys.executable, str(Path(__file__).resolve().parent / "tools" / "http_clients.py"), str(spec)]
@@ -376,7 +384,7 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
     s0 = engine.stats()
     if transport == "http":
         wait = cli.build_parser().parse_args(["serve", *serve_flags(args)]).admission_wait
-        t = http_drive(engine, items, args.concurrency, wait)
+        t = http_drive(engine, items, arrival, args.concurrency, wait)
     else:
         t = drive(engine, items, arrival, args.concurrency)
     s1 = engine.stats()
@@ -774,7 +782,7 @@ def run_mixed(args) -> int:
             begin["warmup"] = info
         begin["warmup_this_process"] = info
         plan = [(a, n, "python") for a in args.arrivals for n in names]
-        plan += [(closed_name(args), n, "http") for n in names if args.http]
+        plan += [(a, n, "http") for a in args.arrivals for n in names if args.http]
         for arrival, name, transport in plan:
             if time.perf_counter() - t_start > args.budget_s:
                 meta["skipped"].append(dict(row=name, arrival=arrival, transport=transport))

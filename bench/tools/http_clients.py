@@ -1,14 +1,18 @@
-"""Closed-loop clients of an OpenAI-compatible server (bench_serve's --http rows): `concurrency` clients, each in a
-process of its own as independent users are, each streaming one request at a time with the official `openai`
-client, taking the next item of one shared list as it finishes one (so items start in order, as the Python API's
-closed loop starts them). Imports no jax, so it starts in a second.
+"""HTTP clients of an OpenAI-compatible server (bench_serve's --http rows), each in a process of its own as
+independent users are, streaming with the official `openai` client. Two patterns:
 
-Why processes: the `openai` client spends ~26 ms of CPU building the request of a 2300-token prompt (this CPU;
-prompts as token ids). Sixteen clients in one process wait for each other there: the successors of the requests a
-block call finished arrived 40-120 ms into the next call (H200, mixed43-wait0.1), a delay no real population of
-clients has.
+* closed loop (no "arrivals"): `concurrency` clients, each with one request in flight, taking the next item of one
+  shared list as it finishes one (so items start in order, as the Python API's closed loop starts them);
+* open loop ("arrivals": seconds from the start, one per item): item i is sent at its arrival whatever is in flight,
+  by client i mod `concurrency`; its latency counts from that arrival, as the Python API's Poisson rows count it.
 
-    python bench/tools/http_clients.py SPEC.json   # {"url", "concurrency", "items": [[prompt, fields], ...]}
+Imports no jax, so it starts in a second. Why processes: the `openai` client spends ~26 ms of CPU building the
+request of a 2300-token prompt (this CPU; prompts as token ids). Sixteen clients in one process wait for each other
+there: the successors of the requests a block call finished arrived 40-120 ms into the next call (H200,
+mixed43-wait0.1), a delay no real population of clients has.
+
+    python bench/tools/http_clients.py SPEC.json   # {"url", "concurrency", "items": [[prompt, fields], ...],
+                                                   #  "arrivals": [seconds, ...] or absent}
 
 Writes {"result": [wall seconds, [[tokens, latency s, first chunk s], ...]]} (in item order) back into SPEC.json.
 """
@@ -23,44 +27,62 @@ import time
 from pathlib import Path
 
 
-def client(url: str, items: list, next_item, start, results) -> None:
-    """One client: after `start`, request items[next_item++] until none is left; (index, tokens, latency, first
-    chunk) of each go on `results`."""
+async def _one(api, i: int, prompt, fields, t0: float, results) -> bool:
+    """Stream item i (its latency from t0); False if it failed (reported on `results`)."""
+    first, tokens = None, 0
+    try:
+        stream = await api.completions.create(model="bench", prompt=prompt, stream=True, **fields)
+        async for chunk in stream:
+            first = first or time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as e:  # noqa: BLE001  the bench reports it and stops
+        results.put((i, f"{type(e).__name__}: {e}"))
+        return False
+    results.put((i, tokens, time.perf_counter() - t0, first - t0))
+    return True
+
+
+def client(url: str, items: list, arrivals: list | None, k: int, n: int, next_item, gates, start_at, results) -> None:
+    """Client k of n: closed loop (arrivals None: items[next_item++] one at a time) or its share of an open loop
+    (items k, k + n, ... at start_at + their arrival, wall-clock seconds)."""
     from openai import AsyncOpenAI
 
     async def run() -> None:
         async with AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) as api:
-            start.wait()
-            while True:
-                with next_item.get_lock():
-                    i = next_item.value
-                    next_item.value += 1
-                if i >= len(items):
-                    return
-                prompt, fields = items[i]
-                t0 = time.perf_counter()
-                first, tokens = None, 0
-                try:
-                    stream = await api.completions.create(model="bench", prompt=prompt, stream=True, **fields)
-                    async for chunk in stream:
-                        first = first or time.perf_counter()
-                        if chunk.usage is not None:
-                            tokens = chunk.usage.completion_tokens
-                except Exception as e:  # noqa: BLE001  the bench reports it and stops
-                    results.put((i, f"{type(e).__name__}: {e}"))
-                    return
-                results.put((i, tokens, time.perf_counter() - t0, first - t0))
+            for gate in gates:  # ready, then go (start_at is set in between)
+                gate.wait()
+            if arrivals is None:
+                while True:
+                    with next_item.get_lock():
+                        i = next_item.value
+                        next_item.value += 1
+                    if i >= len(items) or not await _one(api, i, *items[i], time.perf_counter(), results):
+                        return
+
+            async def at_arrival(i: int) -> None:
+                await asyncio.sleep(max(0.0, start_at.value + arrivals[i] - time.time()))
+                await _one(api, i, *items[i], time.perf_counter(), results)
+
+            await asyncio.gather(*[at_arrival(i) for i in range(k, len(items), n)])
 
     asyncio.run(run())
 
 
-def drive(url: str, concurrency: int, items: list) -> tuple[float, list]:
+def drive(url: str, concurrency: int, items: list, arrivals: list | None = None) -> tuple[float, list]:
     ctx = mp.get_context("spawn")
-    next_item, start, results = ctx.Value("i", 0), ctx.Barrier(concurrency + 1), ctx.Queue()
-    procs = [ctx.Process(target=client, args=(url, items, next_item, start, results)) for _ in range(concurrency)]
+    n = min(concurrency, len(items))
+    next_item, gates, results = ctx.Value("i", 0), (ctx.Barrier(n + 1), ctx.Barrier(n + 1)), ctx.Queue()
+    start_at = ctx.Value("d", 0.0)  # the open loop's time zero (wall clock), set before the clients go
+    procs = [
+        ctx.Process(target=client, args=(url, items, arrivals, k, n, next_item, gates, start_at, results))
+        for k in range(n)
+    ]
     for p in procs:
         p.start()
-    start.wait(timeout=120)  # every client has imported openai and opened its connection pool
+    gates[0].wait(timeout=120)  # every client has imported openai and opened its connection pool
+    start_at.value = time.time()
+    gates[1].wait(timeout=30)
     t0 = time.perf_counter()
     out = [None] * len(items)
     for _ in items:
@@ -78,7 +100,7 @@ def drive(url: str, concurrency: int, items: list) -> tuple[float, list]:
 
 def main(path: str) -> int:
     spec = json.loads(Path(path).read_text())
-    result = drive(spec["url"], spec["concurrency"], spec["items"])
+    result = drive(spec["url"], spec["concurrency"], spec["items"], spec.get("arrivals"))
     Path(path).write_text(json.dumps({**spec, "result": result}))
     return 0
 
