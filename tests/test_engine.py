@@ -423,7 +423,7 @@ def test_finished_records_are_bounded_without_release(models_fp32, monkeypatch):
         with pytest.raises(KeyError):
             engine.request(rid)
     assert all(engine.request(rid).finish_reason == "abort" for rid in ids[2:])
-    engine.release(ids[2])  # a released record leaves at once; the bound still counts it until it ages out
+    engine.release(ids[2])  # a released record leaves at once, and the bound with it
     with pytest.raises(KeyError):
         engine.request(ids[2])
 

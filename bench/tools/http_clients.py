@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import queue
 import sys
 import time
 from pathlib import Path
 
 
 async def _one(api, i: int, prompt, fields, t0: float, results) -> bool:
-    """Stream item i (its latency from t0); False if it failed (reported on `results`)."""
+    """Stream item i (its latency from t0, perf_counter seconds); False if it failed (reported on `results`)."""
     first, tokens = None, 0
     try:
         stream = await api.completions.create(model="bench", prompt=prompt, stream=True, **fields)
@@ -36,11 +37,11 @@ async def _one(api, i: int, prompt, fields, t0: float, results) -> bool:
             first = first or time.perf_counter()
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+        results.put((i, tokens, time.perf_counter() - t0, first - t0))
+        return True
     except Exception as e:  # noqa: BLE001  the bench reports it and stops
         results.put((i, f"{type(e).__name__}: {e}"))
         return False
-    results.put((i, tokens, time.perf_counter() - t0, first - t0))
-    return True
 
 
 def client(url: str, items: list, arrivals: list | None, k: int, n: int, next_item, gates, start_at, results) -> None:
@@ -61,8 +62,9 @@ def client(url: str, items: list, arrivals: list | None, k: int, n: int, next_it
                         return
 
             async def at_arrival(i: int) -> None:
-                await asyncio.sleep(max(0.0, start_at.value + arrivals[i] - time.time()))
-                await _one(api, i, *items[i], time.perf_counter(), results)
+                due = time.perf_counter() + start_at.value + arrivals[i] - time.time()  # its arrival, perf_counter
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                await _one(api, i, *items[i], due, results)  # late because this client was busy: counted
 
             await asyncio.gather(*[at_arrival(i) for i in range(k, len(items), n)])
 
@@ -80,22 +82,33 @@ def drive(url: str, concurrency: int, items: list, arrivals: list | None = None)
     ]
     for p in procs:
         p.start()
-    gates[0].wait(timeout=120)  # every client has imported openai and opened its connection pool
-    start_at.value = time.time()
-    gates[1].wait(timeout=30)
-    t0 = time.perf_counter()
-    out = [None] * len(items)
-    for _ in items:
-        i, *row = results.get(timeout=1800)
-        if len(row) == 1:
-            for p in procs:
+    ok = False
+    try:
+        gates[0].wait(timeout=120)  # every client has imported openai and opened its connection pool
+        start_at.value = time.time()
+        gates[1].wait(timeout=30)
+        t0 = time.perf_counter()
+        out = [None] * len(items)
+        for _ in items:
+            while True:  # a client that died without a word must not leave us waiting for its answers
+                try:
+                    i, *row = results.get(timeout=5)
+                    break
+                except queue.Empty:
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if dead or time.perf_counter() - t0 > 1800:
+                        raise RuntimeError(f"clients stopped (exit codes {dead}) or 1800 s passed") from None
+            if len(row) == 1:
+                raise RuntimeError(f"request {i} failed: {row[0]}")
+            out[i] = row
+        wall, ok = time.perf_counter() - t0, True
+        return wall, out
+    finally:
+        for p in procs:
+            if ok:  # every answer is in: the clients are closing their connections
+                p.join(30)
+            if p.is_alive():
                 p.terminate()
-            raise RuntimeError(f"request {i} failed: {row[0]}")
-        out[i] = row
-    wall = time.perf_counter() - t0
-    for p in procs:
-        p.join(30)
-    return wall, out
 
 
 def main(path: str) -> int:

@@ -220,7 +220,7 @@ class Engine:
         self._programs = self.runner.programs(list(self._runners.values()))  # fixed with the settings
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self._finished: collections.deque[Request] = collections.deque()  # finished records, oldest first
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # unreleased, oldest first
         self.warmed = False
         self._compiles_at_start = compile_totals()
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # what stats() reports, with the gauges
@@ -441,11 +441,9 @@ class Engine:
         self.scheduler.finish(r)
         r.finish_reason, r.finish_time = reason, now or time.perf_counter()
         self.counters[{"abort": "aborted", "error": "failed", "timeout": "timed_out"}.get(reason, "finished")] += 1
-        self._finished.append(r)  # bounded: a caller that never releases does not grow the engine without end
+        self._finished[r.request_id] = None  # bounded: a caller that never releases does not grow the engine
         while len(self._finished) > FINISHED_KEPT:
-            old = self._finished.popleft()
-            if self._requests.get(old.request_id) is old:
-                del self._requests[old.request_id]
+            self._requests.pop(self._finished.popitem(last=False)[0], None)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (waiting or running) and free its pages. False if it is unknown or already done."""
@@ -467,6 +465,7 @@ class Engine:
         r = self._requests.get(request_id)
         if r is not None and r.status == Status.FINISHED:
             del self._requests[request_id]
+            self._finished.pop(request_id, None)
 
     def generate(
         self,
@@ -483,14 +482,14 @@ class Engine:
         total = sum(self._requests[i].n_blocks for i in ids)
         with tqdm(total=total, desc="blocks", unit="block", disable=not progress) as bar:
             while any(a is None for a in answers.values()):
-                for out in self.step():
-                    if out.request_id not in answers:
-                        continue  # another caller's request
-                    bar.update(1)
-                    if out.finished:  # its answer now: the record is released at once
-                        r = self._requests[out.request_id]
-                        answers[out.request_id] = r.answer(tuple(r.config.stop_token_ids(self.model.config)))
-                        self.release(out.request_id)
+                for out in self.step() if self.has_unfinished() else []:
+                    if out.request_id in answers:  # not another caller's request
+                        bar.update(1)
+                for rid in [rid for rid, a in answers.items() if a is None]:
+                    r = self._requests[rid]
+                    if r.status == Status.FINISHED:  # its answer now (ended by a step or an abort): released at once
+                        answers[rid] = r.answer(tuple(r.config.stop_token_ids(self.model.config)))
+                        self.release(rid)
         return list(answers.values())
 
     def program_count(self) -> int:

@@ -105,7 +105,7 @@ class Ladder:
     window_sizes: tuple[int, ...]
     read_len: int  # a multiple of window_chunk
     window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
-    probe_rows: int = 4  # ACache probes a block call carries at most (each scored alone: fp32 scores per row)
+    probe_rows: int = 4  # ACache probes a block call carries at most (scored together: fp32 scores of all of them)
 
     @classmethod
     def for_settings(

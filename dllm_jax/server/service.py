@@ -22,6 +22,9 @@ from dllm_jax.server.settings import ADMISSION_WAIT
 
 log = logging.getLogger("dllm_jax.server")
 LATENCIES_KEPT = 65536  # finished requests' timings waiting for /metrics (older ones are dropped, unobserved)
+# holds judged by their latest HOLDS_JUDGED: when fewer than 2 of them saw any arrival (open traffic that does not
+# answer finished requests with new ones), only every HOLDS_JUDGED-th is held, to notice such clients coming back
+HOLDS_JUDGED = 8
 
 
 class ServiceUnavailable(RuntimeError):
@@ -50,6 +53,8 @@ class EngineService:
         self.admission_wait = admission_wait
         # holds of the next call for arrivals: how many, their seconds, the requests they took in
         self.waits = dict(count=0, seconds=0.0, admitted=0)
+        self._held_for = collections.deque(maxlen=HOLDS_JUDGED)  # whether each of the latest holds saw an arrival
+        self._passed = 0  # holds passed over since the latest ones stopped seeing arrivals
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="dllm-jax-engine", daemon=True)
@@ -259,7 +264,6 @@ class EngineService:
                 loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable(self.fatal))
 
     def _serve(self) -> None:
-        freed, since, call_seconds = 0, 0, 0.0  # requests the last call finished, the request count then, its seconds
         while True:
             try:  # wait for work when idle; otherwise take what arrived during the last block, then step
                 item = self._inbox.get(block=not self.engine.has_unfinished())
@@ -270,49 +274,60 @@ class EngineService:
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
-            if freed and not self._hold(freed, since, call_seconds):
-                return
             if not self.engine.has_unfinished():
                 continue
             try:
                 t0 = time.perf_counter()
                 outs = self.engine.step()
                 call_seconds = time.perf_counter() - t0
-                freed, since = sum(1 for o in outs if o.finished), self.engine.counters["requests"]
             except Exception as e:  # noqa: BLE001  a bug outside the device calls (the engine fails those itself)
                 log.exception("engine step failed")
-                self.failure, freed = e, 0
+                self.failure = e
                 for rid in list(self._streams):
                     self.engine.abort(rid)
                 continue
             tokens = sum(len(o.tokens) for o in outs)
             if tokens:
                 self._rate.append((time.perf_counter(), tokens))
+            freed = sum(1 for o in outs if o.finished)
+            if freed and not self._hold(freed, call_seconds):
+                return
 
-    def _hold(self, freed: int, since: int, call_seconds: float) -> bool:
-        """Hold the next call up to admission_wait x call_seconds while rows are open, taking in what arrives,
-        until `freed` requests came after the last call (`since`: the engine's request count then): the successors
-        of those it finished. False: stop was asked."""
+    def _hold(self, freed: int, call_seconds: float) -> bool:
+        """Right after a call that finished `freed` requests: hold the next one up to admission_wait x call_seconds
+        while rows are open and requests run, taking in what arrives, until `freed` requests came (the successors
+        of those it finished; what arrived during the call counts). False: stop was asked."""
         engine = self.engine
-        if not self.admission_wait or not engine.has_unfinished() or not engine.open_rows():
+        if not self.admission_wait or self.draining or not engine.has_unfinished() or not engine.open_rows():
             return True
+        if len(self._held_for) == HOLDS_JUDGED and sum(self._held_for) < 2:
+            self._passed += 1
+            if self._passed % HOLDS_JUDGED:
+                return True
         t0 = time.perf_counter()
         deadline = t0 + self.admission_wait * call_seconds
-        before = engine.counters["requests"]
-        while engine.counters["requests"] - since < freed and engine.open_rows():
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
+        since = engine.counters["requests"]  # what came during the call is in the inbox still: taken in below
+        waited = False
+        while engine.counters["requests"] - since < freed and engine.open_rows() and engine.has_unfinished():
             try:
-                item = self._inbox.get(timeout=left)
-            except queue.Empty:
-                break
+                item = self._inbox.get_nowait()
+            except queue.Empty:  # nothing came yet: wait for it, up to the deadline
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                waited = True
+                try:
+                    item = self._inbox.get(timeout=left)
+                except queue.Empty:
+                    break
             if item is None:
                 return False
             self._handle(item)
-        self.waits["count"] += 1
-        self.waits["seconds"] += time.perf_counter() - t0
-        self.waits["admitted"] += engine.counters["requests"] - before
+        if waited:  # a hold: the next call waited for arrivals
+            self.waits["count"] += 1
+            self.waits["seconds"] += time.perf_counter() - t0
+            self.waits["admitted"] += engine.counters["requests"] - since
+            self._held_for.append(engine.counters["requests"] > since)
         return True
 
 
