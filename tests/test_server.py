@@ -855,6 +855,7 @@ def test_a_request_sent_on_an_answer_takes_the_freed_row_of_the_next_call(model)
             pass
         await asyncio.sleep(0.05)  # the client's own time to send its next request
         second, stream = await svc.submit(prompt, cfg(8), None, 0)
+        svc.drain()  # no more holds: the one measured below is the only one
         while not (await stream.get()).finished:
             pass
         return first, second
@@ -874,7 +875,9 @@ def test_holds_back_off_when_finished_requests_get_no_successors(model):
     HOLDS_JUDGED-th opportunity is held, so such traffic stops paying for holds."""
     from dllm_jax.server.service import HOLDS_JUDGED
 
-    settings = EngineConfig(max_batch=16, kv_budget_bytes=16 << 20, max_model_len=96, block_lengths=(4,))
+    settings = EngineConfig(
+        max_batch=16, kv_budget_bytes=16 << 20, max_model_len=96, block_lengths=(4,), batch_sizes=(16,)
+    )
     engine = Engine(model, settings)
     engine.before_call = lambda ids: time.sleep(0.05)
     svc = EngineService(engine, warmup=False, admission_wait=0.5)

@@ -37,6 +37,8 @@ async def _one(api, i: int, prompt, fields, t0: float, results) -> bool:
             first = first or time.perf_counter()
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+        if first is None:
+            raise RuntimeError("the stream ended without a chunk")
         results.put((i, tokens, time.perf_counter() - t0, first - t0))
         return True
     except Exception as e:  # noqa: BLE001  the bench reports it and stops
@@ -84,7 +86,7 @@ def drive(url: str, concurrency: int, items: list, arrivals: list | None = None)
         p.start()
     ok = False
     try:
-        gates[0].wait(timeout=120)  # every client has imported openai and opened its connection pool
+        gates[0].wait(timeout=120)  # every client has imported openai
         start_at.value = time.time()
         gates[1].wait(timeout=30)
         t0 = time.perf_counter()

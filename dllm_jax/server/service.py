@@ -304,10 +304,12 @@ class EngineService:
             self._passed += 1
             if self._passed % HOLDS_JUDGED:
                 return True
+        else:
+            self._passed = 0
         t0 = time.perf_counter()
         deadline = t0 + self.admission_wait * call_seconds
         since = engine.counters["requests"]  # what came during the call is in the inbox still: taken in below
-        waited = False
+        waited_at = None  # the request count when the hold first had to wait
         while engine.counters["requests"] - since < freed and engine.open_rows() and engine.has_unfinished():
             try:
                 item = self._inbox.get_nowait()
@@ -315,7 +317,8 @@ class EngineService:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     break
-                waited = True
+                if waited_at is None:
+                    waited_at = engine.counters["requests"]
                 try:
                     item = self._inbox.get(timeout=left)
                 except queue.Empty:
@@ -323,11 +326,12 @@ class EngineService:
             if item is None:
                 return False
             self._handle(item)
-        if waited:  # a hold: the next call waited for arrivals
+        if waited_at is not None:  # a hold: the next call waited, and for these arrivals
+            came = engine.counters["requests"] - waited_at
             self.waits["count"] += 1
             self.waits["seconds"] += time.perf_counter() - t0
-            self.waits["admitted"] += engine.counters["requests"] - since
-            self._held_for.append(engine.counters["requests"] > since)
+            self.waits["admitted"] += came
+            self._held_for.append(came > 0)
         return True
 
 
