@@ -322,3 +322,17 @@ def test_bench_tp_smoke(tmp_path):
         assert row["tokens_per_s"] > 0 and row["nfe"] == 4  # 2 blocks of 2 steps
     assert (one["tp"], two["tp"]) == (1, 2) and two["vs_tp1"] == two["tokens_per_s"] / one["tokens_per_s"]
     assert data["meta"]["runs"]["smoke"]["devices"] == 2 and (tmp_path / "tp_cpu_smoke.png").stat().st_size > 0
+
+
+def test_cond_sync_smoke(tmp_path):
+    """The conditional-cost bench at CPU sizes: a chain alone and with a conditional after each GEMM, and the
+    difference per conditional."""
+    bench = _load("cond_sync")
+    assert bench.main(["--run", "smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cond_sync_cpu.json").read_text())["rows"]
+    assert [(r["options"], r["branch"]) for r in rows] == [
+        ("default", "none"),
+        ("default", "cond"),
+        ("default", "per_cond_us"),
+    ]
+    assert rows[0]["ms"] > 0 < rows[1]["ms"] and rows[2]["us"] == (rows[1]["ms"] - rows[0]["ms"]) / rows[0]["n"] * 1e3
