@@ -356,8 +356,10 @@ def http_drive(engine: Engine, items: list[Item], arrival: str, concurrency: int
 
 
 def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
-    """How far into a running block call requests arrived (ms), for those that arrived while one ran: near 0, the
-    next call started just before they came; near a call's length, they came just before it ended."""
+    """How far into a running device call requests arrived (ms), for those that arrived while one ran: near 0, the
+    next call started just before they came; near a call's length, they came just before it ended. Calls are
+    every `before_call` (a stored affix's own forward too); a block call's mean length is block_device_s /
+    block_calls."""
     starts = np.asarray(calls)
     lengths = np.diff(starts)
     offsets = []
@@ -373,7 +375,6 @@ def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
         arrival_offset_ms_p10=q[0],
         arrival_offset_ms_p50=q[1],
         arrival_offset_ms_p90=q[2],
-        call_ms_p50=float(np.median(lengths) * 1e3),
     )
 
 
