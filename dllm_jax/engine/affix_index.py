@@ -43,7 +43,7 @@ from typing import NamedTuple, Sequence
 
 from .block_manager import affix_key, token_array, token_bytes
 
-__all__ = ["AffixIndex", "AffixMatch"]
+__all__ = ["AffixIndex", "AffixMatch", "find_aligned"]
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: a 61-bit polynomial hash, collisions ~ 2^-61 per pair
 _BASE = 0x5DEECE66D  # fixed, so that hashes (and tie-breaks) are the same in every process
@@ -101,7 +101,7 @@ def _lcs(a: array, i: int, b: array, j: int, limit: int) -> int:
     return n
 
 
-def _find_aligned(hay: bytes, needle: bytes, start: int) -> int | None:
+def find_aligned(hay: bytes, needle: bytes, start: int = 0) -> int | None:
     """First token position >= start/4 where the int32 `needle` occurs in `hay` (C search; token-aligned only)."""
     pos = hay.find(needle, start)
     while pos != -1 and pos % 4:
@@ -330,9 +330,9 @@ class AffixIndex:
                 if key not in starts:
                     # An occurrence at p has its anchor hit at p, so the first hit is the earliest possible start;
                     # one C search from there decides this affix (linear, however repetitive the prompt).
-                    starts[key] = _find_aligned(q.data, self._registered[key].data, 4 * i)
+                    starts[key] = find_aligned(q.data, self._registered[key].data, 4 * i)
         for key in self._short:
-            starts[key] = _find_aligned(q.data, self._registered[key].data, 0)
+            starts[key] = find_aligned(q.data, self._registered[key].data, 0)
         best = None  # (length, -start, -registration order)
         for order, (key, rec) in enumerate(self._registered.items()):
             s = starts.get(key)

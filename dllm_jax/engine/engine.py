@@ -133,9 +133,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.window_sizes={self.window_sizes} must be positive")
         if self.block_lengths is not None and (not self.block_lengths or min(self.block_lengths) <= 0):
             raise ValueError(f"EngineConfig.block_lengths={self.block_lengths} must be positive")
-        object.__setattr__(
-            self, "compiler_options", tuple((str(k), str(v)) for k, v in dict(self.compiler_options).items())
-        )
+        object.__setattr__(self, "compiler_options", tuple(dict(self.compiler_options).items()))  # typed, hashable
         if self.shallow_depths and min(self.shallow_depths) < 0:
             raise ValueError(f"EngineConfig.shallow_depths={self.shallow_depths} must be >= 0")
         if self.batch_sizes is not None and (

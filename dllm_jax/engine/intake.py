@@ -16,7 +16,7 @@ from dllm_jax.decoding.caches.bicache import batch_depth
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Shallow
 from dllm_jax.decoding.samplers import FamilySampler
 from dllm_jax.decoding.samplers.rows import RowValues, static_part
-from dllm_jax.engine.affix_index import AffixIndex
+from dllm_jax.engine.affix_index import AffixIndex, find_aligned
 from dllm_jax.engine.block_manager import token_bytes
 from dllm_jax.engine.request import Request
 
@@ -137,7 +137,7 @@ class Intake:
         if affix is None or gc.cache.affix is None:
             return None
         if isinstance(affix, AffixHandle):
-            at = _find(prompt, affix.tokens)
+            at = find_aligned(token_bytes(prompt), token_bytes(affix.tokens))
             if at is None:
                 raise RequestError(f"the prompt does not contain the affix {affix.key}")
             return at, at + len(affix.tokens)
@@ -173,12 +173,3 @@ class Intake:
                 "(EngineConfig.shallow_depths; dllm-jax serve --shallow-depths)"
             )
         return depth
-
-
-def _find(prompt: list[int], tokens: Sequence[int]) -> int | None:
-    """The first index where `tokens` occur in `prompt` (a C search over their int32 bytes), or None."""
-    hay, needle = token_bytes(prompt), token_bytes(tokens)
-    pos = hay.find(needle)
-    while pos != -1 and pos % 4:  # token-aligned matches only
-        pos = hay.find(needle, pos + 4 - pos % 4)
-    return None if pos == -1 else pos // 4
