@@ -209,36 +209,53 @@ def place_shared_affix(
 
 
 PROBE_CHUNK = 512  # queries scored at once by the probe (longer windows: a loop over chunks)
+SPAN_CHUNK = 256  # the serving engine's probe: a probed row's [MASK] queries scored this many at a time
 
 
 def _probe_part(affix_keys: Array, q: Array, k: Array, queries: Array) -> Array:
-    """[B, S]: the softmax over the affix keys only of q.k / sqrt(d), summed over the `queries` [B, n] and heads."""
+    """[B, S]: the softmax over the affix keys only of q.k / sqrt(d), summed over the `queries` [B, n] and heads.
+    Each probability is exp(score - logsumexp): the fp32 scores are read three times (max, sum, the weighted sum)
+    and no probability array is written (at the serving engine's widths the scores are the probe's cost)."""
     scores = grouped_scores(q, k)  # fp32 accumulation (exact bf16 products on the GPU's tensor cores)
     scores = jnp.where(affix_keys[:, None, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # a row without affix keys: all zeros
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    return jnp.einsum("bkgns,bn->bs", p, queries.astype(jnp.float32))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row without affix keys: all zeros
+    lse = m + jnp.log(jnp.maximum(jnp.sum(jnp.exp(scores - m), axis=-1, keepdims=True), 1e-30))
+    weights = jnp.where(queries[:, None, None, :, None], jnp.exp(scores - lse), 0.0)
+    return jnp.sum(weights, axis=(1, 2, 3))
 
 
-def _chunked(affix_keys: Array, q: Array, k: Array, queries: Array, skip_empty: bool = False) -> Array:
+def _chunked(affix_keys: Array, q: Array, k: Array, queries: Array) -> Array:
     """_probe_part over PROBE_CHUNK queries at a time, so the fp32 scores [B, H, chunk, S] stay bounded (a whole
-    4096-token window of 8 rows against a 4096-key list would take ~70 GiB); skip_empty: chunks without a query
-    are not scored."""
+    4096-token window of 8 rows against a 4096-key list would take ~70 GiB)."""
     n = q.shape[1]
     if n <= PROBE_CHUNK:
         return _probe_part(affix_keys, q, k, queries)
     pad = -n % PROBE_CHUNK
     qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(q.shape[0], -1, PROBE_CHUNK, *q.shape[2:])
     mc = jnp.pad(queries, ((0, 0), (0, pad))).reshape(q.shape[0], -1, PROBE_CHUNK)
-
-    def chunk(c):
-        if not skip_empty:
-            return _probe_part(affix_keys, c[0], k, c[1])
-        zero = jnp.zeros(affix_keys.shape, jnp.float32)
-        return jax.lax.cond(c[1].any(), lambda: _probe_part(affix_keys, c[0], k, c[1]), lambda: zero)
-
+    chunk = lambda c: _probe_part(affix_keys, c[0], k, c[1])  # noqa: E731
     return jax.lax.map(chunk, (jnp.moveaxis(qc, 1, 0), jnp.moveaxis(mc, 1, 0))).sum(axis=0)
+
+
+def _spans(affix_keys: Array, q: Array, rows: Array, k: Array, queries: Array) -> Array:
+    """_probe_part of the listed rows of q [B, n, H, D] (`rows` [P]; their affix keys, keys and [MASK] queries
+    [P, n]) over only the span of each row's queries, SPAN_CHUNK at a time: a probed row's queries are its
+    generation region, a few hundred of the window's thousands, and a fixed-width window would score them all."""
+    n = queries.shape[1]
+    has = queries.any(axis=1)
+    first = jnp.where(has, jnp.argmax(queries, axis=1), 0)
+    end = jnp.where(has, n - jnp.argmax(queries[:, ::-1], axis=1), 0)
+    count = jnp.max(-(-(end - first) // SPAN_CHUNK))
+    offsets = jnp.arange(SPAN_CHUNK, dtype=jnp.int32)
+
+    def chunk(j, total):
+        at = (first + j * SPAN_CHUNK)[:, None] + offsets[None]  # [P, chunk]; past a row's span: masked out
+        idx = jnp.minimum(at, n - 1)
+        mask = jnp.take_along_axis(queries, idx, axis=1) & (at < end[:, None])
+        return total + _probe_part(affix_keys, q[rows[:, None], idx], k, mask)
+
+    return jax.lax.fori_loop(0, count, chunk, jnp.zeros(affix_keys.shape, jnp.float32))
 
 
 def affix_importance_probe(affix_keys: Array, mask_queries: Array):
@@ -256,10 +273,10 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
 def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
     """The probe of only some rows of a batch (`rows` [P] int32 batch indices, the batch size for an empty slot):
     what `affix_importance_probe` gives those rows, zero elsewhere. The listed rows are scored together, each with
-    its own keys (chunks without a [MASK] query skipped), and a forward that lists no row scores nothing: so the
+    its own keys over the span of its own [MASK] queries, and a forward that lists no row scores nothing: so the
     serving engine probes newly admitted requests inside the block-start forward of the running ones, at the cost
     of their tokens. No loop over the rows: each iteration of a loop in a GPU program waits for its predicate on
-    the host, per layer and per block-start chunk."""
+    the host, per layer."""
 
     def probe(q: Array, cache, i) -> Array:
         b = q.shape[0]
@@ -267,7 +284,7 @@ def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
 
         def scored():
             r, live = jnp.minimum(rows, b - 1), rows < b
-            imp = _chunked(affix_keys[r], q[r], cache.keys(i, r), mask_queries[r] & live[:, None], skip_empty=True)
+            imp = _spans(affix_keys[r], q, r, cache.keys(i, r), mask_queries[r] & live[:, None])
             return zero.at[r].add(jnp.where(live[:, None], imp, 0.0))
 
         return jax.lax.cond(jnp.any(rows < b), scored, lambda: zero)
