@@ -4,8 +4,10 @@ closed16 sharing off runs at 0.8x generate at batch 16.)
 The closed16 workload's requests (one --affix-len affix as a prefix, --question-len tokens of each request's own,
 --output-len tokens, block 32, 8 steps a block) on the engine `dllm-jax serve` builds (bench_serve.serve_engine),
 16 in flight: once every row is decoding, `engine.step()` (one block call of the whole batch) runs under the
-profiler; then `generate` at batch 16 over the same prompts, whose time is divided by its blocks. Both are summed
-by kernel kind (bench/tools/trace.py). Writes bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
+profiler (ACache rows: also the call before, which probes the last 4 rows; `wall_ms` is a call of all 16 rows
+decoding since run s50, a probing call before); then `generate` at batch 16 over the same prompts, whose time is
+divided by its blocks. Both are summed by kernel kind (bench/tools/trace.py). Writes
+bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
 
     PYTHONPATH=. python bench/profile_serve.py --rows off acache_0.2 --run NAME
 """
@@ -68,9 +70,11 @@ def main(argv=None) -> int:
         ratio = None if row == "off" else float(row.split("_", 1)[1])
         items = [bench_serve.gen_item(item_args, p, s, ratio, "acache", None, i) for i, (p, s) in enumerate(prompts)]
         ids = [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items]
-        for _ in range(3):  # admission, probes, first blocks: then every call is one block of all 16 rows
+        for _ in range(3):  # admission, probes, first blocks (ACache probes 4 rows a call: 4, 8, 12 rows)
             engine.step()
-        t0 = time.perf_counter()
+        # the 4th call: ACache's last probes (12 rows decoding, 4 probed), under the profiler
+        probe_call = kernel_breakdown(engine.step, calls=1) if ratio is not None else None
+        t0 = time.perf_counter()  # then every call is one block of all 16 rows
         engine.step()
         wall_ms = (time.perf_counter() - t0) * 1e3
         breakdown = kernel_breakdown(engine.step, calls=args.calls)
@@ -80,6 +84,9 @@ def main(argv=None) -> int:
                     engine.release(o.request_id)
         rows.append(dict(row=row, what="engine block call", wall_ms=wall_ms, requests=len(ids), **breakdown))
         print(f"{row}: block call {wall_ms:.1f} ms wall, {breakdown['busy_ms']:.1f} ms busy {breakdown['by_kind_ms']}")
+        if probe_call is not None:
+            rows.append(dict(row=row, what="engine block call probing 4 of 16 rows", requests=len(ids), **probe_call))
+            print(f"{row}: probing call {probe_call['busy_ms']:.1f} ms busy, span {probe_call['span_ms']:.1f} ms")
         save()
     if not args.no_generate:
         gc = bench_serve.gen_item(item_args, prompts[0][0], None, None, "acache", None, 0).config
