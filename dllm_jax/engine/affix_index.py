@@ -1,37 +1,18 @@
 """Automatic discovery of affixes that requests share without saying so (host-only, bounded memory).
 
-`AffixIndex` remembers recent prompts and, for a new prompt, reports the span worth storing once as a shared affix:
-
-1. a registered affix (`register`: the engine's explicit affixes and its stored entries) contained in the prompt,
-   the longest one, at its leftmost occurrence: reusing it is a hit on K/V already computed;
-2. else the longest page-aligned shared prefix of >= min_tokens tokens, found as vLLM's automatic prefix caching
-   does: the prompt's full pages are hashed as a chain (h_k = H(h_{k-1}, page k)), and the deepest chain hash seen
-   in an earlier prompt (or a registered affix) marks the prefix. By default preferred even over a longer infix,
-   because a prefix's K/V sits at the positions it was computed at (no RoPE shift) and system prompts and few-shot
-   blocks are prefixes; `prefer_prefix=False` picks whichever is longer;
-3. else the longest span of >= min_tokens tokens shared with an earlier prompt at any offsets (a document inside
-   different questions: infixes, suffixes). Earlier prompts' k-gram hashes are indexed every `stride` = min_tokens
-   - k + 1 positions, which is enough: any shared span of min_tokens tokens contains an indexed k-gram. The new
-   prompt looks up all of its k-grams, and each hit is verified and extended left and right as far as the tokens
-   agree.
-
-Guarantees a demanding user expects:
-* no false positives: every reported span is checked token by token against a remembered prompt (hashes only
-  propose candidates; a collision costs time, never correctness);
-* deterministic: fixed hash functions (BLAKE2b, a polynomial hash mod 2^61-1; not Python's salted `hash`) and
-  insertion-ordered dicts, so the same calls give the same answers in every process. Ties go to the earliest start;
-* O(prompt length) per request: one pass of rolling hashes, at most `max_hits` candidates per k-gram, and
-  extension work capped at `work_factor` x the prompt length (only pathological, highly repetitive prompts reach the
-  cap; they may then get a shorter span, still verified);
-* bounded memory: at most `max_prompts` remembered prompts and `max_tokens` of their tokens (least recently added
-  forgotten first; an identical prompt is stored once), int32 storage, index entries proportional to the tokens.
-  Registered affixes are pinned until unregistered (the engine registers only the affixes its user declares,
-  `Engine.register_affix`). Looking them up costs one pass plus one C search per registered affix whose first
-  k-gram occurs in the prompt.
-
-The queries (find, match, find_*) have no side effects. The engine calls `observe(prompt)` once per request (match,
-then remember the prompt); the span it reports is the affix whose one stored copy the block manager keeps under
-the same content key (`block_manager.affix_key`), so a later prompt with that span reuses it.
+`AffixIndex` remembers recent prompts and reports, for a new prompt, the span worth storing once as a shared affix:
+1. the longest registered affix it contains (leftmost), a hit on K/V already computed;
+2. else the longest page-aligned prefix of >= min_tokens shared with an earlier prompt, found by chained page hashes
+   as in vLLM's prefix caching. Preferred over a longer infix by default (`prefer_prefix`): a prefix's K/V need no
+   RoPE shift, and system prompts and few-shot blocks are prefixes;
+3. else the longest span of >= min_tokens shared with an earlier prompt at any offsets (a document inside different
+   questions). Earlier prompts' k-grams are indexed every min_tokens - k + 1 positions, so any shared span of
+   min_tokens contains an indexed one; the new prompt's k-gram hits are verified and extended both ways.
+Every reported span is verified token by token (hashes only propose candidates). Fixed hash functions and ordered
+dicts make the answers the same in every process (ties go to the earliest start). Work is O(prompt length): at most
+`max_hits` candidates per k-gram, extension capped at `work_factor` x the prompt (only pathological repetition
+reaches it: a shorter span, still verified). Memory is bounded by `max_prompts` and `max_tokens` (oldest forgotten
+first); registered affixes stay until unregistered. The engine calls `observe(prompt)` once per request.
 """
 
 from __future__ import annotations
@@ -41,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
-from .block_manager import affix_key, token_array, token_bytes
+from .block_manager import _check, affix_key, token_array, token_bytes
 
 __all__ = ["AffixIndex", "AffixMatch", "find_aligned"]
 
@@ -71,14 +52,13 @@ def _chain_hash(prev: bytes, chunk: bytes) -> bytes:
     return hashlib.blake2b(prev + chunk, digest_size=16).digest()
 
 
-def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
-    """Length of the common run a[i:] / b[j:], at most `limit`: slices compare in C, growing and halving the step."""
+def _run(same, limit: int) -> int:
+    """The longest n <= limit with same(0, n) (slices compare in C): the step grows, and halves at a mismatch."""
     n, step = 0, 8
     while n < limit:
         s = min(step, limit - n)
-        if a[i + n : i + n + s] == b[j + n : j + n + s]:
-            n += s
-            step = s * 2
+        if same(n, s):
+            n, step = n + s, s * 2
         elif s == 1:
             break
         else:
@@ -86,19 +66,14 @@ def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
     return n
 
 
+def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
+    """Length of the common run a[i:] / b[j:], at most `limit`."""
+    return _run(lambda n, s: a[i + n : i + n + s] == b[j + n : j + n + s], limit)
+
+
 def _lcs(a: array, i: int, b: array, j: int, limit: int) -> int:
     """Length of the common run ending before a[i] / b[j], at most `limit` (<= min(i, j))."""
-    n, step = 0, 8
-    while n < limit:
-        s = min(step, limit - n)
-        if a[i - n - s : i - n] == b[j - n - s : j - n]:
-            n += s
-            step = s * 2
-        elif s == 1:
-            break
-        else:
-            step = s // 2
-    return n
+    return _run(lambda n, s: a[i - n - s : i - n] == b[j - n - s : j - n], limit)
 
 
 def find_aligned(hay: bytes, needle: bytes, start: int = 0) -> int | None:
@@ -163,15 +138,7 @@ class AffixIndex:
         (>= k). max_prompts, max_tokens: memory bound on remembered prompts. k: k-gram length of the span finder.
         max_hits: remembered occurrences per k-gram (most recent prompts). work_factor: extension budget per token.
         prefer_prefix: a shared prefix wins over any span (True), or only over spans no longer than it (False)."""
-        if (
-            page_size < 1
-            or k < 1
-            or min_tokens < k
-            or max_prompts < 0
-            or max_tokens < 0
-            or max_hits < 1
-            or work_factor < 1
-        ):
+        if min(page_size, k, max_hits, work_factor) < 1 or min_tokens < k or min(max_prompts, max_tokens) < 0:
             raise ValueError(
                 "need page_size >= 1, k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, "
                 "max_hits >= 1, work_factor >= 1"
@@ -191,7 +158,6 @@ class AffixIndex:
         self._next_id = 0
         self._num_tokens = 0
 
-    # ---- queries ------------------------------------------------------------------------------------------------
     def find(self, prompt: Sequence[int]) -> tuple[int, int] | None:
         """[start, end) of the best affix of this prompt: a registered affix, else a shared page-aligned prefix of
         >= min_tokens (with prefer_prefix=False: unless a shared span is longer), else the longest span of
@@ -224,7 +190,6 @@ class AffixIndex:
         (ties: earliest start), or None."""
         return self._find_span(self._query(prompt))
 
-    # ---- memory -------------------------------------------------------------------------------------------------
     def add(self, prompt: Sequence[int]) -> None:
         """Remember the prompt (forgetting the least recently added ones beyond max_prompts / max_tokens). A prompt
         longer than max_tokens is not remembered; an identical prompt becomes the most recent instead of a copy."""
@@ -268,13 +233,11 @@ class AffixIndex:
         return True
 
     @property
-    def num_prompts(self) -> int:
-        """Remembered prompts (registered affixes not counted)."""
+    def num_prompts(self) -> int:  # remembered prompts (registered affixes not counted)
         return len(self._prompts)
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens of the remembered prompts."""
+    def num_tokens(self) -> int:  # tokens of the remembered prompts
         return self._num_tokens
 
     def registered_keys(self) -> list[str]:
@@ -285,10 +248,8 @@ class AffixIndex:
         """Raise AssertionError if the index is inconsistent or over its bounds (for tests)."""
         _check(len(self._prompts) <= self.max_prompts and self._num_tokens <= self.max_tokens, "over the bounds")
         _check(self._num_tokens == sum(len(r.tokens) for r in self._prompts.values()), "token count is off")
-        _check(
-            set(self._stored) == set(self._prompts) | {r.id for r in self._registered.values()},
-            "stored records are not exactly the prompts and registered affixes",
-        )
+        records = set(self._prompts) | {r.id for r in self._registered.values()}
+        _check(set(self._stored) == records, "stored records are not exactly the prompts and registered affixes")
         _check(self._prompt_ids == {r.key: i for i, r in self._prompts.items()}, "prompt keys are off")
         for h, occ in self._kgrams.items():
             _check(0 < len(occ) <= self.max_hits, f"k-gram list of length {len(occ)}")
@@ -296,16 +257,13 @@ class AffixIndex:
                 rec = self._stored.get(sid)
                 _check(rec is not None and h in rec.kgrams and pos % self.stride == 0, "stale k-gram entry")
         for h, ids in self._chains.items():
-            _check(
-                bool(ids) and all(sid in self._stored and h in self._stored[sid].chain for sid in ids),
-                "stale chain entry",
-            )
+            live = all(sid in self._stored and h in self._stored[sid].chain for sid in ids)
+            _check(bool(ids) and live, "stale chain entry")
         for rec in self._stored.values():
             _check(all(rec.id in self._chains.get(h, ()) for h in rec.chain), "missing chain entry")
         n_anchored = sum(len(v) for v in self._anchors.values())
         _check(n_anchored + len(self._short) == len(self._registered), "anchors are off")
 
-    # ---- internals ----------------------------------------------------------------------------------------------
     def _query(self, prompt: Sequence[int]) -> _Query:
         return _Query(prompt, self.k, self.page_size)
 
@@ -333,14 +291,15 @@ class AffixIndex:
                     starts[key] = find_aligned(q.data, self._registered[key].data, 4 * i)
         for key in self._short:
             starts[key] = find_aligned(q.data, self._registered[key].data, 0)
-        best = None  # (length, -start, -registration order)
-        for order, (key, rec) in enumerate(self._registered.items()):
-            s = starts.get(key)
-            if s is not None:
-                cand = (len(rec.tokens), -s, -order)
-                if best is None or cand > best:
-                    best = cand
-        return None if best is None else (-best[1], -best[1] + best[0])
+        found = [  # (length, -start, -registration order)
+            (len(rec.tokens), -starts[key], -order)
+            for order, (key, rec) in enumerate(self._registered.items())
+            if starts.get(key) is not None
+        ]
+        if not found:
+            return None
+        n, s, _ = max(found)
+        return -s, n - s
 
     def _find_prefix(self, q: _Query) -> tuple[int, int] | None:
         ps = self.page_size
@@ -444,8 +403,3 @@ class AffixIndex:
                 ids.pop(rec.id, None)
                 if not ids:
                     del self._chains[h]
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:  # not `assert`: must hold under python -O too
-        raise AssertionError(msg)
