@@ -17,6 +17,7 @@ first); registered affixes stay until unregistered. The engine calls `observe(pr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -120,33 +121,28 @@ class _Stored:
         self.chain = q.chain
 
 
+@dataclasses.dataclass(eq=False)
 class AffixIndex:
     """Finds the span of a prompt worth sharing, from recent prompts and registered affixes (see the module doc)."""
 
-    def __init__(
-        self,
-        page_size: int,
-        min_tokens: int = 64,
-        max_prompts: int = 256,
-        max_tokens: int = 1 << 20,
-        k: int = 16,
-        max_hits: int = 4,
-        work_factor: int = 8,
-        prefer_prefix: bool = True,
-    ):
-        """page_size: the KV pool's; prefixes are whole pages. min_tokens: the shortest prefix or span worth reporting
-        (>= k). max_prompts, max_tokens: memory bound on remembered prompts. k: k-gram length of the span finder.
-        max_hits: remembered occurrences per k-gram (most recent prompts). work_factor: extension budget per token.
-        prefer_prefix: a shared prefix wins over any span (True), or only over spans no longer than it (False)."""
-        if min(page_size, k, max_hits, work_factor) < 1 or min_tokens < k or min(max_prompts, max_tokens) < 0:
+    page_size: int  # the KV pool's: prefixes are whole pages
+    min_tokens: int = 64  # the shortest prefix or span worth reporting (>= k)
+    max_prompts: int = 256  # the memory bound on remembered prompts ...
+    max_tokens: int = 1 << 20  # ... and on their tokens
+    k: int = 16  # the k-gram length of the span finder
+    max_hits: int = 4  # remembered occurrences per k-gram (the most recent prompts')
+    work_factor: int = 8  # the extension budget per prompt token
+    prefer_prefix: bool = True  # a shared prefix wins over any span, else only over spans no longer than it
+
+    def __post_init__(self) -> None:
+        k = self.k
+        small = min(self.page_size, k, self.max_hits, self.work_factor) < 1 or self.min_tokens < k
+        if small or min(self.max_prompts, self.max_tokens) < 0:
             raise ValueError(
                 "need page_size >= 1, k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, "
                 "max_hits >= 1, work_factor >= 1"
             )
-        self.page_size, self.min_tokens, self.k, self.prefer_prefix = page_size, min_tokens, k, prefer_prefix
-        self.max_prompts, self.max_tokens = max_prompts, max_tokens
-        self.max_hits, self.work_factor = max_hits, work_factor
-        self.stride = min_tokens - k + 1  # any shared run of min_tokens tokens covers an indexed k-gram
+        self.stride = self.min_tokens - k + 1  # any shared run of min_tokens tokens covers an indexed k-gram
         self._stored: dict[int, _Stored] = {}  # id -> prompt or registered affix
         self._prompts: OrderedDict[int, _Stored] = OrderedDict()  # remembered prompts, least recently added first
         self._prompt_ids: dict[str, int] = {}  # affix_key(prompt) -> id: an identical prompt is stored once
@@ -159,9 +155,7 @@ class AffixIndex:
         self._num_tokens = 0
 
     def find(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """[start, end) of the best affix of this prompt: a registered affix, else a shared page-aligned prefix of
-        >= min_tokens (with prefer_prefix=False: unless a shared span is longer), else the longest span of
-        >= min_tokens shared with an earlier prompt; None if none."""
+        """[start, end) of the best affix of this prompt (see the module doc), or None."""
         m = self.match(prompt)
         return None if m is None else (m.start, m.end)
 
@@ -181,13 +175,11 @@ class AffixIndex:
         return self._find_registered(self._query(prompt))
 
     def find_prefix(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """(0, end) of the longest page-aligned prefix of >= min_tokens shared with a remembered prompt or a
-        registered affix, or None."""
+        """(0, end) of the longest whole-page prefix of >= min_tokens shared with a stored prompt or affix, or None."""
         return self._find_prefix(self._query(prompt))
 
     def find_span(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """The longest span of >= min_tokens shared with a remembered prompt or registered affix at any offsets
-        (ties: earliest start), or None."""
+        """The longest span of >= min_tokens shared with a stored prompt or affix (ties: earliest start), or None."""
         return self._find_span(self._query(prompt))
 
     def add(self, prompt: Sequence[int]) -> None:
@@ -196,9 +188,8 @@ class AffixIndex:
         self._add(self._query(prompt))
 
     def register(self, tokens: Sequence[int]) -> str:
-        """Pin an affix (an explicit one, or a stored entry's tokens): prompts containing it report it first, and
-        the prefix and span finders also match against it. Returns its key (affix_key); registering twice is a
-        no-op."""
+        """Pin an affix: prompts containing it report it first, and the other finders match against it too. Returns
+        its key (affix_key); registering twice is a no-op."""
         q = self._query(tokens)
         if not len(q.tokens):
             raise ValueError("an affix needs at least one token")

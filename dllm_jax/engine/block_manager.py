@@ -180,10 +180,9 @@ class BlockManager:
         return self._entries.get(key)
 
     def acquire_affix(self, tokens: Sequence[int]) -> tuple[AffixEntry, bool]:
-        """Take a hold on the entry of `tokens`: (entry, True) if stored (a hit; it may still be not ready if its
-        first holder has not computed it yet), else (a new entry with fresh pages and ready=False, False): the caller
-        computes its K/V and calls mark_ready. Bumps its LRU clock. OutOfPages, changing nothing, if a new entry does
-        not fit even after evicting every unheld entry."""
+        """Take a hold on the entry of `tokens`: (entry, True) if stored (a hit, maybe not ready yet), else (a new
+        unready entry, False) whose K/V the caller computes, then mark_ready. OutOfPages, changing nothing, if it
+        does not fit even after evicting every unheld entry."""
         toks = _tokens(tokens)
         key = affix_key(toks)
         entry = self._entries.get(key)
@@ -212,9 +211,8 @@ class BlockManager:
         entry.ready = True
 
     def release_affix(self, entry: AffixEntry) -> None:
-        """Drop one hold (ValueError, changing nothing, if it has none or is not a stored entry). Its last release
-        makes it evictable, most recently used; an entry that was never made ready is dropped at once instead (its
-        pages hold no valid K/V) and reported by evictions() like an evicted one."""
+        """Drop one hold (ValueError, changing nothing, if it has none). The last makes it evictable, most recently
+        used; an entry never made ready is dropped at once instead (reported by evictions() like an evicted one)."""
         self._check_stored(entry)
         if entry.holders < 1:
             raise ValueError(f"affix entry {entry.key} released more often than acquired")
@@ -263,9 +261,8 @@ class BlockManager:
     def admit(
         self, private_pages: int, affix_tokens: Sequence[int] | None = None, owner: Hashable = None
     ) -> tuple[list[int], AffixEntry | None, bool]:
-        """Admit a request at once: acquire its affix (if any) first, so that the private allocation cannot evict
-        it, then allocate its private pages. Returns (private pages, entry or None, hit). All or nothing: raises
-        OutOfPages, changing nothing, unless plan_admission holds."""
+        """(private pages, affix entry or None, hit): the affix acquired first, so that the private allocation
+        cannot evict it. All or nothing: OutOfPages, changing nothing, unless plan_admission holds."""
         if not self.plan_admission(private_pages, affix_tokens):
             raise OutOfPages(
                 f"cannot admit {private_pages} private pages"
@@ -283,9 +280,8 @@ class BlockManager:
         return [pages[j // ps] * ps + j % ps for j in range(start, start + n)]
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent: every page in exactly one of {free list, a
-        private allocation, one entry}, counters equal to recounts, unheld entries exactly the LRU list, in
-        increasing last_used order, and ready. O(num_pages + stored tokens)."""
+        """Raise AssertionError if the bookkeeping is inconsistent (every page in exactly one place, counters equal
+        to recounts, unheld entries exactly the LRU list, in last_used order, and ready)."""
         n = self.num_pages
         _check(len(self._kind) == n and len(self._tag) == n, "per-page arrays have the wrong length")
         _check(len(set(self._free)) == len(self._free), "a page is on the free list twice")

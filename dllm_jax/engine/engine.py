@@ -76,8 +76,8 @@ class EngineConfig:
     multiply the programs compiled at warm-up; a request outside them gets RequestError naming the list."""
 
     max_batch: int = 16  # requests decoded together in one device call (and the most running at once)
-    kv_budget_bytes: int | None = None  # the pool's size (at most the free memory); None: kv_fraction of the free
-    kv_fraction: float = 0.5  # ... memory (at most 1 GiB on the CPU)
+    kv_budget_bytes: int | None = None  # the pool's size, at most the free memory (None: see kv_fraction)
+    kv_fraction: float = 0.5  # the pool's share of the free memory when kv_budget_bytes is None (at most 1 GiB on CPU)
     page_size: int = 16  # tokens per page
     max_model_len: int | None = None  # the longest prompt + generation (None: the model's maximum, at most 4096)
     max_queue: int = 4096  # waiting requests beyond which add_request raises QueueFull

@@ -311,13 +311,8 @@ class ModelRunner:
         """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots."""
         a = len(tokens)
         n = self.ladder.window(a)
-        ids = np.zeros((1, n), np.int32)
-        ids[0, :a] = tokens
-        sl = np.full(n, self.num_slots, np.int32)
-        sl[:a] = slots
-        self.k, self.v = _build_affix(
-            self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)), config=self.config
-        )
+        ids, sl = put(_pad(tokens, n)[None]), put(_pad(slots, n, self.num_slots))
+        self.k, self.v = _build_affix(self.params, self.k, self.v, ids, sl, put(np.int32(a)), config=self.config)
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps, and the
@@ -367,11 +362,9 @@ class ModelRunner:
         padded to the window ladder) under its entry's key, unless kept already (until `forget`)."""
         if key in self.hidden:
             return
-        a = len(tokens)
-        n = self.ladder.window(a)
-        ids = np.zeros((1, n), np.int32)
-        ids[0, :a] = tokens
-        self.hidden[key] = layer_inputs(self.params, self.config, put(ids), put(np.arange(n)[None] < a))
+        n = self.ladder.window(len(tokens))
+        ids, mask = put(_pad(tokens, n)[None]), put(np.arange(n)[None] < len(tokens))
+        self.hidden[key] = layer_inputs(self.params, self.config, ids, mask)
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
@@ -381,9 +374,8 @@ class ModelRunner:
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
         n = self.ladder.window(len(src))
-        s_, d_ = np.zeros(n, np.int32), np.full(n, self.num_slots, np.int32)
-        s_[: len(src)], d_[: len(dst)] = src, dst
-        self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
+        s_, d_ = put(_pad(src, n)), put(_pad(dst, n, self.num_slots))
+        self.k, self.v = _place(self.k, self.v, s_, d_, put(np.int32(offset)), theta=self.config.rope_theta)
 
 
 _PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")  # PagedKV's read lists
@@ -392,6 +384,13 @@ _PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots"
 def put(a: np.ndarray) -> Array:
     """Host array -> device (a transfer: jnp.asarray would compile a small program per new shape)."""
     return jax.device_put(a)
+
+
+def _pad(values: Sequence[int], n: int, fill: int = 0) -> np.ndarray:
+    """int32 `values` padded with `fill` to length n (a shape of the ladder)."""
+    out = np.full(n, fill, np.int32)
+    out[: len(values)] = values
+    return out
 
 
 def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInputs:
@@ -436,7 +435,7 @@ def _block_program(options: tuple = ()):
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
     """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
-    ranking of the probed rows' affix tokens and the pool. `inputs`: `Layout.arrays()` on the device (plus "hidden" for
+    ranking of the probed rows' affix tokens and the pool. `inputs`: `ModelRunner.layout` on device (plus "hidden" for
     BiCache rows)."""
     config, d = runner.config, inputs
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
