@@ -1,18 +1,12 @@
 """Automatic discovery of affixes that requests share without saying so (host-only, bounded memory).
 
-`AffixIndex` remembers recent prompts and reports, for a new prompt, the span worth storing once as a shared affix:
-1. the longest registered affix it contains (leftmost), a hit on K/V already computed;
-2. else the longest page-aligned prefix of >= min_tokens shared with an earlier prompt, found by chained page hashes
-   as in vLLM's prefix caching. Preferred over a longer infix by default (`prefer_prefix`): a prefix's K/V need no
-   RoPE shift, and system prompts and few-shot blocks are prefixes;
-3. else the longest span of >= min_tokens shared with an earlier prompt at any offsets (a document inside different
-   questions). Earlier prompts' k-grams are indexed every min_tokens - k + 1 positions, so any shared span of
-   min_tokens contains an indexed one; the new prompt's k-gram hits are verified and extended both ways.
-Every reported span is verified token by token (hashes only propose candidates). Fixed hash functions and ordered
-dicts make the answers the same in every process (ties go to the earliest start). Work is O(prompt length): at most
-`max_hits` candidates per k-gram, extension capped at `work_factor` x the prompt (only pathological repetition
-reaches it: a shorter span, still verified). Memory is bounded by `max_prompts` and `max_tokens` (oldest forgotten
-first); registered affixes stay until unregistered. The engine calls `observe(prompt)` once per request.
+For a new prompt, `AffixIndex` reports the span worth storing once: the longest registered affix it contains; else
+the longest whole-page prefix shared with a recent prompt (chained page hashes, as vLLM's prefix caching; preferred
+by default, `prefer_prefix`: no RoPE shift); else the longest span shared at any offsets (k-grams of stored prompts
+indexed every min_tokens - k + 1 positions, so any shared span of min_tokens holds one; hits extended both ways).
+Spans are verified token by token (hashes only propose), answers are the same in every process (fixed hashes, ordered
+dicts; ties to the earliest start), work is O(prompt length) (`max_hits`, `work_factor`) and memory is bounded
+(`max_prompts`, `max_tokens`; registered affixes stay until unregistered). The engine calls `observe` per request.
 """
 
 from __future__ import annotations
