@@ -1,47 +1,23 @@
 """Automatic discovery of affixes that requests share without saying so (host-only, bounded memory).
 
-`AffixIndex` remembers recent prompts and, for a new prompt, reports the span worth storing once as a shared affix:
-
-1. a registered affix (`register`: the engine's explicit affixes and its stored entries) contained in the prompt,
-   the longest one, at its leftmost occurrence: reusing it is a hit on K/V already computed;
-2. else the longest page-aligned shared prefix of >= min_tokens tokens, found as vLLM's automatic prefix caching
-   does: the prompt's full pages are hashed as a chain (h_k = H(h_{k-1}, page k)), and the deepest chain hash seen
-   in an earlier prompt (or a registered affix) marks the prefix. By default preferred even over a longer infix,
-   because a prefix's K/V sits at the positions it was computed at (no RoPE shift) and system prompts and few-shot
-   blocks are prefixes; `prefer_prefix=False` picks whichever is longer;
-3. else the longest span of >= min_tokens tokens shared with an earlier prompt at any offsets (a document inside
-   different questions: infixes, suffixes). Earlier prompts' k-gram hashes are indexed every `stride` = min_tokens
-   - k + 1 positions, which is enough: any shared span of min_tokens tokens contains an indexed k-gram. The new
-   prompt looks up all of its k-grams, and each hit is verified and extended left and right as far as the tokens
-   agree.
-
-Guarantees a demanding user expects:
-* no false positives: every reported span is checked token by token against a remembered prompt (hashes only
-  propose candidates; a collision costs time, never correctness);
-* deterministic: fixed hash functions (BLAKE2b, a polynomial hash mod 2^61-1; not Python's salted `hash`) and
-  insertion-ordered dicts, so the same calls give the same answers in every process. Ties go to the earliest start;
-* O(prompt length) per request: one pass of rolling hashes, at most `max_hits` candidates per k-gram, and
-  extension work capped at `work_factor` x the prompt length (only pathological, highly repetitive prompts reach the
-  cap; they may then get a shorter span, still verified);
-* bounded memory: at most `max_prompts` remembered prompts and `max_tokens` of their tokens (least recently added
-  forgotten first; an identical prompt is stored once), int32 storage, index entries proportional to the tokens.
-  Registered affixes are pinned until unregistered (the engine registers only the affixes its user declares,
-  `Engine.register_affix`). Looking them up costs one pass plus one C search per registered affix whose first
-  k-gram occurs in the prompt.
-
-The queries (find, match, find_*) have no side effects. The engine calls `observe(prompt)` once per request (match,
-then remember the prompt); the span it reports is the affix whose one stored copy the block manager keeps under
-the same content key (`block_manager.affix_key`), so a later prompt with that span reuses it.
+For a new prompt, `AffixIndex` reports the span worth storing once: the longest registered affix it contains; else
+the longest whole-page prefix shared with a recent prompt (chained page hashes, as vLLM's prefix caching; preferred
+by default, `prefer_prefix`: no RoPE shift); else the longest span shared at any offsets (k-grams of stored prompts
+indexed every min_tokens - k + 1 positions, so any shared span of min_tokens holds one; hits extended both ways).
+Spans are verified token by token (hashes only propose), answers are the same in every process (fixed hashes, ordered
+dicts; ties to the earliest start), work is O(prompt length) (`max_hits`, `work_factor`) and memory is bounded
+(`max_prompts`, `max_tokens`; registered affixes stay until unregistered). The engine calls `observe` per request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
-from .block_manager import affix_key, token_array, token_bytes
+from .block_manager import _check, affix_key, token_array, token_bytes
 
 __all__ = ["AffixIndex", "AffixMatch", "find_aligned"]
 
@@ -71,14 +47,13 @@ def _chain_hash(prev: bytes, chunk: bytes) -> bytes:
     return hashlib.blake2b(prev + chunk, digest_size=16).digest()
 
 
-def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
-    """Length of the common run a[i:] / b[j:], at most `limit`: slices compare in C, growing and halving the step."""
+def _run(same, limit: int) -> int:
+    """The longest n <= limit with same(0, n) (slices compare in C): the step grows, and halves at a mismatch."""
     n, step = 0, 8
     while n < limit:
         s = min(step, limit - n)
-        if a[i + n : i + n + s] == b[j + n : j + n + s]:
-            n += s
-            step = s * 2
+        if same(n, s):
+            n, step = n + s, s * 2
         elif s == 1:
             break
         else:
@@ -86,19 +61,14 @@ def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
     return n
 
 
+def _lcp(a: array, i: int, b: array, j: int, limit: int) -> int:
+    """Length of the common run a[i:] / b[j:], at most `limit`."""
+    return _run(lambda n, s: a[i + n : i + n + s] == b[j + n : j + n + s], limit)
+
+
 def _lcs(a: array, i: int, b: array, j: int, limit: int) -> int:
     """Length of the common run ending before a[i] / b[j], at most `limit` (<= min(i, j))."""
-    n, step = 0, 8
-    while n < limit:
-        s = min(step, limit - n)
-        if a[i - n - s : i - n] == b[j - n - s : j - n]:
-            n += s
-            step = s * 2
-        elif s == 1:
-            break
-        else:
-            step = s // 2
-    return n
+    return _run(lambda n, s: a[i - n - s : i - n] == b[j - n - s : j - n], limit)
 
 
 def find_aligned(hay: bytes, needle: bytes, start: int = 0) -> int | None:
@@ -145,41 +115,28 @@ class _Stored:
         self.chain = q.chain
 
 
+@dataclasses.dataclass(eq=False)
 class AffixIndex:
     """Finds the span of a prompt worth sharing, from recent prompts and registered affixes (see the module doc)."""
 
-    def __init__(
-        self,
-        page_size: int,
-        min_tokens: int = 64,
-        max_prompts: int = 256,
-        max_tokens: int = 1 << 20,
-        k: int = 16,
-        max_hits: int = 4,
-        work_factor: int = 8,
-        prefer_prefix: bool = True,
-    ):
-        """page_size: the KV pool's; prefixes are whole pages. min_tokens: the shortest prefix or span worth reporting
-        (>= k). max_prompts, max_tokens: memory bound on remembered prompts. k: k-gram length of the span finder.
-        max_hits: remembered occurrences per k-gram (most recent prompts). work_factor: extension budget per token.
-        prefer_prefix: a shared prefix wins over any span (True), or only over spans no longer than it (False)."""
-        if (
-            page_size < 1
-            or k < 1
-            or min_tokens < k
-            or max_prompts < 0
-            or max_tokens < 0
-            or max_hits < 1
-            or work_factor < 1
-        ):
+    page_size: int  # the KV pool's: prefixes are whole pages
+    min_tokens: int = 64  # the shortest prefix or span worth reporting (>= k)
+    max_prompts: int = 256  # the memory bound on remembered prompts ...
+    max_tokens: int = 1 << 20  # ... and on their tokens
+    k: int = 16  # the k-gram length of the span finder
+    max_hits: int = 4  # remembered occurrences per k-gram (the most recent prompts')
+    work_factor: int = 8  # the extension budget per prompt token
+    prefer_prefix: bool = True  # a shared prefix wins over any span, else only over spans no longer than it
+
+    def __post_init__(self) -> None:
+        k = self.k
+        small = min(self.page_size, k, self.max_hits, self.work_factor) < 1 or self.min_tokens < k
+        if small or min(self.max_prompts, self.max_tokens) < 0:
             raise ValueError(
                 "need page_size >= 1, k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, "
                 "max_hits >= 1, work_factor >= 1"
             )
-        self.page_size, self.min_tokens, self.k, self.prefer_prefix = page_size, min_tokens, k, prefer_prefix
-        self.max_prompts, self.max_tokens = max_prompts, max_tokens
-        self.max_hits, self.work_factor = max_hits, work_factor
-        self.stride = min_tokens - k + 1  # any shared run of min_tokens tokens covers an indexed k-gram
+        self.stride = self.min_tokens - k + 1  # any shared run of min_tokens tokens covers an indexed k-gram
         self._stored: dict[int, _Stored] = {}  # id -> prompt or registered affix
         self._prompts: OrderedDict[int, _Stored] = OrderedDict()  # remembered prompts, least recently added first
         self._prompt_ids: dict[str, int] = {}  # affix_key(prompt) -> id: an identical prompt is stored once
@@ -191,11 +148,8 @@ class AffixIndex:
         self._next_id = 0
         self._num_tokens = 0
 
-    # ---- queries ------------------------------------------------------------------------------------------------
     def find(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """[start, end) of the best affix of this prompt: a registered affix, else a shared page-aligned prefix of
-        >= min_tokens (with prefer_prefix=False: unless a shared span is longer), else the longest span of
-        >= min_tokens shared with an earlier prompt; None if none."""
+        """[start, end) of the best affix of this prompt (see the module doc), or None."""
         m = self.match(prompt)
         return None if m is None else (m.start, m.end)
 
@@ -215,25 +169,21 @@ class AffixIndex:
         return self._find_registered(self._query(prompt))
 
     def find_prefix(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """(0, end) of the longest page-aligned prefix of >= min_tokens shared with a remembered prompt or a
-        registered affix, or None."""
+        """(0, end) of the longest whole-page prefix of >= min_tokens shared with a stored prompt or affix, or None."""
         return self._find_prefix(self._query(prompt))
 
     def find_span(self, prompt: Sequence[int]) -> tuple[int, int] | None:
-        """The longest span of >= min_tokens shared with a remembered prompt or registered affix at any offsets
-        (ties: earliest start), or None."""
+        """The longest span of >= min_tokens shared with a stored prompt or affix (ties: earliest start), or None."""
         return self._find_span(self._query(prompt))
 
-    # ---- memory -------------------------------------------------------------------------------------------------
     def add(self, prompt: Sequence[int]) -> None:
         """Remember the prompt (forgetting the least recently added ones beyond max_prompts / max_tokens). A prompt
         longer than max_tokens is not remembered; an identical prompt becomes the most recent instead of a copy."""
         self._add(self._query(prompt))
 
     def register(self, tokens: Sequence[int]) -> str:
-        """Pin an affix (an explicit one, or a stored entry's tokens): prompts containing it report it first, and
-        the prefix and span finders also match against it. Returns its key (affix_key); registering twice is a
-        no-op."""
+        """Pin an affix: prompts containing it report it first, and the other finders match against it too. Returns
+        its key (affix_key); registering twice is a no-op."""
         q = self._query(tokens)
         if not len(q.tokens):
             raise ValueError("an affix needs at least one token")
@@ -268,13 +218,11 @@ class AffixIndex:
         return True
 
     @property
-    def num_prompts(self) -> int:
-        """Remembered prompts (registered affixes not counted)."""
+    def num_prompts(self) -> int:  # remembered prompts (registered affixes not counted)
         return len(self._prompts)
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens of the remembered prompts."""
+    def num_tokens(self) -> int:  # tokens of the remembered prompts
         return self._num_tokens
 
     def registered_keys(self) -> list[str]:
@@ -285,10 +233,8 @@ class AffixIndex:
         """Raise AssertionError if the index is inconsistent or over its bounds (for tests)."""
         _check(len(self._prompts) <= self.max_prompts and self._num_tokens <= self.max_tokens, "over the bounds")
         _check(self._num_tokens == sum(len(r.tokens) for r in self._prompts.values()), "token count is off")
-        _check(
-            set(self._stored) == set(self._prompts) | {r.id for r in self._registered.values()},
-            "stored records are not exactly the prompts and registered affixes",
-        )
+        records = set(self._prompts) | {r.id for r in self._registered.values()}
+        _check(set(self._stored) == records, "stored records are not exactly the prompts and registered affixes")
         _check(self._prompt_ids == {r.key: i for i, r in self._prompts.items()}, "prompt keys are off")
         for h, occ in self._kgrams.items():
             _check(0 < len(occ) <= self.max_hits, f"k-gram list of length {len(occ)}")
@@ -296,16 +242,13 @@ class AffixIndex:
                 rec = self._stored.get(sid)
                 _check(rec is not None and h in rec.kgrams and pos % self.stride == 0, "stale k-gram entry")
         for h, ids in self._chains.items():
-            _check(
-                bool(ids) and all(sid in self._stored and h in self._stored[sid].chain for sid in ids),
-                "stale chain entry",
-            )
+            live = all(sid in self._stored and h in self._stored[sid].chain for sid in ids)
+            _check(bool(ids) and live, "stale chain entry")
         for rec in self._stored.values():
             _check(all(rec.id in self._chains.get(h, ()) for h in rec.chain), "missing chain entry")
         n_anchored = sum(len(v) for v in self._anchors.values())
         _check(n_anchored + len(self._short) == len(self._registered), "anchors are off")
 
-    # ---- internals ----------------------------------------------------------------------------------------------
     def _query(self, prompt: Sequence[int]) -> _Query:
         return _Query(prompt, self.k, self.page_size)
 
@@ -333,14 +276,15 @@ class AffixIndex:
                     starts[key] = find_aligned(q.data, self._registered[key].data, 4 * i)
         for key in self._short:
             starts[key] = find_aligned(q.data, self._registered[key].data, 0)
-        best = None  # (length, -start, -registration order)
-        for order, (key, rec) in enumerate(self._registered.items()):
-            s = starts.get(key)
-            if s is not None:
-                cand = (len(rec.tokens), -s, -order)
-                if best is None or cand > best:
-                    best = cand
-        return None if best is None else (-best[1], -best[1] + best[0])
+        found = [  # (length, -start, -registration order)
+            (len(rec.tokens), -starts[key], -order)
+            for order, (key, rec) in enumerate(self._registered.items())
+            if starts.get(key) is not None
+        ]
+        if not found:
+            return None
+        n, s, _ = max(found)
+        return -s, n - s
 
     def _find_prefix(self, q: _Query) -> tuple[int, int] | None:
         ps = self.page_size
@@ -444,8 +388,3 @@ class AffixIndex:
                 ids.pop(rec.id, None)
                 if not ids:
                     del self._chains[h]
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:  # not `assert`: must hold under python -O too
-        raise AssertionError(msg)

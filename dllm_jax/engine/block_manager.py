@@ -1,17 +1,11 @@
-"""Host-side page bookkeeping of the serving engine's paged KV pool (pure Python: never touches device arrays).
+"""Host-side page bookkeeping of the engine's paged KV pool (pure Python: never touches device arrays).
 
-The pool is preallocated once: `num_pages` pages of `page_size` consecutive slots each (page p holds slots
-p*page_size .. p*page_size + page_size - 1 in every layer). Every page is at all times in exactly one place:
-
-* the free list;
-* one running request's private allocation (`allocate` / `free`): its prompt, generation region and ACache anchors,
-  reserved at admission so that a request never runs out of pages midway;
-* one shared affix entry (`acquire_affix` / `release_affix`): one stored copy of an affix's K/V, computed alone at
-  positions 0..A-1 (token j in slot `pages[j // page_size] * page_size + j % page_size`), keyed by `affix_key`.
-
-An entry with holders (running requests) is never evicted. An entry without holders stays cached for later requests
-and is evicted, least recently used first, only when `allocate` or a new entry needs its pages. Every operation that
-can fail checks first and then changes state, so an error (`OutOfPages`, `ValueError`) leaves everything unchanged.
+The pool holds `num_pages` pages of `page_size` consecutive slots (page p: slots p*page_size ..). Every page is in
+exactly one place: the free list; one running request's private allocation (`allocate` / `free`, reserved at
+admission so that a request never runs out midway); or one shared affix entry (`acquire_affix` / `release_affix`):
+one stored copy of an affix's K/V, computed alone at positions 0..A-1 and keyed by `affix_key`. Held entries are
+never evicted; unheld ones stay cached and are evicted least recently used first when pages are needed. Every
+operation that can fail checks first, so an error (`OutOfPages`, `ValueError`) leaves everything unchanged.
 """
 
 from __future__ import annotations
@@ -24,19 +18,8 @@ from array import array
 from collections import OrderedDict
 from typing import Any, Hashable, Sequence
 
-__all__ = [
-    "AffixEntry",
-    "BlockManager",
-    "BlockStats",
-    "OutOfPages",
-    "affix_key",
-    "pages_for",
-    "token_array",
-    "token_bytes",
-]
-
-# Page kinds (one byte per page): where the page is now.
-_FREE, _PRIVATE, _AFFIX = 0, 1, 2
+__all__ = ["AffixEntry", "BlockManager", "BlockStats", "OutOfPages", "affix_key", "pages_for", "token_bytes"]
+_FREE, _PRIVATE, _AFFIX = 0, 1, 2  # page kinds (one byte per page): where the page is now
 
 
 class OutOfPages(RuntimeError):
@@ -86,10 +69,6 @@ class AffixEntry:
     last_used: int = 0  # logical clock of the last acquire or release (LRU order of unheld entries)
     ready: bool = False  # its K/V has been computed (mark_ready); only held entries can be not ready
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
 
 @dataclasses.dataclass
 class BlockStats:
@@ -109,65 +88,53 @@ class BlockManager:
         num_pages, page_size = operator.index(num_pages), operator.index(page_size)
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        self.num_pages, self.page_size = num_pages, page_size
         # A stack: pop() hands out low page numbers first on a fresh pool; a freed page is reused first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._kind = bytearray(num_pages)  # _FREE / _PRIVATE / _AFFIX per page
         self._tag: list[Any] = [None] * num_pages  # a private page's owner tag, or an affix page's entry key
         self._entries: dict[str, AffixEntry] = {}
         self._lru: OrderedDict[str, AffixEntry] = OrderedDict()  # unheld entries, least recently used first
-        self._clock = 0
-        self._num_private = 0
-        self._num_cached = 0  # pages of unheld entries (evictable)
-        self._num_shared = 0  # pages of held entries
+        self._clock = self._num_private = 0
+        self._num_cached = self._num_shared = 0  # pages of unheld (evictable) and of held entries
         self._evicted: list[str] = []
         self.stats = BlockStats()
 
-    # ---- accounting ---------------------------------------------------------------------------------------------
     @property
-    def num_free_pages(self) -> int:
-        """Pages on the free list."""
+    def num_free_pages(self) -> int:  # on the free list
         return len(self._free)
 
     @property
-    def num_cached_pages(self) -> int:
-        """Pages of unheld affix entries: cached for reuse, evictable on demand."""
+    def num_cached_pages(self) -> int:  # of unheld affix entries: cached for reuse, evictable on demand
         return self._num_cached
 
     @property
-    def num_shared_pages(self) -> int:
-        """Pages of affix entries with at least one holder."""
+    def num_shared_pages(self) -> int:  # of affix entries with at least one holder
         return self._num_shared
 
     @property
-    def num_private_pages(self) -> int:
-        """Pages allocated to requests."""
+    def num_private_pages(self) -> int:  # allocated to requests
         return self._num_private
 
     @property
-    def num_used_pages(self) -> int:
-        """Pages that cannot be taken now: requests' private pages plus held entries' pages."""
+    def num_used_pages(self) -> int:  # that cannot be taken now: private pages plus held entries' pages
         return self._num_private + self._num_shared
 
     @property
-    def num_available_pages(self) -> int:
-        """Pages an allocation may take now: free plus evictable (num_pages - num_used_pages)."""
+    def num_available_pages(self) -> int:  # an allocation may take now: free plus evictable
         return len(self._free) + self._num_cached
 
     def lru_keys(self) -> list[str]:
         """Keys of the unheld entries in eviction order (least recently used first)."""
         return list(self._lru)
 
-    # ---- private pages ------------------------------------------------------------------------------------------
     def can_allocate(self, n_pages: int) -> bool:
         """Whether `allocate(n_pages)` would succeed now (counting evictable entries' pages). No side effects."""
         return _count(n_pages) <= self.num_available_pages
 
     def allocate(self, n_pages: int, owner: Hashable = None) -> list[int]:
-        """`n_pages` private pages, tagged with `owner` (free must name the same owner). Evicts unheld affix entries,
-        least recently used first, if the free list is short; raises OutOfPages, changing nothing, if even that is
-        not enough."""
+        """`n_pages` private pages, tagged with `owner` (free must name the same owner), evicting unheld entries if
+        the free list is short (OutOfPages, changing nothing, if even that is not enough)."""
         pages = self._take(_count(n_pages), _PRIVATE, owner, "need")
         self._num_private += len(pages)
         return pages
@@ -179,7 +146,9 @@ class BlockManager:
             raise OutOfPages(
                 f"{needs} {n} pages, {len(self._free)} free + {self._num_cached} evictable of {self.num_pages}"
             )
-        self._evict_until_free(n)
+        while len(self._free) < n:
+            self._drop_lru()
+            self.stats.evictions += 1
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._kind[p], self._tag[p] = kind, tag
@@ -203,22 +172,17 @@ class BlockManager:
                 raise ValueError(f"page {p} belongs to affix entry {self._tag[p]}: release the entry instead")
             if self._tag[p] != owner:
                 raise ValueError(f"page {p} is allocated to {self._tag[p]!r}, not {owner!r}")
-        for p in pages:
-            self._kind[p] = _FREE
-            self._tag[p] = None
-            self._free.append(p)
+        self._to_free(pages)
         self._num_private -= len(pages)
 
-    # ---- affix entries ------------------------------------------------------------------------------------------
     def get_affix(self, key: str) -> AffixEntry | None:
         """The stored entry of `key` (held or cached), without acquiring it or touching its LRU position."""
         return self._entries.get(key)
 
     def acquire_affix(self, tokens: Sequence[int]) -> tuple[AffixEntry, bool]:
-        """Take a hold on the entry of `tokens`: (entry, True) if stored (a hit; it may still be not ready if its
-        first holder has not computed it yet), else (a new entry with fresh pages and ready=False, False): the caller
-        computes its K/V and calls mark_ready. Bumps its LRU clock. OutOfPages, changing nothing, if a new entry does
-        not fit even after evicting every unheld entry."""
+        """Take a hold on the entry of `tokens`: (entry, True) if stored (a hit, maybe not ready yet), else (a new
+        unready entry, False) whose K/V the caller computes, then mark_ready. OutOfPages, changing nothing, if it
+        does not fit even after evicting every unheld entry."""
         toks = _tokens(tokens)
         key = affix_key(toks)
         entry = self._entries.get(key)
@@ -240,17 +204,15 @@ class BlockManager:
         return entry, False
 
     def mark_ready(self, entry: AffixEntry) -> None:
-        """Record that the entry's K/V has been written. Only a holder can do this: an unheld entry is always
-        ready."""
+        """Record that the entry's K/V has been written (only a holder can: an unheld entry is always ready)."""
         self._check_stored(entry)
         if entry.holders < 1:
             raise ValueError(f"affix entry {entry.key} is not held")
         entry.ready = True
 
     def release_affix(self, entry: AffixEntry) -> None:
-        """Drop one hold (ValueError, changing nothing, if it has none or is not a stored entry). Its last release
-        makes it evictable, most recently used; an entry that was never made ready is dropped at once instead (its
-        pages hold no valid K/V) and reported by evictions() like an evicted one."""
+        """Drop one hold (ValueError, changing nothing, if it has none). The last makes it evictable, most recently
+        used; an entry never made ready is dropped at once instead (reported by evictions() like an evicted one)."""
         self._check_stored(entry)
         if entry.holders < 1:
             raise ValueError(f"affix entry {entry.key} released more often than acquired")
@@ -271,19 +233,15 @@ class BlockManager:
         """Remove every entry no request holds (their K/V were lost with the pool): how many. Held entries stay."""
         n = len(self._lru)
         while self._lru:
-            _, entry = self._lru.popitem(last=False)
-            self._num_cached -= len(entry.pages)
-            self._remove(entry)
+            self._drop_lru()
         return n
 
     def evictions(self) -> list[str]:
-        """Keys of the entries removed (evicted, or dropped unready) since the last call, in order, then forgets
-        them: the engine releases whatever device memory it keeps for those keys. A key can appear twice if it was
-        stored again and removed again in between."""
+        """Keys of the entries removed (evicted, or dropped unready) since the last call, in order (a key twice if
+        stored and removed again), then forgets them: the engine releases what it keeps for those keys."""
         out, self._evicted = self._evicted, []
         return out
 
-    # ---- admission ----------------------------------------------------------------------------------------------
     def plan_admission(self, private_pages: int, affix_tokens: Sequence[int] | None = None) -> bool:
         """Whether `admit(private_pages, affix_tokens)` would succeed now. No side effects. The affix's own pages
         are not counted as evictable for the private allocation, since acquiring it makes it unevictable."""
@@ -303,9 +261,8 @@ class BlockManager:
     def admit(
         self, private_pages: int, affix_tokens: Sequence[int] | None = None, owner: Hashable = None
     ) -> tuple[list[int], AffixEntry | None, bool]:
-        """Admit a request at once: acquire its affix (if any) first, so that the private allocation cannot evict
-        it, then allocate its private pages. Returns (private pages, entry or None, hit). All or nothing: raises
-        OutOfPages, changing nothing, unless plan_admission holds."""
+        """(private pages, affix entry or None, hit): the affix acquired first, so that the private allocation
+        cannot evict it. All or nothing: OutOfPages, changing nothing, unless plan_admission holds."""
         if not self.plan_admission(private_pages, affix_tokens):
             raise OutOfPages(
                 f"cannot admit {private_pages} private pages"
@@ -314,7 +271,6 @@ class BlockManager:
         entry, hit = (None, False) if affix_tokens is None else self.acquire_affix(affix_tokens)
         return self.allocate(private_pages, owner), entry, hit
 
-    # ---- layout -------------------------------------------------------------------------------------------------
     def slots(self, pages: Sequence[int], n_tokens: int, start: int = 0) -> list[int]:
         """Slot numbers of tokens start .. start+n_tokens-1 laid out consecutively in `pages` (token j in slot
         pages[j // page_size] * page_size + j % page_size). ValueError if they run past the pages."""
@@ -323,11 +279,9 @@ class BlockManager:
             raise ValueError(f"tokens {start}..{start + n - 1} do not fit in {len(pages)} pages of {ps}")
         return [pages[j // ps] * ps + j % ps for j in range(start, start + n)]
 
-    # ---- checking -----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent: every page in exactly one of {free list, a
-        private allocation, one entry}, counters equal to recounts, unheld entries exactly the LRU list, in
-        increasing last_used order, and ready. O(num_pages + stored tokens)."""
+        """Raise AssertionError if the bookkeeping is inconsistent (every page in exactly one place, counters equal
+        to recounts, unheld entries exactly the LRU list, in last_used order, and ready)."""
         n = self.num_pages
         _check(len(self._kind) == n and len(self._tag) == n, "per-page arrays have the wrong length")
         _check(len(set(self._free)) == len(self._free), "a page is on the free list twice")
@@ -355,14 +309,11 @@ class BlockManager:
         _check(all(a < b for a, b in zip(times, times[1:])), "LRU list is not in last_used order")
         _check(all(e.last_used <= self._clock for e in self._entries.values()), "entry from the future")
 
-    def __repr__(self) -> str:
-        return (
-            f"BlockManager(pages={self.num_pages}x{self.page_size}, free={self.num_free_pages}, "
-            f"private={self._num_private}, shared={self._num_shared}, cached={self._num_cached}, "
-            f"entries={len(self._entries)})"
-        )
+    def _to_free(self, pages) -> None:
+        for p in pages:
+            self._kind[p], self._tag[p] = _FREE, None
+            self._free.append(p)
 
-    # ---- internals ----------------------------------------------------------------------------------------------
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
@@ -371,21 +322,15 @@ class BlockManager:
         if self._entries.get(entry.key) is not entry:
             raise ValueError(f"affix entry {entry.key} is not stored here (evicted, dropped or foreign)")
 
-    def _evict_until_free(self, n: int) -> None:
-        """Evict unheld entries, least recently used first, until n pages are free (the caller checked it can)."""
-        while len(self._free) < n:
-            _, entry = self._lru.popitem(last=False)
-            self._num_cached -= len(entry.pages)
-            self._remove(entry)
-            self.stats.evictions += 1
+    def _drop_lru(self) -> None:
+        _, entry = self._lru.popitem(last=False)  # the least recently used unheld entry
+        self._num_cached -= len(entry.pages)
+        self._remove(entry)
 
     def _remove(self, entry: AffixEntry) -> None:
         """Return an unheld entry's pages to the free list and forget it (already out of the LRU list)."""
         del self._entries[entry.key]
-        for p in reversed(entry.pages):  # so that pop() hands them out in their old order
-            self._kind[p] = _FREE
-            self._tag[p] = None
-            self._free.append(p)
+        self._to_free(reversed(entry.pages))  # so that pop() hands them out in their old order
         entry.pages = []  # a stale reference must not point at pages now reused
         self._evicted.append(entry.key)
 

@@ -7,17 +7,11 @@
         for out in engine.step():                              # one block of every running request
             ...                                                # out.tokens: the block's new answer tokens
 
-Each iteration admits waiting requests (FIFO) while pages and batch slots last, builds the K/V of newly needed
-affixes alone (once per affix, whatever its placement), then one block of every running request (one device call
-per block length and BiCache depth: the block start and all its steps; temperatures, top-p / top-k, thresholds,
-steps, lengths, seeds and anchors differ per row as data). A newly admitted ACache request rides its first call as a
-probe (its window's forward, inside the block start of the others): it gets its anchors and commits nothing, then
-decodes from the next call on. A request's tokens are those of `dllm_jax.generate` on that request alone with the
-same settings.
-
-The programs are fixed by the settings (`EngineConfig`: max_batch, max_model_len, the served block lengths, sampler
-and BiCache depths), never by the traffic: `warmup()` compiles every one of them (`program_count()`), after which
-no request compiles anything; a compile after warm-up is counted and logged as a warning.
+Each step admits waiting requests (FIFO) while pages and batch slots last, builds newly needed affixes (once each),
+then runs one block of every running request: one device call per block length and BiCache depth, every other
+setting being per-row data. A newly admitted ACache request's first call is its probe (its anchors; no tokens). A
+request's tokens are `dllm_jax.generate`'s on it alone. The settings fix the programs: `warmup()` compiles all of
+them, and a compile after it is counted and logged as a warning.
 """
 
 from __future__ import annotations
@@ -78,76 +72,55 @@ class KVBudgetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """max_batch: requests decoded together in one device call (and the most running at once). kv_budget_bytes: the
-    pool's size (at most the free memory); None = kv_fraction of the device's free memory (at most 1 GiB on the CPU).
-    page_size: tokens per page. max_model_len: the longest prompt + generation (default: the model's maximum,
-    at most 4096). max_queue: waiting requests beyond which add_request raises QueueFull. auto_affix: find shared
-    spans in prompts without registration (requests whose config names an affix technique). min_affix_tokens: the
-    shortest span worth sharing. attention: the kernel choice (auto: the slot kernel through the page tables on a
-    GPU, XLA's gather elsewhere). batch_sizes: the batch shapes calls are padded to (default: 1, 4, 16, ... up to
-    max_batch, and max_batch). window_sizes: the widths an affix's own forward is padded to (default: 256, 1024,
-    4096, ... up to max_model_len, which is always added). window_chunk: block starts run in chunks of this many
-    tokens a row (halved at larger batches until a chunk of all rows is at most 2048 tokens), as many as the
-    longest window in the call needs: one program for every window length. block_lengths:
-    the block lengths served (None: the model's generation_config.json block_length, else 32). sampler: the static
-    part of the sampler served (LLaDA's remasking rule, Dream's algorithm, alg_temp and eps; None: the family's
-    default); temperature, top-p / top-k, threshold or factor and steps are per request. shallow_depths: the BiCache
-    depths served (none by default: BiCache requests are refused). Each of these multiplies the programs compiled
-    at warm-up; a request outside them gets RequestError naming the list. compiler_options: XLA options (name,
-    value) the block programs are compiled with (XLA's defaults when empty; for experiments such as command
-    buffers), checked when the engine is made."""
+    """The engine's settings, checked here. Block lengths, batch and window sizes, sampler and BiCache depths each
+    multiply the programs compiled at warm-up; a request outside them gets RequestError naming the list."""
 
-    max_batch: int = 16
-    kv_budget_bytes: int | None = None
-    kv_fraction: float = 0.5
-    page_size: int = 16
-    max_model_len: int | None = None
-    max_queue: int = 4096
-    auto_affix: bool = True
-    min_affix_tokens: int = 64
-    attention: str = "auto"
-    batch_sizes: tuple[int, ...] | None = None
-    window_sizes: tuple[int, ...] | None = None
-    window_chunk: int = 256
-    block_lengths: tuple[int, ...] | None = None
-    sampler: FamilySampler | None = None
-    shallow_depths: tuple[int, ...] = ()
-    compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()
+    max_batch: int = 16  # requests decoded together in one device call (and the most running at once)
+    kv_budget_bytes: int | None = None  # the pool's size, at most the free memory (None: see kv_fraction)
+    kv_fraction: float = 0.5  # the pool's share of the free memory when kv_budget_bytes is None (at most 1 GiB on CPU)
+    page_size: int = 16  # tokens per page
+    max_model_len: int | None = None  # the longest prompt + generation (None: the model's maximum, at most 4096)
+    max_queue: int = 4096  # waiting requests beyond which add_request raises QueueFull
+    auto_affix: bool = True  # find shared spans in prompts without registration (where a config names a technique)
+    min_affix_tokens: int = 64  # the shortest span worth sharing
+    attention: str = "auto"  # the kernel choice (auto: the slot kernel on a GPU, XLA's gather elsewhere)
+    batch_sizes: tuple[int, ...] | None = None  # the batch shapes calls are padded to (None: 1, 4, 16, ..., max_batch)
+    window_sizes: tuple[int, ...] | None = None  # an affix's own forward's widths (None: 256, 1024, ..., max_model_len)
+    window_chunk: int = 256  # block starts run in chunks of this many tokens a row (see `Ladder.chunk`)
+    block_lengths: tuple[int, ...] | None = None  # None: the model's generation_config.json block_length, else 32
+    sampler: FamilySampler | None = None  # the sampler's static part (None: the family's default; the rest is data)
+    shallow_depths: tuple[int, ...] = ()  # the BiCache depths served (none by default: BiCache requests are refused)
+    compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()  # XLA's (name, value) for block calls
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
-        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
-            raise ValueError(f"EngineConfig.kv_budget_bytes={self.kv_budget_bytes} must be positive")
+        for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk", "kv_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"EngineConfig.{name}={value} must be positive")
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"EngineConfig.kv_fraction={self.kv_fraction} must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
         KernelChoice(attention=self.attention)
         for name in ("block_lengths", "shallow_depths", "window_sizes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(sorted({int(v) for v in getattr(self, name)})))
+        for name in ("window_sizes", "block_lengths"):
             values = getattr(self, name)
-            if values is not None:
-                object.__setattr__(self, name, tuple(sorted({int(v) for v in values})))
-        if self.window_sizes is not None and (not self.window_sizes or min(self.window_sizes) <= 0):
-            raise ValueError(f"EngineConfig.window_sizes={self.window_sizes} must be positive")
-        if self.block_lengths is not None and (not self.block_lengths or min(self.block_lengths) <= 0):
-            raise ValueError(f"EngineConfig.block_lengths={self.block_lengths} must be positive")
+            if values is not None and (not values or values[0] <= 0):
+                raise ValueError(f"EngineConfig.{name}={values} must be positive")
         object.__setattr__(self, "compiler_options", tuple(dict(self.compiler_options).items()))  # typed, hashable
-        if self.shallow_depths and min(self.shallow_depths) < 0:
+        if self.shallow_depths and self.shallow_depths[0] < 0:
             raise ValueError(f"EngineConfig.shallow_depths={self.shallow_depths} must be >= 0")
-        if self.batch_sizes is not None and (
-            not self.batch_sizes or max(self.batch_sizes) != self.max_batch or min(self.batch_sizes) < 1
-        ):
+        sizes = self.batch_sizes
+        if sizes is not None and (not sizes or max(sizes) != self.max_batch or min(sizes) < 1):
             raise ValueError(
-                f"EngineConfig.batch_sizes={self.batch_sizes} must be positive sizes ending at "
-                f"max_batch={self.max_batch}"
+                f"EngineConfig.batch_sizes={sizes} must be positive sizes ending at max_batch={self.max_batch}"
             )
 
 
 def free_memory_bytes(device: jax.Device) -> int:
-    """Bytes free on `device`: what its allocator reports, else (the CPU) the host's available memory; 0 if
-    unknown."""
+    """Bytes free on `device`: its allocator's report, else (the CPU) the host's available memory; 0 if unknown."""
     stats = device.memory_stats() or {}
     if stats.get("bytes_limit"):
         return max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
@@ -159,62 +132,36 @@ def free_memory_bytes(device: jax.Device) -> int:
 
 
 class Engine:
-    """before_call: called with the request ids of every device call before it runs (fault injection in tests: what
-    it raises is that call's fault). A failed call fails only its requests (finish reason "error", pages freed); when
-    it consumed the pool's buffers (they are donated to every call), the pool is rebuilt zeroed, stored affix copies
-    are dropped (rebuilt on their next use) and every running request fails with it: their K/V are gone, and some
-    may have streamed blocks already, so none is restarted. Waiting requests are untouched."""
+    """The serving loop (see the module doc). before_call: called with the request ids of every device call before it
+    runs (fault injection in tests: what it raises is that call's fault). A failed call fails only its requests,
+    unless it consumed the pool's buffers (donated to every call): then the pool is rebuilt zeroed, stored affixes are
+    dropped and every running request fails too (their K/V are gone and some streamed blocks already). Waiting
+    requests are untouched."""
 
     def __init__(
         self, model, config: EngineConfig | None = None, before_call: Callable[[list[str]], None] | None = None
     ):
-        self.model, self.config = model, config or EngineConfig()
-        self.before_call = before_call
-        self.consecutive_faults = 0  # failed device calls since the last one that ran
-        self.last_fault: str | None = None
-        mc = model.config
-        self.max_len = min(self.config.max_model_len or min(mc.max_seq_len, 4096), mc.max_seq_len)
+        self.model, self.config, self.before_call = model, config or EngineConfig(), before_call
+        cfg, mc = self.config, model.config
+        self.consecutive_faults, self.last_fault = 0, None  # failed device calls since the last one that ran, its error
+        self.max_len = min(cfg.max_model_len or min(mc.max_seq_len, 4096), mc.max_seq_len)
         num_pages = self._pages_within_budget()
-        self.block_manager = BlockManager(num_pages, self.config.page_size)
-        self.scheduler = Scheduler(
-            self.block_manager, self.config.max_batch, self.config.max_batch, self.config.max_queue
-        )
+        self.block_manager = BlockManager(num_pages, cfg.page_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch, cfg.max_queue)
         # what is served, resolved once: each is part of the programs' keys (everything else is data)
-        m = self.config.min_affix_tokens
-        self.affixes = AffixIndex(self.config.page_size, min_tokens=m, k=min(16, m))
-        default_block = generation_defaults(getattr(model, "path", None)).get("block_length", 32)
-        self.intake = Intake.serving(
-            mc,
-            self.max_len,
-            self.config.block_lengths or (default_block,),
-            self.config.sampler,
-            self.config.shallow_depths,
-            self.affixes,
-            self.config.auto_affix,
-        )
+        self.affixes = AffixIndex(cfg.page_size, min_tokens=cfg.min_affix_tokens, k=min(16, cfg.min_affix_tokens))
+        blocks = cfg.block_lengths or (generation_defaults(getattr(model, "path", None)).get("block_length", 32),)
+        self.intake = Intake(mc, self.max_len, blocks, cfg.sampler, cfg.shallow_depths, self.affixes, cfg.auto_affix)
         self.block_lengths, self.sampler = self.intake.block_lengths, self.intake.sampler
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
-        kernels = Kernels.resolve(KernelChoice(attention=self.config.attention, rope_write="xla"), mc, params)
-        ladder = Ladder.for_settings(
-            self.config.max_batch,
-            self.max_len,
-            self.config.batch_sizes,
-            self.config.window_sizes,
-            self.config.window_chunk,
-        )
-        options = self.config.compiler_options
-        self.runner = ModelRunner(params, mc, num_pages * self.config.page_size, self.max_len, ladder, kernels, options)
-        self._runners = {
-            (bl, depth): BlockRunner(
-                mc,
-                GenerationConfig(Schedule(bl, bl, bl), RowSampler(self.sampler), CacheConfig("dual")),
-                STRATEGY if depth is None else ShallowReuse(DualCache(), depth),
-                RowSampler(self.sampler),
-            )
-            for bl in self.block_lengths
-            for depth in (None, *self.config.shallow_depths)
-        }
+        kernels = Kernels.resolve(KernelChoice(attention=cfg.attention, rope_write="xla"), mc, params)
+        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_sizes, cfg.window_chunk)
+        slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
+        self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, cfg.compiler_options)
+        gcs = {bl: GenerationConfig(Schedule(bl, bl, bl), rows, CacheConfig("dual")) for bl in self.block_lengths}
+        depths = {d: STRATEGY if d is None else ShallowReuse(DualCache(), d) for d in (None, *cfg.shallow_depths)}
+        self._runners = {(bl, d): BlockRunner(mc, gc, st, rows) for bl, gc in gcs.items() for d, st in depths.items()}
         self._programs = self.runner.programs(list(self._runners.values()))  # fixed with the settings
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -225,8 +172,7 @@ class Engine:
 
     def _pages_within_budget(self) -> int:
         """The pool's pages: kv_budget_bytes, or kv_fraction of the free memory (at most 1 GiB on the CPU, where the
-        pool shares the host's memory with everything else). A budget over the free memory is refused here rather
-        than crashing the process when the pool is allocated."""
+        pool shares the host's memory). A budget over the free memory is refused here, not by a crash at allocation."""
         device = jax.devices()[0]
         free = free_memory_bytes(device)
         budget = self.config.kv_budget_bytes
@@ -245,7 +191,6 @@ class Engine:
             )
         return int(budget // page_bytes)
 
-    # ---- submitting ---------------------------------------------------------------------------------------------
     def register_affix(self, tokens: Sequence[int]) -> AffixHandle:
         """Declare a span many requests will contain (a system prompt, few-shot examples, a document): requests
         naming the handle, or containing its tokens anywhere, share its one stored copy."""
@@ -263,13 +208,11 @@ class Engine:
         timeout: float | None = None,
         arrival: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. config: the decoding settings (cache "dual"; its affix technique, if
-        any, says how a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier
-        prompts), a handle, an explicit (start, end) span of the prompt, or None (nothing shared). timeout: seconds
-        from its arrival after which the request ends unfinished (finish reason "timeout", pages freed) at the next
-        step, waiting or running. arrival: when it arrived (`time.perf_counter()`; default now): a server passes the
-        time its handler got it, so latencies and timeouts count the wait for the engine's thread. Raises
-        RequestError for bad input and QueueFull when the queue is at its bound, before any device work."""
+        """Queue a request; returns its id. config: its decoding settings (cache "dual"; its affix technique says how
+        a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier prompts), a
+        handle, a (start, end) span of the prompt, or None. timeout: seconds from its arrival (a server passes when
+        its handler got it; default now) after which it ends unfinished ("timeout") at the next step. Raises
+        RequestError for bad input and QueueFull when the queue is full, before any device work."""
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout={timeout} must be a positive number of seconds")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -293,8 +236,8 @@ class Engine:
         request_id: str = "planned",
         remember: bool = True,
     ) -> Request:
-        """The checked request `add_request` would queue (RequestError otherwise), with its affix span resolved
-        and, for BiCache, its depth; not queued. remember=False: affix discovery does not record the prompt."""
+        """The checked request `add_request` would queue (RequestError otherwise), its affix span and BiCache depth
+        resolved; not queued. remember=False: affix discovery does not record the prompt."""
         req = self.intake.request(prompt, config, affix, request_id, remember)
         if not self.scheduler.fits_ever(req):
             raise RequestError(
@@ -303,7 +246,6 @@ class Engine:
             )
         return req
 
-    # ---- running ------------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
@@ -313,8 +255,7 @@ class Engine:
         return max(self.config.max_batch - len(s.running) - len(s.waiting), 0)
 
     def step(self) -> list[BlockOutput]:
-        """One scheduling iteration: admit, build new affixes, then one block of every running request (or its
-        ACache probe)."""
+        """One iteration: admit, build new affixes, then one block of every running request (or its ACache probe)."""
         before = compile_totals()
         outputs = self._step()
         compiled, seconds, _ = (a - b for a, b in zip(compile_totals(), before))
@@ -326,18 +267,17 @@ class Engine:
 
     def _step(self) -> list[BlockOutput]:
         now = time.perf_counter()
-        outputs = [self._end(r, "timeout") for r in list(self.scheduler.requests()) if r.deadline and now >= r.deadline]
+        expired = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.deadline and now >= r.deadline]
+        outputs = [self._end(r, "timeout") for r in expired]
         admitted = self.scheduler.admit()
         self.runner.forget(self.block_manager.evictions())  # what the runner keeps of evicted affixes
         self.counters["peak_pages"] = max(self.counters["peak_pages"], self.block_manager.num_used_pages)
-        bm = self.block_manager
         for r in admitted:
-            if r.affix_entry is None:
-                continue
-            try:
-                self._prepare_affix(r)
-            except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
-                outputs += self._fault([r], e)
+            if r.affix_entry is not None:
+                try:
+                    self._prepare_affix(r)
+                except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
+                    outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
             probing = [r for r in group if r.needs_probe]
             if len(probing) > Ladder.probe_rows:  # the rest are probed by the next calls
@@ -347,7 +287,7 @@ class Engine:
             try:
                 if self.before_call is not None:
                     self.before_call([r.request_id for r in group])
-                tokens, keys, steps, ranks = self.runner.run_block(group, bm, self._program(group[0]))
+                tokens, keys, steps, ranks = self.runner.run_block(group, self.block_manager, self._program(group[0]))
             except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
                 outputs += self._fault(group, e)
                 continue
@@ -382,20 +322,15 @@ class Engine:
             self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
 
     def _fault(self, group: list[Request], error: Exception) -> list[BlockOutput]:
-        """A device call over `group` raised: fail those requests; if the call consumed the pool, rebuild it and
-        fail every running request (see the class docstring)."""
+        """A device call over `group` raised: fail those requests, and if it consumed the pool, rebuild it and fail
+        every running request (see the class docstring)."""
         self.counters["faults"] += 1
         self.consecutive_faults += 1
         self.last_fault = f"{type(error).__name__}: {error}"
         lost = self.runner.pool_lost()
         failed = list(group) + ([r for r in self.scheduler.running if r not in group] if lost else [])
-        log.error(
-            "a device call failed (%d request(s) fail%s): %s",
-            len(failed),
-            "; the KV pool was lost and is rebuilt" if lost else "",
-            self.last_fault,
-            exc_info=error,
-        )
+        note = "; the KV pool was lost and is rebuilt" if lost else ""
+        log.error("a device call failed (%d request(s) fail%s): %s", len(failed), note, self.last_fault, exc_info=error)
         outputs = [self._end(r, "error") for r in failed if r.status != Status.FINISHED]
         if lost:
             self.runner.reset_pool()
@@ -403,14 +338,6 @@ class Engine:
             self.runner.forget(self.block_manager.evictions())
             self.counters["pool_rebuilds"] += 1
         return outputs
-
-    def _end(self, r: Request, reason: str) -> BlockOutput:
-        """End a request unfinished ("error": its device call failed; "timeout": past its deadline)."""
-        self._finish(r, reason)
-        out = BlockOutput(r.request_id, r.blocks_done - 1, [], True, reason)
-        if r.on_block is not None:
-            r.on_block(out)
-        return out
 
     def _program(self, req: Request) -> BlockRunner:
         """The block runner of a request's calls: its block length and BiCache depth (everything else is data)."""
@@ -430,7 +357,15 @@ class Engine:
         self.counters["generated_tokens"] += len(new)
         if reason is not None:
             self._finish(r, reason, now)
-        out = BlockOutput(r.request_id, r.blocks_done - 1, new, reason is not None, reason)
+        return self._emit(r, new, reason)
+
+    def _end(self, r: Request, reason: str) -> BlockOutput:
+        """End a request unfinished ("abort"; "error": its device call failed; "timeout": past its deadline)."""
+        self._finish(r, reason)
+        return self._emit(r, [], reason)
+
+    def _emit(self, r: Request, tokens: list[int], reason: str | None) -> BlockOutput:
+        out = BlockOutput(r.request_id, r.blocks_done - 1, tokens, reason is not None, reason)
         if r.on_block is not None:
             r.on_block(out)
         return out
@@ -448,9 +383,7 @@ class Engine:
         r = self._requests.get(request_id)
         if r is None or r.status == Status.FINISHED:
             return False
-        self._finish(r, "abort")
-        if r.on_block is not None:
-            r.on_block(BlockOutput(r.request_id, r.blocks_done - 1, [], True, "abort"))
+        self._end(r, "abort")
         return True
 
     def request(self, request_id: str) -> Request:
@@ -495,9 +428,8 @@ class Engine:
         return len(self._programs)
 
     def warmup(self, progress: bool = True) -> dict:
-        """Compile every program the engine can ever run (its settings fix them), before serving: afterwards no
-        request compiles anything. Nothing is written to the pool. Returns the programs, the XLA compilations it
-        took, those loaded from jax's persistent compilation cache instead, and the seconds."""
+        """Compile every program the engine can ever run, before serving (nothing is written to the pool). Returns the
+        programs, the XLA compilations it took, those loaded from jax's persistent cache instead, and the seconds."""
         t0 = time.perf_counter()
         c0, _, loads0 = compile_totals()
         seed_key(0)  # the tiny program that turns a seed into a key
@@ -510,12 +442,11 @@ class Engine:
         loaded = loads1 - loads0
         return dict(programs=self.program_count(), compiles=c1 - c0 - loaded, loaded=loaded, seconds=seconds)
 
-    # ---- state --------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters and gauges (the server's /metrics). Compiles are XLA's, counted process-wide since the engine
         was made and since its warm-up."""
-        bm = self.block_manager
-        events, seconds, loads = compile_totals()
+        bm, (events, seconds, loads), start = self.block_manager, compile_totals(), self._compiles_at_start
+        page_bytes = bm.page_size * kv_bytes_per_token(self.model.config)
         return dict(
             self.counters,
             waiting=len(self.scheduler.waiting),
@@ -525,12 +456,12 @@ class Engine:
             pages_used=bm.num_used_pages,
             pages_shared=bm.num_shared_pages,
             pages_cached=bm.num_cached_pages,
-            kv_bytes_used=bm.num_used_pages * bm.page_size * kv_bytes_per_token(self.model.config),
-            peak_kv_bytes=self.counters["peak_pages"] * bm.page_size * kv_bytes_per_token(self.model.config),
+            kv_bytes_used=bm.num_used_pages * page_bytes,
+            peak_kv_bytes=self.counters["peak_pages"] * page_bytes,
             programs=self.program_count(),
-            compiles=events - loads - (self._compiles_at_start[0] - self._compiles_at_start[2]),
-            compiles_loaded=loads - self._compiles_at_start[2],
-            compile_seconds=seconds - self._compiles_at_start[1],
+            compiles=events - loads - (start[0] - start[2]),
+            compiles_loaded=loads - start[2],
+            compile_seconds=seconds - start[1],
             block_host_seconds=self.runner.host_seconds,
             block_device_seconds=self.runner.device_seconds,
             probe_seconds=self.runner.probe_seconds,

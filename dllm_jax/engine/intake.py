@@ -1,10 +1,6 @@
 """Where a request enters the engine: every field checked and every setting resolved once, before it is queued and
-before any device work (`RequestError` naming the field otherwise).
-
-What an engine serves is fixed when it is made (`Intake.serving`): its block lengths, the static part of its
-sampler and BiCache's depths, each part of its programs' keys; a request outside them is refused naming the list.
-Everything else (temperature, top-p / top-k, threshold or factor, steps, lengths, seed, technique) is per request.
-"""
+before any device work (`RequestError` naming the field otherwise). What an engine serves (block lengths, the static
+part of its sampler, BiCache's depths) is fixed when it is made; the rest is per request."""
 
 from __future__ import annotations
 
@@ -35,39 +31,28 @@ class AffixHandle:
 
 @dataclasses.dataclass
 class Intake:
-    """The checks and resolution of requests for one engine (see the module doc). affixes: the engine's index of
-    registered and recently seen affixes (`auto_affix`: consulted for affix="auto")."""
+    """The checks and resolution of requests for one engine serving these settings (ValueError for settings the
+    model cannot serve). affixes: the engine's index of registered and recently seen affixes (for affix="auto")."""
 
     model_config: ModelConfig
     max_len: int
     block_lengths: tuple[int, ...]
-    sampler: FamilySampler  # its static part: what the programs were built with
+    sampler: FamilySampler | None  # resolved to its static part: what the programs are built with
     shallow_depths: tuple[int, ...]
     affixes: AffixIndex
     auto_affix: bool = True
 
-    @classmethod
-    def serving(
-        cls,
-        mc: ModelConfig,
-        max_len: int,
-        block_lengths: Sequence[int],
-        sampler: FamilySampler | None,
-        shallow_depths: Sequence[int],
-        affixes: AffixIndex,
-        auto_affix: bool,
-    ) -> "Intake":
-        """The intake of an engine serving these settings (ValueError for settings the model cannot serve)."""
-        for depth in shallow_depths:
+    def __post_init__(self) -> None:
+        mc = self.model_config
+        for depth in self.shallow_depths:
             if depth > mc.n_layers:
                 raise ValueError(f"EngineConfig.shallow_depths: {depth} exceeds the model's {mc.n_layers} layers")
-        if max(block_lengths) >= max_len:
+        if max(self.block_lengths) >= self.max_len:
             raise ValueError(
-                f"EngineConfig.block_lengths={tuple(block_lengths)}: a block must be shorter than max_model_len "
-                f"{max_len}"
+                f"EngineConfig.block_lengths={self.block_lengths}: a block must be shorter than max_model_len "
+                f"{self.max_len}"
             )
-        resolved = static_part((sampler or FamilySampler()).resolve(mc.family))
-        return cls(mc, max_len, tuple(block_lengths), resolved, tuple(shallow_depths), affixes, auto_affix)
+        self.sampler = static_part((self.sampler or FamilySampler()).resolve(mc.family))
 
     def handle(self, tokens: Sequence[int]) -> AffixHandle:
         toks = tuple(int(t) for t in tokens)
@@ -75,12 +60,7 @@ class Intake:
         return AffixHandle(self.affixes.register(toks), toks)
 
     def request(
-        self,
-        prompt: Sequence[int],
-        config: GenerationConfig | None,
-        affix: Any,
-        request_id: str,
-        remember: bool = True,
+        self, prompt: Sequence[int], config: GenerationConfig | None, affix: Any, request_id: str, remember: bool = True
     ) -> Request:
         """The checked request, its affix span resolved ("auto": found by the affix index, which remembers the
         prompt unless remember=False) and its settings turned into what its rows carry."""

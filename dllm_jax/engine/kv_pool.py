@@ -1,20 +1,12 @@
-"""The paged KV pool on the device, and `PagedKV`: the view of it one batched forward reads and writes.
+"""The paged KV pool's view for one batched forward (`PagedKV`), and its size per token.
 
-The pool is, per layer, K and V arrays of `num_pages * page_size` slots [S, Hkv, D], preallocated once from a byte
-budget. `block_manager.BlockManager` hands out the pages on the host; nothing here knows about requests.
-
-`PagedKV` is what `transformer.forward` takes as its cache (it has the write / attend / keys / length methods of
-`KVCache`), so the cache techniques of `decoding/caches` run on the pool unchanged:
-  * writes address *buffer columns* (the decoding loop's [B, T] token buffer): `col_slots [B, T]` maps each column to
-    the private slot it writes (S, past the pool's end, for columns that must not be written: pads and the shared
-    affix, whose one stored copy serves every request);
-  * reads address two *read lists* per row: the shared affix's slots (`shared_slots`, the first `shared_len[b]`
-    read) and the row's private slots (`own_slots`, the first `own_len[b]`). Attention does not depend on the order
-    of its keys. The shared affix is stored with K rotated at its own positions 0..A-1; placed at RoPE offset p it
-    must read as rotated by p more. RoPE scores depend only on position differences, <R(i) q, R(j + p) k> =
-    <R(i - p) q, R(j) k>, so the query is rotated back by p for that list instead (the kernel path: the small query,
-    not every key); the jnp path rotates the gathered keys forward. Either way one copy serves every placement:
-    prefix (p = 0: no rotation at all), infix and suffix.
+The pool is, per layer, K and V of `num_pages * page_size` slots [S, Hkv, D]; `BlockManager` hands out the pages.
+`PagedKV` is a `transformer.forward` cache (`KVCache`'s write / attend / keys / length), so the techniques of
+`decoding/caches` run on the pool unchanged. Writes map buffer columns to private slots (`col_slots`; S: not written,
+e.g. pads and the shared affix). Reads go through two lists per row: the shared affix's slots, then the row's own.
+The shared copy's K are rotated at positions 0..A-1; placed at offset p they must read as rotated by p more. RoPE
+scores depend only on position differences, <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the kernel path rotates
+the query back by p (the jnp path rotates the gathered keys): one copy serves every placement (p = 0: no rotation).
 """
 
 from __future__ import annotations
@@ -61,40 +53,29 @@ class PagedKV:
         """Width of the key index space of `keys` (what ACache's probe scores): the shared list."""
         return self.shared_slots.shape[1]
 
-    @property
-    def num_slots(self) -> int:
-        return self.k[0].shape[0]
-
     def write(self, i: int, k: Array, v: Array, where: CacheWrite) -> "PagedKV":
         """Layer i's pool with the window's k/v [B, n, Hkv, D] written at its columns' private slots (in place under
         jit with the pool donated). Masked entries and unwritable columns are dropped."""
-        n = k.shape[1]
-        cols = (
-            where.slots
-            if where.slots is not None
-            else (jnp.asarray(where.offset, jnp.int32) + jnp.arange(n, dtype=jnp.int32))[None]
-        )
+        cols = where.slots
+        if cols is None:
+            cols = (jnp.asarray(where.offset, jnp.int32) + jnp.arange(k.shape[1], dtype=jnp.int32))[None]
         slots = jnp.take_along_axis(self.col_slots, jnp.broadcast_to(cols, k.shape[:2]), axis=1)
-        keep = slots < self.num_slots
+        end = self.k[0].shape[0]  # the pool's slots
+        keep = slots < end
         if where.mask is not None:
             keep &= where.mask
-        # every entry that must not be written goes to its own index past the pool's end (dropped): the written
-        # slots are distinct (each private slot is one column's), so every index is unique and XLA may scatter
-        # without ordering conflicting writes
-        flat = jnp.where(keep, slots, self.num_slots + jnp.arange(slots.size).reshape(slots.shape)).reshape(-1)
+        # unwritten entries go to distinct indices past the pool's end (dropped); written slots are distinct (each
+        # is one column's), so every index is unique and XLA may scatter without ordering conflicting writes
+        flat = jnp.where(keep, slots, end + jnp.arange(slots.size).reshape(slots.shape)).reshape(-1)
         scatter = dict(mode="drop", unique_indices=True)
         new_k = self.k[i].at[flat].set(k.reshape(-1, *k.shape[2:]).astype(self.k[i].dtype), **scatter)
         new_v = self.v[i].at[flat].set(v.reshape(-1, *v.shape[2:]).astype(self.v[i].dtype), **scatter)
-        return dataclasses.replace(
-            self, k=self.k[:i] + (new_k,) + self.k[i + 1 :], v=self.v[:i] + (new_v,) + self.v[i + 1 :]
-        )
+        k, v = self.k[:i] + (new_k,) + self.k[i + 1 :], self.v[:i] + (new_v,) + self.v[i + 1 :]
+        return dataclasses.replace(self, k=k, v=v)
 
     def shared_mask(self) -> Array:
         """[B, A]: which entries of the shared list are keys."""
         return jnp.arange(self.shared_slots.shape[1], dtype=jnp.int32)[None, :] < self.shared_len[:, None]
-
-    def own_mask(self) -> Array:
-        return jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
 
     def keys(self, i: int, rows: Array | None = None) -> Array:
         """Layer i's shared keys [B, A, Hkv, D] (rows: of those rows only), rotated to each row's placement (what
@@ -115,32 +96,19 @@ class PagedKV:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
         if kernels.attention == "xla":
             k = jnp.concatenate([self.keys(i), jnp.take(self.k[i], self.own_slots, axis=0)], axis=1)
-            v = jnp.concatenate(
-                [jnp.take(self.v[i], self.shared_slots, axis=0), jnp.take(self.v[i], self.own_slots, axis=0)], axis=1
-            )
-            return attend_reference(q, k, v, jnp.concatenate([self.shared_mask(), self.own_mask()], axis=1))
+            v = jnp.concatenate([jnp.take(self.v[i], s, axis=0) for s in (self.shared_slots, self.own_slots)], axis=1)
+            own = jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
+            return attend_reference(q, k, v, jnp.concatenate([self.shared_mask(), own], axis=1))
         # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
         # as an online-softmax state, continued over the own list
         b, n = q.shape[:2]
-        q_lens = jnp.full((b,), n, jnp.int32)
-        if self.shared_slots.shape[1] == 0:  # nothing shared in this batch
-            return sa.slot_attention(
-                q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len, interpret=kernels.interpret
-            )
-        qs = q
-        if self.rotate:
-            cos, sin = rope_cos_sin(jnp.broadcast_to(-self.shared_delta[:, None], (b, n)), q.shape[-1], self.rope_theta)
-            qs = apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)
-        state = sa.slot_attention(
-            qs,
-            self.k[i],
-            self.v[i],
-            self.shared_slots,
-            q_lens,
-            self.shared_len,
-            return_state=True,
-            interpret=kernels.interpret,
-        )
-        return sa.slot_attention(
-            q, self.k[i], self.v[i], self.own_slots, q_lens, self.own_len, init_state=state, interpret=kernels.interpret
-        )
+        q_lens, kl, vl, state, interpret = jnp.full((b,), n, jnp.int32), self.k[i], self.v[i], None, kernels.interpret
+        if self.shared_slots.shape[1]:  # something shared in this batch
+            qs = q
+            if self.rotate:
+                delta = jnp.broadcast_to(-self.shared_delta[:, None], (b, n))
+                cos, sin = rope_cos_sin(delta, q.shape[-1], self.rope_theta)
+                qs = apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)
+            shared, lens = self.shared_slots, self.shared_len
+            state = sa.slot_attention(qs, kl, vl, shared, q_lens, lens, return_state=True, interpret=interpret)
+        return sa.slot_attention(q, kl, vl, self.own_slots, q_lens, self.own_len, init_state=state, interpret=interpret)

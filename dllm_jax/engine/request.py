@@ -1,5 +1,5 @@
-"""A request as the engine sees it: its prompt (with the shared affix it reuses, if any), its decoding settings, its
-host-side state, and what it streams back (`BlockOutput`, one per committed block)."""
+"""A request's host record (its prompt, shared affix span, settings and progress; no device arrays) and what it streams
+back (`BlockOutput`, one per committed block)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
 
-    # ---- settings -----------------------------------------------------------------------------------------------
     @property
     def gen_length(self) -> int:
         return self.config.schedule.gen_length
@@ -116,19 +115,13 @@ class Request:
 
     def own_prompt_indices(self) -> list[int]:
         """Prompt indices recomputed at block starts besides the anchors: everything outside a shared affix."""
-        if self.technique is None:
-            return list(range(len(self.prompt)))
-        s, e = self.affix_span
+        s, e = self.affix_span if self.technique is not None else (0, 0)
         return [j for j in range(len(self.prompt)) if not s <= j < e]
 
-    # ---- progress -----------------------------------------------------------------------------------------------
     @property
     def blocks_done(self) -> int:
         return len(self.generated) // self.block_length
 
     def answer(self, stop_ids: tuple[int, ...]) -> list[int]:
         """Generated tokens up to (excluding) the first stop token."""
-        for i, t in enumerate(self.generated):
-            if t in stop_ids:
-                return self.generated[:i]
-        return list(self.generated)
+        return self.generated[: next((i for i, t in enumerate(self.generated) if t in stop_ids), None)]

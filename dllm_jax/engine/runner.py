@@ -1,25 +1,12 @@
-"""The one place that builds device inputs from requests and runs the model for the engine.
+"""Device inputs built from requests, and the jitted calls the engine runs (`ModelRunner`).
 
-Per scheduling iteration a group of running requests (same schedule and sampler) finishes one block each in one
-device call (`run_block`): the block start (the cache technique's refresh) and then every step of the block,
-through `decoding.loop.BlockRunner` and the techniques of `decoding/caches` on a `PagedKV` view of the pool.
-
-Layout of a call (host numpy, then one transfer):
-  * the token buffer [B, T]: each row's prompt and generation region, left-padded so that every row's *current*
-    block starts at one column C (rows may be at different blocks: continuous batching). T is fixed (twice the
-    longest request) so the buffer never changes shape;
-  * `col_slots` [B, T]: the private slot each column writes; the read list [B, R] of each row's keys (shared affix
-    slots, rotated at read time by the affix's placement offset, then private ones);
-  * the block-start window [B, W]: the columns the refresh recomputes (anchors, the request's own prompt tokens
-    and its generation region), every row's current block at one window index. W is max_model_len, run in fixed
-    chunks of `Ladder.window_chunk` tokens, only those up to the longest row's window (`WindowChunks`): one program
-    serves every window length at the cost of its own tokens.
-Every shape is fixed by the engine's settings (`Ladder`), never by the traffic: B is rounded up to the batch ladder,
-W and both read lists have one width (max_model_len rounded up to the largest chunk: the attention kernel reads
-only each row's own length of the lists). An affix's own forward is padded to the window ladder. Per-request
-settings (temperature, top-p / top-k,
-threshold or factor, steps, max_tokens, seed, anchors) are data. So the set of programs is known before serving
-(`programs`) and `warm` compiles all of them; nothing compiles afterwards.
+A group of running requests (one block length and BiCache depth) finishes one block each in one device call
+(`run_block`): the block start (a windowed refresh) and every step, through `decoding.loop.BlockRunner` on a
+`PagedKV` view of the pool. The host builds numpy arrays, then transfers them once: the token buffer [B, T] (rows
+left-padded so that every row's current block starts at one column), the slots each column writes, each row's read
+lists (the shared affix's slots, then its own) and its block-start window, run in chunks up to the longest row's
+window (`WindowChunks`). Every shape comes from the settings (`Ladder`), never the traffic; per-request settings are
+data. So `programs` lists every program before serving, `warm` compiles them all, and nothing compiles afterwards.
 """
 
 from __future__ import annotations
@@ -49,73 +36,68 @@ from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
 Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
+CHUNK_TOKENS = 2048  # a block-start chunk of all rows at most this many tokens (see `Ladder.chunk`)
 
 
-class _CompileCounter:
-    """Programs jax compiled or loaded from its persistent cache in this process (the engine's and anyone's), and
-    the seconds they took: the counts that must not move while a warmed-up engine serves. Listeners registered on
-    first use."""
+_compiles = [0, 0.0, 0]  # programs jax compiled or loaded from its persistent cache (anyone's), their seconds, loads
 
-    events, seconds, cache_loads, registered = 0, 0.0, 0, False
 
-    @classmethod
-    def _on_duration(cls, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
-            cls.events += 1
-            cls.seconds += duration
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
+        _compiles[0] += 1
+        _compiles[1] += duration
 
-    @classmethod
-    def _on_event(cls, event: str, **kwargs) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            cls.cache_loads += 1
 
-    @classmethod
-    def totals(cls) -> tuple[int, float, int]:
-        if not cls.registered:
-            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
-            jax.monitoring.register_event_listener(cls._on_event)
-            cls.registered = True
-        return cls.events, cls.seconds, cls.cache_loads
+def _on_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _compiles[2] += 1
+
+
+@functools.cache
+def _listen() -> None:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
+
+
+def compile_totals() -> tuple[int, float, int]:
+    """(programs compiled or loaded from the persistent cache in this process, the seconds that took, how many were
+    loaded), counted from the first call on: the counts that must not move while a warmed-up engine serves."""
+    _listen()
+    return tuple(_compiles)
 
 
 def backend_compiles() -> int:
     """Programs compiled or loaded from the persistent cache in this process so far."""
-    return _CompileCounter.totals()[0]
-
-
-def compile_totals() -> tuple[int, float, int]:
-    """(programs compiled or loaded from the persistent cache in this process so far, the seconds that took, how
-    many of them were loaded)."""
-    return _CompileCounter.totals()
+    return compile_totals()[0]
 
 
 def round_up(n: int, multiple: int = 16) -> int:
     return -(-n // multiple) * multiple
 
 
+def _powers(start: int, stop: int, ratio: int = 4) -> list[int]:
+    """start, start * ratio, ... below stop, then stop."""
+    out = []
+    while start < stop:
+        out.append(start)
+        start *= ratio
+    return out + [stop]
+
+
 @dataclasses.dataclass(frozen=True)
 class Ladder:
-    """The shapes every device call is padded to, fixed by the engine's settings: batch sizes (powers of 4 up to
-    max_batch, and max_batch), the widths an affix's own forward is padded to (powers of 4 from 256 up to
-    max_model_len), the block-start chunk, and the one width of the read lists and block-start windows. Few shapes
-    on purpose: at LLaDA-8B a program takes 6-24 s to compile and 1.2-2.9 s to load from the persistent cache
-    (H200), so the number of programs is the start-up time."""
+    """The shapes every device call is padded to, fixed by the settings. Few on purpose: at LLaDA-8B a program takes
+    6-24 s to compile and 1.2-2.9 s to load from the persistent cache (H200), so the program count is start-up time."""
 
-    batch_sizes: tuple[int, ...]
-    window_sizes: tuple[int, ...]
-    read_len: int  # a multiple of window_chunk
+    batch_sizes: tuple[int, ...]  # powers of 4 up to max_batch, and max_batch
+    window_sizes: tuple[int, ...]  # an affix's own forward: powers of 4 from 256 up to max_model_len
+    read_len: int  # the one width of the read lists and block-start windows: a multiple of window_chunk
     window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
     probe_rows: int = 4  # ACache probes a block call carries at most (scored together: fp32 scores of all of them)
 
     @classmethod
-    def for_settings(
-        cls,
-        max_batch: int,
-        max_len: int,
-        batch_sizes: Sequence[int] | None = None,
-        window_sizes: Sequence[int] | None = None,
-        window_chunk: int = 256,
-    ) -> "Ladder":
+    def for_settings(cls, max_batch: int, max_len: int, batch_sizes=None, window_sizes=None, window_chunk=256):
+        """The ladder of these settings (batch_sizes, window_sizes: None for the defaults)."""
         cap = round_up(max_len)
         windows = (
             ({round_up(w) for w in window_sizes if w < cap} | {cap}) if window_sizes else _powers(min(256, cap), cap)
@@ -128,29 +110,16 @@ class Ladder:
         return next(b for b in self.batch_sizes if b >= n)
 
     def chunk(self, b: int) -> int:
-        """A row's block-start chunk at batch b: window_chunk, halved while a chunk of all b rows is more than
-        CHUNK_TOKENS (a GEMM of that many tokens already runs near the H200's peak, and a smaller chunk pads less:
-        windows are rounded up to it). A divisor of read_len."""
+        """A row's block-start chunk at batch b: window_chunk, halved while a chunk of all b rows exceeds CHUNK_TOKENS
+        (a GEMM that size already runs near the H200's peak; a smaller chunk pads less). A divisor of read_len."""
         c = self.window_chunk
         while c * b > CHUNK_TOKENS and c % 32 == 0:
             c //= 2
         return c
 
     def window(self, n: int) -> int:
-        """The smallest window width that holds n tokens (every affix and window is at most max_model_len)."""
+        """The smallest window width that holds n tokens."""
         return next(w for w in self.window_sizes if w >= n)
-
-
-CHUNK_TOKENS = 2048
-
-
-def _powers(start: int, stop: int, ratio: int = 4) -> list[int]:
-    """start, start * ratio, ... below stop, then stop."""
-    out = []
-    while start < stop:
-        out.append(start)
-        start *= ratio
-    return out + [stop]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,70 +134,6 @@ class RowPlan:
     gen_index: int  # where the generation region starts in the window
 
 
-@dataclasses.dataclass
-class Layout:
-    """Host arrays of one device call."""
-
-    x: np.ndarray
-    positions: np.ndarray
-    col_slots: np.ndarray
-    shared_slots: np.ndarray
-    shared_len: np.ndarray
-    shared_delta: np.ndarray
-    own_slots: np.ndarray
-    own_len: np.ndarray
-    window: np.ndarray
-    writes: np.ndarray
-    block_col: int  # the buffer column where every row's current block starts
-    block_index: np.ndarray  # [B] int32: where it sits in each row's window
-    live: int  # window entries 0..live-1 hold some row's work (the longest row's window)
-    keys: np.ndarray  # [B, 2] uint32 key data
-    rows: dict  # RowSettings' host arrays (per-row sampling settings and step budgets)
-    probe_rows: np.ndarray  # [Ladder.probe_rows] int32: the rows the block start probes (b: an empty slot)
-    # BiCache rows: the deep window (every real column), where the shallow window's hidden states go in it, and
-    # where each row's prefix starts in it
-    deep: np.ndarray | None = None
-    deep_writes: np.ndarray | None = None
-    splice_at: np.ndarray | None = None
-    prefix_at: np.ndarray | None = None
-    deep_live: int = 0
-
-    @classmethod
-    def empty(cls, config: ModelConfig, b: int, t: int, w: int, read_len: int, num_slots: int, col: int = 0):
-        """b rows that write nothing and read nothing (padding rows; warm-up calls)."""
-        return cls(
-            x=np.full((b, t), config.pad_token_id, np.int32),
-            positions=np.zeros((b, t), np.int32),
-            col_slots=np.full((b, t), num_slots, np.int32),
-            shared_slots=np.zeros((b, read_len), np.int32),
-            shared_len=np.zeros(b, np.int32),
-            shared_delta=np.zeros(b, np.int32),
-            own_slots=np.zeros((b, read_len), np.int32),
-            own_len=np.zeros(b, np.int32),
-            window=np.full((b, w), col, np.int32),  # fillers: the current block's column, unwritten
-            writes=np.zeros((b, w), bool),
-            block_col=col,
-            block_index=np.zeros(b, np.int32),
-            live=0,
-            keys=np.zeros((b, 2), np.uint32),
-            rows=stack_rows([], b),
-            probe_rows=np.full(Ladder.probe_rows, b, np.int32),
-        )
-
-    def arrays(self) -> dict:
-        """Every field as a host array (the call's inputs; BiCache's only where set)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                out[f.name] = value if isinstance(value, (np.ndarray, dict)) else np.int32(value)
-        return out
-
-    def add_deep(self, b: int, f: int, w: int, col: int = 0) -> None:
-        self.deep, self.deep_writes = np.full((b, f), col, np.int32), np.zeros((b, f), bool)
-        self.splice_at, self.prefix_at = np.full((b, w), f, np.int32), np.full(b, f, np.int32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled program of the engine: what it runs and its shape (batch b, window or affix width w)."""
@@ -240,25 +145,16 @@ class Program:
 
 
 class ModelRunner:
+    """The engine's device side: the KV pool, the programs over it, and BiCache's stored hidden states."""
+
     def __init__(
-        self,
-        params: dict,
-        config: ModelConfig,
-        num_slots: int,
-        max_len: int,
-        ladder: Ladder,
-        kernels,
-        compiler_options: tuple = (),
+        self, params: dict, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels, options=()
     ):
-        self.params, self.config = params, config
-        self._run_block = _block_program(compiler_options)
-        self.num_slots, self.max_len = num_slots, max_len
-        self.ladder = ladder
+        self.params, self.config, self.num_slots, self.ladder, self.kernels = params, config, num_slots, ladder, kernels
+        self._run_block = _block_program(options)  # options: XLA's compiler options of the block programs
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
-        self.kernels = kernels
-        shape = (num_slots, config.n_kv_heads, config.head_dim)
-        mesh = mesh_of(params)  # tensor parallel: each device holds its KV heads of every page
-        self._zeros = jax.jit(
+        shape, mesh = (num_slots, config.n_kv_heads, config.head_dim), mesh_of(params)
+        self._zeros = jax.jit(  # tensor parallel: each device holds its KV heads of every page
             lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers)),
             out_shardings=None if mesh is None else (kv_sharding(mesh, 3),) * config.n_layers,
         )
@@ -266,6 +162,35 @@ class ModelRunner:
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
         self.probe_seconds = 0.0  # the probe tokens' share of the calls that carried them
         self.hidden: dict[str, Array] = {}  # BiCache: each stored affix's hidden states (`store_hidden`)
+
+    def _empty(self, b: int, col: int = 0, shallow: bool = False) -> dict:
+        """The host inputs of a call (`_block_call`) over b rows that write and read nothing (padding; warm-up);
+        shallow: with BiCache's deep window (every real column), where the shallow window's hidden states go in it
+        and where each row's prefix starts in it."""
+        t, f, end = self.buffer_len, self.ladder.read_len, self.num_slots
+        lay = dict(
+            x=np.full((b, t), self.config.pad_token_id, np.int32),
+            positions=np.zeros((b, t), np.int32),
+            col_slots=np.full((b, t), end, np.int32),  # the slot each column writes (num_slots: none)
+            shared_slots=np.zeros((b, f), np.int32),  # the read lists: the shared affix's slots...
+            shared_len=np.zeros(b, np.int32),
+            shared_delta=np.zeros(b, np.int32),  # ... read rotated by its placement
+            own_slots=np.zeros((b, f), np.int32),  # ... and the row's private ones
+            own_len=np.zeros(b, np.int32),
+            window=np.full((b, f), col, np.int32),  # the columns a block start recomputes (fillers: unwritten)
+            writes=np.zeros((b, f), bool),
+            block_col=np.int32(col),  # the buffer column where every row's current block starts
+            block_index=np.zeros(b, np.int32),  # where it sits in each row's window
+            live=np.int32(0),  # window entries 0..live-1 hold some row's work
+            keys=np.zeros((b, 2), np.uint32),
+            rows=stack_rows([], b),  # RowSettings' host arrays
+            probe_rows=np.full(Ladder.probe_rows, b, np.int32),  # the rows the block start probes (b: none)
+            deep_live=np.int32(0),
+        )
+        if shallow:
+            lay.update(deep=np.full((b, f), col, np.int32), deep_writes=np.zeros((b, f), bool))
+            lay.update(splice_at=np.full((b, f), f, np.int32), prefix_at=np.full(b, f, np.int32))
+        return lay
 
     def reset_pool(self) -> None:
         """A zeroed pool (at start, and after a failed call consumed the donated one)."""
@@ -275,7 +200,6 @@ class ModelRunner:
         """Whether a call consumed the pool's buffers without returning new ones (they are donated to every call)."""
         return any(a.is_deleted() for a in self.k + self.v)
 
-    # ---- the programs -----------------------------------------------------------------------------------------------
     def programs(self, runners: Sequence[BlockRunner]) -> list[Program]:
         """Every program the engine can run with these block runners (a function of the settings only)."""
         lad = self.ladder
@@ -287,9 +211,8 @@ class ModelRunner:
         return out
 
     def warm(self, programs: Sequence[Program], progress: bool = True) -> None:
-        """Compile every program (ahead of time: nothing runs, nothing is written; a later call of the same shapes
-        finds it compiled)."""
-        cfg, lad, t, end = self.config, self.ladder, self.buffer_len, self.num_slots
+        """Compile every program ahead of time (nothing runs or is written; later calls of those shapes find it)."""
+        cfg, lad, end = self.config, self.ladder, self.num_slots
         for p in tqdm(programs, desc="compiling", unit="program", disable=not progress):
             ids, nowhere = put(np.zeros((1, p.w), np.int32)), put(np.full(p.w, end, np.int32))
             if p.kind == "affix":
@@ -303,14 +226,11 @@ class ModelRunner:
                 zeros = put(np.zeros(p.w, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
             else:
-                lay = Layout.empty(cfg, p.b, t, p.w, lad.read_len, end)
-                hidden = None
-                if isinstance(p.runner.strategy, ShallowReuse):
-                    lay.add_deep(p.b, lad.read_len, p.w)
-                    hidden = [jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)] * p.b
+                shallow = isinstance(p.runner.strategy, ShallowReuse)
+                hidden = [jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)] * p.b if shallow else None
+                lay = self._empty(p.b, shallow=shallow)
                 self._call(lay, p.runner, hidden, compile_only=True)
 
-    # ---- layouts ---------------------------------------------------------------------------------------------------
     def plan(self, r: Request, bm) -> RowPlan:
         """What does not change between a request's blocks (cached on the request until its anchors change). A
         request still to be probed (ACache) has no anchors yet: its first block start is its probe."""
@@ -319,8 +239,8 @@ class ModelRunner:
         if r.plan is not None and r.plan[0] == key:
             return r.plan[1]
         p, g = len(r.prompt), r.gen_length
-        # private slots per logical index (prompt, then generation region): own prompt tokens, the anchor slots,
-        # the generation region (an order fixed before the anchors are known); -1: read from the shared copy
+        # private slots per logical index, in the order they were reserved: own prompt tokens, the anchors, the
+        # generation region; -1: read from the shared copy
         slots = np.asarray(bm.slots(r.pages, r.private_tokens()), np.int64)
         own = np.asarray(r.own_prompt_indices() if r.shares_affix else range(p), np.int64)
         priv = np.full(p + g, -1, np.int64)
@@ -332,9 +252,8 @@ class ModelRunner:
         shared = np.zeros(0, np.int64)
         if len(shared_idx):
             shared = np.asarray(bm.slots(r.affix_entry.pages, r.affix_len), np.int64)[shared_idx - r.affix_span[0]]
-        # the block-start window (logical indices): anchors, own prompt tokens, then P - 1 right before the
-        # generation region, always (Dream predicts the first generated token from the entry before the block),
-        # unwritten when it is shared, then the generation region
+        # the window: anchors, own prompt tokens, P - 1 (always: Dream predicts the block's first token from the
+        # entry before it; unwritten when shared), then the generation region
         recomputed = np.concatenate([anchors, np.asarray(r.own_prompt_indices(), np.int64)])
         recomputed = recomputed[recomputed != p - 1]
         window = np.concatenate([recomputed, [p - 1], p + np.arange(g)])
@@ -345,65 +264,55 @@ class ModelRunner:
         r.plan = (key, plan)
         return plan
 
-    def layout(self, reqs: Sequence[Request], bm, shallow: bool = False) -> Layout:
-        """The device inputs of one call over `reqs` (each at its current block; a request to be probed at block 0
-        with no anchors yet; shallow: BiCache rows, with their deep window), padded to the ladder's shapes."""
+    def layout(self, reqs: Sequence[Request], bm, shallow: bool = False) -> dict:
+        """The host inputs of one call over `reqs` (each at its current block; shallow: BiCache rows, with their deep
+        window), padded to the ladder's shapes."""
         lad = self.ladder
         b = lad.batch(len(reqs))
         plans = [self.plan(r, bm) for r in reqs]
         done = [r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
         c = max(starts)
-        lay = Layout.empty(self.config, b, self.buffer_len, lad.read_len, lad.read_len, self.num_slots, col=c)
-        lay.live = max(len(pl.window) for pl in plans)
-        lay.rows = stack_rows([r.row_values for r in reqs], b)
-        mask_id = self.config.mask_token_id
+        lay = self._empty(b, c, shallow)
+        lay["live"] = np.int32(max(len(pl.window) for pl in plans))
+        lay["rows"] = stack_rows([r.row_values for r in reqs], b)
         for i, (r, pl) in enumerate(zip(reqs, plans)):
-            p, g = len(r.prompt), r.gen_length
+            p, g, gen = len(r.prompt), r.gen_length, r.generated
             pad = c - starts[i]  # every row's current block starts at column c
-            gen = r.generated
-            lay.x[i, pad : pad + p] = r.prompt
-            lay.x[i, pad + p : pad + p + len(gen)] = gen
-            lay.x[i, pad + p + len(gen) : pad + p + g] = mask_id
-            lay.positions[i, pad : pad + p + g] = np.arange(p + g)
+            lay["x"][i, pad : pad + p] = r.prompt
+            lay["x"][i, pad + p : pad + p + len(gen)] = gen
+            lay["x"][i, pad + p + len(gen) : pad + p + g] = self.config.mask_token_id
+            lay["positions"][i, pad : pad + p + g] = np.arange(p + g)
             mine = pl.private >= 0
-            lay.col_slots[i, pad + np.flatnonzero(mine)] = pl.private[mine]
             own = pl.private[mine]
-            lay.own_slots[i, : len(own)], lay.own_len[i] = own, len(own)
-            lay.shared_slots[i, : len(pl.shared)] = pl.shared
-            lay.shared_len[i], lay.shared_delta[i] = len(pl.shared), pl.delta
-            lay.window[i, : len(pl.window)], lay.writes[i, : len(pl.window)] = pad + pl.window, pl.writes
-            lay.block_index[i] = pl.gen_index + done[i] * r.block_length
-            lay.keys[i] = r.key
+            lay["col_slots"][i, pad + np.flatnonzero(mine)] = own
+            lay["own_slots"][i, : len(own)], lay["own_len"][i] = own, len(own)
+            lay["shared_slots"][i, : len(pl.shared)] = pl.shared
+            lay["shared_len"][i], lay["shared_delta"][i] = len(pl.shared), pl.delta
+            lay["window"][i, : len(pl.window)], lay["writes"][i, : len(pl.window)] = pad + pl.window, pl.writes
+            lay["block_index"][i] = pl.gen_index + done[i] * r.block_length
+            lay["keys"][i] = r.key
         probing = [i for i, r in enumerate(reqs) if r.needs_probe]
-        lay.probe_rows[: len(probing)] = probing
-        for i in probing:
-            lay.rows["steps"][i] = 0  # a probed row's call is its probe: it commits nothing
+        lay["probe_rows"][: len(probing)] = probing
+        lay["rows"]["steps"][probing] = 0  # a probed row's call is its probe: it commits nothing
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
             f = lad.read_len
-            lay.add_deep(b, f, lad.read_len, c)
-            lay.deep_live = max(r.total_len for r in reqs)
+            lay["deep_live"] = np.int32(max(r.total_len for r in reqs))
             for i, (r, pl) in enumerate(zip(reqs, plans)):
                 n, pad = r.total_len, c - starts[i]
-                lay.deep[i, :n], lay.deep_writes[i, :n] = pad + np.arange(n), True
+                lay["deep"][i, :n], lay["deep_writes"][i, :n] = pad + np.arange(n), True
                 spliced = pl.writes | (pl.window == len(r.prompt) - 1)
-                lay.splice_at[i, : len(pl.window)] = np.where(spliced, pl.window, f)
-                lay.prefix_at[i] = r.affix_span[0] if r.affix_span else f
-                lay.block_index[i] = len(r.prompt) + done[i] * r.block_length
+                lay["splice_at"][i, : len(pl.window)] = np.where(spliced, pl.window, f)
+                lay["prefix_at"][i] = r.affix_span[0] if r.affix_span else f
+                lay["block_index"][i] = len(r.prompt) + done[i] * r.block_length
         return lay
 
-    # ---- device calls ---------------------------------------------------------------------------------------------
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
         """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots."""
         a = len(tokens)
         n = self.ladder.window(a)
-        ids = np.zeros((1, n), np.int32)
-        ids[0, :a] = tokens
-        sl = np.full(n, self.num_slots, np.int32)
-        sl[:a] = slots
-        self.k, self.v = _build_affix(
-            self.params, self.k, self.v, put(ids), put(sl), put(np.int32(a)), config=self.config
-        )
+        ids, sl = put(_pad(tokens, n)[None]), put(_pad(slots, n, self.num_slots))
+        self.k, self.v = _build_affix(self.params, self.k, self.v, ids, sl, put(np.int32(a)), config=self.config)
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps, and the
@@ -432,32 +341,30 @@ class ModelRunner:
             self.probe_seconds += seconds * share
         return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
 
-    def _call(self, lay: Layout, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
+    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
         """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
         compile_only: compile its program for these shapes, run nothing."""
-        inputs = jax.device_put(lay.arrays())
+        b = lay["x"].shape[0]
+        inputs = jax.device_put(lay)
         if hidden is not None:
-            inputs["hidden"] = _stack_rows(tuple(hidden), lay.x.shape[0])
+            inputs["hidden"] = _stack_rows(tuple(hidden), b)
         args = (self.params, self.k, self.v, inputs)
-        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(lay.x.shape[0]))
+        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
         if compile_only:
             self._run_block.lower(*args, **static).compile()
             return None
         blk, keys, steps, ranks, self.k, self.v = self._run_block(*args, **static)
-        probed = bool((lay.probe_rows < lay.x.shape[0]).any())
+        probed = bool((lay["probe_rows"] < b).any())
         return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(ranks) if probed else None
 
-    # ---- BiCache's shared prefix ---------------------------------------------------------------------------------
     def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
-        """Keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix padded
-        to the window ladder) under its entry's key, unless kept already (until `forget`)."""
+        """BiCache: keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix
+        padded to the window ladder) under its entry's key, unless kept already (until `forget`)."""
         if key in self.hidden:
             return
-        a = len(tokens)
-        n = self.ladder.window(a)
-        ids = np.zeros((1, n), np.int32)
-        ids[0, :a] = tokens
-        self.hidden[key] = layer_inputs(self.params, self.config, put(ids), put(np.arange(n)[None] < a))
+        n = self.ladder.window(len(tokens))
+        ids, mask = put(_pad(tokens, n)[None]), put(np.arange(n)[None] < len(tokens))
+        self.hidden[key] = layer_inputs(self.params, self.config, ids, mask)
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
@@ -467,13 +374,11 @@ class ModelRunner:
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
         n = self.ladder.window(len(src))
-        s_, d_ = np.zeros(n, np.int32), np.full(n, self.num_slots, np.int32)
-        s_[: len(src)], d_[: len(dst)] = src, dst
-        self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
+        s_, d_ = put(_pad(src, n)), put(_pad(dst, n, self.num_slots))
+        self.k, self.v = _place(self.k, self.v, s_, d_, put(np.int32(offset)), theta=self.config.rope_theta)
 
 
-# the Layout fields that make a PagedKV's read lists (the jitted calls take them as one dict)
-_PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")
+_PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")  # PagedKV's read lists
 
 
 def put(a: np.ndarray) -> Array:
@@ -481,35 +386,32 @@ def put(a: np.ndarray) -> Array:
     return jax.device_put(a)
 
 
+def _pad(values: Sequence[int], n: int, fill: int = 0) -> np.ndarray:
+    """int32 `values` padded with `fill` to length n (a shape of the ladder)."""
+    out = np.full(n, fill, np.int32)
+    out[: len(values)] = values
+    return out
+
+
 def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInputs:
-    shift = 1 if config.family == "dream" else 0
     return DecodeInputs(
         positions=positions,
         key_mask=jnp.ones(positions.shape, bool),
         frozen=jnp.zeros(positions.shape, bool),
         prompt_len=0,
         block_length=block_length,
-        shift=shift,
+        shift=1 if config.family == "dream" else 0,
         kernels=kernels,
         padded=False,
-        has_frozen=False,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k", "v"))
 def _build_affix(params, k, v, ids, slots, length, *, config):
     n = ids.shape[1]
-    mask = jnp.arange(n)[None] < length
-    out = forward(
-        params,
-        config,
-        ids,
-        jnp.arange(n, dtype=jnp.int32)[None],
-        key_mask=mask,
-        logits_at=jnp.zeros((1, 1), jnp.int32),
-        return_kv=True,
-        kernels=XLA,
-    )
+    positions, mask = jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n)[None] < length
+    at = jnp.zeros((1, 1), jnp.int32)
+    out = forward(params, config, ids, positions, key_mask=mask, logits_at=at, return_kv=True, kernels=XLA)
     fk, fv = out.kv  # [L, 1, n, Hkv, D]
     k = tuple(k[i].at[slots].set(fk[i, 0].astype(k[i].dtype), mode="drop") for i in range(config.n_layers))
     v = tuple(v[i].at[slots].set(fv[i, 0].astype(v[i].dtype), mode="drop") for i in range(config.n_layers))
@@ -525,17 +427,15 @@ def _block_program(options: tuple = ()):
             jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).lower().compile()
         except Exception as e:  # noqa: BLE001  XLA says which option, in its own words
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
+    opts = dict(options) or None
     return jax.jit(
-        _block_call,
-        static_argnames=("runner", "kernels", "chunk"),
-        donate_argnames=("k", "v"),
-        compiler_options=dict(options) or None,
+        _block_call, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
     )
 
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
     """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
-    ranking of the probed rows' affix tokens and the pool. `inputs`: `Layout.arrays()` on the device (plus "hidden" for
+    ranking of the probed rows' affix tokens and the pool. `inputs`: `ModelRunner.layout` on device (plus "hidden" for
     BiCache rows)."""
     config, d = runner.config, inputs
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)

@@ -1,15 +1,11 @@
 """Which requests run: a FIFO waiting queue, admission while pages and batch slots last, and the running requests
-grouped into device calls at block boundaries. Host bookkeeping only (no arrays).
-
-Admission is strictly first come, first served: when the head of the queue does not fit yet, nobody behind it is
-admitted past it, so a long request is never starved by a stream of short ones; it waits until running requests
-finish and free their pages. A request that could never fit (more pages than the whole pool) is refused at submit.
-"""
+grouped into device calls at block boundaries (host bookkeeping only). Admission is strictly first come, first
+served: a head that does not fit yet blocks the queue, so a long request is never starved by short ones."""
 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable
 
 from dllm_jax.engine.block_manager import BlockManager, OutOfPages, pages_for
 from dllm_jax.engine.request import Request, Status
@@ -20,13 +16,13 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_running: int, max_batch: int, max_queue: int):
-        self.bm = block_manager
-        self.max_running, self.max_batch, self.max_queue = max_running, max_batch, max_queue
+    """The waiting queue (at most max_queue) and the running requests (at most max_batch)."""
+
+    def __init__(self, block_manager: BlockManager, max_batch: int, max_queue: int):
+        self.bm, self.max_batch, self.max_queue = block_manager, max_batch, max_queue
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
-    # ---- queue ---------------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"the waiting queue holds {self.max_queue} requests")
@@ -34,10 +30,7 @@ class Scheduler:
 
     def pages_needed(self, req: Request) -> tuple[int, tuple[int, ...] | None]:
         """(private pages, the affix tokens whose stored copy the request holds, or None)."""
-        affix = None
-        if req.technique is not None:
-            s, e = req.affix_span
-            affix = tuple(req.prompt[s:e])
+        affix = None if req.technique is None else tuple(req.prompt[req.affix_span[0] : req.affix_span[1]])
         return pages_for(req.private_tokens(), self.bm.page_size), affix
 
     def fits_ever(self, req: Request) -> bool:
@@ -48,7 +41,7 @@ class Scheduler:
         """Admit from the head of the queue while a batch slot and its pages are free (all or nothing per request:
         its affix entry first, then every private page it will ever write)."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             private, affix = self.pages_needed(req)
             if not self.bm.plan_admission(private, affix):
@@ -63,11 +56,10 @@ class Scheduler:
             admitted.append(req)
         return admitted
 
-    # ---- running -------------------------------------------------------------------------------------------------
     def batches(self, key: Callable[[Request], Hashable]) -> list[list[Request]]:
         """The running requests grouped by `key` (what one compiled program can run together), in admission order,
         in chunks of at most max_batch."""
-        groups: dict[Hashable, list[Request]] = collections.OrderedDict()
+        groups: dict[Hashable, list[Request]] = {}
         for r in self.running:
             groups.setdefault(key(r), []).append(r)
         return [g[i : i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)]
@@ -83,7 +75,3 @@ class Scheduler:
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
         req.status = Status.FINISHED
-
-    def requests(self) -> Iterable[Request]:
-        yield from self.running
-        yield from self.waiting
