@@ -9,9 +9,9 @@
 
 Each step admits waiting requests (FIFO) while pages and batch slots last, builds newly needed affixes (once each),
 then runs one block of every running request: one device call per block length and BiCache depth, every other
-setting being per-row data. A newly admitted ACache request's first call is its probe (its anchors; no tokens). A
-request's tokens are `dllm_jax.generate`'s on it alone. The settings fix the programs: `warmup()` compiles all of
-them, and a compile after it is counted and logged as a warning.
+setting being per-row data. A newly admitted ACache request's first call probes it (its anchors), then decodes its
+first block with them. A request's tokens are `dllm_jax.generate`'s on it alone. The settings fix the programs:
+`warmup()` compiles all of them, and a compile after it is counted and logged as a warning.
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ class Engine:
         return max(self.config.max_batch - len(s.running) - len(s.waiting), 0)
 
     def step(self) -> list[BlockOutput]:
-        """One iteration: admit, build new affixes, then one block of every running request (or its ACache probe)."""
+        """One iteration: admit, build new affixes, then one block of every running request (ACache's new ones probed
+        first, in the same call)."""
         before = compile_totals()
         outputs = self._step()
         compiled, seconds, _ = (a - b for a, b in zip(compile_totals(), before))
@@ -293,12 +294,12 @@ class Engine:
                 continue
             self.consecutive_faults = 0
             now = time.perf_counter()
-            for i, (r, blk, key) in enumerate(zip(group, tokens, keys)):
-                if r.needs_probe:  # this call was its probe: its anchors now, its first block next call
-                    r.probe_done(ranks[i])
+            probed = iter(ranks if ranks is not None else ())
+            for r, blk, key in zip(group, tokens, keys):
+                if r.needs_probe:  # this call probed it, then decoded its first block with the anchors it chose
+                    r.probe_done(next(probed))
                     self.counters["probes"] += 1
-                else:
-                    outputs.append(self._commit(r, blk.tolist(), key, steps, now))
+                outputs.append(self._commit(r, blk.tolist(), key, steps, now))
             self.counters["blocks"] += 1
             self.counters["block_rows"] += len(group)
         return outputs

@@ -95,7 +95,7 @@ class Request:
 
     @property
     def needs_probe(self) -> bool:
-        """ACache: the anchors are not chosen yet (the request's next block call probes instead of decoding)."""
+        """ACache: the anchors are not chosen yet (its next block call probes it first)."""
         return self.anchor_count > 0 and not self.probed
 
     def probe_done(self, ranking) -> None:

@@ -22,8 +22,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decoding.caches.acache import AnchoredRefresh, AnchoredState, rank_anchors
-from dllm_jax.decoding.caches.base import DecodeInputs
+from dllm_jax.decoding.caches.acache import (
+    AnchoredRefresh,
+    AnchoredState,
+    forward_window,
+    rank_anchors,
+    row_importance_probe,
+)
+from dllm_jax.decoding.caches.base import DecodeInputs, gather_rows
 from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, layer_inputs
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.loop import BlockRunner
@@ -132,6 +138,7 @@ class RowPlan:
     window: np.ndarray  # the logical indices a block start recomputes
     writes: np.ndarray  # which of them write their K/V
     gen_index: int  # where the generation region starts in the window
+    anchor_slots: np.ndarray  # a row to probe: the slots its anchors will take (its window starts with as many fillers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +191,14 @@ class ModelRunner:
             live=np.int32(0),  # window entries 0..live-1 hold some row's work
             keys=np.zeros((b, 2), np.uint32),
             rows=stack_rows([], b),  # RowSettings' host arrays
-            probe_rows=np.full(Ladder.probe_rows, b, np.int32),  # the rows the block start probes (b: none)
+            # ACache's probe (`_probe`): the rows probed (b: none), their anchor counts, the slots their anchors
+            # take, the column of their affix's first token, P - 1's affix index, the longest probed window
+            probe_rows=np.full(Ladder.probe_rows, b, np.int32),
+            anchor_count=np.zeros(Ladder.probe_rows, np.int32),
+            anchor_slots=np.zeros((Ladder.probe_rows, f), np.int32),
+            affix_col=np.zeros(Ladder.probe_rows, np.int32),
+            last_prompt=np.full(Ladder.probe_rows, -1, np.int32),
+            probe_live=np.int32(0),
             deep_live=np.int32(0),
         )
         if shallow:
@@ -256,11 +270,15 @@ class ModelRunner:
         # entry before it; unwritten when shared), then the generation region
         recomputed = np.concatenate([anchors, np.asarray(r.own_prompt_indices(), np.int64)])
         recomputed = recomputed[recomputed != p - 1]
-        window = np.concatenate([recomputed, [p - 1], p + np.arange(g)])
+        fillers = np.full(r.anchor_count if probe else 0, p)  # where the probe places the anchors it chooses
+        window = np.concatenate([fillers, recomputed, [p - 1], p + np.arange(g)])
         writes = np.ones(len(window), bool)
+        writes[: len(fillers)] = False
         s, e = r.affix_span if r.technique is not None else (0, 0)
-        writes[len(recomputed)] = not s <= p - 1 < e or (p - 1) in anchors  # a shared P - 1 keeps its K/V
-        plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, len(recomputed) + 1)
+        at = len(fillers) + len(recomputed)
+        writes[at] = not s <= p - 1 < e or (p - 1) in anchors  # a shared P - 1 keeps its K/V
+        anchor_slots = slots[len(own) : len(own) + len(fillers)]
+        plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, at + 1, anchor_slots)
         r.plan = (key, plan)
         return plan
 
@@ -293,8 +311,13 @@ class ModelRunner:
             lay["block_index"][i] = pl.gen_index + done[i] * r.block_length
             lay["keys"][i] = r.key
         probing = [i for i, r in enumerate(reqs) if r.needs_probe]
-        lay["probe_rows"][: len(probing)] = probing
-        lay["rows"]["steps"][probing] = 0  # a probed row's call is its probe: it commits nothing
+        for q, i in enumerate(probing):  # probed first, then decoding their first block in the same call
+            r, pl = reqs[i], plans[i]
+            lay["probe_rows"][q], lay["anchor_count"][q] = i, len(pl.anchor_slots)
+            lay["anchor_slots"][q, : len(pl.anchor_slots)] = pl.anchor_slots
+            lay["affix_col"][q] = c - starts[i] + r.affix_span[0]
+            lay["last_prompt"][q] = len(r.prompt) - 1 - r.affix_span[0]
+            lay["probe_live"] = max(lay["probe_live"], np.int32(len(pl.window)))
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
             f = lad.read_len
             lay["deep_live"] = np.int32(max(r.total_len for r in reqs))
@@ -316,8 +339,9 @@ class ModelRunner:
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
         """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps, and the
-        ranking of the affix tokens [B, A] for the rows this call probed (ACache: indices in affix order, the most
-        important first; None when it probed none))."""
+        ranking of the affix tokens [P, A] of the rows this call probed, in their order in `reqs` (ACache: indices in
+        affix order, the most important first; None when it probed none)). A probed row decodes its first block in
+        the call that probes it."""
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
@@ -334,11 +358,11 @@ class ModelRunner:
         seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
         self.device_seconds += seconds
         probed = [r for r in reqs if r.needs_probe]
-        if probed:  # the probe tokens' share of the call's tokens (windows and steps)
-            window = lambda r: len(self.plan(r, bm).window)  # noqa: E731
-            steps_tokens = sum(r.block_length * r.row_values.steps for r in reqs if not r.needs_probe)
-            share = sum(map(window, probed)) / (sum(map(window, reqs)) + steps_tokens)
-            self.probe_seconds += seconds * share
+        if probed:  # the probe tokens' share of the call's tokens (the probe's windows, block starts and steps)
+            windows = [self.plan(r, bm) for r in reqs]
+            probe_tokens = sum(len(pl.window) - len(pl.anchor_slots) for r, pl in zip(reqs, windows) if r.needs_probe)
+            block_tokens = sum(len(pl.window) + r.block_length * r.row_values.steps for r, pl in zip(reqs, windows))
+            self.probe_seconds += seconds * probe_tokens / (probe_tokens + block_tokens)
         return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
 
     def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
@@ -349,7 +373,8 @@ class ModelRunner:
         if hidden is not None:
             inputs["hidden"] = _stack_rows(tuple(hidden), b)
         args = (self.params, self.k, self.v, inputs)
-        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
+        chunks = dict(chunk=self.ladder.chunk(b), probe_chunk=self.ladder.chunk(Ladder.probe_rows))
+        static = dict(runner=runner, kernels=self.kernels, **chunks)
         if compile_only:
             self._run_block.lower(*args, **static).compile()
             return None
@@ -429,17 +454,31 @@ def _block_program(options: tuple = ()):
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
     opts = dict(options) or None
     return jax.jit(
-        _block_call, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
+        _block_call,
+        static_argnames=("runner", "kernels", "chunk", "probe_chunk"),
+        donate_argnames=("k", "v"),
+        compiler_options=opts,
     )
 
 
-def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
+def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int, probe_chunk: int):
     """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
     ranking of the probed rows' affix tokens and the pool. `inputs`: `ModelRunner.layout` on device (plus "hidden" for
     BiCache rows)."""
-    config, d = runner.config, inputs
+    config, d = runner.config, dict(inputs)
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
     shallow = isinstance(runner.strategy, ShallowReuse)
+    ranks = jnp.zeros((Ladder.probe_rows, d["shared_slots"].shape[1]), jnp.int32)
+    if not shallow:  # ACache's newly admitted rows: their probe, then their anchors placed (BiCache never probes)
+        k, v, placed, ranks = jax.lax.cond(
+            jnp.any(d["probe_rows"] < d["x"].shape[0]),
+            functools.partial(_probe, params, runner.config, inp, kernels=kernels, chunk=probe_chunk),
+            lambda k, v, d: (k, v, {n: d[n] for n in _PLACED}, ranks),
+            k,
+            v,
+            d,
+        )
+        d.update(placed)
     # shared affixes are read rotated by their placement: a rotation by 0 (a prefix, or no affix) changes no bit, so
     # one program serves every placement (BiCache rows read their affix from their own, placed copy)
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
@@ -465,19 +504,71 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
             deep_chunks=WindowChunks(chunk, d["deep_live"]),
         )
     else:
-        importance = jnp.zeros(kv.shared_slots.shape, jnp.float32)
-        state = AnchoredState(**common, importance=importance, probe_rows=d["probe_rows"])
+        state = AnchoredState(**common, importance=jnp.zeros(kv.shared_slots.shape, jnp.float32))
     settings = RowSettings(**d["rows"])
     key = jax.random.wrap_key_data(d["keys"])
     s = runner.initial_state(d["x"], state, key, runner.gc.max_steps_per_block(), settings)
     s = runner.run_block(params, inp, s, d["block_col"], False)
     blk = jax.lax.dynamic_slice_in_dim(s.x, d["block_col"], runner.gc.schedule.block_length, axis=1)
     kv = s.cache.kv
-    if shallow:  # BiCache rows are never probed
-        ranks = jnp.zeros(kv.shared_slots.shape, jnp.int32)
-    else:  # the probed rows' affix tokens (their shared list: the whole affix, in order), most important first
-        ranks = rank_anchors(s.cache.importance, kv.shared_mask(), kv.shared_slots.shape[1])
     return blk, jax.random.key_data(s.key), s.step, ranks, kv.k, kv.v
+
+
+_PLACED = ("window", "writes", "col_slots", "own_slots", "own_len", "shared_slots", "shared_len")  # what anchors change
+
+
+def _probe(params, config, inp: DecodeInputs, k, v, d: dict, *, kernels: Kernels, chunk: int):
+    """ACache's probe of the rows `d["probe_rows"]` lists (each at its block 0, no anchors yet), then their anchors
+    placed in the call's layout, so that they decode their first block in this same call: the probe forward (their
+    window against the whole shared affix, `acache.row_importance_probe`), `acache.rank_anchors`, then each row's
+    first anchor_count affix tokens, in prompt order, take the K placeholder entries at the front of its window, its
+    anchor slots (appended to its own read list) and leave its shared list. Returns the pool, the changed layout
+    fields (`_PLACED`) and the ranking [P, A] (affix indices, the most important first)."""
+    b, a = d["x"].shape[0], d["shared_slots"].shape[1]
+    live = d["probe_rows"] < b
+    r = jnp.minimum(d["probe_rows"], b - 1)  # reads; writes go to `at` (dropped for empty slots)
+    at = jnp.where(live, d["probe_rows"], b)
+    sub = {n: d[n][r] for n in _PAGED}
+    sub["own_len"] = jnp.where(live, sub["own_len"], 0)
+    kv = PagedKV(k=k, v=v, **sub, rope_theta=config.rope_theta, rotate=True)
+    window, writes = d["window"][r], d["writes"][r] & live[:, None]
+    x, sub_inp = d["x"][r], _inputs(config, inp.positions[r], inp.block_length, kernels)
+    queries = (gather_rows(x, window) == config.mask_token_id) & writes
+    probe = row_importance_probe(kv.shared_mask(), queries, jnp.where(live, jnp.arange(len(r)), len(r)))
+    none = jnp.zeros((len(r), 1), jnp.int32)
+    out = forward_window(
+        params, config, sub_inp, kv, x, window, writes, none, probe, WindowChunks(chunk, d["probe_live"])
+    )
+    ranks = rank_anchors(out.probe, kv.shared_mask(), a)
+    # the anchors, in prompt order (as `Request.probe_done` keeps them): affix indices, a (none) past K
+    j = jnp.arange(a)[None]
+    top = jnp.sort(jnp.where((j < d["anchor_count"][:, None]) & live[:, None], ranks, a), axis=1)
+    chosen = top < a
+    cols = d["affix_col"][:, None] + top
+    last = chosen & (top == d["last_prompt"][:, None])  # P - 1 chosen: its own window entry writes it instead
+    rows = at[:, None]
+    placed = dict(
+        window=d["window"].at[rows, j].set(jnp.where(chosen, cols, window), mode="drop"),
+        writes=d["writes"]
+        .at[rows, j]
+        .set(jnp.where(chosen, ~last, d["writes"][r]), mode="drop")
+        .at[at, d["block_index"][r] - 1]
+        .set(last.any(axis=1) | d["writes"][r, d["block_index"][r] - 1], mode="drop"),
+        col_slots=d["col_slots"].at[rows, jnp.where(chosen, cols, d["x"].shape[1])].set(d["anchor_slots"], mode="drop"),
+        own_slots=d["own_slots"]
+        .at[rows, jnp.where(chosen, sub["own_len"][:, None] + j, a)]
+        .set(d["anchor_slots"], mode="drop"),
+        own_len=d["own_len"].at[at].add(d["anchor_count"], mode="drop"),
+    )
+    anchor = jnp.zeros((len(r), a + 1), bool).at[jnp.arange(len(r))[:, None], top].set(True)[:, :a]
+    keep = (j < sub["shared_len"][:, None]) & ~anchor  # the shared list, compacted: the affix less its anchors
+    to = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, a)
+    compact = (
+        jnp.zeros_like(sub["shared_slots"]).at[jnp.arange(len(r))[:, None], to].set(sub["shared_slots"], mode="drop")
+    )
+    placed["shared_slots"] = d["shared_slots"].at[at].set(compact, mode="drop")
+    placed["shared_len"] = d["shared_len"].at[at].add(-d["anchor_count"], mode="drop")
+    return out.cache.k, out.cache.v, placed, ranks
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))

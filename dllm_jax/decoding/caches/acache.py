@@ -72,8 +72,6 @@ class AnchoredState:
     # row (the generation region's start in `generate`) or one per row [B] (the current block in the serving engine)
     block_col: Array | int = 0
     block_index: Array | int = 0
-    # the serving engine: rows probed by the next block-start forward ([P] batch indices; the batch size: none)
-    probe_rows: Array | None = None
     # run the window in chunks, only its live ones (a window padded to one width for every call)
     chunks: WindowChunks | None = None
 
@@ -368,10 +366,5 @@ class AnchoredRefresh(BlockStartOnly):
         first = jnp.reshape(state.block_index + (block_start - state.block_col), (-1, 1))  # per row, or one for all
         idx = first + jnp.arange(inp.block_length) - inp.shift
         at = jnp.broadcast_to(jnp.maximum(idx, 0), (x.shape[0], inp.block_length))
-        probe = None
-        if state.probe_rows is not None:  # the probed rows' importance comes back in state.importance [B, S]
-            queries = (gather_rows(x, state.window) == config.mask_token_id) & state.writes
-            probe = row_importance_probe(state.kv.shared_mask(), queries, state.probe_rows)
-        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at, probe, state.chunks)
-        importance = state.importance if probe is None else out.probe
-        return out.logits, dataclasses.replace(state, kv=out.cache, importance=importance)
+        out = forward_window(params, config, inp, state.kv, x, state.window, state.writes, at, None, state.chunks)
+        return out.logits, dataclasses.replace(state, kv=out.cache)
