@@ -293,5 +293,7 @@ def test_probe_in_query_chunks_equals_one_pass():
     assert not np.asarray(rows[0]).any()
     both = acache.row_importance_probe(keys, queries, jnp.asarray([1, 2, 0, 2], jnp.int32))(q, cache, 0)
     np.testing.assert_allclose(np.asarray(both), np.asarray(whole), rtol=1e-5, atol=1e-5)  # each row its own
+    every = acache.row_importance_probe(keys, queries)(q, cache, 0)  # every row (the engine's probe program)
+    np.testing.assert_allclose(np.asarray(every), np.asarray(whole), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-5)
     assert float(chunked.sum()) > 0

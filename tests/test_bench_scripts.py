@@ -241,7 +241,7 @@ def test_bench_serve_rows_through_python_and_http(tmp_path):
         )
         assert row["tokens"] == 4 * 32 and row["compiles_after_warmup"] == 0 and row["probe_ms_per_request"] > 0
         assert row["ttfb_p99_s"] <= row["p99_s"]
-        assert row["programs"] == row["warmup"]["programs"] == 2  # block, affix
+        assert row["programs"] == row["warmup"]["programs"] == 3  # block, probe, affix
     assert (python["transport"], http["transport"]) == ("python", "http")
     assert http["vs_python"] == http["tokens_per_s"] / python["tokens_per_s"]
     meta = data["meta"]["runs"]["smoke"]

@@ -145,7 +145,7 @@ class RowPlan:
 class Program:
     """One compiled program of the engine: what it runs and its shape (batch b, window or affix width w)."""
 
-    kind: str  # "block", "affix", "hidden" (BiCache: an affix's layer inputs), "place"
+    kind: str  # "block", "probe" (ACache's), "affix", "hidden" (BiCache: an affix's layer inputs), "place"
     b: int
     w: int
     runner: BlockRunner | None = None
@@ -158,7 +158,7 @@ class ModelRunner:
         self, params: dict, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels, options=()
     ):
         self.params, self.config, self.num_slots, self.ladder, self.kernels = params, config, num_slots, ladder, kernels
-        self._run_block = _block_program(options)  # options: XLA's compiler options of the block programs
+        self._run_block, self._run_probe = _block_program(options)  # options: XLA's compiler options
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
         shape, mesh = (num_slots, config.n_kv_heads, config.head_dim), mesh_of(params)
         self._zeros = jax.jit(  # tensor parallel: each device holds its KV heads of every page
@@ -169,6 +169,7 @@ class ModelRunner:
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
         self.probe_seconds = 0.0  # the probe tokens' share of the calls that carried them
         self.hidden: dict[str, Array] = {}  # BiCache: each stored affix's hidden states (`store_hidden`)
+        self._no_ranks = put(np.zeros((Ladder.probe_rows, ladder.read_len), np.int32))  # a call that probes none
 
     def _empty(self, b: int, col: int = 0, shallow: bool = False) -> dict:
         """The host inputs of a call (`_block_call`) over b rows that write and read nothing (padding; warm-up);
@@ -220,6 +221,8 @@ class ModelRunner:
         out = [Program("affix", 1, w) for w in lad.window_sizes]
         for runner in runners:
             out += [Program("block", b, lad.read_len, runner) for b in lad.batch_sizes]
+        if any(not isinstance(r.strategy, ShallowReuse) for r in runners):
+            out.append(Program("probe", Ladder.probe_rows, lad.read_len))
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
             out += [Program(kind, 1, w) for kind in ("hidden", "place") for w in lad.window_sizes]
         return out
@@ -236,6 +239,9 @@ class ModelRunner:
                 layer_inputs.lower(self.params, cfg, ids, mask).compile()
                 hidden = jax.eval_shape(layer_inputs, self.params, cfg, ids, mask)
                 _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=lad.read_len)
+            elif p.kind == "probe":
+                lay = put(self._empty(p.b))
+                self._run_probe.lower(self.params, self.k, self.v, lay, **self._probe_static()).compile()
             elif p.kind == "place":
                 zeros = put(np.zeros(p.w, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
@@ -282,11 +288,11 @@ class ModelRunner:
         r.plan = (key, plan)
         return plan
 
-    def layout(self, reqs: Sequence[Request], bm, shallow: bool = False) -> dict:
+    def layout(self, reqs: Sequence[Request], bm, shallow: bool = False, b: int | None = None) -> dict:
         """The host inputs of one call over `reqs` (each at its current block; shallow: BiCache rows, with their deep
-        window), padded to the ladder's shapes."""
+        window), padded to the ladder's shapes (b: to b rows)."""
         lad = self.ladder
-        b = lad.batch(len(reqs))
+        b = lad.batch(len(reqs)) if b is None else b
         plans = [self.plan(r, bm) for r in reqs]
         done = [r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
@@ -353,7 +359,9 @@ class ModelRunner:
                 _hidden_rows(self.hidden[r.affix_entry.key], jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f)
                 for r in reqs
             ]
-        blk, keys, steps, ranks = self._call(lay, runner, hidden)
+        probing = [r for r in reqs if r.needs_probe]
+        probe = self.layout(probing, bm, b=Ladder.probe_rows) if probing else None
+        blk, keys, steps, ranks = self._call(lay, runner, hidden, probe)
         self.host_seconds += t1 - t0
         seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
         self.device_seconds += seconds
@@ -365,22 +373,28 @@ class ModelRunner:
             self.probe_seconds += seconds * probe_tokens / (probe_tokens + block_tokens)
         return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
 
-    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
-        """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
-        compile_only: compile its program for these shapes, run nothing."""
+    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, probe=None, compile_only=False):
+        """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth; probe: the
+        layout of the rows to probe first, their anchors placed by the block call); compile_only: compile its
+        program for these shapes, run nothing."""
         b = lay["x"].shape[0]
         inputs = jax.device_put(lay)
         if hidden is not None:
             inputs["hidden"] = _stack_rows(tuple(hidden), b)
+        ranks = None
+        if probe is not None:  # its ranking goes on to the block call on the device (no wait on the host)
+            self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, put(probe), **self._probe_static())
+        inputs["ranks"] = self._no_ranks if ranks is None else ranks
         args = (self.params, self.k, self.v, inputs)
-        chunks = dict(chunk=self.ladder.chunk(b), probe_chunk=self.ladder.chunk(Ladder.probe_rows))
-        static = dict(runner=runner, kernels=self.kernels, **chunks)
+        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
         if compile_only:
             self._run_block.lower(*args, **static).compile()
             return None
-        blk, keys, steps, ranks, self.k, self.v = self._run_block(*args, **static)
-        probed = bool((lay["probe_rows"] < b).any())
-        return np.asarray(blk), np.asarray(keys), int(steps), np.asarray(ranks) if probed else None
+        blk, keys, steps, self.k, self.v = self._run_block(*args, **static)
+        return np.asarray(blk), np.asarray(keys), int(steps), None if ranks is None else np.asarray(ranks)
+
+    def _probe_static(self) -> dict:
+        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(Ladder.probe_rows))
 
     def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
         """BiCache: keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix
@@ -445,40 +459,33 @@ def _build_affix(params, k, v, ids, slots, length, *, config):
 
 @functools.lru_cache(maxsize=None)
 def _block_program(options: tuple = ()):
-    """The jitted block call compiled with these XLA options ((name, value) pairs; () = XLA's defaults): one jit
-    object, hence one compilation cache, per set. A bad option fails here, at a trivial program, not at warm-up."""
+    """The jitted block call and probe call compiled with these XLA options ((name, value) pairs; () = XLA's
+    defaults): one jit object each, hence one compilation cache, per set. A bad option fails here, at a trivial
+    program, not at warm-up."""
     if options:
         try:
             jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).lower().compile()
         except Exception as e:  # noqa: BLE001  XLA says which option, in its own words
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
     opts = dict(options) or None
-    return jax.jit(
-        _block_call,
-        static_argnames=("runner", "kernels", "chunk", "probe_chunk"),
-        donate_argnames=("k", "v"),
-        compiler_options=opts,
+    block = jax.jit(
+        _block_call, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
     )
+    probe = jax.jit(
+        _probe_call, static_argnames=("config", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
+    )
+    return block, probe
 
 
-def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int, probe_chunk: int):
+def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
     """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
     ranking of the probed rows' affix tokens and the pool. `inputs`: `ModelRunner.layout` on device (plus "hidden" for
     BiCache rows)."""
     config, d = runner.config, dict(inputs)
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
     shallow = isinstance(runner.strategy, ShallowReuse)
-    ranks = jnp.zeros((Ladder.probe_rows, d["shared_slots"].shape[1]), jnp.int32)
-    if not shallow:  # ACache's newly admitted rows: their probe, then their anchors placed (BiCache never probes)
-        k, v, placed, ranks = jax.lax.cond(
-            jnp.any(d["probe_rows"] < d["x"].shape[0]),
-            functools.partial(_probe, params, runner.config, inp, kernels=kernels, chunk=probe_chunk),
-            lambda k, v, d: (k, v, {n: d[n] for n in _PLACED}, ranks),
-            k,
-            v,
-            d,
-        )
-        d.update(placed)
+    if not shallow:  # ACache's rows probed by `_probe_call` just before: their anchors (BiCache never probes)
+        d.update(_place_anchors(d, d["ranks"]))
     # shared affixes are read rotated by their placement: a rotation by 0 (a prefix, or no affix) changes no bit, so
     # one program serves every placement (BiCache rows read their affix from their own, placed copy)
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
@@ -511,64 +518,60 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     s = runner.run_block(params, inp, s, d["block_col"], False)
     blk = jax.lax.dynamic_slice_in_dim(s.x, d["block_col"], runner.gc.schedule.block_length, axis=1)
     kv = s.cache.kv
-    return blk, jax.random.key_data(s.key), s.step, ranks, kv.k, kv.v
+    return blk, jax.random.key_data(s.key), s.step, kv.k, kv.v
 
 
-_PLACED = ("window", "writes", "col_slots", "own_slots", "own_len", "shared_slots", "shared_len")  # what anchors change
+def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int):
+    """ACache's probe of up to `Ladder.probe_rows` newly admitted requests (`d`: their own layout, each at block 0
+    with no anchors yet), one program whatever the batch: their window against the whole shared affix
+    (`acache.row_importance_probe` scores each row's [MASK] queries), then `acache.rank_anchors`. Returns the pool
+    (the probe wrote the rows' window K/V, rewritten by their block start) and the ranking [P, A] (affix indices,
+    the most important first), which the block call that follows places (`_place_anchors`)."""
+    b, a = d["x"].shape[0], d["shared_slots"].shape[1]
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True)
+    queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
+    probe = row_importance_probe(kv.shared_mask(), queries)
+    inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
+    chunks = WindowChunks(chunk, d["live"])
+    out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, probe, chunks)
+    return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a)
 
 
-def _probe(params, config, inp: DecodeInputs, k, v, d: dict, *, kernels: Kernels, chunk: int):
-    """ACache's probe of the rows `d["probe_rows"]` lists (each at its block 0, no anchors yet), then their anchors
-    placed in the call's layout, so that they decode their first block in this same call: the probe forward (their
-    window against the whole shared affix, `acache.row_importance_probe`), `acache.rank_anchors`, then each row's
-    first anchor_count affix tokens, in prompt order, take the K placeholder entries at the front of its window, its
-    anchor slots (appended to its own read list) and leave its shared list. Returns the pool, the changed layout
-    fields (`_PLACED`) and the ranking [P, A] (affix indices, the most important first)."""
+def _place_anchors(d: dict, ranks: Array) -> dict:
+    """The block call's layout with the anchors of the rows `d["probe_rows"]` lists placed (their ranking [P, A]
+    from `_probe_call`), so that they decode their first block in this call: each row's first anchor_count affix
+    tokens, in prompt order (as `Request.probe_done` keeps them), take the filler entries at the front of its window
+    and its anchor slots (appended to its own read list), and leave its shared list. The changed fields."""
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
     live = d["probe_rows"] < b
     r = jnp.minimum(d["probe_rows"], b - 1)  # reads; writes go to `at` (dropped for empty slots)
     at = jnp.where(live, d["probe_rows"], b)
-    sub = {n: d[n][r] for n in _PAGED}
-    sub["own_len"] = jnp.where(live, sub["own_len"], 0)
-    kv = PagedKV(k=k, v=v, **sub, rope_theta=config.rope_theta, rotate=True)
-    window, writes = d["window"][r], d["writes"][r] & live[:, None]
-    x, sub_inp = d["x"][r], _inputs(config, inp.positions[r], inp.block_length, kernels)
-    queries = (gather_rows(x, window) == config.mask_token_id) & writes
-    probe = row_importance_probe(kv.shared_mask(), queries, jnp.where(live, jnp.arange(len(r)), len(r)))
-    none = jnp.zeros((len(r), 1), jnp.int32)
-    out = forward_window(
-        params, config, sub_inp, kv, x, window, writes, none, probe, WindowChunks(chunk, d["probe_live"])
-    )
-    ranks = rank_anchors(out.probe, kv.shared_mask(), a)
-    # the anchors, in prompt order (as `Request.probe_done` keeps them): affix indices, a (none) past K
     j = jnp.arange(a)[None]
-    top = jnp.sort(jnp.where((j < d["anchor_count"][:, None]) & live[:, None], ranks, a), axis=1)
+    top = jnp.sort(jnp.where((j < d["anchor_count"][:, None]) & live[:, None], ranks, a), axis=1)  # a: none
     chosen = top < a
     cols = d["affix_col"][:, None] + top
     last = chosen & (top == d["last_prompt"][:, None])  # P - 1 chosen: its own window entry writes it instead
-    rows = at[:, None]
+    rows, own_len, pm1 = at[:, None], d["own_len"][r], d["block_index"][r] - 1
     placed = dict(
-        window=d["window"].at[rows, j].set(jnp.where(chosen, cols, window), mode="drop"),
+        window=d["window"].at[rows, j].set(jnp.where(chosen, cols, d["window"][r]), mode="drop"),
         writes=d["writes"]
         .at[rows, j]
         .set(jnp.where(chosen, ~last, d["writes"][r]), mode="drop")
-        .at[at, d["block_index"][r] - 1]
-        .set(last.any(axis=1) | d["writes"][r, d["block_index"][r] - 1], mode="drop"),
+        .at[at, pm1]
+        .set(last.any(axis=1) | d["writes"][r, pm1], mode="drop"),
         col_slots=d["col_slots"].at[rows, jnp.where(chosen, cols, d["x"].shape[1])].set(d["anchor_slots"], mode="drop"),
         own_slots=d["own_slots"]
-        .at[rows, jnp.where(chosen, sub["own_len"][:, None] + j, a)]
+        .at[rows, jnp.where(chosen, own_len[:, None] + j, a)]
         .set(d["anchor_slots"], mode="drop"),
         own_len=d["own_len"].at[at].add(d["anchor_count"], mode="drop"),
     )
-    anchor = jnp.zeros((len(r), a + 1), bool).at[jnp.arange(len(r))[:, None], top].set(True)[:, :a]
-    keep = (j < sub["shared_len"][:, None]) & ~anchor  # the shared list, compacted: the affix less its anchors
-    to = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, a)
-    compact = (
-        jnp.zeros_like(sub["shared_slots"]).at[jnp.arange(len(r))[:, None], to].set(sub["shared_slots"], mode="drop")
-    )
-    placed["shared_slots"] = d["shared_slots"].at[at].set(compact, mode="drop")
+    p = jnp.arange(len(r))[:, None]
+    anchor = jnp.zeros((len(r), a + 1), bool).at[p, top].set(True)[:, :a]
+    keep = (j < d["shared_len"][r][:, None]) & ~anchor  # the shared list, compacted: the affix less its anchors
+    compact = jnp.zeros((len(r), a), jnp.int32).at[p, jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, a)]
+    placed["shared_slots"] = d["shared_slots"].at[at].set(compact.set(d["shared_slots"][r], mode="drop"), mode="drop")
     placed["shared_len"] = d["shared_len"].at[at].add(-d["anchor_count"], mode="drop")
-    return out.cache.k, out.cache.v, placed, ranks
+    return placed
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))

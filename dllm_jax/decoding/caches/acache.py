@@ -268,16 +268,18 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     return probe
 
 
-def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array):
+def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array | None = None):
     """The probe of only some rows of a batch (`rows` [P] int32 batch indices, the batch size for an empty slot):
     what `affix_importance_probe` gives those rows, zero elsewhere. The listed rows are scored together, each with
     its own keys over the span of its own [MASK] queries, and a forward that lists no row scores nothing: so the
     serving engine probes newly admitted requests inside the block-start forward of the running ones, at the cost
     of their tokens. No loop over the rows: each iteration of a loop in a GPU program waits for its predicate on
-    the host, per layer."""
+    the host, per layer. rows None: every row, each over the span of its own [MASK] queries (no conditional)."""
 
     def probe(q: Array, cache, i) -> Array:
         b = q.shape[0]
+        if rows is None:
+            return _spans(affix_keys, q, jnp.arange(b, dtype=jnp.int32), cache.keys(i), mask_queries)
         zero = jnp.zeros(affix_keys.shape, jnp.float32)
 
         def scored():
