@@ -166,18 +166,18 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
         items = random_stream(4, seed)
         serve(engine, [(p, gc, span, s) for p, gc, span, s, _ in items])
         assert engine.program_count() == engine.stats()["programs"] == count
-    # 2 batch sizes x 1 window width: block, BiCache block; ACache's probe (one, whatever the batch); affix builds,
+    # 2 batch sizes x 1 window width: block, BiCache block; ACache's probe for 1 and 2-4 requests; affix builds,
     # layer inputs, placements per width
-    assert count == 2 * 2 + 1 + 3
-    assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 2 + 1 + 3  # the default ladder: 1, 4
-    assert engine_for(m, max_batch=16).program_count() == 3 + 1 + 1  # 1, 4, 16; the probe; the affix
+    assert count == 2 * 2 + 2 + 3
+    assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 2 + 2 + 3  # the default ladder: 1, 4
+    assert engine_for(m, max_batch=16).program_count() == 3 + 2 + 1  # blocks of 1, 4, 16; probes of 1, 4; affix
     ladder = Ladder.for_settings(16, 2000)  # LLaDA-8B's serve defaults but a 2000-token max_model_len
     assert (ladder.batch_sizes, ladder.window_sizes) == ((1, 4, 16), (256, 1024, 2000))
     assert (ladder.window_chunk, ladder.read_len) == (256, 2048)  # block-start windows: whole chunks
     assert [ladder.chunk(b) for b in ladder.batch_sizes] == [256, 256, 128]  # <= 2048 tokens a chunk at 16 rows
     finer = Ladder.for_settings(16, 2000, (2, 16), (500, 1000, 3000))  # rounded to 16; max_model_len added
     assert (finer.batch_sizes, finer.window_sizes) == ((2, 16), (512, 1008, 2000))
-    assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 1 + 1  # no BiCache depth served
+    assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 2 + 1  # no BiCache depth served
 
 
 @pytest.mark.xdist_group("engine-dream")
@@ -325,6 +325,11 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     bm = engine.block_manager
     ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED]
     engine.step()  # admits all, builds the affix once, probes, runs block 0
+    # the first 4 (a call probes at most 4) probed together and decoded their first block in that same call; the
+    # fifth waits for the next call
+    assert len(PLACED) == 5 and engine.counters["probes"] == 4 and engine.counters["blocks"] == 1
+    assert all(engine.request(i).probed and len(engine.request(i).generated) == 4 for i in ids[:4])
+    assert not engine.request(ids[4]).probed and not engine.request(ids[4]).generated
     affix_pages = pages_for(len(AFFIX), bm.page_size)
     private = [pages_for(engine.request(i).private_tokens(), bm.page_size) for i in ids]
     assert engine.counters["affix_builds"] == 1 and engine.counters["affix_hits"] == len(PLACED) - 1
@@ -335,9 +340,10 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     while engine.has_unfinished():
         engine.step()
     assert bm.num_used_pages == 0 and bm.num_cached_pages == affix_pages
-    engine.add_request(PLACED[0][0], gc, affix=PLACED[0][1])
+    last = engine.add_request(PLACED[0][0], gc, affix=PLACED[0][1])
     engine.step()
     assert engine.counters["affix_builds"] == 1  # a hit on the cached copy
+    assert engine.counters["probes"] == len(PLACED) + 1 and len(engine.request(last).generated) == 4  # a 1-row probe
     bm.check_invariants()
 
 

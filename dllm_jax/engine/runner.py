@@ -222,7 +222,7 @@ class ModelRunner:
         for runner in runners:
             out += [Program("block", b, lad.read_len, runner) for b in lad.batch_sizes]
         if any(not isinstance(r.strategy, ShallowReuse) for r in runners):
-            out.append(Program("probe", Ladder.probe_rows, lad.read_len))
+            out += [Program("probe", b, lad.read_len) for b in self.probe_batches()]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
             out += [Program(kind, 1, w) for kind in ("hidden", "place") for w in lad.window_sizes]
         return out
@@ -241,7 +241,7 @@ class ModelRunner:
                 _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=lad.read_len)
             elif p.kind == "probe":
                 lay = put(self._empty(p.b))
-                self._run_probe.lower(self.params, self.k, self.v, lay, **self._probe_static()).compile()
+                self._run_probe.lower(self.params, self.k, self.v, lay, **self._probe_static(p.b)).compile()
             elif p.kind == "place":
                 zeros = put(np.zeros(p.w, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
@@ -360,7 +360,7 @@ class ModelRunner:
                 for r in reqs
             ]
         probing = [r for r in reqs if r.needs_probe]
-        probe = self.layout(probing, bm, b=Ladder.probe_rows) if probing else None
+        probe = self.layout(probing, bm, b=self.ladder.batch(len(probing))) if probing else None
         blk, keys, steps, ranks = self._call(lay, runner, hidden, probe)
         self.host_seconds += t1 - t0
         seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
@@ -383,7 +383,8 @@ class ModelRunner:
             inputs["hidden"] = _stack_rows(tuple(hidden), b)
         ranks = None
         if probe is not None:  # its ranking goes on to the block call on the device (no wait on the host)
-            self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, put(probe), **self._probe_static())
+            static = self._probe_static(probe["x"].shape[0])
+            self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, put(probe), **static)
         inputs["ranks"] = self._no_ranks if ranks is None else ranks
         args = (self.params, self.k, self.v, inputs)
         static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
@@ -393,8 +394,13 @@ class ModelRunner:
         blk, keys, steps, self.k, self.v = self._run_block(*args, **static)
         return np.asarray(blk), np.asarray(keys), int(steps), None if ranks is None else np.asarray(ranks)
 
-    def _probe_static(self) -> dict:
-        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(Ladder.probe_rows))
+    def probe_batches(self) -> list[int]:
+        """The probe program's batch sizes: the ladder's for 1..probe_rows requests (a lone arrival is not probed
+        with 3 empty rows: every row of a chunked forward costs its tokens)."""
+        return sorted({self.ladder.batch(n) for n in range(1, min(Ladder.probe_rows, self.ladder.batch_sizes[-1]) + 1)})
+
+    def _probe_static(self, b: int) -> dict:
+        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(b), rows=Ladder.probe_rows)
 
     def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
         """BiCache: keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix
@@ -472,7 +478,10 @@ def _block_program(options: tuple = ()):
         _block_call, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
     )
     probe = jax.jit(
-        _probe_call, static_argnames=("config", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
+        _probe_call,
+        static_argnames=("config", "kernels", "chunk", "rows"),
+        donate_argnames=("k", "v"),
+        compiler_options=opts,
     )
     return block, probe
 
@@ -521,11 +530,11 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     return blk, jax.random.key_data(s.key), s.step, kv.k, kv.v
 
 
-def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int):
+def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, rows: int):
     """ACache's probe of up to `Ladder.probe_rows` newly admitted requests (`d`: their own layout, each at block 0
-    with no anchors yet), one program whatever the batch: their window against the whole shared affix
+    with no anchors yet, padded to one of `probe_batches`): their window against the whole shared affix
     (`acache.row_importance_probe` scores each row's [MASK] queries), then `acache.rank_anchors`. Returns the pool
-    (the probe wrote the rows' window K/V, rewritten by their block start) and the ranking [P, A] (affix indices,
+    (the probe wrote the rows' window K/V, rewritten by their block start) and the ranking [rows, A] (affix indices,
     the most important first), which the block call that follows places (`_place_anchors`)."""
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True)
@@ -534,7 +543,8 @@ def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels,
     inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
     chunks = WindowChunks(chunk, d["live"])
     out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, probe, chunks)
-    return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a)
+    ranks = jnp.pad(rank_anchors(out.probe, kv.shared_mask(), a), ((0, rows - b), (0, 0)))
+    return out.cache.k, out.cache.v, ranks
 
 
 def _place_anchors(d: dict, ranks: Array) -> dict:
