@@ -102,7 +102,14 @@ class Ladder:
     probe_rows: int = 4  # ACache probes a block call carries at most (scored together: fp32 scores of all of them)
 
     @classmethod
-    def for_settings(cls, max_batch: int, max_len: int, batch_sizes=None, window_sizes=None, window_chunk=256):
+    def for_settings(
+        cls,
+        max_batch: int,
+        max_len: int,
+        batch_sizes: Sequence[int] | None = None,
+        window_sizes: Sequence[int] | None = None,
+        window_chunk: int = 256,
+    ) -> "Ladder":
         """The ladder of these settings (batch_sizes, window_sizes: None for the defaults)."""
         cap = round_up(max_len)
         windows = (
