@@ -480,3 +480,20 @@ def test_requests_that_can_never_fit_and_a_full_queue(models_fp32):
     engine.add_request([1, 2], gc)
     with pytest.raises(QueueFull):
         engine.add_request([1, 2], gc)
+
+
+def test_a_full_length_suffix_request_probed_at_ratio_one(models_fp32):
+    """ACache at ratio 1 (every affix token an anchor) on a suffix affix ending at the prompt's last token, in a
+    request of exactly max_model_len tokens: the probed row's window (its anchors, own tokens, P - 1, the generation
+    region) still fits, and the answer equals solo `generate`."""
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=1.0, stop_at_eos=False)
+    own = RNG.integers(0, 80, 64 - 8 - len(AFFIX)).tolist()
+    prompt, span = own + AFFIX, (len(own), len(own) + len(AFFIX))
+    engine = engine_for(m)
+    assert len(prompt) + 8 == engine.config.max_model_len == engine.runner.ladder.read_len
+    rid = engine.add_request(prompt, gc, affix=span)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.request(rid).finish_reason == "length"
+    assert engine.request(rid).generated == solo(m, prompt, gc, span)

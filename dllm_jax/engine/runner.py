@@ -145,7 +145,7 @@ class RowPlan:
     window: np.ndarray  # the logical indices a block start recomputes
     writes: np.ndarray  # which of them write their K/V
     gen_index: int  # where the generation region starts in the window
-    anchor_slots: np.ndarray  # a row to probe: the slots its anchors will take (its window starts with as many fillers)
+    anchor_slots: np.ndarray  # a row to probe: the slots its anchors will take (its window starts with fillers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,14 +283,17 @@ class ModelRunner:
         # entry before it; unwritten when shared), then the generation region
         recomputed = np.concatenate([anchors, np.asarray(r.own_prompt_indices(), np.int64)])
         recomputed = recomputed[recomputed != p - 1]
-        fillers = np.full(r.anchor_count if probe else 0, p)  # where the probe places the anchors it chooses
+        s, e = r.affix_span if r.technique is not None else (0, 0)
+        k = r.anchor_count if probe else 0
+        # a row to probe: a filler where the probe will place each anchor it chooses, but P - 1, which keeps its own
+        # entry (when every affix token is an anchor, P - 1 is one: the window stays within the request's length)
+        fillers = np.full(k - (k == r.affix_len and s <= p - 1 < e), p)
         window = np.concatenate([fillers, recomputed, [p - 1], p + np.arange(g)])
         writes = np.ones(len(window), bool)
         writes[: len(fillers)] = False
-        s, e = r.affix_span if r.technique is not None else (0, 0)
         at = len(fillers) + len(recomputed)
         writes[at] = not s <= p - 1 < e or (p - 1) in anchors  # a shared P - 1 keeps its K/V
-        anchor_slots = slots[len(own) : len(own) + len(fillers)]
+        anchor_slots = slots[len(own) : len(own) + k]
         plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, at + 1, anchor_slots)
         r.plan = (key, plan)
         return plan
@@ -375,7 +378,7 @@ class ModelRunner:
         probed = [r for r in reqs if r.needs_probe]
         if probed:  # the probe tokens' share of the call's tokens (the probe's windows, block starts and steps)
             windows = [self.plan(r, bm) for r in reqs]
-            probe_tokens = sum(len(pl.window) - len(pl.anchor_slots) for r, pl in zip(reqs, windows) if r.needs_probe)
+            probe_tokens = sum(int(pl.writes.sum()) for r, pl in zip(reqs, windows) if r.needs_probe)
             block_tokens = sum(len(pl.window) + r.block_length * r.row_values.steps for r, pl in zip(reqs, windows))
             self.probe_seconds += seconds * probe_tokens / (probe_tokens + block_tokens)
         return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
@@ -567,13 +570,14 @@ def _place_anchors(d: dict, ranks: Array) -> dict:
     top = jnp.sort(jnp.where((j < d["anchor_count"][:, None]) & live[:, None], ranks, a), axis=1)  # a: none
     chosen = top < a
     cols = d["affix_col"][:, None] + top
-    last = chosen & (top == d["last_prompt"][:, None])  # P - 1 chosen: its own window entry writes it instead
+    last = chosen & (top == d["last_prompt"][:, None])  # P - 1 chosen: its own window entry writes it
     rows, own_len, pm1 = at[:, None], d["own_len"][r], d["block_index"][r] - 1
+    fill = jnp.where(chosen & ~last, j, a)  # anchor j takes filler entry j (P - 1 is the last: it has no filler)
     placed = dict(
-        window=d["window"].at[rows, j].set(jnp.where(chosen, cols, d["window"][r]), mode="drop"),
+        window=d["window"].at[rows, fill].set(cols, mode="drop"),
         writes=d["writes"]
-        .at[rows, j]
-        .set(jnp.where(chosen, ~last, d["writes"][r]), mode="drop")
+        .at[rows, fill]
+        .set(True, mode="drop")
         .at[at, pm1]
         .set(last.any(axis=1) | d["writes"][r, pm1], mode="drop"),
         col_slots=d["col_slots"].at[rows, jnp.where(chosen, cols, d["x"].shape[1])].set(d["anchor_slots"], mode="drop"),
