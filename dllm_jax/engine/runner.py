@@ -199,14 +199,13 @@ class ModelRunner:
             live=np.int32(0),  # window entries 0..live-1 hold some row's work
             keys=np.zeros((b, 2), np.uint32),
             rows=stack_rows([], b),  # RowSettings' host arrays
-            # ACache's probe (`_probe`): the rows probed (b: none), their anchor counts, the slots their anchors
-            # take, the column of their affix's first token, P - 1's affix index, the longest probed window
+            # the rows probed just before this call (b: none), their anchor counts, the slots their anchors take,
+            # the column of their affix's first token and P - 1's affix index (`_place_anchors`)
             probe_rows=np.full(Ladder.probe_rows, b, np.int32),
             anchor_count=np.zeros(Ladder.probe_rows, np.int32),
             anchor_slots=np.zeros((Ladder.probe_rows, f), np.int32),
             affix_col=np.zeros(Ladder.probe_rows, np.int32),
             last_prompt=np.full(Ladder.probe_rows, -1, np.int32),
-            probe_live=np.int32(0),
             deep_live=np.int32(0),
         )
         if shallow:
@@ -247,7 +246,7 @@ class ModelRunner:
                 hidden = jax.eval_shape(layer_inputs, self.params, cfg, ids, mask)
                 _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=lad.read_len)
             elif p.kind == "probe":
-                lay = put(self._empty(p.b))
+                lay = put({n: v for n, v in self._empty(p.b).items() if n in _PROBED})
                 self._run_probe.lower(self.params, self.k, self.v, lay, **self._probe_static(p.b)).compile()
             elif p.kind == "place":
                 zeros = put(np.zeros(p.w, np.int32))
@@ -333,7 +332,6 @@ class ModelRunner:
             lay["anchor_slots"][q, : len(pl.anchor_slots)] = pl.anchor_slots
             lay["affix_col"][q] = c - starts[i] + r.affix_span[0]
             lay["last_prompt"][q] = len(r.prompt) - 1 - r.affix_span[0]
-            lay["probe_live"] = max(lay["probe_live"], np.int32(len(pl.window)))
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
             f = lad.read_len
             lay["deep_live"] = np.int32(max(r.total_len for r in reqs))
@@ -361,6 +359,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
+        probing = [r for r in reqs if r.needs_probe]
+        probe = self.layout(probing, bm, b=self.ladder.batch(len(probing))) if probing else None
         t1 = time.perf_counter()
         hidden = None
         if shallow:
@@ -369,17 +369,13 @@ class ModelRunner:
                 _hidden_rows(self.hidden[r.affix_entry.key], jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f)
                 for r in reqs
             ]
-        probing = [r for r in reqs if r.needs_probe]
-        probe = self.layout(probing, bm, b=self.ladder.batch(len(probing))) if probing else None
         blk, keys, steps, ranks = self._call(lay, runner, hidden, probe)
         self.host_seconds += t1 - t0
         seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
         self.device_seconds += seconds
-        probed = [r for r in reqs if r.needs_probe]
-        if probed:  # the probe tokens' share of the call's tokens (the probe's windows, block starts and steps)
-            windows = [self.plan(r, bm) for r in reqs]
-            probe_tokens = sum(int(pl.writes.sum()) for r, pl in zip(reqs, windows) if r.needs_probe)
-            block_tokens = sum(len(pl.window) + r.block_length * r.row_values.steps for r, pl in zip(reqs, windows))
+        if probing:  # the probe tokens' share of the call's tokens (the probe's windows, block starts and steps)
+            probe_tokens = sum(int(self.plan(r, bm).writes.sum()) for r in probing)
+            block_tokens = sum(len(self.plan(r, bm).window) + r.block_length * r.row_values.steps for r in reqs)
             self.probe_seconds += seconds * probe_tokens / (probe_tokens + block_tokens)
         return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
 
@@ -394,7 +390,8 @@ class ModelRunner:
         ranks = None
         if probe is not None:  # its ranking goes on to the block call on the device (no wait on the host)
             static = self._probe_static(probe["x"].shape[0])
-            self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, put(probe), **static)
+            probe = put({n: probe[n] for n in _PROBED})
+            self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, probe, **static)
         inputs["ranks"] = self._no_ranks if ranks is None else ranks
         args = (self.params, self.k, self.v, inputs)
         static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
@@ -434,6 +431,7 @@ class ModelRunner:
 
 
 _PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")  # PagedKV's read lists
+_PROBED = _PAGED + ("x", "positions", "window", "writes", "live")  # what `_probe_call` reads of a layout
 
 
 def put(a: np.ndarray) -> Array:
@@ -497,9 +495,9 @@ def _block_program(options: tuple = ()):
 
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
-    """One block of every row from its block start: the tokens, the new key data, the steps taken, ACache's
-    ranking of the probed rows' affix tokens and the pool. `inputs`: `ModelRunner.layout` on device (plus "hidden" for
-    BiCache rows)."""
+    """One block of every row from its block start: the tokens, the new key data, the steps taken and the pool.
+    `inputs`: `ModelRunner.layout` on device, plus "ranks" (`_probe_call`'s, or zeros) and "hidden" for BiCache
+    rows."""
     config, d = runner.config, dict(inputs)
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
     shallow = isinstance(runner.strategy, ShallowReuse)
