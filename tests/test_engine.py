@@ -18,7 +18,7 @@ from dllm_jax.engine import engine as engine_module
 from dllm_jax.engine.block_manager import pages_for
 from dllm_jax.engine.engine import Engine, EngineConfig, KVBudgetError, RequestError
 from dllm_jax.engine.request import Status
-from dllm_jax.engine.runner import Ladder, backend_compiles
+from dllm_jax.engine.runner import Ladder, compile_totals
 from dllm_jax.engine.scheduler import QueueFull
 
 opts = GenerationConfig.from_options
@@ -148,9 +148,9 @@ def test_warmed_engine_compiles_nothing_and_equals_solo_generate(name, models_fp
     compiles nothing (XLA's own compile events), and each answer is the request's solo `generate` answer."""
     m, engine = models_fp32[name], warm_engines[name]
     items = random_stream(len(CONFIGS), seed={"llada": 1, "dream": 2}[name])  # each config once
-    before = backend_compiles()
+    before = compile_totals()[0]
     got = serve(engine, [(p, gc, span, seed) for p, gc, span, seed, _ in items], arrival_seed=3)
-    assert backend_compiles() == before
+    assert compile_totals()[0] == before
     assert engine.stats()["compiles_after_warmup"] == 0
     assert got == [solo(m, p, gc, span, seed, affix) for p, gc, span, seed, affix in items]
     assert engine.block_manager.num_used_pages == 0
@@ -497,3 +497,24 @@ def test_a_full_length_suffix_request_probed_at_ratio_one(models_fp32):
         engine.step()
     assert engine.request(rid).finish_reason == "length"
     assert engine.request(rid).generated == solo(m, prompt, gc, span)
+
+
+def test_the_slot_kernels_probe_and_decode_as_xla_does(models_fp32):
+    """The engine on the slot kernels (Pallas, interpreted here; what a GPU runs): ACache's probe scores each row's
+    shared list through `slot_key_weights`, and the anchors and answers are those of the XLA engine and of solo
+    generate, at every placement."""
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2, stop_at_eos=False)
+    items = [(p, gc, span, 0) for p, span in PLACED[:3]]
+    anchors, answers = [], []
+    for attention in ("pallas", "xla"):
+        engine = engine_for(m, attention=attention)
+        assert engine.runner.kernels.attention == attention
+        ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED[:3]]
+        engine.step()  # probes all three and decodes their first block
+        anchors.append([engine.request(i).anchors for i in ids])
+        while engine.has_unfinished():
+            engine.step()
+        answers.append([engine.request(i).answer(()) for i in ids])
+    assert anchors[0] == anchors[1] and all(anchors[0])
+    assert answers[0] == answers[1] == [solo(m, p, gc, span) for p, gc, span, _ in items]

@@ -8,10 +8,9 @@
             ...                                                # out.tokens: the block's new answer tokens
 
 Each step admits waiting requests (FIFO) while pages and batch slots last, builds newly needed affixes (once each),
-then runs one block of every running request: one device call per block length and BiCache depth, every other
-setting being per-row data. A newly admitted ACache request's first call probes it (its anchors), then decodes its
-first block with them. A request's tokens are `dllm_jax.generate`'s on it alone. The settings fix the programs:
-`warmup()` compiles all of them, and a compile after it is counted and logged as a warning.
+then runs one block of every running request: one device call per block length and BiCache depth (every other
+setting is per-row data); a new ACache request is probed right before the call that decodes its first block. A
+request's tokens are `dllm_jax.generate`'s on it alone. The settings fix the programs: `warmup()` compiles them all.
 """
 
 from __future__ import annotations
@@ -93,25 +92,21 @@ class EngineConfig:
     compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()  # XLA's (name, value) for block calls
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk", "kv_budget_bytes"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"EngineConfig.{name}={value} must be positive")
+        counts = ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk", "kv_budget_bytes")
+        for name in (*counts, "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"EngineConfig.kv_fraction={self.kv_fraction} must be in (0, 1]")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be positive")
         KernelChoice(attention=self.attention)
-        for name in ("block_lengths", "shallow_depths", "window_sizes"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, tuple(sorted({int(v) for v in getattr(self, name)})))
-        for name in ("window_sizes", "block_lengths"):
+        for name, low in (("block_lengths", 1), ("shallow_depths", 0), ("window_sizes", 1)):
             values = getattr(self, name)
-            if values is not None and (not values or values[0] <= 0):
-                raise ValueError(f"EngineConfig.{name}={values} must be positive")
+            if values is not None:
+                values = tuple(sorted({int(v) for v in values}))
+                if (not values and name != "shallow_depths") or (values and values[0] < low):
+                    raise ValueError(f"EngineConfig.{name}={values} must be {'positive' if low else '>= 0'}")
+                object.__setattr__(self, name, values)
         object.__setattr__(self, "compiler_options", tuple(dict(self.compiler_options).items()))  # typed, hashable
-        if self.shallow_depths and self.shallow_depths[0] < 0:
-            raise ValueError(f"EngineConfig.shallow_depths={self.shallow_depths} must be >= 0")
         sizes = self.batch_sizes
         if sizes is not None and (not sizes or max(sizes) != self.max_batch or min(sizes) < 1):
             raise ValueError(
@@ -146,8 +141,8 @@ class Engine:
         self.consecutive_faults, self.last_fault = 0, None  # failed device calls since the last one that ran, its error
         self.max_len = min(cfg.max_model_len or min(mc.max_seq_len, 4096), mc.max_seq_len)
         num_pages = self._pages_within_budget()
-        self.block_manager = BlockManager(num_pages, cfg.page_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_batch, cfg.max_queue)
+        self.block_manager = bm = BlockManager(num_pages, cfg.page_size)
+        self.scheduler = Scheduler(bm, cfg.max_batch, cfg.max_queue)
         # what is served, resolved once: each is part of the programs' keys (everything else is data)
         self.affixes = AffixIndex(cfg.page_size, min_tokens=cfg.min_affix_tokens, k=min(16, cfg.min_affix_tokens))
         blocks = cfg.block_lengths or (generation_defaults(getattr(model, "path", None)).get("block_length", 32),)
@@ -163,11 +158,8 @@ class Engine:
         depths = {d: STRATEGY if d is None else ShallowReuse(DualCache(), d) for d in (None, *cfg.shallow_depths)}
         self._runners = {(bl, d): BlockRunner(mc, gc, st, rows) for bl, gc in gcs.items() for d, st in depths.items()}
         self._programs = self.runner.programs(list(self._runners.values()))  # fixed with the settings
-        self._ids = itertools.count()
-        self._requests: dict[str, Request] = {}
+        self._ids, self._requests, self.warmed, self._compiles_at_start = itertools.count(), {}, False, compile_totals()
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # unreleased, oldest first
-        self.warmed = False
-        self._compiles_at_start = compile_totals()
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # what stats() reports, with the gauges
 
     def _pages_within_budget(self) -> int:
@@ -219,7 +211,7 @@ class Engine:
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.plan_request(prompt, config, affix, rid)
-        req.seed, req.on_block, req.key = seed, on_block, seed_key(seed)
+        req.on_block, req.key = on_block, seed_key(seed)
         if arrival is not None:
             req.arrival = arrival
         req.deadline = None if timeout is None else req.arrival + timeout
@@ -431,16 +423,13 @@ class Engine:
     def warmup(self, progress: bool = True) -> dict:
         """Compile every program the engine can ever run, before serving (nothing is written to the pool). Returns the
         programs, the XLA compilations it took, those loaded from jax's persistent cache instead, and the seconds."""
-        t0 = time.perf_counter()
-        c0, _, loads0 = compile_totals()
+        t0, (c0, _, loads0) = time.perf_counter(), compile_totals()
         seed_key(0)  # the tiny program that turns a seed into a key
         self.runner.warm(self._programs, progress)
         jax.block_until_ready(self.runner.k)
-        seconds = time.perf_counter() - t0
+        seconds, (c1, _, loads1) = time.perf_counter() - t0, compile_totals()
         self.counters["warmup_seconds"] += seconds
-        self.warmed = True
-        c1, _, loads1 = compile_totals()
-        loaded = loads1 - loads0
+        self.warmed, loaded = True, loads1 - loads0
         return dict(programs=self.program_count(), compiles=c1 - c0 - loaded, loaded=loaded, seconds=seconds)
 
     def stats(self) -> dict:
@@ -452,11 +441,8 @@ class Engine:
             self.counters,
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
+            **{f"pages_{n}": getattr(bm, f"num_{n}_pages") for n in ("free", "used", "shared", "cached")},
             pages_total=bm.num_pages,
-            pages_free=bm.num_free_pages,
-            pages_used=bm.num_used_pages,
-            pages_shared=bm.num_shared_pages,
-            pages_cached=bm.num_cached_pages,
             kv_bytes_used=bm.num_used_pages * page_bytes,
             peak_kv_bytes=self.counters["peak_pages"] * page_bytes,
             programs=self.program_count(),

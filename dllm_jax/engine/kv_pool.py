@@ -21,6 +21,7 @@ from dllm_jax.transformer.attention import attend_reference
 from dllm_jax.transformer.kv_cache import CacheWrite
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
+from pallas_kernels.slot_key_weights import slot_key_weights
 
 Array = jax.Array
 
@@ -77,12 +78,9 @@ class PagedKV:
         """[B, A]: which entries of the shared list are keys."""
         return jnp.arange(self.shared_slots.shape[1], dtype=jnp.int32)[None, :] < self.shared_len[:, None]
 
-    def keys(self, i: int, rows: Array | None = None) -> Array:
-        """Layer i's shared keys [B, A, Hkv, D] (rows: of those rows only), rotated to each row's placement (what
-        ACache's probe scores)."""
+    def keys(self, i: int) -> Array:
+        """Layer i's shared keys [B, A, Hkv, D], rotated to each row's placement (what ACache's probe scores)."""
         slots, delta = self.shared_slots, self.shared_delta
-        if rows is not None:
-            slots, delta = slots[rows], delta[rows]
         shared = jnp.take(self.k[i], slots, axis=0)
         if not self.rotate:
             return shared
@@ -104,11 +102,21 @@ class PagedKV:
         b, n = q.shape[:2]
         q_lens, kl, vl, state, interpret = jnp.full((b,), n, jnp.int32), self.k[i], self.v[i], None, kernels.interpret
         if self.shared_slots.shape[1]:  # something shared in this batch
-            qs = q
-            if self.rotate:
-                delta = jnp.broadcast_to(-self.shared_delta[:, None], (b, n))
-                cos, sin = rope_cos_sin(delta, q.shape[-1], self.rope_theta)
-                qs = apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)
-            shared, lens = self.shared_slots, self.shared_len
+            shared, lens, qs = self.shared_slots, self.shared_len, self._rotated_back(q)
             state = sa.slot_attention(qs, kl, vl, shared, q_lens, lens, return_state=True, interpret=interpret)
         return sa.slot_attention(q, kl, vl, self.own_slots, q_lens, self.own_len, init_state=state, interpret=interpret)
+
+    def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
+        """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its
+        queries q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`
+        computes the same with XLA, at the list's full width)."""
+        qs, kl, vl = self._rotated_back(q), self.k[i], self.v[i]
+        return slot_key_weights(qs, kl, vl, self.shared_slots, queries, self.shared_len, interpret=kernels.interpret)
+
+    def _rotated_back(self, q: Array) -> Array:
+        """q rotated back by each row's placement: its scores against the shared copy are those of the placed keys."""
+        if not self.rotate:
+            return q
+        delta = jnp.broadcast_to(-self.shared_delta[:, None], q.shape[:2])
+        cos, sin = rope_cos_sin(delta, q.shape[-1], self.rope_theta)
+        return apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)

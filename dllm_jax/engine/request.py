@@ -14,9 +14,7 @@ from dllm_jax.decoding.config import Anchors, GenerationConfig, NaiveReuse
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # queued: no pages yet
-    RUNNING = "running"  # admitted: pages reserved, decoding block by block
-    FINISHED = "finished"  # stop token, length, or aborted: pages freed
+    WAITING, RUNNING, FINISHED = "waiting", "running", "finished"  # queued; pages reserved, decoding; pages freed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +37,6 @@ class Request:
     prompt: list[int]
     config: GenerationConfig
     affix_span: tuple[int, int] | None = None
-    seed: int = 0
     on_block: Callable[[BlockOutput], Any] | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     deadline: float | None = None  # perf_counter time past which it ends unfinished ("timeout")
@@ -59,26 +56,16 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
 
-    @property
-    def gen_length(self) -> int:
-        return self.config.schedule.gen_length
-
-    @property
-    def block_length(self) -> int:
-        return self.config.schedule.block_length
-
-    @property
-    def n_blocks(self) -> int:
-        return self.config.schedule.n_blocks
+    gen_length = property(lambda self: self.config.schedule.gen_length)
+    block_length = property(lambda self: self.config.schedule.block_length)
+    n_blocks = property(lambda self: self.config.schedule.n_blocks)
 
     @property
     def technique(self):
         """The affix technique in force: the config's, or None when the request has no shared affix."""
         return self.config.cache.affix if self.affix_span is not None else None
 
-    @property
-    def affix_len(self) -> int:
-        return 0 if self.affix_span is None else self.affix_span[1] - self.affix_span[0]
+    affix_len = property(lambda self: 0 if self.affix_span is None else self.affix_span[1] - self.affix_span[0])
 
     @property
     def shares_affix(self) -> bool:
@@ -104,9 +91,7 @@ class Request:
         self.anchors = sorted(self.affix_span[0] + int(j) for j in ranking[: self.anchor_count])
         self.probed, self.nfe = True, self.nfe + 1
 
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt) + self.gen_length
+    total_len = property(lambda self: len(self.prompt) + self.gen_length)
 
     def private_tokens(self) -> int:
         """Slots a request writes: everything but a shared affix's non-anchor tokens."""
@@ -118,9 +103,7 @@ class Request:
         s, e = self.affix_span if self.technique is not None else (0, 0)
         return [j for j in range(len(self.prompt)) if not s <= j < e]
 
-    @property
-    def blocks_done(self) -> int:
-        return len(self.generated) // self.block_length
+    blocks_done = property(lambda self: len(self.generated) // self.block_length)
 
     def answer(self, stop_ids: tuple[int, ...]) -> list[int]:
         """Generated tokens up to (excluding) the first stop token."""

@@ -50,13 +50,11 @@ _compiles = [0, 0.0, 0]  # programs jax compiled or loaded from its persistent c
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
-        _compiles[0] += 1
-        _compiles[1] += duration
+        _compiles[:2] = _compiles[0] + 1, _compiles[1] + duration
 
 
 def _on_event(event: str, **kwargs) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _compiles[2] += 1
+    _compiles[2] += event == "/jax/compilation_cache/cache_hits"
 
 
 @functools.cache
@@ -70,11 +68,6 @@ def compile_totals() -> tuple[int, float, int]:
     loaded), counted from the first call on: the counts that must not move while a warmed-up engine serves."""
     _listen()
     return tuple(_compiles)
-
-
-def backend_compiles() -> int:
-    """Programs compiled or loaded from the persistent cache in this process so far."""
-    return compile_totals()[0]
 
 
 def round_up(n: int, multiple: int = 16) -> int:
@@ -385,8 +378,8 @@ class ModelRunner:
         program for these shapes, run nothing."""
         b = lay["x"].shape[0]
         inputs = jax.device_put(lay)
-        if hidden is not None:
-            inputs["hidden"] = _stack_rows(tuple(hidden), b)
+        if hidden is not None:  # the padding rows' prefix (they read and write nothing): any row's
+            inputs["hidden"] = tuple(hidden) + (hidden[0],) * (b - len(hidden))
         ranks = None
         if probe is not None:  # its ranking goes on to the block call on the device (no wait on the host)
             static = self._probe_static(probe["x"].shape[0])
@@ -447,16 +440,8 @@ def _pad(values: Sequence[int], n: int, fill: int = 0) -> np.ndarray:
 
 
 def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInputs:
-    return DecodeInputs(
-        positions=positions,
-        key_mask=jnp.ones(positions.shape, bool),
-        frozen=jnp.zeros(positions.shape, bool),
-        prompt_len=0,
-        block_length=block_length,
-        shift=1 if config.family == "dream" else 0,
-        kernels=kernels,
-        padded=False,
-    )
+    ones, shift = jnp.ones(positions.shape, bool), int(config.family == "dream")
+    return DecodeInputs(positions, ones, ~ones, 0, block_length, shift, kernels, padded=False)
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k", "v"))
@@ -481,17 +466,9 @@ def _block_program(options: tuple = ()):
             jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).lower().compile()
         except Exception as e:  # noqa: BLE001  XLA says which option, in its own words
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
-    opts = dict(options) or None
-    block = jax.jit(
-        _block_call, static_argnames=("runner", "kernels", "chunk"), donate_argnames=("k", "v"), compiler_options=opts
-    )
-    probe = jax.jit(
-        _probe_call,
-        static_argnames=("config", "kernels", "chunk", "rows"),
-        donate_argnames=("k", "v"),
-        compiler_options=opts,
-    )
-    return block, probe
+    jit = functools.partial(jax.jit, donate_argnames=("k", "v"), compiler_options=dict(options) or None)
+    block = jit(_block_call, static_argnames=("runner", "kernels", "chunk"))
+    return block, jit(_probe_call, static_argnames=("config", "kernels", "chunk", "rows"))
 
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
@@ -515,7 +492,7 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
         chunks=WindowChunks(chunk, d["live"]),
     )
     if shallow:  # each row's prefix hidden states, placed at its prefix in the deep window
-        hidden, (b, f) = d["hidden"], d["deep"].shape
+        hidden, (b, f) = jnp.stack(d["hidden"]), d["deep"].shape
         at = d["prefix_at"][:, None] + jnp.arange(hidden.shape[1])[None]
         prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype)
         prefix = prefix.at[jnp.arange(b)[:, None], at].set(hidden, mode="drop")
@@ -547,7 +524,13 @@ def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels,
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True)
     queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
-    probe = row_importance_probe(kv.shared_mask(), queries)
+    if kernels.attention == "xla":
+        probe = row_importance_probe(kv.shared_mask(), queries)
+    else:  # the slot kernels score each row's own list, never the list's padded width
+
+        def probe(q: Array, cache: PagedKV, i: int) -> Array:
+            return cache.key_weights(i, q, queries, kernels)
+
     inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
     chunks = WindowChunks(chunk, d["live"])
     out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, probe, chunks)
@@ -600,15 +583,6 @@ def _hidden_rows(hidden, depth, length, rows):
     h = jax.lax.dynamic_index_in_dim(hidden, depth, keepdims=False)
     h = jnp.where((jnp.arange(h.shape[0]) < length)[:, None], h, 0)
     return jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
-
-
-_stack = jax.jit(lambda rows: jnp.stack(rows))
-
-
-def _stack_rows(hidden: tuple, b: int) -> Array:
-    """[b, A, d] from each row's padded hidden state (zeros for the padding rows)."""
-    zero = jnp.zeros_like(hidden[0]) if hidden else None
-    return _stack(tuple(hidden) + (zero,) * (b - len(hidden)))
 
 
 @functools.partial(jax.jit, static_argnames=("theta",), donate_argnames=("k", "v"))

@@ -236,10 +236,9 @@ def _chunked(affix_keys: Array, q: Array, k: Array, queries: Array) -> Array:
     return jax.lax.map(chunk, (jnp.moveaxis(qc, 1, 0), jnp.moveaxis(mc, 1, 0))).sum(axis=0)
 
 
-def _spans(affix_keys: Array, q: Array, rows: Array, k: Array, queries: Array) -> Array:
-    """_probe_part of the listed rows of q [B, n, H, D] (`rows` [P]; their affix keys, keys and [MASK] queries
-    [P, n]) over only the span of each row's queries, SPAN_CHUNK at a time: a probed row's queries are its
-    generation region, a few hundred of the window's thousands, and a fixed-width window would score them all."""
+def _spans(affix_keys: Array, q: Array, k: Array, queries: Array) -> Array:
+    """_probe_part of q [B, n, H, D] over only the span of each row's `queries` [B, n], SPAN_CHUNK at a time: a
+    probed row's queries are its generation region, a few hundred of the window's thousands."""
     n = queries.shape[1]
     has = queries.any(axis=1)
     first = jnp.where(has, jnp.argmax(queries, axis=1), 0)
@@ -251,7 +250,7 @@ def _spans(affix_keys: Array, q: Array, rows: Array, k: Array, queries: Array) -
         at = (first + j * SPAN_CHUNK)[:, None] + offsets[None]  # [P, chunk]; past a row's span: masked out
         idx = jnp.minimum(at, n - 1)
         mask = jnp.take_along_axis(queries, idx, axis=1) & (at < end[:, None])
-        return total + _probe_part(affix_keys, q[rows[:, None], idx], k, mask)
+        return total + _probe_part(affix_keys, q[jnp.arange(q.shape[0])[:, None], idx], k, mask)
 
     return jax.lax.fori_loop(0, count, chunk, jnp.zeros(affix_keys.shape, jnp.float32))
 
@@ -268,26 +267,12 @@ def affix_importance_probe(affix_keys: Array, mask_queries: Array):
     return probe
 
 
-def row_importance_probe(affix_keys: Array, mask_queries: Array, rows: Array | None = None):
-    """The probe of only some rows of a batch (`rows` [P] int32 batch indices, the batch size for an empty slot):
-    what `affix_importance_probe` gives those rows, zero elsewhere. The listed rows are scored together, each with
-    its own keys over the span of its own [MASK] queries, and a forward that lists no row scores nothing: so the
-    serving engine probes newly admitted requests inside the block-start forward of the running ones, at the cost
-    of their tokens. No loop over the rows: each iteration of a loop in a GPU program waits for its predicate on
-    the host, per layer. rows None: every row, each over the span of its own [MASK] queries (no conditional)."""
+def row_importance_probe(affix_keys: Array, mask_queries: Array):
+    """What `affix_importance_probe` gives, each row scored over only the span of its own [MASK] queries (the
+    serving engine's probe, whose windows are padded to max_model_len: a fixed-width window would score them all)."""
 
     def probe(q: Array, cache, i) -> Array:
-        b = q.shape[0]
-        if rows is None:
-            return _spans(affix_keys, q, jnp.arange(b, dtype=jnp.int32), cache.keys(i), mask_queries)
-        zero = jnp.zeros(affix_keys.shape, jnp.float32)
-
-        def scored():
-            r, live = jnp.minimum(rows, b - 1), rows < b
-            imp = _spans(affix_keys[r], q, r, cache.keys(i, r), mask_queries[r] & live[:, None])
-            return zero.at[r].add(jnp.where(live[:, None], imp, 0.0))
-
-        return jax.lax.cond(jnp.any(rows < b), scored, lambda: zero)
+        return _spans(affix_keys, q, cache.keys(i), mask_queries)
 
     return probe
 
