@@ -211,7 +211,45 @@ def forward(
 
         return (jax.lax.fori_loop(0, live_chunks, attend_chunk, x), cache, probed), None
 
+    def chunked_unrolled(x, cache, probed):
+        """layer_chunked's result with one loop a layer instead of two: a chunk's attention in layer i and its
+        projection into layer i + 1 run in the same iteration (on a GPU every iteration of a loop whose trip count
+        is data waits for its predicate on the host), and one query buffer serves every layer (iteration j reads
+        chunk j's layer-i queries before writing its layer-(i + 1) ones)."""
+        c = chunks.size
+        live_chunks = (jnp.asarray(chunks.live, jnp.int32) + c - 1) // c
+        layers = list(zip(layer_params, layer_ids))
+
+        def project(lp, i, j, x, cache, qs):
+            cols = [_cols(a, j * c, c) for a in (x, cos, sin)]
+            q, k, v = block.apply({"params": lp}, *cols, method=Block.qkv)
+            cache = cache.write(i, k, v, _chunk_write(write, j * c, c))
+            return cache, jax.lax.dynamic_update_slice_in_dim(qs, q.astype(qs.dtype), j * c, axis=1)
+
+        (lp0, i0), cols = layers[0], [a[:, :c] for a in (x, cos, sin)]
+        q_chunk = jax.eval_shape(lambda: block.apply({"params": lp0}, *cols, method=Block.qkv)[0])
+        qs = jnp.zeros((b, n) + q_chunk.shape[2:], q_chunk.dtype)
+        cache, qs = jax.lax.fori_loop(0, live_chunks, lambda j, s: project(lp0, i0, j, x, *s), (cache, qs))
+        for at, (lp, i) in enumerate(layers):
+            if probe is not None:
+                probed = probed + probe(qs, cache, i)
+            following = layers[at + 1] if at + 1 < len(layers) else None
+
+            def step(j, state, lp=lp, i=i, following=following):
+                x, cache, qs = state
+                out = finish(lp, i, _cols(x, j * c, c), cache.attend(i, _cols(qs, j * c, c), key_mask, kernels))
+                x = jax.lax.dynamic_update_slice_in_dim(x, out.astype(x.dtype), j * c, axis=1)
+                if following is not None:
+                    cache, qs = project(*following, j, x, cache, qs)
+                return x, cache, qs
+
+            x, cache, qs = jax.lax.fori_loop(0, live_chunks, step, (x, cache, qs))
+        return x, cache, probed
+
     probed0 = jnp.zeros((b, cache.length), jnp.float32) if probe is not None else None
+    if chunks is not None and is_unrolled(layer_params) and len(layer_params):
+        x, cache, probed = chunked_unrolled(x, cache, probed0)
+        return output(x, cache, probed=probed)
     body = layer_cached if chunks is None else layer_chunked
     (x, cache, probed), _ = layer_loop(body, (x, cache, probed0), layer_params, layer_ids)
     return output(x, cache, probed=probed)
