@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from engine_invariants import check_block_manager
 
 from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.decoding.caches import acache, bicache
@@ -333,7 +334,7 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     affix_pages = pages_for(len(AFFIX), bm.page_size)
     private = [pages_for(engine.request(i).private_tokens(), bm.page_size) for i in ids]
     assert engine.counters["affix_builds"] == 1 and engine.counters["affix_hits"] == len(PLACED) - 1
-    assert bm.stats.misses == 1 and bm.num_shared_pages == affix_pages
+    assert bm.num_shared_pages == affix_pages  # one stored copy, held by all
     assert bm.num_used_pages == affix_pages + sum(private)
     k = acache.anchor_count(len(AFFIX), 0.2)
     assert all(engine.request(i).private_tokens() == len(engine.request(i).prompt) - len(AFFIX) + k + 8 for i in ids)
@@ -344,7 +345,7 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     engine.step()
     assert engine.counters["affix_builds"] == 1  # a hit on the cached copy
     assert engine.counters["probes"] == len(PLACED) + 1 and len(engine.request(last).generated) == 4  # a 1-row probe
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_affixes_found_without_registration_and_by_handle(models_fp32):
