@@ -43,7 +43,7 @@ def contains(hay, needle):
 # ---- prefixes ---------------------------------------------------------------------------------------------------
 def test_shared_prefix():
     t = Tokens()
-    ix = AffixIndex(page_size=16, min_tokens=32, k=8)
+    ix = AffixIndex(min_tokens=32, k=8)
     system = t(70)
     ix.observe(system + t(50))
     p = system + t(40)
@@ -61,7 +61,7 @@ def test_shared_prefix():
 
 def test_longest_prefix_among_several_prompts():
     t = Tokens(1)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=4)
+    ix = AffixIndex(min_tokens=16, k=4)
     base = t(100)
     ix.observe(base[:40] + t(30))
     ix.observe(base[:90] + t(30))
@@ -75,13 +75,13 @@ def test_prefix_is_preferred_unless_told_otherwise():
     t = Tokens(2)
     system, doc = t(40), t(300)
     for prefer, want in [(True, "prefix"), (False, "span")]:
-        ix = AffixIndex(page_size=8, min_tokens=32, k=8, prefer_prefix=prefer)
+        ix = AffixIndex(min_tokens=32, k=8, prefer_prefix=prefer)
         ix.observe(system + t(20) + doc + t(20))
         m = ix.match(system + t(7) + doc + t(9))
         assert m.kind == want
         assert (m.start, m.end) == ((0, 40) if prefer else (47, 347))
     # A longer prefix wins over a shorter span either way.
-    ix = AffixIndex(page_size=8, min_tokens=32, k=8, prefer_prefix=False)
+    ix = AffixIndex(min_tokens=32, k=8, prefer_prefix=False)
     ix.observe(doc + t(5) + system + t(5))
     assert ix.match(doc[:200] + t(3) + system) == AffixMatch(0, 200, "prefix")
     # And an equally long one too (ties go to the earliest start).
@@ -92,7 +92,7 @@ def test_prefix_is_preferred_unless_told_otherwise():
 # ---- spans at any offsets ---------------------------------------------------------------------------------------
 def test_infix_and_suffix_spans_at_different_offsets():
     t = Tokens(3)
-    ix = AffixIndex(page_size=16, min_tokens=48, k=16)
+    ix = AffixIndex(min_tokens=48, k=16)
     doc = t(200)
     ix.observe(t(37) + doc + t(23))  # the document inside a question
     assert find(ix, t(5) + doc + t(80)) == (5, 205)  # infix at another offset
@@ -105,7 +105,7 @@ def test_infix_and_suffix_spans_at_different_offsets():
 
 def test_span_is_extended_maximally_both_ways():
     t = Tokens(4)
-    ix = AffixIndex(page_size=16, min_tokens=32, k=8)
+    ix = AffixIndex(min_tokens=32, k=8)
     doc, left, right = t(100), t(3), t(5)
     ix.observe([1] * 10 + left + doc + right + [2] * 10)
     q = [3] * 20 + left + doc + right + [4] * 20
@@ -117,7 +117,7 @@ def test_every_shared_run_of_min_tokens_is_found_at_any_offsets():
     """Stored prompts are indexed every `stride` positions only; that must still catch a run of exactly min_tokens
     tokens wherever it sits in either prompt."""
     t = Tokens(16)
-    ix = AffixIndex(page_size=16, min_tokens=24, k=8)
+    ix = AffixIndex(min_tokens=24, k=8)
     assert ix.stride == 17
     run = t(24)
     for off in range(ix.stride + 1):
@@ -134,7 +134,7 @@ def test_every_shared_run_of_min_tokens_is_found_at_any_offsets():
 def test_a_long_shared_run_is_extended_once(monkeypatch):
     """O(prompt length): the k-gram hits along one shared run (one per stride) are skipped once it is extended."""
     t = Tokens(17)
-    ix = AffixIndex(page_size=16, min_tokens=32, k=16)
+    ix = AffixIndex(min_tokens=32, k=16)
     doc = t(3000)
     ix.observe(t(11) + doc + t(11))
     calls = []
@@ -146,7 +146,7 @@ def test_a_long_shared_run_is_extended_once(monkeypatch):
 
 def test_longest_span_wins_ties_go_to_the_earliest_start():
     t = Tokens(5)
-    ix = AffixIndex(page_size=16, min_tokens=32, k=8)
+    ix = AffixIndex(min_tokens=32, k=8)
     a, b, c = t(60), t(90), t(60)
     ix.observe(t(10) + a + t(10))
     ix.observe(t(10) + b + t(10))
@@ -158,7 +158,7 @@ def test_longest_span_wins_ties_go_to_the_earliest_start():
 
 def test_equal_spans_tie_to_the_earliest_start_not_the_first_found():
     t = Tokens(18)
-    ix = AffixIndex(page_size=16, min_tokens=24, k=8)  # stride 17
+    ix = AffixIndex(min_tokens=24, k=8)  # stride 17
     q = t(60)
     ix.observe(t(1) + q[0:40] + t(5))  # its first indexed k-gram inside q[0:40] is at q[16]
     ix.observe(q[10:50] + t(5))  # its first one at q[10]: found first
@@ -167,7 +167,7 @@ def test_equal_spans_tie_to_the_earliest_start_not_the_first_found():
 
 def test_nothing_shared_gives_nothing():
     t = Tokens(6)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=4)
+    ix = AffixIndex(min_tokens=16, k=4)
     for _ in range(20):
         p = t(100)
         assert ix.match(p) is None and ix.observe(p) is None
@@ -175,7 +175,7 @@ def test_nothing_shared_gives_nothing():
     assert ix.match(doc + doc) is None  # repetition inside one prompt is not sharing
     ix.observe(t(10) + doc[:15] + t(10))  # 15 shared tokens < min_tokens
     assert ix.match(doc) is None
-    assert AffixIndex(page_size=8, min_tokens=16, k=4).match(t(100)) is None
+    assert AffixIndex(min_tokens=16, k=4).match(t(100)) is None
 
 
 def test_hash_collisions_never_give_false_spans(monkeypatch):
@@ -183,7 +183,7 @@ def test_hash_collisions_never_give_false_spans(monkeypatch):
     tokens decide."""
     monkeypatch.setattr(ai, "_kgram_hashes", lambda tokens, k: [0] * max(0, len(tokens) - k + 1))
     t = Tokens(7)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=4)
+    ix = AffixIndex(min_tokens=16, k=4)
     system, doc = t(30), t(40)
     for _ in range(6):
         ix.observe(t(60))
@@ -200,7 +200,7 @@ def test_hash_collisions_never_give_false_spans(monkeypatch):
 
 
 def test_short_registered_affixes_are_matched_token_aligned():
-    ix = AffixIndex(page_size=8, min_tokens=16, k=4)
+    ix = AffixIndex(min_tokens=16, k=4)
     ix.register([0x200, 0x300])  # shorter than k: searched for as int32 bytes
     # Little-endian bytes 01 00 02 00 | 00 00 03 00 hold the affix's bytes 00 02 00 00 00 03 00 00 at offset 1.
     assert ix.match([0x20001, 0x30000, 0]) is None
@@ -211,7 +211,7 @@ def test_short_registered_affixes_are_matched_token_aligned():
 def test_no_false_spans_random_small_vocab():
     """Small vocabularies make natural k-gram repeats: every reported span is checked against the prompts."""
     rng = random.Random(8)
-    ix = AffixIndex(page_size=4, min_tokens=8, k=4, max_prompts=20)
+    ix = AffixIndex(min_tokens=8, k=4, max_prompts=20)
     remembered = []
     for _ in range(60):
         p = [rng.randrange(3) for _ in range(rng.randrange(0, 60))]
@@ -225,7 +225,7 @@ def test_no_false_spans_random_small_vocab():
 
 
 def test_pathological_repetition_stays_fast_and_exact():
-    ix = AffixIndex(page_size=16, min_tokens=64, k=16)
+    ix = AffixIndex(min_tokens=64, k=16)
     ix.observe([7] * 4000)
     t0 = time.perf_counter()
     m = ix.match([1] + [7] * 3999)
@@ -243,7 +243,7 @@ def test_pathological_repetition_stays_fast_and_exact():
 # ---- registered affixes -----------------------------------------------------------------------------------------
 def test_registered_affixes_are_reported_first():
     t = Tokens(9)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=8)
+    ix = AffixIndex(min_tokens=16, k=8)
     system, doc, doc2 = t(64), t(40), t(60)
     ix.observe(system + t(100))
     key = ix.register(doc)
@@ -273,7 +273,7 @@ def test_registered_affixes_are_reported_first():
 
 def test_registered_affix_feeds_the_span_finder():
     t = Tokens(10)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=8)
+    ix = AffixIndex(min_tokens=16, k=8)
     aff = t(50)
     ix.register(aff)
     assert ix.match(aff[:30] + t(40)) == AffixMatch(0, 30, "prefix")  # part of a stored entry
@@ -284,7 +284,7 @@ def test_equal_length_registered_ties_go_to_the_earliest_start():
     t = Tokens(11)
     a, b = t(20), t(20)
     for order in [(a, b), (b, a)]:
-        ix = AffixIndex(page_size=8, min_tokens=16, k=4)
+        ix = AffixIndex(min_tokens=16, k=4)
         for r in order:
             ix.register(r)
         assert ix.match(t(2) + a + b) == AffixMatch(2, 22, "registered")
@@ -294,7 +294,7 @@ def test_equal_length_registered_ties_go_to_the_earliest_start():
 # ---- memory bounds ----------------------------------------------------------------------------------------------
 def test_old_prompts_are_forgotten():
     t = Tokens(12)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=8, max_prompts=3)
+    ix = AffixIndex(min_tokens=16, k=8, max_prompts=3)
     docs = [t(40) for _ in range(5)]
     for d in docs:
         ix.observe(t(10) + d + t(10))
@@ -305,7 +305,7 @@ def test_old_prompts_are_forgotten():
 
 def test_token_bound_and_identical_prompts():
     t = Tokens(13)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=8, max_prompts=100, max_tokens=200)
+    ix = AffixIndex(min_tokens=16, k=8, max_prompts=100, max_tokens=200)
     a, b, c = t(90), t(90), t(90)
     ix.observe(a)
     ix.observe(b)
@@ -316,12 +316,12 @@ def test_token_bound_and_identical_prompts():
     ix.observe(t(201))  # longer than the whole bound: not remembered, nothing forgotten
     assert len(ix._prompts) == 2 and ix.match(c) == AffixMatch(0, 90, "prefix")
     check_affix_index(ix)
-    assert AffixIndex(page_size=8, min_tokens=16, k=8, max_prompts=0).observe(a) is None
+    assert AffixIndex(min_tokens=16, k=8, max_prompts=0).observe(a) is None
 
 
 def test_index_size_is_bounded():
     t = Tokens(14)
-    ix = AffixIndex(page_size=8, min_tokens=32, k=8, max_prompts=8)
+    ix = AffixIndex(min_tokens=32, k=8, max_prompts=8)
     for _ in range(300):
         ix.observe(t(t.rng.randrange(50, 200)))
     assert len(ix._prompts) == 8
@@ -332,7 +332,7 @@ def test_index_size_is_bounded():
 
 def test_kgram_lists_keep_the_most_recent_prompts():
     t = Tokens(19)
-    ix = AffixIndex(page_size=8, min_tokens=16, k=8, max_hits=2)
+    ix = AffixIndex(min_tokens=16, k=8, max_hits=2)
     common = t(40)
     for _ in range(5):
         ix.observe(common + t(20))
@@ -345,7 +345,7 @@ def test_kgram_lists_keep_the_most_recent_prompts():
 def test_check_affix_index_detects_corruption():
     def make():
         t = Tokens(20)
-        ix = AffixIndex(page_size=8, min_tokens=16, k=8, max_prompts=3)
+        ix = AffixIndex(min_tokens=16, k=8, max_prompts=3)
         for _ in range(3):
             ix.observe(t(40))
         ix.register(t(30))
@@ -373,7 +373,6 @@ def test_check_affix_index_detects_corruption():
 
 def test_constructor_validates():
     for kw in [
-        dict(page_size=0),
         dict(k=0),
         dict(min_tokens=8, k=16),
         dict(max_prompts=-1),
@@ -382,7 +381,7 @@ def test_constructor_validates():
         dict(work_factor=0),
     ]:
         with pytest.raises(ValueError):
-            AffixIndex(**{"page_size": 16, **kw})
+            AffixIndex(**kw)
 
 
 # ---- determinism ------------------------------------------------------------------------------------------------
@@ -396,7 +395,7 @@ import engine.block_manager  # noqa: F401  (the other host module: pages and has
 from engine.affix_index import AffixIndex
 rng = random.Random(0)
 blocks = [[rng.randrange(50) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
-ix = AffixIndex(page_size=4, min_tokens=8, k=4, max_prompts=6, max_hits=2)
+ix = AffixIndex(min_tokens=8, k=4, max_prompts=6, max_hits=2)
 out = []
 for i in range(80):
     p = [t for b in rng.sample(blocks, rng.randrange(1, 5)) for t in b]
@@ -427,7 +426,7 @@ def test_deterministic_in_process():
         t = Tokens(15)
         blocks = [t(30) for _ in range(6)]
         rng = random.Random(15)
-        ix = AffixIndex(page_size=8, min_tokens=16, k=8, max_prompts=5)
+        ix = AffixIndex(min_tokens=16, k=8, max_prompts=5)
         return [ix.observe([x for b in rng.sample(blocks, 3) for x in b]) for _ in range(40)]
 
     assert run() == run()
@@ -466,7 +465,7 @@ def test_match_agrees_with_the_oracle(prompts, query, cut, prefer_prefix):
     """No k-gram repeats within a prompt and no more prompts than max_hits: the answers must be exact."""
     prompts = [[t for b in p for t in BLOCKS[b]][cut:] for p in prompts]
     q = [t for b in query[:5] for t in BLOCKS[b]]
-    ix = AffixIndex(page_size=4, min_tokens=8, k=3, max_hits=4, work_factor=100, prefer_prefix=prefer_prefix)
+    ix = AffixIndex(min_tokens=8, k=3, max_hits=4, work_factor=100, prefer_prefix=prefer_prefix)
     for p in prompts:
         ix.observe(p)
     check_affix_index(ix)
@@ -484,7 +483,7 @@ def test_match_agrees_with_the_oracle(prompts, query, cut, prefer_prefix):
     q=st.lists(st.integers(0, 4), max_size=30),
 )
 def test_registered_affixes_match_the_oracle(reg, q):
-    ix = AffixIndex(page_size=4, min_tokens=4, k=3)
+    ix = AffixIndex(min_tokens=4, k=3)
     for r in reg:
         ix.register(r)
     order = list(dict.fromkeys(map(tuple, reg)))  # registration order, duplicates once

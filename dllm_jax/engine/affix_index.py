@@ -96,7 +96,6 @@ class _Prompt:
 class AffixIndex:
     """Finds the span of a prompt worth sharing, from recent prompts and registered affixes (see the module doc)."""
 
-    page_size: int  # the KV pool's; validated, but spans need not be whole pages (the stored copy is computed alone)
     min_tokens: int = 64  # the shortest span worth reporting (>= k)
     max_prompts: int = 256  # the memory bound on remembered prompts ...
     max_tokens: int = 1 << 20  # ... and on their tokens
@@ -106,11 +105,10 @@ class AffixIndex:
     prefer_prefix: bool = True  # a span at position 0 wins over any other, else only over spans no longer than it
 
     def __post_init__(self) -> None:
-        small = min(self.page_size, self.k, self.max_hits, self.work_factor) < 1 or self.min_tokens < self.k
+        small = min(self.k, self.max_hits, self.work_factor) < 1 or self.min_tokens < self.k
         if small or min(self.max_prompts, self.max_tokens) < 0:
             raise ValueError(
-                "need page_size >= 1, k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, "
-                "max_hits >= 1, work_factor >= 1"
+                "need k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, max_hits >= 1, work_factor >= 1"
             )
         self.stride = self.min_tokens - self.k + 1  # any shared run of min_tokens tokens covers an indexed k-gram
         self._prompts: OrderedDict[str, _Prompt] = OrderedDict()  # affix_key -> remembered prompt, oldest first

@@ -144,7 +144,7 @@ class Engine:
         self.block_manager = bm = BlockManager(num_pages, cfg.page_size)
         self.scheduler = Scheduler(bm, cfg.max_batch, cfg.max_queue)
         # what is served, resolved once: each is part of the programs' keys (everything else is data)
-        self.affixes = AffixIndex(cfg.page_size, min_tokens=cfg.min_affix_tokens, k=min(16, cfg.min_affix_tokens))
+        self.affixes = AffixIndex(min_tokens=cfg.min_affix_tokens, k=min(16, cfg.min_affix_tokens))
         blocks = cfg.block_lengths or (generation_defaults(getattr(model, "path", None)).get("block_length", 32),)
         self.intake = Intake(mc, self.max_len, blocks, cfg.sampler, cfg.shallow_depths, self.affixes, cfg.auto_affix)
         self.block_lengths, self.sampler = self.intake.block_lengths, self.intake.sampler
