@@ -22,7 +22,7 @@ Workloads in the terms of SGLang's `bench_serving --dataset-name generated-share
                 serve_mixed_h200.json.
 Columns: tokens_per_s (generated tokens / wall time of the workload), p50_s / p99_s (request latency from its
 arrival to its last block), ttfb_p50_s / ttfb_p99_s (to its first block), peak_kv_bytes (pages held at the peak),
-probe_ms_per_request (ACache's probe: its tokens' share of the calls that carried them), max_requests_16gib (how
+probe_ms_per_request (ACache's probe: the wall time of its own calls per probed request), max_requests_16gib (how
 many such requests a 16 GiB pool holds: the shared copies once plus each request's private pages), programs,
 compiles_after_warmup / compile_s_after_warmup (XLA compilations during the timed run), the same-run ratios to
 sharing off; mixed rows also load_s (an HF LLaDA-8B directory to the device, --hf-dir: written by
@@ -395,8 +395,9 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
         transport=transport,
         **t,
         peak_kv_bytes=s1["peak_kv_bytes"],
-        # the probe tokens' share of the block calls that carried them (Engine.stats' probe_seconds)
+        # the probe calls' own time (Engine.stats' probe_seconds: dispatch to ranking, the device idle before)
         probe_ms_per_request=1e3 * delta("probe_seconds") / probes if probes else None,
+        probe_timer="probe_calls",  # the probe programs' own time (older rows' "probe_seconds": a share of the calls)
         programs=s1["programs"],
         compiles_after_warmup=delta("compiles_after_warmup"),
         compile_s_after_warmup=delta("compile_seconds_after_warmup"),

@@ -272,25 +272,24 @@ class Engine:
                 except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
                     outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
-            probing = [r for r in group if r.needs_probe]
-            if len(probing) > Ladder.probe_rows:  # the rest are probed by the next calls
-                group = [r for r in group if not r.needs_probe] + probing[: Ladder.probe_rows]
+            probing = [r for r in group if r.needs_probe][: Ladder.probe_rows]  # the rest: by the next calls
+            group = [r for r in group if not r.needs_probe] + probing
             if any(r.status != Status.RUNNING for r in group):  # failed with a lost pool earlier in this step
                 continue
             try:
                 if self.before_call is not None:
                     self.before_call([r.request_id for r in group])
-                tokens, keys, steps, ranks = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+                if probing:  # their anchors first, then their first block in the call with the others
+                    for r, ranking in zip(probing, self.runner.probe(probing, self.block_manager)):
+                        r.probe_done(ranking)
+                    self.counters["probes"] += len(probing)
+                tokens, keys, steps = self.runner.run_block(group, self.block_manager, self._program(group[0]))
             except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
                 outputs += self._fault(group, e)
                 continue
             self.consecutive_faults = 0
             now = time.perf_counter()
-            probed = iter(ranks if ranks is not None else ())
             for r, blk, key in zip(group, tokens, keys):
-                if r.needs_probe:  # this call probed it, then decoded its first block with the anchors it chose
-                    r.probe_done(next(probed))
-                    self.counters["probes"] += 1
                 outputs.append(self._commit(r, blk.tolist(), key, steps, now))
             self.counters["blocks"] += 1
             self.counters["block_rows"] += len(group)

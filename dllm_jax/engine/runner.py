@@ -138,7 +138,6 @@ class RowPlan:
     window: np.ndarray  # the logical indices a block start recomputes
     writes: np.ndarray  # which of them write their K/V
     gen_index: int  # where the generation region starts in the window
-    anchor_slots: np.ndarray  # a row to probe: the slots its anchors will take (its window starts with fillers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +166,8 @@ class ModelRunner:
         )
         self.reset_pool()
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
-        self.probe_seconds = 0.0  # the probe tokens' share of the calls that carried them
+        self.probe_seconds = 0.0  # ACache's probe calls
         self.hidden: dict[str, Array] = {}  # BiCache: each stored affix's hidden states (`store_hidden`)
-        self._no_ranks = put(np.zeros((Ladder.probe_rows, ladder.read_len), np.int32))  # a call that probes none
 
     def _empty(self, b: int, col: int = 0, shallow: bool = False) -> dict:
         """The host inputs of a call (`_block_call`) over b rows that write and read nothing (padding; warm-up);
@@ -185,20 +183,13 @@ class ModelRunner:
             shared_delta=np.zeros(b, np.int32),  # ... read rotated by its placement
             own_slots=np.zeros((b, f), np.int32),  # ... and the row's private ones
             own_len=np.zeros(b, np.int32),
-            window=np.full((b, f), col, np.int32),  # the columns a block start recomputes (fillers: unwritten)
+            window=np.full((b, f), col, np.int32),  # the columns a block start recomputes
             writes=np.zeros((b, f), bool),
             block_col=np.int32(col),  # the buffer column where every row's current block starts
             block_index=np.zeros(b, np.int32),  # where it sits in each row's window
             live=np.int32(0),  # window entries 0..live-1 hold some row's work
             keys=np.zeros((b, 2), np.uint32),
             rows=stack_rows([], b),  # RowSettings' host arrays
-            # the rows probed just before this call (b: none), their anchor counts, the slots their anchors take,
-            # the column of their affix's first token and P - 1's affix index (`_place_anchors`)
-            probe_rows=np.full(Ladder.probe_rows, b, np.int32),
-            anchor_count=np.zeros(Ladder.probe_rows, np.int32),
-            anchor_slots=np.zeros((Ladder.probe_rows, f), np.int32),
-            affix_col=np.zeros(Ladder.probe_rows, np.int32),
-            last_prompt=np.full(Ladder.probe_rows, -1, np.int32),
             deep_live=np.int32(0),
         )
         if shallow:
@@ -239,8 +230,8 @@ class ModelRunner:
                 hidden = jax.eval_shape(layer_inputs, self.params, cfg, ids, mask)
                 _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=lad.read_len)
             elif p.kind == "probe":
-                lay = put({n: v for n, v in self._empty(p.b).items() if n in _PROBED})
-                self._run_probe.lower(self.params, self.k, self.v, lay, **self._probe_static(p.b)).compile()
+                static = dict(config=cfg, kernels=self.kernels, chunk=lad.chunk(p.b))
+                self._run_probe.lower(self.params, self.k, self.v, put(_probed(self._empty(p.b))), **static).compile()
             elif p.kind == "place":
                 zeros = put(np.zeros(p.w, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
@@ -251,10 +242,9 @@ class ModelRunner:
                 self._call(lay, p.runner, hidden, compile_only=True)
 
     def plan(self, r: Request, bm) -> RowPlan:
-        """What does not change between a request's blocks (cached on the request until its anchors change). A
-        request still to be probed (ACache) has no anchors yet: its first block start is its probe."""
-        probe = r.needs_probe
-        key = (probe, tuple(r.anchors))
+        """What does not change between a request's blocks (cached on the request until its anchors change: a request
+        still to be probed, ACache's, has none yet)."""
+        key = tuple(r.anchors)
         if r.plan is not None and r.plan[0] == key:
             return r.plan[1]
         p, g = len(r.prompt), r.gen_length
@@ -264,7 +254,7 @@ class ModelRunner:
         own = np.asarray(r.own_prompt_indices() if r.shares_affix else range(p), np.int64)
         priv = np.full(p + g, -1, np.int64)
         priv[own] = slots[: len(own)]
-        anchors = np.asarray([] if probe else r.anchors, np.int64)
+        anchors = np.asarray(r.anchors, np.int64)
         priv[anchors] = slots[len(own) : len(own) + len(anchors)]
         priv[p:] = slots[len(own) + r.anchor_count :]
         shared_idx = np.flatnonzero(priv < 0)
@@ -276,17 +266,10 @@ class ModelRunner:
         recomputed = np.concatenate([anchors, np.asarray(r.own_prompt_indices(), np.int64)])
         recomputed = recomputed[recomputed != p - 1]
         s, e = r.affix_span if r.technique is not None else (0, 0)
-        k = r.anchor_count if probe else 0
-        # a row to probe: a filler where the probe will place each anchor it chooses, but P - 1, which keeps its own
-        # entry (when every affix token is an anchor, P - 1 is one: the window stays within the request's length)
-        fillers = np.full(k - (k == r.affix_len and s <= p - 1 < e), p)
-        window = np.concatenate([fillers, recomputed, [p - 1], p + np.arange(g)])
+        window = np.concatenate([recomputed, [p - 1], p + np.arange(g)])
         writes = np.ones(len(window), bool)
-        writes[: len(fillers)] = False
-        at = len(fillers) + len(recomputed)
-        writes[at] = not s <= p - 1 < e or (p - 1) in anchors  # a shared P - 1 keeps its K/V
-        anchor_slots = slots[len(own) : len(own) + k]
-        plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, at + 1, anchor_slots)
+        writes[len(recomputed)] = not s <= p - 1 < e or (p - 1) in anchors  # a shared P - 1 keeps its K/V
+        plan = RowPlan(priv, shared, r.affix_span[0] if len(shared) else 0, window, writes, len(recomputed) + 1)
         r.plan = (key, plan)
         return plan
 
@@ -318,13 +301,6 @@ class ModelRunner:
             lay["window"][i, : len(pl.window)], lay["writes"][i, : len(pl.window)] = pad + pl.window, pl.writes
             lay["block_index"][i] = pl.gen_index + done[i] * r.block_length
             lay["keys"][i] = r.key
-        probing = [i for i, r in enumerate(reqs) if r.needs_probe]
-        for q, i in enumerate(probing):  # probed first, then decoding their first block in the same call
-            r, pl = reqs[i], plans[i]
-            lay["probe_rows"][q], lay["anchor_count"][q] = i, len(pl.anchor_slots)
-            lay["anchor_slots"][q, : len(pl.anchor_slots)] = pl.anchor_slots
-            lay["affix_col"][q] = c - starts[i] + r.affix_span[0]
-            lay["last_prompt"][q] = len(r.prompt) - 1 - r.affix_span[0]
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
             f = lad.read_len
             lay["deep_live"] = np.int32(max(r.total_len for r in reqs))
@@ -344,16 +320,27 @@ class ModelRunner:
         ids, sl = put(_pad(tokens, n)[None]), put(_pad(slots, n, self.num_slots))
         self.k, self.v = _build_affix(self.params, self.k, self.v, ids, sl, put(np.int32(a)), config=self.config)
 
+    def probe(self, reqs: Sequence[Request], bm) -> np.ndarray:
+        """ACache's probe of newly admitted requests (at most `Ladder.probe_rows`, each at block 0 with no anchors
+        yet): their window against the whole shared affix, then `acache.rank_anchors`. Returns each one's affix
+        indices [A], the most important first, once computed (the block call that follows decodes with the anchors
+        `Request.probe_done` takes from them)."""
+        t0 = time.perf_counter()
+        b = self.ladder.batch(len(reqs))
+        lay = self.layout(reqs, bm, b=b)
+        t1 = time.perf_counter()
+        static = dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(b))
+        self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, put(_probed(lay)), **static)
+        ranks = np.asarray(ranks)
+        self.host_seconds += t1 - t0
+        self.probe_seconds += time.perf_counter() - t1
+        return ranks[: len(reqs)]
+
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
-        """One block of every request: ([B, block_length] tokens of each row's block, new key data, steps, and the
-        ranking of the affix tokens [P, A] of the rows this call probed, in their order in `reqs` (ACache: indices in
-        affix order, the most important first; None when it probed none)). A probed row decodes its first block in
-        the call that probes it."""
+        """One block of every request: [B, block_length] tokens of each row's block, new key data, steps."""
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
-        probing = [r for r in reqs if r.needs_probe]
-        probe = self.layout(probing, bm, b=self.ladder.batch(len(probing))) if probing else None
         t1 = time.perf_counter()
         hidden = None
         if shallow:
@@ -362,45 +349,30 @@ class ModelRunner:
                 _hidden_rows(self.hidden[r.affix_entry.key], jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f)
                 for r in reqs
             ]
-        blk, keys, steps, ranks = self._call(lay, runner, hidden, probe)
+        blk, keys, steps = self._call(lay, runner, hidden)
         self.host_seconds += t1 - t0
-        seconds = time.perf_counter() - t1  # the call and the wait for its block's tokens
-        self.device_seconds += seconds
-        if probing:  # the probe tokens' share of the call's tokens (the probe's windows, block starts and steps)
-            probe_tokens = sum(int(self.plan(r, bm).writes.sum()) for r in probing)
-            block_tokens = sum(len(self.plan(r, bm).window) + r.block_length * r.row_values.steps for r in reqs)
-            self.probe_seconds += seconds * probe_tokens / (probe_tokens + block_tokens)
-        return blk[: len(reqs)], keys[: len(reqs)], steps, ranks
+        self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
+        return blk[: len(reqs)], keys[: len(reqs)], steps
 
-    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, probe=None, compile_only=False):
-        """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth; probe: the
-        layout of the rows to probe first, their anchors placed by the block call); compile_only: compile its
-        program for these shapes, run nothing."""
+    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
+        """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
+        compile_only: compile its program for these shapes, run nothing."""
         b = lay["x"].shape[0]
         inputs = jax.device_put(lay)
         if hidden is not None:  # the padding rows' prefix (they read and write nothing): any row's
             inputs["hidden"] = tuple(hidden) + (hidden[0],) * (b - len(hidden))
-        ranks = None
-        if probe is not None:  # its ranking goes on to the block call on the device (no wait on the host)
-            static = self._probe_static(probe["x"].shape[0])
-            probe = put({n: probe[n] for n in _PROBED})
-            self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, probe, **static)
-        inputs["ranks"] = self._no_ranks if ranks is None else ranks
         args = (self.params, self.k, self.v, inputs)
         static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
         if compile_only:
             self._run_block.lower(*args, **static).compile()
             return None
         blk, keys, steps, self.k, self.v = self._run_block(*args, **static)
-        return np.asarray(blk), np.asarray(keys), int(steps), None if ranks is None else np.asarray(ranks)
+        return np.asarray(blk), np.asarray(keys), int(steps)
 
     def probe_batches(self) -> list[int]:
         """The probe program's batch sizes: the ladder's for 1..probe_rows requests (a lone arrival is not probed
         with 3 empty rows: every row of a chunked forward costs its tokens)."""
         return sorted({self.ladder.batch(n) for n in range(1, min(Ladder.probe_rows, self.ladder.batch_sizes[-1]) + 1)})
-
-    def _probe_static(self, b: int) -> dict:
-        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(b), rows=Ladder.probe_rows)
 
     def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
         """BiCache: keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix
@@ -424,7 +396,11 @@ class ModelRunner:
 
 
 _PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")  # PagedKV's read lists
-_PROBED = _PAGED + ("x", "positions", "window", "writes", "live")  # what `_probe_call` reads of a layout
+
+
+def _probed(lay: dict) -> dict:
+    """What `_probe_call` reads of a layout."""
+    return {n: lay[n] for n in (*_PAGED, "x", "positions", "window", "writes", "live")}
 
 
 def put(a: np.ndarray) -> Array:
@@ -468,18 +444,15 @@ def _block_program(options: tuple = ()):
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
     jit = functools.partial(jax.jit, donate_argnames=("k", "v"), compiler_options=dict(options) or None)
     block = jit(_block_call, static_argnames=("runner", "kernels", "chunk"))
-    return block, jit(_probe_call, static_argnames=("config", "kernels", "chunk", "rows"))
+    return block, jit(_probe_call, static_argnames=("config", "kernels", "chunk"))
 
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
     """One block of every row from its block start: the tokens, the new key data, the steps taken and the pool.
-    `inputs`: `ModelRunner.layout` on device, plus "ranks" (`_probe_call`'s, or zeros) and "hidden" for BiCache
-    rows."""
+    `inputs`: `ModelRunner.layout` on device, plus "hidden" for BiCache rows."""
     config, d = runner.config, dict(inputs)
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
     shallow = isinstance(runner.strategy, ShallowReuse)
-    if not shallow:  # ACache's rows probed by `_probe_call` just before: their anchors (BiCache never probes)
-        d.update(_place_anchors(d, d["ranks"]))
     # shared affixes are read rotated by their placement: a rotation by 0 (a prefix, or no affix) changes no bit, so
     # one program serves every placement (BiCache rows read their affix from their own, placed copy)
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
@@ -515,12 +488,11 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     return blk, jax.random.key_data(s.key), s.step, kv.k, kv.v
 
 
-def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, rows: int):
-    """ACache's probe of up to `Ladder.probe_rows` newly admitted requests (`d`: their own layout, each at block 0
-    with no anchors yet, padded to one of `probe_batches`): their window against the whole shared affix
-    (`acache.row_importance_probe` scores each row's [MASK] queries), then `acache.rank_anchors`. Returns the pool
-    (the probe wrote the rows' window K/V, rewritten by their block start) and the ranking [rows, A] (affix indices,
-    the most important first), which the block call that follows places (`_place_anchors`)."""
+def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int):
+    """`ModelRunner.probe` on the device (`d`: the probed rows' layout): their window against the whole shared
+    affix, each row's [MASK] queries scored (`acache.row_importance_probe`; on the slot kernels
+    `PagedKV.key_weights`), then the ranking [b, A]. Also returns the pool: the probe wrote the rows' window K/V,
+    which their block start rewrites."""
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True)
     queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
@@ -534,46 +506,7 @@ def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels,
     inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
     chunks = WindowChunks(chunk, d["live"])
     out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, probe, chunks)
-    ranks = jnp.pad(rank_anchors(out.probe, kv.shared_mask(), a), ((0, rows - b), (0, 0)))
-    return out.cache.k, out.cache.v, ranks
-
-
-def _place_anchors(d: dict, ranks: Array) -> dict:
-    """The block call's layout with the anchors of the rows `d["probe_rows"]` lists placed (their ranking [P, A]
-    from `_probe_call`), so that they decode their first block in this call: each row's first anchor_count affix
-    tokens, in prompt order (as `Request.probe_done` keeps them), take the filler entries at the front of its window
-    and its anchor slots (appended to its own read list), and leave its shared list. The changed fields."""
-    b, a = d["x"].shape[0], d["shared_slots"].shape[1]
-    live = d["probe_rows"] < b
-    r = jnp.minimum(d["probe_rows"], b - 1)  # reads; writes go to `at` (dropped for empty slots)
-    at = jnp.where(live, d["probe_rows"], b)
-    j = jnp.arange(a)[None]
-    top = jnp.sort(jnp.where((j < d["anchor_count"][:, None]) & live[:, None], ranks, a), axis=1)  # a: none
-    chosen = top < a
-    cols = d["affix_col"][:, None] + top
-    last = chosen & (top == d["last_prompt"][:, None])  # P - 1 chosen: its own window entry writes it
-    rows, own_len, pm1 = at[:, None], d["own_len"][r], d["block_index"][r] - 1
-    fill = jnp.where(chosen & ~last, j, a)  # anchor j takes filler entry j (P - 1 is the last: it has no filler)
-    placed = dict(
-        window=d["window"].at[rows, fill].set(cols, mode="drop"),
-        writes=d["writes"]
-        .at[rows, fill]
-        .set(True, mode="drop")
-        .at[at, pm1]
-        .set(last.any(axis=1) | d["writes"][r, pm1], mode="drop"),
-        col_slots=d["col_slots"].at[rows, jnp.where(chosen, cols, d["x"].shape[1])].set(d["anchor_slots"], mode="drop"),
-        own_slots=d["own_slots"]
-        .at[rows, jnp.where(chosen, own_len[:, None] + j, a)]
-        .set(d["anchor_slots"], mode="drop"),
-        own_len=d["own_len"].at[at].add(d["anchor_count"], mode="drop"),
-    )
-    p = jnp.arange(len(r))[:, None]
-    anchor = jnp.zeros((len(r), a + 1), bool).at[p, top].set(True)[:, :a]
-    keep = (j < d["shared_len"][r][:, None]) & ~anchor  # the shared list, compacted: the affix less its anchors
-    compact = jnp.zeros((len(r), a), jnp.int32).at[p, jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, a)]
-    placed["shared_slots"] = d["shared_slots"].at[at].set(compact.set(d["shared_slots"][r], mode="drop"), mode="drop")
-    placed["shared_len"] = d["shared_len"].at[at].add(-d["anchor_count"], mode="drop")
-    return placed
+    return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
