@@ -12,6 +12,7 @@ the query back by p (the jnp path rotates the gathered keys): one copy serves ev
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from dllm_jax.transformer.kv_cache import CacheWrite
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
 from pallas_kernels.slot_key_weights import slot_key_weights
+from pallas_kernels.slot_write import slot_write, slot_write_reference
 
 Array = jax.Array
 
@@ -44,6 +46,7 @@ class PagedKV:
     own_len: Array  # [B] int32
     rope_theta: float = dataclasses.field(metadata=dict(static=True))
     rotate: bool = dataclasses.field(metadata=dict(static=True))  # any row with a nonzero shared_delta
+    kernels: Any = dataclasses.field(default=None, metadata=dict(static=True))  # writes: slot_write unless XLA's
 
     @property
     def per_layer(self) -> bool:
@@ -61,16 +64,13 @@ class PagedKV:
         if cols is None:
             cols = (jnp.asarray(where.offset, jnp.int32) + jnp.arange(k.shape[1], dtype=jnp.int32))[None]
         slots = jnp.take_along_axis(self.col_slots, jnp.broadcast_to(cols, k.shape[:2]), axis=1)
-        end = self.k[0].shape[0]  # the pool's slots
-        keep = slots < end
-        if where.mask is not None:
-            keep &= where.mask
-        # unwritten entries go to distinct indices past the pool's end (dropped); written slots are distinct (each
-        # is one column's), so every index is unique and XLA may scatter without ordering conflicting writes
-        flat = jnp.where(keep, slots, end + jnp.arange(slots.size).reshape(slots.shape)).reshape(-1)
-        scatter = dict(mode="drop", unique_indices=True)
-        new_k = self.k[i].at[flat].set(k.reshape(-1, *k.shape[2:]).astype(self.k[i].dtype), **scatter)
-        new_v = self.v[i].at[flat].set(v.reshape(-1, *v.shape[2:]).astype(self.v[i].dtype), **scatter)
+        # the pool's end: not written; written slots are distinct (each is one column's)
+        rows = (slots if where.mask is None else jnp.where(where.mask, slots, self.k[0].shape[0])).reshape(-1)
+        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        if self.kernels is not None and self.kernels.attention != "xla":  # one Pallas launch writes both, in place
+            new_k, new_v = slot_write(self.k[i], self.v[i], k, v, rows, interpret=self.kernels.interpret)
+        else:  # XLA's scatters, one a pool
+            new_k, new_v = slot_write_reference(self.k[i], self.v[i], k, v, rows)
         k, v = self.k[:i] + (new_k,) + self.k[i + 1 :], self.v[:i] + (new_v,) + self.v[i + 1 :]
         return dataclasses.replace(self, k=k, v=v)
 

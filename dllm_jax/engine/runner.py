@@ -455,7 +455,9 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     shallow = isinstance(runner.strategy, ShallowReuse)
     # shared affixes are read rotated by their placement: a rotation by 0 (a prefix, or no affix) changes no bit, so
     # one program serves every placement (BiCache rows read their affix from their own, placed copy)
-    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
+    kv = PagedKV(
+        k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow, kernels=kernels
+    )
     common = dict(
         kv=kv,
         window=d["window"],
@@ -494,7 +496,7 @@ def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels,
     `PagedKV.key_weights`), then the ranking [b, A]. Also returns the pool: the probe wrote the rows' window K/V,
     which their block start rewrites."""
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
-    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True)
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True, kernels=kernels)
     queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
     if kernels.attention == "xla":
         probe = row_importance_probe(kv.shared_mask(), queries)
