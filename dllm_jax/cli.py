@@ -236,7 +236,6 @@ def engine_config(args: argparse.Namespace, depths: tuple[int, ...] = ()) -> Eng
             block_lengths=None if args.block_lengths is None else tuple(args.block_lengths),
             shallow_depths=depths,
             batch_sizes=None if args.batch_sizes is None else tuple(args.batch_sizes),
-            window_sizes=None if args.window_sizes is None else tuple(args.window_sizes),
             compiler_options=tuple(args.compiler_option or ()),
         )
     except ValueError as e:
@@ -441,15 +440,6 @@ def build_parser() -> Parser:
         metavar="N",
         help="batch sizes a call is padded to, the largest = --max-batch (default: 1, 4, 16, ...): each is a set of "
         "compiled programs",
-    )
-    v.add_argument(
-        "--window-sizes",
-        type=positive_int,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="widths a stored affix's own forward (once per affix) is padded to, --max-model-len always added "
-        "(default: 256, 1024, 4096, ...): each is a compiled program",
     )
     v.add_argument(
         "--compiler-option",

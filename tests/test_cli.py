@@ -120,7 +120,6 @@ def test_bad_flags(argv, message, capsys):
             "argument --no-compile-cache: not allowed with argument --compile-cache",
         ),
         (["--block-lengths", "0"], "argument --block-lengths: must be a positive integer, got 0"),
-        (["--window-sizes", "0"], "argument --window-sizes: must be a positive integer, got 0"),
         (
             ["--batch-sizes", "2", "4", "--max-batch", "8"],
             "argument --batch-sizes: EngineConfig.batch_sizes=(2, 4) must be positive sizes ending at max_batch=8",

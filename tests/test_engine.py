@@ -167,17 +167,15 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
         items = random_stream(4, seed)
         serve(engine, [(p, gc, span, s) for p, gc, span, s, _ in items])
         assert engine.program_count() == engine.stats()["programs"] == count
-    # 2 batch sizes x 1 window width: block, BiCache block; ACache's probe for 1 and 2-4 requests; affix builds,
-    # layer inputs, placements per width
+    # 2 batch sizes: block, BiCache block; ACache's probe for 1 and 2-4 requests; the affix build, BiCache's layer
+    # inputs and placement (one width each: the ladder's read_len)
     assert count == 2 * 2 + 2 + 3
     assert engine_for(m, shallow_depths=(1,)).program_count() == 2 * 2 + 2 + 3  # the default ladder: 1, 4
     assert engine_for(m, max_batch=16).program_count() == 3 + 2 + 1  # blocks of 1, 4, 16; probes of 1, 4; affix
     ladder = Ladder.for_settings(16, 2000)  # LLaDA-8B's serve defaults but a 2000-token max_model_len
-    assert (ladder.batch_sizes, ladder.window_sizes) == ((1, 4, 16), (256, 1024, 2000))
-    assert (ladder.window_chunk, ladder.read_len) == (256, 2048)  # block-start windows: whole chunks
+    assert ladder.batch_sizes == (1, 4, 16) and (ladder.window_chunk, ladder.read_len) == (256, 2048)  # whole chunks
     assert [ladder.chunk(b) for b in ladder.batch_sizes] == [256, 256, 128]  # <= 2048 tokens a chunk at 16 rows
-    finer = Ladder.for_settings(16, 2000, (2, 16), (500, 1000, 3000))  # rounded to 16; max_model_len added
-    assert (finer.batch_sizes, finer.window_sizes) == ((2, 16), (512, 1008, 2000))
+    assert Ladder.for_settings(16, 2000, (2, 16)).batch_sizes == (2, 16)
     assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 2 + 1  # no BiCache depth served
 
 

@@ -84,7 +84,6 @@ class EngineConfig:
     min_affix_tokens: int = 64  # the shortest span worth sharing
     attention: str = "auto"  # the kernel choice (auto: the slot kernel on a GPU, XLA's gather elsewhere)
     batch_sizes: tuple[int, ...] | None = None  # the batch shapes calls are padded to (None: 1, 4, 16, ..., max_batch)
-    window_sizes: tuple[int, ...] | None = None  # an affix's own forward's widths (None: 256, 1024, ..., max_model_len)
     window_chunk: int = 256  # block starts run in chunks of this many tokens a row (see `Ladder.chunk`)
     block_lengths: tuple[int, ...] | None = None  # None: the model's generation_config.json block_length, else 32
     sampler: FamilySampler | None = None  # the sampler's static part (None: the family's default; the rest is data)
@@ -99,11 +98,11 @@ class EngineConfig:
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"EngineConfig.kv_fraction={self.kv_fraction} must be in (0, 1]")
         KernelChoice(attention=self.attention)
-        for name, low in (("block_lengths", 1), ("shallow_depths", 0), ("window_sizes", 1)):
+        for name, low in (("block_lengths", 1), ("shallow_depths", 0)):
             values = getattr(self, name)
             if values is not None:
                 values = tuple(sorted({int(v) for v in values}))
-                if (not values and name != "shallow_depths") or (values and values[0] < low):
+                if (not values and low) or (values and values[0] < low):
                     raise ValueError(f"EngineConfig.{name}={values} must be {'positive' if low else '>= 0'}")
                 object.__setattr__(self, name, values)
         object.__setattr__(self, "compiler_options", tuple(dict(self.compiler_options).items()))  # typed, hashable
@@ -151,7 +150,7 @@ class Engine:
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
         kernels = Kernels.resolve(KernelChoice(attention=cfg.attention, rope_write="xla"), mc, params)
-        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_sizes, cfg.window_chunk)
+        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
         self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, cfg.compiler_options)
         gcs = {bl: GenerationConfig(Schedule(bl, bl, bl), rows, CacheConfig("dual")) for bl in self.block_lengths}

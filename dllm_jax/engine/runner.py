@@ -36,7 +36,7 @@ from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.decoding.samplers.rows import RowSettings, stack_rows
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
-from dllm_jax.transformer import XLA, Kernels, WindowChunks, forward
+from dllm_jax.transformer import Kernels, WindowChunks
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
@@ -89,28 +89,16 @@ class Ladder:
     6-24 s to compile and 1.2-2.9 s to load from the persistent cache (H200), so the program count is start-up time."""
 
     batch_sizes: tuple[int, ...]  # powers of 4 up to max_batch, and max_batch
-    window_sizes: tuple[int, ...]  # an affix's own forward: powers of 4 from 256 up to max_model_len
-    read_len: int  # the one width of the read lists and block-start windows: a multiple of window_chunk
+    read_len: int  # the one width of the read lists and windows (of block starts, probes, affixes)
     window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
     probe_rows: int = 4  # ACache probes a block call carries at most (scored together: fp32 scores of all of them)
 
     @classmethod
-    def for_settings(
-        cls,
-        max_batch: int,
-        max_len: int,
-        batch_sizes: Sequence[int] | None = None,
-        window_sizes: Sequence[int] | None = None,
-        window_chunk: int = 256,
-    ) -> "Ladder":
-        """The ladder of these settings (batch_sizes, window_sizes: None for the defaults)."""
+    def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None, window_chunk=256):
+        """The ladder of these settings (batch_sizes: None for the defaults)."""
         cap = round_up(max_len)
-        windows = (
-            ({round_up(w) for w in window_sizes if w < cap} | {cap}) if window_sizes else _powers(min(256, cap), cap)
-        )
         chunk = min(round_up(window_chunk), cap)
-        batches = tuple(sorted(set(batch_sizes or _powers(1, max_batch))))
-        return cls(batches, tuple(sorted(windows)), round_up(cap, chunk), chunk)
+        return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), round_up(cap, chunk), chunk)
 
     def batch(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
@@ -122,10 +110,6 @@ class Ladder:
         while c * b > CHUNK_TOKENS and c % 32 == 0:
             c //= 2
         return c
-
-    def window(self, n: int) -> int:
-        """The smallest window width that holds n tokens."""
-        return next(w for w in self.window_sizes if w >= n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +126,10 @@ class RowPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One compiled program of the engine: what it runs and its shape (batch b, window or affix width w)."""
+    """One compiled program of the engine: what it runs and its batch b (every width is the ladder's read_len)."""
 
     kind: str  # "block", "probe" (ACache's), "affix", "hidden" (BiCache: an affix's layer inputs), "place"
-    b: int
-    w: int
+    b: int = 1
     runner: BlockRunner | None = None
 
 
@@ -157,7 +140,7 @@ class ModelRunner:
         self, params: dict, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels, options=()
     ):
         self.params, self.config, self.num_slots, self.ladder, self.kernels = params, config, num_slots, ladder, kernels
-        self._run_block, self._run_probe = _block_program(options)  # options: XLA's compiler options
+        self._run_block, self._run_window = _block_program(options)  # options: XLA's compiler options
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
         shape, mesh = (num_slots, config.n_kv_heads, config.head_dim), mesh_of(params)
         self._zeros = jax.jit(  # tensor parallel: each device holds its KV heads of every page
@@ -207,37 +190,32 @@ class ModelRunner:
 
     def programs(self, runners: Sequence[BlockRunner]) -> list[Program]:
         """Every program the engine can run with these block runners (a function of the settings only)."""
-        lad = self.ladder
-        out = [Program("affix", 1, w) for w in lad.window_sizes]
-        for runner in runners:
-            out += [Program("block", b, lad.read_len, runner) for b in lad.batch_sizes]
+        out = [Program("affix")] + [Program("block", b, r) for r in runners for b in self.ladder.batch_sizes]
         if any(not isinstance(r.strategy, ShallowReuse) for r in runners):
-            out += [Program("probe", b, lad.read_len) for b in self.probe_batches()]
+            out += [Program("probe", b) for b in self.probe_batches()]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
-            out += [Program(kind, 1, w) for kind in ("hidden", "place") for w in lad.window_sizes]
+            out += [Program("hidden"), Program("place")]
         return out
 
     def warm(self, programs: Sequence[Program], progress: bool = True) -> None:
         """Compile every program ahead of time (nothing runs or is written; later calls of those shapes find it)."""
-        cfg, lad, end = self.config, self.ladder, self.num_slots
+        cfg, f, end = self.config, self.ladder.read_len, self.num_slots
         for p in tqdm(programs, desc="compiling", unit="program", disable=not progress):
-            ids, nowhere = put(np.zeros((1, p.w), np.int32)), put(np.full(p.w, end, np.int32))
-            if p.kind == "affix":
-                _build_affix.lower(self.params, self.k, self.v, ids, nowhere, put(np.int32(0)), config=cfg).compile()
+            ids, nowhere = put(np.zeros((1, f), np.int32)), put(np.full(f, end, np.int32))
+            if p.kind in ("affix", "probe"):
+                lay = put(_windowed(self._empty(p.b)))
+                self._run_window.lower(self.params, self.k, self.v, lay, **self._window_static(p)).compile()
             elif p.kind == "hidden":
-                mask = put(np.zeros((1, p.w), bool))
+                mask = put(np.zeros((1, f), bool))
                 layer_inputs.lower(self.params, cfg, ids, mask).compile()
                 hidden = jax.eval_shape(layer_inputs, self.params, cfg, ids, mask)
-                _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=lad.read_len)
-            elif p.kind == "probe":
-                static = dict(config=cfg, kernels=self.kernels, chunk=lad.chunk(p.b))
-                self._run_probe.lower(self.params, self.k, self.v, put(_probed(self._empty(p.b))), **static).compile()
+                _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=f)
             elif p.kind == "place":
-                zeros = put(np.zeros(p.w, np.int32))
+                zeros = put(np.zeros(f, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
             else:
                 shallow = isinstance(p.runner.strategy, ShallowReuse)
-                hidden = [jnp.zeros((lad.read_len, cfg.d_model), cfg.jnp_dtype)] * p.b if shallow else None
+                hidden = [jnp.zeros((f, cfg.d_model), cfg.jnp_dtype)] * p.b if shallow else None
                 lay = self._empty(p.b, shallow=shallow)
                 self._call(lay, p.runner, hidden, compile_only=True)
 
@@ -314,11 +292,14 @@ class ModelRunner:
         return lay
 
     def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
-        """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots."""
-        a = len(tokens)
-        n = self.ladder.window(a)
-        ids, sl = put(_pad(tokens, n)[None]), put(_pad(slots, n, self.num_slots))
-        self.k, self.v = _build_affix(self.params, self.k, self.v, ids, sl, put(np.int32(a)), config=self.config)
+        """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots: the window forward of
+        one row whose window and own read list are the affix (in chunks: it costs the affix's tokens)."""
+        a, lay = len(tokens), self._empty(1)
+        lay["x"][0, :a], lay["positions"][0, :a] = tokens, np.arange(a)
+        lay["col_slots"][0, :a] = lay["own_slots"][0, :a] = slots
+        lay["window"][0, :a], lay["writes"][0, :a], lay["own_len"][0], lay["live"] = np.arange(a), True, a, np.int32(a)
+        static = self._window_static(Program("affix"))
+        self.k, self.v, _ = self._run_window(self.params, self.k, self.v, put(_windowed(lay)), **static)
 
     def probe(self, reqs: Sequence[Request], bm) -> np.ndarray:
         """ACache's probe of newly admitted requests (at most `Ladder.probe_rows`, each at block 0 with no anchors
@@ -329,8 +310,8 @@ class ModelRunner:
         b = self.ladder.batch(len(reqs))
         lay = self.layout(reqs, bm, b=b)
         t1 = time.perf_counter()
-        static = dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(b))
-        self.k, self.v, ranks = self._run_probe(self.params, self.k, self.v, put(_probed(lay)), **static)
+        static = self._window_static(Program("probe", b))
+        self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, put(_windowed(lay)), **static)
         ranks = np.asarray(ranks)
         self.host_seconds += t1 - t0
         self.probe_seconds += time.perf_counter() - t1
@@ -374,12 +355,15 @@ class ModelRunner:
         with 3 empty rows: every row of a chunked forward costs its tokens)."""
         return sorted({self.ladder.batch(n) for n in range(1, min(Ladder.probe_rows, self.ladder.batch_sizes[-1]) + 1)})
 
+    def _window_static(self, p: Program) -> dict:
+        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(p.b), probe=p.kind == "probe")
+
     def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
         """BiCache: keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix
         padded to the window ladder) under its entry's key, unless kept already (until `forget`)."""
         if key in self.hidden:
             return
-        n = self.ladder.window(len(tokens))
+        n = self.ladder.read_len
         ids, mask = put(_pad(tokens, n)[None]), put(np.arange(n)[None] < len(tokens))
         self.hidden[key] = layer_inputs(self.params, self.config, ids, mask)
 
@@ -390,7 +374,7 @@ class ModelRunner:
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
-        n = self.ladder.window(len(src))
+        n = self.ladder.read_len
         s_, d_ = put(_pad(src, n)), put(_pad(dst, n, self.num_slots))
         self.k, self.v = _place(self.k, self.v, s_, d_, put(np.int32(offset)), theta=self.config.rope_theta)
 
@@ -398,8 +382,8 @@ class ModelRunner:
 _PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")  # PagedKV's read lists
 
 
-def _probed(lay: dict) -> dict:
-    """What `_probe_call` reads of a layout."""
+def _windowed(lay: dict) -> dict:
+    """What `_window_call` reads of a layout."""
     return {n: lay[n] for n in (*_PAGED, "x", "positions", "window", "writes", "live")}
 
 
@@ -420,18 +404,6 @@ def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInp
     return DecodeInputs(positions, ones, ~ones, 0, block_length, shift, kernels, padded=False)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k", "v"))
-def _build_affix(params, k, v, ids, slots, length, *, config):
-    n = ids.shape[1]
-    positions, mask = jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n)[None] < length
-    at = jnp.zeros((1, 1), jnp.int32)
-    out = forward(params, config, ids, positions, key_mask=mask, logits_at=at, return_kv=True, kernels=XLA)
-    fk, fv = out.kv  # [L, 1, n, Hkv, D]
-    k = tuple(k[i].at[slots].set(fk[i, 0].astype(k[i].dtype), mode="drop") for i in range(config.n_layers))
-    v = tuple(v[i].at[slots].set(fv[i, 0].astype(v[i].dtype), mode="drop") for i in range(config.n_layers))
-    return k, v
-
-
 @functools.lru_cache(maxsize=None)
 def _block_program(options: tuple = ()):
     """The jitted block call and probe call compiled with these XLA options ((name, value) pairs; () = XLA's
@@ -444,7 +416,7 @@ def _block_program(options: tuple = ()):
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
     jit = functools.partial(jax.jit, donate_argnames=("k", "v"), compiler_options=dict(options) or None)
     block = jit(_block_call, static_argnames=("runner", "kernels", "chunk"))
-    return block, jit(_probe_call, static_argnames=("config", "kernels", "chunk"))
+    return block, jit(_window_call, static_argnames=("config", "kernels", "chunk", "probe"))
 
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
@@ -490,25 +462,26 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     return blk, jax.random.key_data(s.key), s.step, kv.k, kv.v
 
 
-def _probe_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int):
-    """`ModelRunner.probe` on the device (`d`: the probed rows' layout): their window against the whole shared
-    affix, each row's [MASK] queries scored (`acache.row_importance_probe`; on the slot kernels
-    `PagedKV.key_weights`), then the ranking [b, A]. Also returns the pool: the probe wrote the rows' window K/V,
-    which their block start rewrites."""
+def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, probe: bool):
+    """A window forward of each row of `d` over the pool, writing the window's K/V (an affix's own K/V, alone; or
+    ACache's probe: their block start rewrites them), and with probe its ranking [b, A] of each row's shared
+    affix (`acache.row_importance_probe` scores its [MASK] queries; on the slot kernels `PagedKV.key_weights`)."""
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
-    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=True, kernels=kernels)
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=probe, kernels=kernels)
     queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
-    if kernels.attention == "xla":
-        probe = row_importance_probe(kv.shared_mask(), queries)
+    if not probe:
+        hook = None
+    elif kernels.attention == "xla":
+        hook = row_importance_probe(kv.shared_mask(), queries)
     else:  # the slot kernels score each row's own list, never the list's padded width
 
-        def probe(q: Array, cache: PagedKV, i: int) -> Array:
+        def hook(q: Array, cache: PagedKV, i: int) -> Array:
             return cache.key_weights(i, q, queries, kernels)
 
     inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
     chunks = WindowChunks(chunk, d["live"])
-    out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, probe, chunks)
-    return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a)
+    out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, hook, chunks)
+    return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a) if probe else None
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
