@@ -307,7 +307,7 @@ class Engine:
         else:
             self.counters["affix_hits"] += 1
         if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden states (once), its K/V placed
-            self.runner.store_hidden(entry.key, entry.tokens)
+            self.runner.store_hidden(entry.key, entry.tokens, r.depth)
             s, e = r.affix_span
             private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
             self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)

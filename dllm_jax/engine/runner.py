@@ -30,13 +30,13 @@ from dllm_jax.decoding.caches.acache import (
     row_importance_probe,
 )
 from dllm_jax.decoding.caches.base import DecodeInputs, gather_rows
-from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState, layer_inputs
+from dllm_jax.decoding.caches.bicache import ShallowReuse, ShallowState
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.decoding.samplers.rows import RowSettings, stack_rows
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
-from dllm_jax.transformer import Kernels, WindowChunks
+from dllm_jax.transformer import Kernels, WindowChunks, forward
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
@@ -128,9 +128,10 @@ class RowPlan:
 class Program:
     """One compiled program of the engine: what it runs and its batch b (every width is the ladder's read_len)."""
 
-    kind: str  # "block", "probe" (ACache's), "affix", "hidden" (BiCache: an affix's layer inputs), "place"
+    kind: str  # "block", "probe" (ACache's), "affix", "hidden" (BiCache: an affix's layer input), "place"
     b: int = 1
     runner: BlockRunner | None = None
+    depth: int = 0  # "hidden": the layer
 
 
 class ModelRunner:
@@ -150,7 +151,7 @@ class ModelRunner:
         self.reset_pool()
         self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
         self.probe_seconds = 0.0  # ACache's probe calls
-        self.hidden: dict[str, Array] = {}  # BiCache: each stored affix's hidden states (`store_hidden`)
+        self.hidden: dict[tuple[str, int], Array] = {}  # BiCache: (affix key, depth) -> `store_hidden`'s
 
     def _empty(self, b: int, col: int = 0, shallow: bool = False) -> dict:
         """The host inputs of a call (`_block_call`) over b rows that write and read nothing (padding; warm-up);
@@ -194,7 +195,8 @@ class ModelRunner:
         if any(not isinstance(r.strategy, ShallowReuse) for r in runners):
             out += [Program("probe", b) for b in self.probe_batches()]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
-            out += [Program("hidden"), Program("place")]
+            depths = sorted({r.strategy.depth for r in runners if isinstance(r.strategy, ShallowReuse)})
+            out += [Program("hidden", depth=d) for d in depths] + [Program("place")]
         return out
 
     def warm(self, programs: Sequence[Program], progress: bool = True) -> None:
@@ -206,10 +208,7 @@ class ModelRunner:
                 lay = put(_windowed(self._empty(p.b)))
                 self._run_window.lower(self.params, self.k, self.v, lay, **self._window_static(p)).compile()
             elif p.kind == "hidden":
-                mask = put(np.zeros((1, f), bool))
-                layer_inputs.lower(self.params, cfg, ids, mask).compile()
-                hidden = jax.eval_shape(layer_inputs, self.params, cfg, ids, mask)
-                _hidden_rows(jnp.zeros(hidden.shape, hidden.dtype), jnp.int32(0), jnp.int32(0), rows=f)
+                _prefix_hidden.lower(self.params, ids, put(np.int32(0)), config=cfg, depth=p.depth).compile()
             elif p.kind == "place":
                 zeros = put(np.zeros(f, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
@@ -323,13 +322,7 @@ class ModelRunner:
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
         t1 = time.perf_counter()
-        hidden = None
-        if shallow:
-            f = self.ladder.read_len
-            hidden = [
-                _hidden_rows(self.hidden[r.affix_entry.key], jnp.int32(r.depth), jnp.int32(r.affix_len), rows=f)
-                for r in reqs
-            ]
+        hidden = [self.hidden[(r.affix_entry.key, r.depth)] for r in reqs] if shallow else None
         blk, keys, steps = self._call(lay, runner, hidden)
         self.host_seconds += t1 - t0
         self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
@@ -358,19 +351,17 @@ class ModelRunner:
     def _window_static(self, p: Program) -> dict:
         return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(p.b), probe=p.kind == "probe")
 
-    def store_hidden(self, key: str, tokens: Sequence[int]) -> None:
-        """BiCache: keep the hidden state entering every layer of an affix computed alone [L + 1, n, d] (n: the affix
-        padded to the window ladder) under its entry's key, unless kept already (until `forget`)."""
-        if key in self.hidden:
-            return
-        n = self.ladder.read_len
-        ids, mask = put(_pad(tokens, n)[None]), put(np.arange(n)[None] < len(tokens))
-        self.hidden[key] = layer_inputs(self.params, self.config, ids, mask)
+    def store_hidden(self, key: str, tokens: Sequence[int], depth: int) -> None:
+        """BiCache: keep the hidden state entering layer `depth` of an affix computed alone [read_len, d] under its
+        entry's key, unless kept already (until `forget`)."""
+        if (key, depth) not in self.hidden:
+            ids, n = put(_pad(tokens, self.ladder.read_len)[None]), put(np.int32(len(tokens)))
+            self.hidden[(key, depth)] = _prefix_hidden(self.params, ids, n, config=self.config, depth=depth)
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
-        for key in keys:
-            self.hidden.pop(key, None)
+        gone = set(keys)
+        self.hidden = {k: h for k, h in self.hidden.items() if k[0] not in gone}
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
@@ -484,13 +475,13 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
     return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a) if probe else None
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _hidden_rows(hidden, depth, length, rows):
-    """An entry's hidden state entering layer `depth` [A, d], zero past the affix's length and padded to `rows`
-    (one program per affix width, whatever the depth)."""
-    h = jax.lax.dynamic_index_in_dim(hidden, depth, keepdims=False)
-    h = jnp.where((jnp.arange(h.shape[0]) < length)[:, None], h, 0)
-    return jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
+@functools.partial(jax.jit, static_argnames=("config", "depth"))
+def _prefix_hidden(params, ids, length, *, config: ModelConfig, depth: int):
+    """The hidden state entering layer `depth` of an affix computed alone [n, d], zero past its length."""
+    n = ids.shape[1]
+    pos, mask = jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n)[None] < length
+    h = forward(params, config, ids, pos, key_mask=mask, layers=(0, depth), output_hidden=True).hidden[0]
+    return jnp.where(mask[0][:, None], h, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("theta",), donate_argnames=("k", "v"))
