@@ -71,8 +71,8 @@ class KVBudgetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """The engine's settings, checked here. Block lengths, batch and window sizes, sampler and BiCache depths each
-    multiply the programs compiled at warm-up; a request outside them gets RequestError naming the list."""
+    """The engine's settings, checked here. Block lengths, batch sizes, the sampler and BiCache depths each multiply
+    the programs compiled at warm-up; a request outside them gets RequestError naming the list."""
 
     max_batch: int = 16  # requests decoded together in one device call (and the most running at once)
     kv_budget_bytes: int | None = None  # the pool's size, at most the free memory (None: see kv_fraction)
@@ -113,18 +113,6 @@ class EngineConfig:
             )
 
 
-def free_memory_bytes(device: jax.Device) -> int:
-    """Bytes free on `device`: its allocator's report, else (the CPU) the host's available memory; 0 if unknown."""
-    stats = device.memory_stats() or {}
-    if stats.get("bytes_limit"):
-        return max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
-
-
 class Engine:
     """The serving loop (see the module doc). before_call: called with the request ids of every device call before it
     runs (fault injection in tests: what it raises is that call's fault). A failed call fails only its requests,
@@ -162,11 +150,15 @@ class Engine:
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # what stats() reports, with the gauges
 
     def _pages_within_budget(self) -> int:
-        """The pool's pages: kv_budget_bytes, or kv_fraction of the free memory (at most 1 GiB on the CPU, where the
-        pool shares the host's memory). A budget over the free memory is refused here, not by a crash at allocation."""
-        device = jax.devices()[0]
-        free = free_memory_bytes(device)
-        budget = self.config.kv_budget_bytes
+        """The pool's pages: kv_budget_bytes, or kv_fraction of the free memory (the allocator's report; on the CPU the
+        host's available memory, and at most 1 GiB). A budget over the free memory is refused here, not by a crash."""
+        device, budget = jax.devices()[0], self.config.kv_budget_bytes
+        stats, free = device.memory_stats() or {}, 0
+        if stats.get("bytes_limit"):
+            free = max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
+        elif os.path.exists("/proc/meminfo"):
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
         if budget is None:
             budget = int(free * self.config.kv_fraction) if free else CPU_DEFAULT_BUDGET
             budget = min(budget, CPU_DEFAULT_BUDGET) if device.platform == "cpu" else budget

@@ -2,11 +2,10 @@
 
 A group of running requests (one block length and BiCache depth) finishes one block each in one device call
 (`run_block`): the block start (a windowed refresh) and every step, through `decoding.loop.BlockRunner` on a
-`PagedKV` view of the pool. The host builds numpy arrays, then transfers them once: the token buffer [B, T] (rows
+`PagedKV` view of the pool. The host builds numpy arrays and transfers them once: the token buffer [B, T] (rows
 left-padded so that every row's current block starts at one column), the slots each column writes, each row's read
-lists (the shared affix's slots, then its own) and its block-start window, run in chunks up to the longest row's
-window (`WindowChunks`). Every shape comes from the settings (`Ladder`), never the traffic; per-request settings are
-data. So `programs` lists every program before serving, `warm` compiles them all, and nothing compiles afterwards.
+lists (the shared affix's slots, then its own) and its window, run in chunks up to the longest row's (`WindowChunks`).
+Every shape comes from the settings (`Ladder`), never the traffic: `programs` lists them all before serving.
 """
 
 from __future__ import annotations
@@ -421,36 +420,22 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     kv = PagedKV(
         k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow, kernels=kernels
     )
-    common = dict(
-        kv=kv,
-        window=d["window"],
-        writes=d["writes"],
-        block_col=d["block_col"],
-        block_index=d["block_index"],
-        chunks=WindowChunks(chunk, d["live"]),
-    )
+    common = {n: d[n] for n in ("window", "writes", "block_col", "block_index")}
+    common.update(kv=kv, chunks=WindowChunks(chunk, d["live"]))
     if shallow:  # each row's prefix hidden states, placed at its prefix in the deep window
         hidden, (b, f) = jnp.stack(d["hidden"]), d["deep"].shape
         at = d["prefix_at"][:, None] + jnp.arange(hidden.shape[1])[None]
         prefix = jnp.zeros((b, f, hidden.shape[-1]), hidden.dtype)
         prefix = prefix.at[jnp.arange(b)[:, None], at].set(hidden, mode="drop")
-        state = ShallowState(
-            **common,
-            prefix_hidden=prefix,
-            deep=d["deep"],
-            deep_writes=d["deep_writes"],
-            splice_at=d["splice_at"],
-            deep_chunks=WindowChunks(chunk, d["deep_live"]),
-        )
+        deep = {n: d[n] for n in ("deep", "deep_writes", "splice_at")}
+        state = ShallowState(**common, **deep, prefix_hidden=prefix, deep_chunks=WindowChunks(chunk, d["deep_live"]))
     else:
         state = AnchoredState(**common, importance=jnp.zeros(kv.shared_slots.shape, jnp.float32))
-    settings = RowSettings(**d["rows"])
-    key = jax.random.wrap_key_data(d["keys"])
-    s = runner.initial_state(d["x"], state, key, runner.gc.max_steps_per_block(), settings)
+    key, steps = jax.random.wrap_key_data(d["keys"]), runner.gc.max_steps_per_block()
+    s = runner.initial_state(d["x"], state, key, steps, RowSettings(**d["rows"]))
     s = runner.run_block(params, inp, s, d["block_col"], False)
     blk = jax.lax.dynamic_slice_in_dim(s.x, d["block_col"], runner.gc.schedule.block_length, axis=1)
-    kv = s.cache.kv
-    return blk, jax.random.key_data(s.key), s.step, kv.k, kv.v
+    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
 
 
 def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, probe: bool):
