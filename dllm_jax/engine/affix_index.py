@@ -8,13 +8,13 @@ min_tokens holds one; hits extended both ways): the longest, ties to the earlies
 A prefix may sit anywhere in the other prompt and end anywhere (not only at whole pages): its copy is computed alone.
 Spans are verified token by token (hashes only propose), answers are the same in every process (fixed hashes,
 ordered dicts and lists), work is O(prompt length) (`max_hits`, `work_factor`) and memory is bounded (`max_prompts`,
-`max_tokens`; registered affixes stay until unregistered). The engine calls `observe` per request.
-"""
+`max_tokens`; registered affixes stay until unregistered). The engine calls `observe` per request."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from itertools import chain, repeat
 from typing import NamedTuple, Sequence
 
 from .block_manager import affix_key, token_array, token_bytes
@@ -27,16 +27,11 @@ _BASE = 0x5DEECE66D  # fixed, so that hashes (and tie-breaks) are the same in ev
 
 def _kgram_hashes(tokens: Sequence[int], k: int) -> list[int]:
     """Hash of every k-token window, h[i] of tokens[i:i+k], rolling in O(len(tokens))."""
-    if len(tokens) < k:
-        return []
-    drop = pow(_BASE, k, _MOD)  # weight of the token that leaves the window
-    h = 0
-    for t in tokens[:k]:
-        h = (h * _BASE + t) % _MOD
-    out = [h]
-    for t_in, t_out in zip(tokens[k:], tokens):
+    drop, h, out = pow(_BASE, k, _MOD), 0, []  # drop: the weight of the token that leaves the window
+    for t_in, t_out in zip(tokens, chain(repeat(0, k), tokens)):
         h = (h * _BASE + t_in - t_out * drop) % _MOD
         out.append(h)
+    del out[: k - 1]  # the windows of fewer than k tokens
     return out
 
 
@@ -105,11 +100,10 @@ class AffixIndex:
     prefer_prefix: bool = True  # a span at position 0 wins over any other, else only over spans no longer than it
 
     def __post_init__(self) -> None:
-        small = min(self.k, self.max_hits, self.work_factor) < 1 or self.min_tokens < self.k
-        if small or min(self.max_prompts, self.max_tokens) < 0:
-            raise ValueError(
-                "need k >= 1, min_tokens >= k, max_prompts >= 0, max_tokens >= 0, max_hits >= 1, work_factor >= 1"
-            )
+        if min(self.k, self.max_hits, self.work_factor) < 1 or self.min_tokens < self.k:
+            raise ValueError("need k >= 1, min_tokens >= k, max_hits >= 1 and work_factor >= 1")
+        if min(self.max_prompts, self.max_tokens) < 0:
+            raise ValueError("need max_prompts >= 0 and max_tokens >= 0")
         self.stride = self.min_tokens - self.k + 1  # any shared run of min_tokens tokens covers an indexed k-gram
         self._prompts: OrderedDict[str, _Prompt] = OrderedDict()  # affix_key -> remembered prompt, oldest first
         self._num_tokens = 0  # of the remembered prompts
@@ -125,8 +119,7 @@ class AffixIndex:
 
     def observe(self, prompt: Sequence[int]) -> AffixMatch | None:
         """match(prompt), then remember the prompt (forgetting the least recently added beyond max_prompts and
-        max_tokens): the engine's call per request. A prompt longer than max_tokens is not remembered; an identical
-        prompt becomes the most recent instead of a copy."""
+        max_tokens). A prompt longer than max_tokens is not remembered; an identical one becomes the most recent."""
         q = _Prompt(prompt, self.k)
         m = self._find_registered(q) or self._find_span(q)
         if 0 < len(q.tokens) <= self.max_tokens and self.max_prompts > 0:
@@ -140,19 +133,16 @@ class AffixIndex:
         if not q.tokens:
             raise ValueError("an affix needs at least one token")
         key = affix_key(q.tokens)
-        old = self._registered.get(key)
-        if old is not None:
-            if old.tokens != q.tokens:
-                raise ValueError(f"affix key collision on {key}")
-            return key
-        self._registered[key] = self._index(q)
-        self._anchors.setdefault(q.kgrams[0] if q.kgrams else None, []).append(key)
+        if (old := self._registered.get(key)) is not None and old.tokens != q.tokens:
+            raise ValueError(f"affix key collision on {key}")
+        if old is None:
+            self._registered[key] = self._index(q)
+            self._anchors.setdefault(q.kgrams[0] if q.kgrams else None, []).append(key)
         return key
 
     def unregister(self, key: str) -> bool:
         """Unpin a registered affix (e.g. its entry was evicted); False if it was not registered."""
-        rec = self._registered.pop(key, None)
-        if rec is None:
+        if (rec := self._registered.pop(key, None)) is None:
             return False
         anchor = rec.kgrams[0] if rec.kgrams else None
         self._anchors[anchor].remove(key)
@@ -174,15 +164,12 @@ class AffixIndex:
                     starts[key] = find_aligned(q.data, self._registered[key].data, 4 * i)
         # (length, -start): never a tie, since two affixes of one length at one start are the same tokens
         found = [(len(self._registered[key].tokens), -s) for key, s in starts.items() if s is not None]
-        if not found:
-            return None
-        n, s = max(found)
-        return AffixMatch(-s, n - s, "registered")
+        n, s = max(found, default=(0, 0))
+        return AffixMatch(-s, n - s, "registered") if n else None
 
     def _find_span(self, q: _Prompt) -> AffixMatch | None:
         """The best span shared with a stored prompt or affix (see the module doc): k-gram hits, verified, extended."""
-        toks, n, k = q.tokens, len(q.tokens), self.k
-        budget, work = self.work_factor * n, 0
+        toks, n, k, budget = q.tokens, len(q.tokens), self.k, self.work_factor * len(q.tokens)  # extension work left
         reached: dict[tuple[_Prompt, int], int] = {}  # (stored, diagonal) -> end of the last extension on it
         best = None  # ((preferred prefix, length, -start), the match)
         for i, h in enumerate(q.kgrams):
@@ -190,17 +177,16 @@ class AffixIndex:
                 if i < reached.get((rec, i - j), 0):
                     continue  # inside a run already extended: same span
                 right = _lcp(toks, i, rec.tokens, j, min(n - i, len(rec.tokens) - j))
-                work += k + right
+                budget -= k + right
                 if right < k:
                     continue  # hash collision: the k-gram itself differs
                 left = _lcs(toks, i, rec.tokens, j, min(i, j))
-                work += left
-                start, end = i - left, i + right
+                start, end, budget = i - left, i + right, budget - left
                 reached[rec, i - j] = end
                 rank = (self.prefer_prefix and start == 0, end - start, -start)
                 if end - start >= self.min_tokens and (best is None or rank > best[0]):
                     best = rank, AffixMatch(start, end, "span" if start else "prefix")
-                if work > budget:  # only pathological repetition gets here; the answer so far is verified
+                if budget < 0:  # only pathological repetition gets here; the answer so far is verified
                     return None if best is None else best[1]
         return None if best is None else best[1]
 
@@ -218,8 +204,7 @@ class AffixIndex:
 
     def _remember(self, q: _Prompt) -> None:
         key = affix_key(q.tokens)
-        old = self._prompts.get(key)
-        if old is not None and old.tokens == q.tokens:
+        if (old := self._prompts.get(key)) is not None and old.tokens == q.tokens:
             self._prompts.move_to_end(key)
             return
         if old is not None:
@@ -236,8 +221,7 @@ class AffixIndex:
 
     def _unindex(self, rec: _Prompt) -> None:
         for h in rec.kgrams:
-            occ = self._kgrams.get(h)
-            if occ is not None:
+            if (occ := self._kgrams.get(h)) is not None:
                 occ[:] = [e for e in occ if e[0] is not rec]
                 if not occ:
                     del self._kgrams[h]

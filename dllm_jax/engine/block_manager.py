@@ -5,8 +5,7 @@ exactly one place: the free list; one running request's private allocation (rese
 request never runs out midway); or one shared affix entry: one stored copy of an affix's K/V, computed alone at
 positions 0..A-1 and keyed by `affix_key`. Held entries are never evicted; unheld ones stay cached and are evicted
 least recently used first when pages are needed. Every operation that can fail checks first, so an error
-(`OutOfPages`, `ValueError`) leaves everything unchanged.
-"""
+(`OutOfPages`, `ValueError`) leaves everything unchanged."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def token_array(tokens: Sequence[int]) -> array:
 
 def token_bytes(tokens: Sequence[int] | array) -> bytes:
     """The tokens as little-endian int32 bytes: the same on every machine, so hashes of them are stable."""
-    a = tokens if isinstance(tokens, array) and tokens.typecode == "i" else token_array(tokens)
+    a = token_array(tokens)  # a copy, even of an int32 array: byteswap must not change the caller's
     if sys.byteorder == "big":
-        a = array("i", a)
         a.byteswap()
     return a.tobytes()
 
@@ -51,10 +49,7 @@ def affix_key(tokens: Sequence[int]) -> str:
 
 def pages_for(n_tokens: int, page_size: int) -> int:
     """Pages needed to hold `n_tokens` slots: ceil(n_tokens / page_size)."""
-    n_tokens, page_size = operator.index(n_tokens), operator.index(page_size)
-    if n_tokens < 0 or page_size < 1:
-        raise ValueError(f"pages_for needs n_tokens >= 0 and page_size >= 1, got {n_tokens}, {page_size}")
-    return -(-n_tokens // page_size)
+    return -(-_count(n_tokens, "n_tokens") // _count(page_size, "page_size", 1))
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: an entry is one stored copy, not a value
@@ -69,16 +64,12 @@ class AffixEntry:
 
 
 class BlockManager:
-    """Pages of one preallocated KV pool: private allocations of requests and shared, reference-counted affix
-    entries with LRU eviction of unheld ones. Deterministic: the same calls always give the same pages."""
+    """Pages of one preallocated KV pool. Deterministic: the same calls always give the same pages."""
 
     def __init__(self, num_pages: int, page_size: int):
-        num_pages, page_size = operator.index(num_pages), operator.index(page_size)
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
-        self.num_pages, self.page_size = num_pages, page_size
+        self.num_pages, self.page_size = _count(num_pages, "num_pages", 1), _count(page_size, "page_size", 1)
         # A stack: pop() hands out low page numbers first on a fresh pool; a freed page is reused first.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._owners: dict[int, Hashable] = {}  # private page -> the owner it was admitted for
         self._entries: dict[str, AffixEntry] = {}  # key -> entry, held or cached
         self._lru: OrderedDict[str, AffixEntry] = OrderedDict()  # unheld entries, least recently released first
@@ -108,10 +99,9 @@ class BlockManager:
     def plan_admission(self, private_pages: int, affix_tokens: Sequence[int] | None = None) -> bool:
         """Whether `admit(private_pages, affix_tokens)` would succeed now. No side effects. The affix's own pages
         are not counted as evictable for the private allocation, since acquiring it makes it unevictable."""
-        n, available = _count(private_pages), self.num_available_pages
+        n, available = _count(private_pages, "private_pages"), self.num_available_pages
         if affix_tokens is not None:
-            toks = _tokens(affix_tokens)
-            _, entry = self._lookup(toks)
+            toks, _, entry = self._lookup(affix_tokens)
             if entry is None:
                 n += pages_for(len(toks), self.page_size)
             elif entry.holders == 0:
@@ -123,15 +113,13 @@ class BlockManager:
     ) -> tuple[list[int], AffixEntry | None, bool]:
         """(private pages for `owner`, a hold on the affix's entry or None, hit: whether it was stored). A new entry
         is not ready: the caller computes its K/V, then mark_ready. The affix comes first, so that the private
-        allocation cannot evict it; unheld entries are evicted (LRU) if the free list is short. All or nothing:
-        OutOfPages, changing nothing, unless plan_admission holds."""
+        allocation cannot evict it. All or nothing: OutOfPages, changing nothing, unless plan_admission holds."""
         if not self.plan_admission(private_pages, affix_tokens):
             affix = "" if affix_tokens is None else f" + an affix of {len(affix_tokens)} tokens"
             raise OutOfPages(f"{private_pages} pages{affix}: {len(self._free)} free + {self._num_cached} evictable")
         entry, hit = None, False
         if affix_tokens is not None:
-            toks = _tokens(affix_tokens)
-            key, entry = self._lookup(toks)
+            toks, key, entry = self._lookup(affix_tokens)
             hit = entry is not None
             if entry is None:
                 entry = self._entries[key] = AffixEntry(key, toks, self._take(pages_for(len(toks), self.page_size)))
@@ -139,7 +127,7 @@ class BlockManager:
                 del self._lru[key]
                 self._num_cached -= len(entry.pages)
             entry.holders += 1
-        pages = self._take(_count(private_pages))
+        pages = self._take(_count(private_pages, "private_pages"))
         self._owners.update(dict.fromkeys(pages, owner))
         return pages, entry, hit
 
@@ -171,12 +159,10 @@ class BlockManager:
         used; an entry never made ready is dropped at once instead (reported by evictions() like an evicted one)."""
         self._check_held(entry)
         entry.holders -= 1
-        if entry.holders > 0:
-            return
-        if entry.ready:
+        if entry.holders == 0 and entry.ready:
             self._lru[entry.key] = entry  # appended: most recently used
             self._num_cached += len(entry.pages)
-        else:
+        elif entry.holders == 0:
             self._remove(entry)
 
     def drop_cached(self) -> int:
@@ -193,20 +179,21 @@ class BlockManager:
         return out
 
     def slots(self, pages: Sequence[int], n_tokens: int, start: int = 0) -> list[int]:
-        """Slot numbers of tokens start .. start+n_tokens-1 laid out consecutively in `pages` (token j in slot
-        pages[j // page_size] * page_size + j % page_size). ValueError if they run past the pages."""
-        n, start, ps = _count(n_tokens), _count(start), self.page_size
+        """Slots of tokens start .. start+n_tokens-1 laid out consecutively in `pages` (ValueError past their end)."""
+        n, start, ps = _count(n_tokens, "n_tokens"), _count(start, "start"), self.page_size
         if start + n > len(pages) * ps:
             raise ValueError(f"tokens {start}..{start + n - 1} do not fit in {len(pages)} pages of {ps}")
         return [pages[j // ps] * ps + j % ps for j in range(start, start + n)]
 
-    def _lookup(self, toks: tuple[int, ...]) -> tuple[str, AffixEntry | None]:
-        key = affix_key(toks)
-        entry = self._entries.get(key)
+    def _lookup(self, tokens: Sequence[int]) -> tuple[tuple[int, ...], str, AffixEntry | None]:
+        """The affix's tokens (checked), key and entry (None if not stored)."""
+        if not (toks := tuple(operator.index(t) for t in tokens)):
+            raise ValueError("an affix needs at least one token")
+        entry = self._entries.get(key := affix_key(toks))
         # A 128-bit hash collision is astronomically unlikely, but stored K/V must never be served for other tokens.
         if entry is not None and entry.tokens != toks:
             raise ValueError(f"affix key collision on {key}: stored tokens differ")
-        return key, entry
+        return toks, key, entry
 
     def _take(self, n: int) -> list[int]:
         """`n` pages off the free list, evicting unheld entries (LRU) while it is short (the caller checked)."""
@@ -233,15 +220,7 @@ class BlockManager:
         self._evicted.append(entry.key)
 
 
-def _count(n: int) -> int:
-    n = operator.index(n)
-    if n < 0:
-        raise ValueError(f"expected a count >= 0, got {n}")
+def _count(n: int, name: str, least: int = 0) -> int:
+    if (n := operator.index(n)) < least:
+        raise ValueError(f"{name} must be >= {least}, got {n}")
     return n
-
-
-def _tokens(tokens: Sequence[int]) -> tuple[int, ...]:
-    toks = tuple(operator.index(t) for t in tokens)
-    if not toks:
-        raise ValueError("an affix needs at least one token")
-    return toks

@@ -44,9 +44,8 @@ class Intake:
 
     def __post_init__(self) -> None:
         mc = self.model_config
-        for depth in self.shallow_depths:
-            if depth > mc.n_layers:
-                raise ValueError(f"EngineConfig.shallow_depths: {depth} exceeds the model's {mc.n_layers} layers")
+        if (deepest := max(self.shallow_depths, default=0)) > mc.n_layers:
+            raise ValueError(f"EngineConfig.shallow_depths: {deepest} exceeds the model's {mc.n_layers} layers")
         if max(self.block_lengths) >= self.max_len:
             raise ValueError(
                 f"EngineConfig.block_lengths={self.block_lengths}: a block must be shorter than max_model_len "
@@ -76,16 +75,14 @@ class Intake:
         req = Request(request_id, prompt, gc, self._span(prompt, gc, affix, remember))
         if isinstance(req.technique, Shallow):
             req.depth = self._depth(req)
-        s = gc.schedule
-        req.row_values = RowValues.of(gc.sampler_for(self.model_config), s.steps_per_block, s.block_length)
+        req.row_values = RowValues.of(gc.sampler_for(self.model_config), gc.schedule.steps_per_block, req.block_length)
         return req
 
     def _check_tokens(self, toks: Sequence[int], what: str) -> None:
         if len(toks) == 0:
             raise RequestError(f"the {what} is empty")
         v = self.model_config.vocab_size
-        bad = [t for t in toks if not 0 <= t < v]
-        if bad:
+        if bad := [t for t in toks if not 0 <= t < v]:
             raise RequestError(f"the {what} has token ids outside [0, {v}): {bad[:5]}")
 
     def _check_config(self, gc: GenerationConfig) -> None:
@@ -117,16 +114,14 @@ class Intake:
         if affix is None or gc.cache.affix is None:
             return None
         if isinstance(affix, AffixHandle):
-            at = find_aligned(token_bytes(prompt), token_bytes(affix.tokens))
-            if at is None:
+            if (at := find_aligned(token_bytes(prompt), token_bytes(affix.tokens))) is None:
                 raise RequestError(f"the prompt does not contain the affix {affix.key}")
             return at, at + len(affix.tokens)
         if isinstance(affix, str):
             if affix != "auto":
                 raise RequestError(f"affix={affix!r}: expected 'auto', a handle, a (start, end) span or None")
-            if not self.auto_affix:
-                return None
-            match = self.affixes.observe(prompt) if remember else self.affixes.match(prompt)
+            find = self.affixes.observe if remember else self.affixes.match
+            match = find(prompt) if self.auto_affix else None
             return None if match is None else (match.start, match.end)
         try:
             s, e = (int(v) for v in affix)

@@ -6,13 +6,12 @@ The pool is, per layer, K and V of `num_pages * page_size` slots [S, Hkv, D]; `B
 e.g. pads and the shared affix). Reads go through two lists per row: the shared affix's slots, then the row's own.
 The shared copy's K are rotated at positions 0..A-1; placed at offset p they must read as rotated by p more. RoPE
 scores depend only on position differences, <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the kernel path rotates
-the query back by p (the jnp path rotates the gathered keys): one copy serves every placement (p = 0: no rotation).
-"""
+the query back by p (the jnp path rotates the gathered keys): one copy serves every placement (p = 0: no rotation)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +47,7 @@ class PagedKV:
     rotate: bool = dataclasses.field(metadata=dict(static=True))  # any row with a nonzero shared_delta
     kernels: Any = dataclasses.field(default=None, metadata=dict(static=True))  # writes: slot_write unless XLA's
 
-    @property
-    def per_layer(self) -> bool:
-        return True
+    per_layer: ClassVar[bool] = True  # a tuple of layer arrays (like an unrolled KVCache)
 
     @property
     def length(self) -> int:
@@ -80,12 +77,7 @@ class PagedKV:
 
     def keys(self, i: int) -> Array:
         """Layer i's shared keys [B, A, Hkv, D], rotated to each row's placement (what ACache's probe scores)."""
-        slots, delta = self.shared_slots, self.shared_delta
-        shared = jnp.take(self.k[i], slots, axis=0)
-        if not self.rotate:
-            return shared
-        cos, sin = rope_cos_sin(jnp.broadcast_to(delta[:, None], slots.shape), shared.shape[-1], self.rope_theta)
-        return apply_rope(shared.astype(jnp.float32), cos, sin, fp32=True).astype(shared.dtype)
+        return self._rotated(jnp.take(self.k[i], self.shared_slots, axis=0), self.shared_delta)
 
     def attend(self, i: int, q: Array, key_mask: Array | None, kernels) -> Array:
         """Layer i's attention of q [B, n, Hq, D] over each row's two read lists. The pool defines the keys: a
@@ -102,7 +94,7 @@ class PagedKV:
         b, n = q.shape[:2]
         q_lens, kl, vl, state, interpret = jnp.full((b,), n, jnp.int32), self.k[i], self.v[i], None, kernels.interpret
         if self.shared_slots.shape[1]:  # something shared in this batch
-            shared, lens, qs = self.shared_slots, self.shared_len, self._rotated_back(q)
+            shared, lens, qs = self.shared_slots, self.shared_len, self._rotated(q, -self.shared_delta)
             state = sa.slot_attention(qs, kl, vl, shared, q_lens, lens, return_state=True, interpret=interpret)
         return sa.slot_attention(q, kl, vl, self.own_slots, q_lens, self.own_len, init_state=state, interpret=interpret)
 
@@ -110,13 +102,12 @@ class PagedKV:
         """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its
         queries q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`
         computes the same with XLA, at the list's full width)."""
-        qs, kl, vl = self._rotated_back(q), self.k[i], self.v[i]
+        qs, kl, vl = self._rotated(q, -self.shared_delta), self.k[i], self.v[i]
         return slot_key_weights(qs, kl, vl, self.shared_slots, queries, self.shared_len, interpret=kernels.interpret)
 
-    def _rotated_back(self, q: Array) -> Array:
-        """q rotated back by each row's placement: its scores against the shared copy are those of the placed keys."""
+    def _rotated(self, x: Array, delta: Array) -> Array:
+        """x [B, n, H, D] rotated by delta [B] more: the shared keys to their placement, or a query back from it."""
         if not self.rotate:
-            return q
-        delta = jnp.broadcast_to(-self.shared_delta[:, None], q.shape[:2])
-        cos, sin = rope_cos_sin(delta, q.shape[-1], self.rope_theta)
-        return apply_rope(q.astype(jnp.float32), cos, sin, fp32=True).astype(q.dtype)
+            return x
+        cos, sin = rope_cos_sin(jnp.broadcast_to(delta[:, None], x.shape[:2]), x.shape[-1], self.rope_theta)
+        return apply_rope(x.astype(jnp.float32), cos, sin, fp32=True).astype(x.dtype)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dllm_jax.decoding.caches.acache import anchor_count
 from dllm_jax.decoding.config import Anchors, GenerationConfig, NaiveReuse
 
 
@@ -30,8 +31,7 @@ class BlockOutput:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """A request: prompt token ids, optionally the [start, end) span of a shared affix inside them, and its settings.
-    The engine fills in the rest."""
+    """A request: its prompt token ids, the [start, end) span of a shared affix in them (or None) and its settings."""
 
     request_id: str
     prompt: list[int]
@@ -59,12 +59,9 @@ class Request:
     gen_length = property(lambda self: self.config.schedule.gen_length)
     block_length = property(lambda self: self.config.schedule.block_length)
     n_blocks = property(lambda self: self.config.schedule.n_blocks)
-
-    @property
-    def technique(self):
-        """The affix technique in force: the config's, or None when the request has no shared affix."""
-        return self.config.cache.affix if self.affix_span is not None else None
-
+    total_len = property(lambda self: len(self.prompt) + self.gen_length)
+    blocks_done = property(lambda self: len(self.generated) // self.block_length)
+    technique = property(lambda self: self.config.cache.affix if self.affix_span is not None else None)  # in force
     affix_len = property(lambda self: 0 if self.affix_span is None else self.affix_span[1] - self.affix_span[0])
 
     @property
@@ -75,10 +72,7 @@ class Request:
 
     @property
     def anchor_count(self) -> int:
-        from dllm_jax.decoding.caches.acache import anchor_count
-
-        t = self.technique
-        return anchor_count(self.affix_len, t.ratio) if isinstance(t, Anchors) else 0
+        return anchor_count(self.affix_len, t.ratio) if isinstance(t := self.technique, Anchors) else 0
 
     @property
     def needs_probe(self) -> bool:
@@ -91,19 +85,14 @@ class Request:
         self.anchors = sorted(self.affix_span[0] + int(j) for j in ranking[: self.anchor_count])
         self.probed, self.nfe = True, self.nfe + 1
 
-    total_len = property(lambda self: len(self.prompt) + self.gen_length)
-
     def private_tokens(self) -> int:
         """Slots a request writes: everything but a shared affix's non-anchor tokens."""
-        shared = self.affix_len - self.anchor_count if self.shares_affix else 0
-        return self.total_len - shared
+        return self.total_len - (self.affix_len - self.anchor_count if self.shares_affix else 0)
 
     def own_prompt_indices(self) -> list[int]:
         """Prompt indices recomputed at block starts besides the anchors: everything outside a shared affix."""
         s, e = self.affix_span if self.technique is not None else (0, 0)
         return [j for j in range(len(self.prompt)) if not s <= j < e]
-
-    blocks_done = property(lambda self: len(self.generated) // self.block_length)
 
     def answer(self, stop_ids: tuple[int, ...]) -> list[int]:
         """Generated tokens up to (excluding) the first stop token."""

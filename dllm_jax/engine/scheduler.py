@@ -43,12 +43,9 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            private, affix = self.pages_needed(req)
-            if not self.bm.plan_admission(private, affix):
-                break
             try:
-                req.pages, req.affix_entry, _ = self.bm.admit(private, affix, owner=req.request_id)
-            except OutOfPages:  # plan_admission said yes: only a bug gets here
+                req.pages, req.affix_entry, _ = self.bm.admit(*self.pages_needed(req), owner=req.request_id)
+            except OutOfPages:  # which changed nothing: the head waits until it fits
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
