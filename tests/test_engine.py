@@ -15,9 +15,10 @@ from engine_invariants import check_block_manager
 from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.decoding.config import Shallow
+from dllm_jax.engine import Engine, EngineConfig, RequestError
 from dllm_jax.engine import engine as engine_module
 from dllm_jax.engine.block_manager import pages_for
-from dllm_jax.engine.engine import Engine, EngineConfig, KVBudgetError, RequestError
+from dllm_jax.engine.engine import KVBudgetError
 from dllm_jax.engine.request import Status
 from dllm_jax.engine.runner import Ladder, compile_totals
 from dllm_jax.engine.scheduler import QueueFull
@@ -237,7 +238,7 @@ def test_a_failed_device_call_fails_only_its_requests(models_fp32, warm_engines)
         before = dict(engine.counters)
         for lose_pool in (False, True):
             ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED[:2]]
-            while not all(engine.request(i).probed for i in ids):  # admitted, its affix built and probed
+            while not all(engine.request(i).anchors for i in ids):  # admitted, its affix built and probed
                 engine.step()
             ids += [engine.add_request(PLACED[i][0], plain, affix=None) for i in (2, 3)]  # the batch is full
             waiting = engine.add_request(PLACED[4][0], plain, affix=None)  # max_batch 4: it waits for pages
@@ -327,8 +328,8 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     # the first 4 (a call probes at most 4) probed together and decoded their first block in that same call; the
     # fifth waits for the next call
     assert len(PLACED) == 5 and engine.counters["probes"] == 4 and engine.counters["blocks"] == 1
-    assert all(engine.request(i).probed and len(engine.request(i).generated) == 4 for i in ids[:4])
-    assert not engine.request(ids[4]).probed and not engine.request(ids[4]).generated
+    assert all(engine.request(i).anchors and len(engine.request(i).generated) == 4 for i in ids[:4])
+    assert not engine.request(ids[4]).anchors and not engine.request(ids[4]).generated
     affix_pages = pages_for(len(AFFIX), bm.page_size)
     private = [pages_for(engine.request(i).private_tokens(), bm.page_size) for i in ids]
     assert engine.counters["affix_builds"] == 1 and engine.counters["affix_hits"] == len(PLACED) - 1

@@ -40,21 +40,12 @@ from dllm_jax.engine.intake import AffixHandle, Intake, RequestError
 from dllm_jax.engine.kv_pool import kv_bytes_per_token
 from dllm_jax.engine.request import BlockOutput, Request, Status
 from dllm_jax.engine.runner import STRATEGY, Ladder, ModelRunner, compile_totals
-from dllm_jax.engine.scheduler import QueueFull, Scheduler
+from dllm_jax.engine.scheduler import Scheduler
 from dllm_jax.io.loading import generation_defaults
 from dllm_jax.transformer import KernelChoice, Kernels
 from dllm_jax.transformer.params import unstack_layers
 from dllm_jax.transformer.sharding import mesh_of
 
-__all__ = [
-    "AffixHandle",
-    "Engine",
-    "EngineConfig",
-    "KVBudgetError",
-    "QueueFull",
-    "RequestError",
-    "enable_compile_cache",
-]
 log = logging.getLogger("dllm_jax.engine")
 # the engine's counters (stats(); the server's /metrics): requests by outcome, device faults, work done, peaks
 COUNTERS = (
@@ -63,6 +54,7 @@ COUNTERS = (
 ).split()
 FINISHED_KEPT = 4096  # finished requests whose records stay readable until `release` (older ones are dropped)
 CPU_DEFAULT_BUDGET = 1 << 30  # the default pool on the CPU (which shares the host memory) or where free is unknown
+BeforeCall = Callable[[list[str]], None]  # called with the request ids of a device call before it runs
 
 
 class KVBudgetError(ValueError):
@@ -114,15 +106,12 @@ class EngineConfig:
 
 
 class Engine:
-    """The serving loop (see the module doc). before_call: called with the request ids of every device call before it
-    runs (fault injection in tests: what it raises is that call's fault). A failed call fails only its requests,
-    unless it consumed the pool's buffers (donated to every call): then the pool is rebuilt zeroed, stored affixes are
-    dropped and every running request fails too (their K/V are gone and some streamed blocks already). Waiting
-    requests are untouched."""
+    """The serving loop (see the module doc). before_call: fault injection in tests (what it raises is that call's
+    fault). A failed call fails only its requests, unless it consumed the pool's buffers (donated to every call): then
+    the pool is rebuilt zeroed, stored affixes are dropped and every running request fails too (their K/V are gone).
+    Waiting requests are untouched."""
 
-    def __init__(
-        self, model, config: EngineConfig | None = None, before_call: Callable[[list[str]], None] | None = None
-    ):
+    def __init__(self, model, config: EngineConfig | None = None, before_call: BeforeCall | None = None):
         self.model, self.config, self.before_call = model, config or EngineConfig(), before_call
         cfg, mc = self.config, model.config
         self.consecutive_faults, self.last_fault = 0, None  # failed device calls since the last one that ran, its error
@@ -274,14 +263,14 @@ class Engine:
                     for r, ranking in zip(probing, self.runner.probe(probing, self.block_manager)):
                         r.probe_done(ranking)
                     self.counters["probes"] += len(probing)
-                tokens, keys, steps = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+                tokens, keys = self.runner.run_block(group, self.block_manager, self._program(group[0]))
             except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
                 outputs += self._fault(group, e)
                 continue
             self.consecutive_faults = 0
             now = time.perf_counter()
             for r, blk, key in zip(group, tokens, keys):
-                outputs.append(self._commit(r, blk.tolist(), key, steps, now))
+                outputs.append(self._commit(r, blk.tolist(), key, now))
             self.counters["blocks"] += 1
             self.counters["block_rows"] += len(group)
         return outputs
@@ -326,12 +315,12 @@ class Engine:
         """The block runner of a request's calls: its block length and BiCache depth (everything else is data)."""
         return self._runners[(req.block_length, req.depth if isinstance(req.technique, Shallow) else None)]
 
-    def _commit(self, r: Request, block: list[int], key, steps: int, now: float) -> BlockOutput:
+    def _commit(self, r: Request, block: list[int], key, now: float) -> BlockOutput:
         stops = set(r.config.stop_token_ids(self.model.config))
         before = len(r.answer(tuple(stops)))
         ended = r.config.stop_at_eos and any(t in stops for t in r.generated)
         r.generated.extend(block)
-        r.key, r.nfe = np.asarray(key, np.uint32), r.nfe + steps
+        r.key = np.asarray(key, np.uint32)
         if r.first_block_time is None:
             r.first_block_time = now
         new = [] if ended else r.answer(tuple(stops))[before:] if r.config.stop_at_eos else block
@@ -392,19 +381,13 @@ class Engine:
     ) -> list[list[int]]:
         """Serve a list of prompts to the end (a progress bar over blocks); returns each one's answer tokens."""
         ids = [self.add_request(p, config, affix=affix, seed=seeds[i] if seeds else 0) for i, p in enumerate(prompts)]
-        answers: dict[str, list[int]] = dict.fromkeys(ids)
-        total = sum(self._requests[i].n_blocks for i in ids)
-        with tqdm(total=total, desc="blocks", unit="block", disable=not progress) as bar:
-            while any(a is None for a in answers.values()):
-                for out in self.step() if self.has_unfinished() else []:
-                    if out.request_id in answers:  # not another caller's request
-                        bar.update(1)
-                for rid in [rid for rid, a in answers.items() if a is None]:
-                    r = self._requests[rid]
-                    if r.status == Status.FINISHED:  # its answer now (ended by a step or an abort): released at once
-                        answers[rid] = r.answer(tuple(r.config.stop_token_ids(self.model.config)))
-                        self.release(rid)
-        return list(answers.values())
+        mine, records = set(ids), [self._requests[i] for i in ids]
+        with tqdm(total=sum(r.n_blocks for r in records), desc="blocks", unit="block", disable=not progress) as bar:
+            while any(r.status != Status.FINISHED for r in records):  # ended by a step, or aborted meanwhile
+                bar.update(sum(out.request_id in mine for out in self.step()))  # not another caller's requests
+        for rid in ids:
+            self.release(rid)
+        return [r.answer(tuple(r.config.stop_token_ids(self.model.config))) for r in records]
 
     def program_count(self) -> int:
         """How many programs serving can ever run (a function of the settings only): what `warmup` compiles."""

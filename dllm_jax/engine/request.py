@@ -46,9 +46,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)  # private pages
     affix_entry: Any = None  # block_manager.AffixEntry while running with a shared affix
     anchors: list[int] = dataclasses.field(default_factory=list)  # ACache: prompt indices recomputed per block
-    probed: bool = False
     key: np.ndarray | None = None  # the request's PRNG key data (advances only at its own steps)
-    nfe: int = 0
     depth: int = 0  # BiCache: layers reusing the shared prefix
     row_values: Any = None  # samplers.rows.RowValues: the sampling settings and step budget its rows carry
     plan: Any = None  # the runner's cached layout of the request (runner.RowPlan), by anchor set
@@ -77,13 +75,12 @@ class Request:
     @property
     def needs_probe(self) -> bool:
         """ACache: the anchors are not chosen yet (its next block call probes it first)."""
-        return self.anchor_count > 0 and not self.probed
+        return self.anchor_count > 0 and not self.anchors
 
     def probe_done(self, ranking) -> None:
-        """ACache: its probe ran (one NFE): its anchors are the first anchor_count of `ranking` (its affix tokens,
-        the most important first, from `acache.rank_anchors`), as sorted prompt indices."""
+        """ACache: its probe ran: its anchors are the first anchor_count of `ranking` (its affix tokens, the most
+        important first, from `acache.rank_anchors`), as sorted prompt indices."""
         self.anchors = sorted(self.affix_span[0] + int(j) for j in ranking[: self.anchor_count])
-        self.probed, self.nfe = True, self.nfe + 1
 
     def private_tokens(self) -> int:
         """Slots a request writes: everything but a shared affix's non-anchor tokens."""

@@ -47,19 +47,17 @@ CHUNK_TOKENS = 2048  # a block-start chunk of all rows at most this many tokens 
 _compiles = [0, 0.0, 0]  # programs jax compiled or loaded from its persistent cache (anyone's), their seconds, loads
 
 
-def _on_duration(event: str, duration: float, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
-        _compiles[:2] = _compiles[0] + 1, _compiles[1] + duration
-
-
-def _on_event(event: str, **kwargs) -> None:
-    _compiles[2] += event == "/jax/compilation_cache/cache_hits"
-
-
 @functools.cache
 def _listen() -> None:
-    jax.monitoring.register_event_duration_secs_listener(_on_duration)
-    jax.monitoring.register_event_listener(_on_event)
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
+            _compiles[:2] = _compiles[0] + 1, _compiles[1] + duration
+
+    def on_event(event: str, **kwargs) -> None:
+        _compiles[2] += event == "/jax/compilation_cache/cache_hits"
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
 
 
 def compile_totals() -> tuple[int, float, int]:
@@ -71,15 +69,6 @@ def compile_totals() -> tuple[int, float, int]:
 
 def round_up(n: int, multiple: int = 16) -> int:
     return -(-n // multiple) * multiple
-
-
-def _powers(start: int, stop: int, ratio: int = 4) -> list[int]:
-    """start, start * ratio, ... below stop, then stop."""
-    out = []
-    while start < stop:
-        out.append(start)
-        start *= ratio
-    return out + [stop]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +86,8 @@ class Ladder:
         """The ladder of these settings (batch_sizes: None for the defaults)."""
         cap = round_up(max_len)
         chunk = min(round_up(window_chunk), cap)
-        return cls(tuple(sorted(set(batch_sizes or _powers(1, max_batch)))), round_up(cap, chunk), chunk)
+        batch_sizes = batch_sizes or {min(4**i, max_batch) for i in range(max_batch.bit_length())}  # 1, 4, 16, ...
+        return cls(tuple(sorted(set(batch_sizes))), round_up(cap, chunk), chunk)
 
     def batch(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
@@ -136,9 +126,7 @@ class Program:
 class ModelRunner:
     """The engine's device side: the KV pool, the programs over it, and BiCache's stored hidden states."""
 
-    def __init__(
-        self, params: dict, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels, options=()
-    ):
+    def __init__(self, params, config: ModelConfig, num_slots: int, max_len: int, ladder: Ladder, kernels, options=()):
         self.params, self.config, self.num_slots, self.ladder, self.kernels = params, config, num_slots, ladder, kernels
         self._run_block, self._run_window = _block_program(options)  # options: XLA's compiler options
         self.buffer_len = 2 * max_len  # C + the longest remaining region never exceeds it
@@ -153,9 +141,8 @@ class ModelRunner:
         self.hidden: dict[tuple[str, int], Array] = {}  # BiCache: (affix key, depth) -> `store_hidden`'s
 
     def _empty(self, b: int, col: int = 0, shallow: bool = False) -> dict:
-        """The host inputs of a call (`_block_call`) over b rows that write and read nothing (padding; warm-up);
-        shallow: with BiCache's deep window (every real column), where the shallow window's hidden states go in it
-        and where each row's prefix starts in it."""
+        """The host inputs of a call over b rows that write and read nothing (padding; warm-up); shallow: with BiCache's
+        deep window (every real column), where the shallow window's entries and each row's prefix go in it."""
         t, f, end = self.buffer_len, self.ladder.read_len, self.num_slots
         lay = dict(
             x=np.full((b, t), self.config.pad_token_id, np.int32),
@@ -252,8 +239,7 @@ class ModelRunner:
     def layout(self, reqs: Sequence[Request], bm, shallow: bool = False, b: int | None = None) -> dict:
         """The host inputs of one call over `reqs` (each at its current block; shallow: BiCache rows, with their deep
         window), padded to the ladder's shapes (b: to b rows)."""
-        lad = self.ladder
-        b = lad.batch(len(reqs)) if b is None else b
+        b = self.ladder.batch(len(reqs)) if b is None else b
         plans = [self.plan(r, bm) for r in reqs]
         done = [r.blocks_done for r in reqs]
         starts = [len(r.prompt) + k * r.block_length for r, k in zip(reqs, done)]
@@ -264,13 +250,10 @@ class ModelRunner:
         for i, (r, pl) in enumerate(zip(reqs, plans)):
             p, g, gen = len(r.prompt), r.gen_length, r.generated
             pad = c - starts[i]  # every row's current block starts at column c
-            lay["x"][i, pad : pad + p] = r.prompt
-            lay["x"][i, pad + p : pad + p + len(gen)] = gen
-            lay["x"][i, pad + p + len(gen) : pad + p + g] = self.config.mask_token_id
+            lay["x"][i, pad : pad + p + g] = [*r.prompt, *gen] + [self.config.mask_token_id] * (g - len(gen))
             lay["positions"][i, pad : pad + p + g] = np.arange(p + g)
-            mine = pl.private >= 0
-            own = pl.private[mine]
-            lay["col_slots"][i, pad + np.flatnonzero(mine)] = own
+            own = pl.private[pl.private >= 0]
+            lay["col_slots"][i, pad + np.flatnonzero(pl.private >= 0)] = own
             lay["own_slots"][i, : len(own)], lay["own_len"][i] = own, len(own)
             lay["shared_slots"][i, : len(pl.shared)] = pl.shared
             lay["shared_len"][i], lay["shared_delta"][i] = len(pl.shared), pl.delta
@@ -278,7 +261,7 @@ class ModelRunner:
             lay["block_index"][i] = pl.gen_index + done[i] * r.block_length
             lay["keys"][i] = r.key
         if shallow:  # the deep window is every real column in order: a logical index is its deep-window index
-            f = lad.read_len
+            f = self.ladder.read_len
             lay["deep_live"] = np.int32(max(r.total_len for r in reqs))
             for i, (r, pl) in enumerate(zip(reqs, plans)):
                 n, pad = r.total_len, c - starts[i]
@@ -304,8 +287,7 @@ class ModelRunner:
         yet): their window against the whole shared affix, then `acache.rank_anchors`. Returns each one's affix
         indices [A], the most important first, once computed (the block call that follows decodes with the anchors
         `Request.probe_done` takes from them)."""
-        t0 = time.perf_counter()
-        b = self.ladder.batch(len(reqs))
+        t0, b = time.perf_counter(), self.ladder.batch(len(reqs))
         lay = self.layout(reqs, bm, b=b)
         t1 = time.perf_counter()
         static = self._window_static(Program("probe", b))
@@ -316,16 +298,16 @@ class ModelRunner:
         return ranks[: len(reqs)]
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
-        """One block of every request: [B, block_length] tokens of each row's block, new key data, steps."""
+        """One block of every request: [B, block_length] tokens of each row's block, and its new key data."""
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
         t1 = time.perf_counter()
         hidden = [self.hidden[(r.affix_entry.key, r.depth)] for r in reqs] if shallow else None
-        blk, keys, steps = self._call(lay, runner, hidden)
+        blk, keys = self._call(lay, runner, hidden)
         self.host_seconds += t1 - t0
         self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
-        return blk[: len(reqs)], keys[: len(reqs)], steps
+        return blk[: len(reqs)], keys[: len(reqs)]
 
     def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
         """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
@@ -339,8 +321,8 @@ class ModelRunner:
         if compile_only:
             self._run_block.lower(*args, **static).compile()
             return None
-        blk, keys, steps, self.k, self.v = self._run_block(*args, **static)
-        return np.asarray(blk), np.asarray(keys), int(steps)
+        blk, keys, self.k, self.v = self._run_block(*args, **static)
+        return np.asarray(blk), np.asarray(keys)
 
     def probe_batches(self) -> list[int]:
         """The probe program's batch sizes: the ladder's for 1..probe_rows requests (a lone arrival is not probed
@@ -410,7 +392,7 @@ def _block_program(options: tuple = ()):
 
 
 def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int):
-    """One block of every row from its block start: the tokens, the new key data, the steps taken and the pool.
+    """One block of every row from its block start: the tokens, the new key data and the pool.
     `inputs`: `ModelRunner.layout` on device, plus "hidden" for BiCache rows."""
     config, d = runner.config, dict(inputs)
     inp = _inputs(config, d["positions"], runner.gc.schedule.block_length, kernels)
@@ -435,7 +417,7 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     s = runner.initial_state(d["x"], state, key, steps, RowSettings(**d["rows"]))
     s = runner.run_block(params, inp, s, d["block_col"], False)
     blk = jax.lax.dynamic_slice_in_dim(s.x, d["block_col"], runner.gc.schedule.block_length, axis=1)
-    return blk, jax.random.key_data(s.key), s.step, s.cache.kv.k, s.cache.kv.v
+    return blk, jax.random.key_data(s.key), s.cache.kv.k, s.cache.kv.v
 
 
 def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, probe: bool):

@@ -54,12 +54,11 @@ class Scheduler:
         return admitted
 
     def batches(self, key: Callable[[Request], Hashable]) -> list[list[Request]]:
-        """The running requests grouped by `key` (what one compiled program can run together), in admission order,
-        in chunks of at most max_batch."""
+        """The running requests (at most max_batch) grouped by `key`, what one program runs, in admission order."""
         groups: dict[Hashable, list[Request]] = {}
         for r in self.running:
             groups.setdefault(key(r), []).append(r)
-        return [g[i : i + self.max_batch] for g in groups.values() for i in range(0, len(g), self.max_batch)]
+        return list(groups.values())
 
     def finish(self, req: Request) -> None:
         """Free a running request's pages and its hold on the affix at once; drop a waiting one from the queue."""

@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from dllm_jax import __version__
 from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
 from dllm_jax.decoding.config import GenerationConfig
-from dllm_jax.engine.engine import RequestError
+from dllm_jax.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
 from dllm_jax.io.loading import generation_defaults
