@@ -228,7 +228,7 @@ class Engine:
 
     def step(self) -> list[BlockOutput]:
         """One iteration: admit, build new affixes, then one block of every running request (ACache's new ones probed
-        first, in the same call)."""
+        just before, by a call of their own)."""
         before = compile_totals()
         outputs = self._step()
         compiled, seconds, _ = (a - b for a, b in zip(compile_totals(), before))
@@ -279,19 +279,18 @@ class Engine:
         """An admitted request's stored affix: built once (its K/V, alone), and for BiCache its hidden states and
         its K/V placed in the request's pages."""
         bm, entry = self.block_manager, r.affix_entry
+        slots = bm.slots(entry.pages, len(entry.tokens))
         if self.before_call is not None:
             self.before_call([r.request_id])
+        self.counters["affix_hits" if entry.ready else "affix_builds"] += 1
         if not entry.ready:
-            self.runner.build_affix(entry.tokens, bm.slots(entry.pages, len(entry.tokens)))
+            self.runner.build_affix(entry.tokens, slots)
             bm.mark_ready(entry)
-            self.counters["affix_builds"] += 1
-        else:
-            self.counters["affix_hits"] += 1
-        if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden states (once), its K/V placed
-            self.runner.store_hidden(entry.key, entry.tokens, r.depth)
+        if isinstance(r.technique, Shallow):  # BiCache: the prefix's hidden state (once), its K/V placed
+            self.runner.store_hidden(entry.key, entry.tokens, slots, r.depth)
             s, e = r.affix_span
             private = bm.slots(r.pages, r.private_tokens())  # prompt first: index j is prompt token j
-            self.runner.place(bm.slots(entry.pages, e - s), private[s:e], s)
+            self.runner.place(slots, private[s:e], s)
 
     def _fault(self, group: list[Request], error: Exception) -> list[BlockOutput]:
         """A device call over `group` raised: fail those requests, and if it consumed the pool, rebuild it and fail
@@ -381,11 +380,14 @@ class Engine:
     ) -> list[list[int]]:
         """Serve a list of prompts to the end (a progress bar over blocks); returns each one's answer tokens."""
         ids = [self.add_request(p, config, affix=affix, seed=seeds[i] if seeds else 0) for i, p in enumerate(prompts)]
-        mine, records = set(ids), [self._requests[i] for i in ids]
+        records = [self._requests[i] for i in ids]
         with tqdm(total=sum(r.n_blocks for r in records), desc="blocks", unit="block", disable=not progress) as bar:
             while any(r.status != Status.FINISHED for r in records):  # ended by a step, or aborted meanwhile
-                bar.update(sum(out.request_id in mine for out in self.step()))  # not another caller's requests
-        for rid in ids:
+                self.step()
+                bar.update(sum(r.blocks_done for r in records) - bar.n)
+                for rid in ids:  # the finished ones at once (a no-op for the others): finished records stay bounded
+                    self.release(rid)
+        for rid in ids:  # those aborted during the last step
             self.release(rid)
         return [r.answer(tuple(r.config.stop_token_ids(self.model.config))) for r in records]
 

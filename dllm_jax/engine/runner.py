@@ -35,7 +35,7 @@ from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.decoding.samplers.rows import RowSettings, stack_rows
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.engine.request import Request
-from dllm_jax.transformer import Kernels, WindowChunks, forward
+from dllm_jax.transformer import CacheWrite, Kernels, WindowChunks, forward
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 
@@ -79,7 +79,7 @@ class Ladder:
     batch_sizes: tuple[int, ...]  # powers of 4 up to max_batch, and max_batch
     read_len: int  # the one width of the read lists and windows (of block starts, probes, affixes)
     window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
-    probe_rows: int = 4  # ACache probes a block call carries at most (scored together: fp32 scores of all of them)
+    probe_rows: int = 4  # new ACache requests a probe call takes at most (the rest: the next steps')
 
     @classmethod
     def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None, window_chunk=256):
@@ -136,7 +136,7 @@ class ModelRunner:
             out_shardings=None if mesh is None else (kv_sharding(mesh, 3),) * config.n_layers,
         )
         self.reset_pool()
-        self.host_seconds = self.device_seconds = 0.0  # block calls: building inputs / running them
+        self.host_seconds = self.device_seconds = 0.0  # building inputs (block and probe calls) / running block calls
         self.probe_seconds = 0.0  # ACache's probe calls
         self.hidden: dict[tuple[str, int], Array] = {}  # BiCache: (affix key, depth) -> `store_hidden`'s
 
@@ -189,14 +189,14 @@ class ModelRunner:
         """Compile every program ahead of time (nothing runs or is written; later calls of those shapes find it)."""
         cfg, f, end = self.config, self.ladder.read_len, self.num_slots
         for p in tqdm(programs, desc="compiling", unit="program", disable=not progress):
-            ids, nowhere = put(np.zeros((1, f), np.int32)), put(np.full(f, end, np.int32))
+            lay = put(_windowed(self._empty(p.b)))
             if p.kind in ("affix", "probe"):
-                lay = put(_windowed(self._empty(p.b)))
-                self._run_window.lower(self.params, self.k, self.v, lay, **self._window_static(p)).compile()
+                static = dict(self._static(p.b), probe=p.kind == "probe")
+                self._run_window.lower(self.params, self.k, self.v, lay, **static).compile()
             elif p.kind == "hidden":
-                _prefix_hidden.lower(self.params, ids, put(np.int32(0)), config=cfg, depth=p.depth).compile()
+                _prefix_hidden.lower(self.params, self.k, self.v, lay, **self._static(1), depth=p.depth).compile()
             elif p.kind == "place":
-                zeros = put(np.zeros(f, np.int32))
+                zeros, nowhere = put(np.zeros(f, np.int32)), put(np.full(f, end, np.int32))
                 _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
             else:
                 shallow = isinstance(p.runner.strategy, ShallowReuse)
@@ -272,15 +272,19 @@ class ModelRunner:
                 lay["block_index"][i] = len(r.prompt) + done[i] * r.block_length
         return lay
 
-    def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
-        """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots: the window forward of
-        one row whose window and own read list are the affix (in chunks: it costs the affix's tokens)."""
+    def _affix_layout(self, tokens: Sequence[int], slots: Sequence[int], write: bool) -> dict:
+        """One row whose window and own read list are an affix at positions 0..A-1 (its entry's slots)."""
         a, lay = len(tokens), self._empty(1)
         lay["x"][0, :a], lay["positions"][0, :a] = tokens, np.arange(a)
         lay["col_slots"][0, :a] = lay["own_slots"][0, :a] = slots
-        lay["window"][0, :a], lay["writes"][0, :a], lay["own_len"][0], lay["live"] = np.arange(a), True, a, np.int32(a)
-        static = self._window_static(Program("affix"))
-        self.k, self.v, _ = self._run_window(self.params, self.k, self.v, put(_windowed(lay)), **static)
+        lay["window"][0, :a], lay["writes"][0, :a], lay["own_len"][0], lay["live"] = np.arange(a), write, a, np.int32(a)
+        return put(_windowed(lay))
+
+    def build_affix(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
+        """Compute an affix's K/V alone (positions 0..A-1) and store them at its entry's slots: the window forward
+        of `_affix_layout` (in chunks: it costs the affix's tokens)."""
+        lay = self._affix_layout(tokens, slots, True)
+        self.k, self.v, _ = self._run_window(self.params, self.k, self.v, lay, **self._static(1), probe=False)
 
     def probe(self, reqs: Sequence[Request], bm) -> np.ndarray:
         """ACache's probe of newly admitted requests (at most `Ladder.probe_rows`, each at block 0 with no anchors
@@ -290,7 +294,7 @@ class ModelRunner:
         t0, b = time.perf_counter(), self.ladder.batch(len(reqs))
         lay = self.layout(reqs, bm, b=b)
         t1 = time.perf_counter()
-        static = self._window_static(Program("probe", b))
+        static = dict(self._static(b), probe=True)
         self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, put(_windowed(lay)), **static)
         ranks = np.asarray(ranks)
         self.host_seconds += t1 - t0
@@ -329,15 +333,15 @@ class ModelRunner:
         with 3 empty rows: every row of a chunked forward costs its tokens)."""
         return sorted({self.ladder.batch(n) for n in range(1, min(Ladder.probe_rows, self.ladder.batch_sizes[-1]) + 1)})
 
-    def _window_static(self, p: Program) -> dict:
-        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(p.b), probe=p.kind == "probe")
+    def _static(self, b: int) -> dict:
+        return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(b))
 
-    def store_hidden(self, key: str, tokens: Sequence[int], depth: int) -> None:
-        """BiCache: keep the hidden state entering layer `depth` of an affix computed alone [read_len, d] under its
+    def store_hidden(self, key: str, tokens: Sequence[int], slots: Sequence[int], depth: int) -> None:
+        """BiCache: keep the hidden state entering layer `depth` of a built affix alone [read_len, d] under its
         entry's key, unless kept already (until `forget`)."""
         if (key, depth) not in self.hidden:
-            ids, n = put(_pad(tokens, self.ladder.read_len)[None]), put(np.int32(len(tokens)))
-            self.hidden[(key, depth)] = _prefix_hidden(self.params, ids, n, config=self.config, depth=depth)
+            lay = self._affix_layout(tokens, slots, False)
+            self.hidden[(key, depth)] = _prefix_hidden(self.params, self.k, self.v, lay, **self._static(1), depth=depth)
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
@@ -346,9 +350,9 @@ class ModelRunner:
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
-        n = self.ladder.read_len
-        s_, d_ = put(_pad(src, n)), put(_pad(dst, n, self.num_slots))
-        self.k, self.v = _place(self.k, self.v, s_, d_, put(np.int32(offset)), theta=self.config.rope_theta)
+        s_, d_ = np.zeros(self.ladder.read_len, np.int32), np.full(self.ladder.read_len, self.num_slots, np.int32)
+        s_[: len(src)], d_[: len(dst)] = src, dst  # the padding reads slot 0 and writes nowhere
+        self.k, self.v = _place(self.k, self.v, put(s_), put(d_), put(np.int32(offset)), theta=self.config.rope_theta)
 
 
 _PAGED = ("col_slots", "shared_slots", "shared_len", "shared_delta", "own_slots", "own_len")  # PagedKV's read lists
@@ -359,16 +363,7 @@ def _windowed(lay: dict) -> dict:
     return {n: lay[n] for n in (*_PAGED, "x", "positions", "window", "writes", "live")}
 
 
-def put(a: np.ndarray) -> Array:
-    """Host array -> device (a transfer: jnp.asarray would compile a small program per new shape)."""
-    return jax.device_put(a)
-
-
-def _pad(values: Sequence[int], n: int, fill: int = 0) -> np.ndarray:
-    """int32 `values` padded with `fill` to length n (a shape of the ladder)."""
-    out = np.full(n, fill, np.int32)
-    out[: len(values)] = values
-    return out
+put = jax.device_put  # host arrays to the device as a transfer (jnp.asarray compiles a small program per new shape)
 
 
 def _inputs(config, positions, block_length: int, kernels: Kernels) -> DecodeInputs:
@@ -442,13 +437,15 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
     return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a) if probe else None
 
 
-@functools.partial(jax.jit, static_argnames=("config", "depth"))
-def _prefix_hidden(params, ids, length, *, config: ModelConfig, depth: int):
-    """The hidden state entering layer `depth` of an affix computed alone [n, d], zero past its length."""
-    n = ids.shape[1]
-    pos, mask = jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n)[None] < length
-    h = forward(params, config, ids, pos, key_mask=mask, layers=(0, depth), output_hidden=True).hidden[0]
-    return jnp.where(mask[0][:, None], h, 0)
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "chunk", "depth"))
+def _prefix_hidden(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, depth: int):
+    """The hidden state entering layer `depth` of the affix that `d`'s one row holds [read_len, d], zero past it:
+    layers 0..depth-1 in chunks, reading its stored K/V (computed alone) and writing nothing."""
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=False, kernels=kernels)
+    x, pos, live = gather_rows(d["x"], d["window"]), gather_rows(d["positions"], d["window"]), d["live"]
+    write, chunks = CacheWrite.scatter(d["window"], d["writes"]), WindowChunks(chunk, live)
+    out = forward(params, config, x, pos, cache=kv, write=write, layers=(0, depth), output_hidden=True, chunks=chunks)
+    return jnp.where((jnp.arange(x.shape[1]) < live)[:, None], out.hidden[0], 0)
 
 
 @functools.partial(jax.jit, static_argnames=("theta",), donate_argnames=("k", "v"))
