@@ -150,6 +150,8 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--shallow-depths", *map(str, depths)]
     if args.admission_wait is not None:
         flags += ["--admission-wait", f"{args.admission_wait:g}"]
+    if args.window_chunk is not None:
+        flags += ["--window-chunk", str(args.window_chunk)]
     for option in args.compiler_option or ():
         flags += ["--compiler-option", option]
     return flags + ["--compile-cache", str(args.compile_cache)]
@@ -920,6 +922,7 @@ def main(argv=None) -> int:
     g.add_argument("--compile-cache", default=DEFAULT_CACHE, help="the persistent compilation cache")
     g.add_argument("--admission-wait", type=float, default=None, help="the HTTP rows' hold for arrivals")
     g.add_argument("--compiler-option", action="append", metavar="NAME=VALUE", help="XLA options of the programs")
+    g.add_argument("--window-chunk", type=int, default=None, help="tokens a row a window forward runs at a time")
     g = ap.add_argument_group("closed16 / poisson_R")
     g.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
     g.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")

@@ -237,6 +237,7 @@ def engine_config(args: argparse.Namespace, depths: tuple[int, ...] = ()) -> Eng
             shallow_depths=depths,
             batch_sizes=None if args.batch_sizes is None else tuple(args.batch_sizes),
             compiler_options=tuple(args.compiler_option or ()),
+            **({} if args.window_chunk is None else dict(window_chunk=args.window_chunk)),
         )
     except ValueError as e:
         raise config_error(e) from None
@@ -440,6 +441,15 @@ def build_parser() -> Parser:
         metavar="N",
         help="batch sizes a call is padded to, the largest = --max-batch (default: 1, 4, 16, ...): each is a set of "
         "compiled programs",
+    )
+    v.add_argument(
+        "--window-chunk",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens a row a window forward (block starts, probes, affix builds) runs at a time, halved at large "
+        "batches so that a chunk of all rows stays <= 2048 tokens (default: 256): fewer chunks wait less on the host, "
+        "smaller ones pad less",
     )
     v.add_argument(
         "--compiler-option",

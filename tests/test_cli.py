@@ -14,6 +14,7 @@ import pytest
 
 from convert.cli import main as convert_main
 from dllm_jax import cli
+from dllm_jax.engine import EngineConfig
 from dllm_jax.io.loading import DEFAULT_MODEL_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +121,7 @@ def test_bad_flags(argv, message, capsys):
             "argument --no-compile-cache: not allowed with argument --compile-cache",
         ),
         (["--block-lengths", "0"], "argument --block-lengths: must be a positive integer, got 0"),
+        (["--window-chunk", "0"], "argument --window-chunk: must be a positive integer, got 0"),
         (
             ["--batch-sizes", "2", "4", "--max-batch", "8"],
             "argument --batch-sizes: EngineConfig.batch_sizes=(2, 4) must be positive sizes ending at max_batch=8",
@@ -163,6 +165,9 @@ def test_served_shallow_depths_and_compile_cache_follow_the_flags(tmp_path):
     assert cli.compile_cache_dir(parse("--no-compile-cache")) is None
     assert cli.compile_cache_dir(parse("--compile-cache", str(tmp_path / "a" / "b"))) == tmp_path / "a" / "b"
     assert not (tmp_path / "a").exists()
+    # the engine's tuning flags reach its config; unset, the config's defaults hold
+    assert cli.engine_config(parse("--window-chunk", "128", "--batch-sizes", "4", "16")).window_chunk == 128
+    assert cli.engine_config(parse()) == EngineConfig()
 
 
 def cli_gpu() -> bool:
