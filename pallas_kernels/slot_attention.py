@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._util import check_pow2
+from pallas_kernels._util import check_attention_tiles, next_pow2
 from pallas_kernels.gpu_info import H200_SMS
 
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
@@ -82,16 +82,12 @@ class AttentionState(NamedTuple):
     o: jax.Array  # [B, Tq, Hq, D] fp32 unnormalised accumulator
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
 def default_block_q(q_len: int, q_heads: int, kv_heads: int) -> int:
     """Query tokens per program: rows = block_q x next_pow2(G) of 32 (MHA) / 64 (GQA) at block steps, 128 in full
     forwards, and at least the 16 rows a dot needs."""
-    gp = _next_pow2(q_heads // kv_heads)
+    gp = next_pow2(q_heads // kv_heads)
     rows = (32 if gp == 1 else 64) if q_len <= 64 else 128
-    block_q = max(1, min(rows // gp, _next_pow2(q_len)))
+    block_q = max(1, min(rows // gp, next_pow2(q_len)))
     while block_q * gp < 16:
         block_q *= 2
     return block_q
@@ -116,13 +112,7 @@ class BlockSizes:
     kv_splits: int | None = None
 
     def __post_init__(self):
-        check_pow2("BlockSizes", "block_q", self.block_q)
-        check_pow2("BlockSizes", "block_k", self.block_k)
-        if self.block_k < 16:
-            raise ValueError(f"BlockSizes.block_k must be >= 16, got {self.block_k}")
-        check_pow2("BlockSizes", "num_warps", self.num_warps, 16)
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages!r}")
+        check_attention_tiles("BlockSizes", self.block_q, self.block_k, self.num_warps, self.num_stages)
         if self.kv_splits is not None and (not isinstance(self.kv_splits, int) or self.kv_splits < 1):
             raise ValueError(f"BlockSizes.kv_splits must be None or >= 1, got {self.kv_splits!r}")
 
@@ -140,7 +130,7 @@ class BlockSizes:
         stages, 128-key tiles while the grid is under one wave.
         """
         del head_dim
-        gp = _next_pow2(q_heads // kv_heads)
+        gp = next_pow2(q_heads // kv_heads)
         small_q = q_len <= 64
         block_q = default_block_q(q_len, q_heads, kv_heads)
         nq = pl.cdiv(q_len, block_q)
@@ -153,7 +143,7 @@ class BlockSizes:
                 block_k, num_stages = 128, 2
         elif small_q and SPLIT_BELOW_SMS < base < _NUM_SMS:
             block_k = 128
-        block_k = min(block_k, max(16, _next_pow2(kv_len)))
+        block_k = min(block_k, max(16, next_pow2(kv_len)))
         bs = cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages, kv_splits=None)
         if small_q and gp == 1 and base <= SPLIT_BELOW_SMS:  # split over the KV length: pipeline only multi-tile splits
             _, tiles_per_split = _choose_splits(bs, batch=batch, kv_heads=kv_heads, num_q_blocks=nq, kv_len=kv_len)
@@ -443,7 +433,7 @@ def _slot_attention_pallas(
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
     contiguous = read_table is None
     group = Hq // Hkv
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
     if bs.block_q * group_pad < 16:
         raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got {bs.block_q} * {group_pad}")

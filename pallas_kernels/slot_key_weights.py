@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._util import check_pow2
+from pallas_kernels._util import check_attention_tiles, next_pow2
 from pallas_kernels.slot_attention import slot_attention
 
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
@@ -57,10 +57,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["BlockSizes", "slot_key_weights", "slot_key_weights_reference"]
 
 _LOG2E = math.log2(math.e)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,23 +76,17 @@ class BlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        check_pow2("BlockSizes", "block_q", self.block_q)
-        check_pow2("BlockSizes", "block_k", self.block_k)
-        if self.block_k < 16:
-            raise ValueError(f"BlockSizes.block_k must be >= 16, got {self.block_k}")
-        check_pow2("BlockSizes", "num_warps", self.num_warps, 16)
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages!r}")
+        check_attention_tiles("BlockSizes", self.block_q, self.block_k, self.num_warps, self.num_stages)
 
     @classmethod
     def get_default(cls, *, q_len: int, kv_len: int, q_heads: int, kv_heads: int) -> "BlockSizes":
         """128 query rows (slot_attention's full-forward tile; 64 tokens x 8 padded heads would hold a 64 x 512 fp32
         score tile in registers) against 64 keys; both shrunk to the problem, down to the 16 a dot needs."""
-        gp = _next_pow2(q_heads // kv_heads)
-        block_q = max(1, min(128 // gp, _next_pow2(q_len)))
+        gp = next_pow2(q_heads // kv_heads)
+        block_q = max(1, min(128 // gp, next_pow2(q_len)))
         while block_q * gp < 16:
             block_q *= 2
-        block_k = min(64, max(16, _next_pow2(kv_len)))
+        block_k = min(64, max(16, next_pow2(kv_len)))
         return cls(block_q=block_q, block_k=block_k, num_warps=4, num_stages=2)
 
 
@@ -211,7 +201,7 @@ def _slot_key_weights_pallas(q, k_pool, v_pool, read_table, q_mask, kv_lens, *, 
     B, T, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_mask, kv_lens)
     bs = block_sizes
     group = Hq // Hkv
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
     q_first, q_end = _query_span(q_mask)
 
@@ -323,7 +313,7 @@ def slot_key_weights(
     # the default tiling is resolved here, not in the cached trace (as slot_attention)
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(q_len=T, kv_len=S, q_heads=Hq, kv_heads=Hkv)
-    group_pad = _next_pow2(Hq // Hkv)
+    group_pad = next_pow2(Hq // Hkv)
     if block_sizes.block_q * group_pad < 16:
         raise ValueError(
             f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got {block_sizes.block_q} * {group_pad}"
