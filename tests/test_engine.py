@@ -66,25 +66,30 @@ def warm_engines(models_fp32):
     return Warmed()
 
 
-def solo(model, prompt, gc, span=None, seed=0, affix=AFFIX):
-    """generate on the request alone: the reference every engine answer must equal."""
+def solo(model, prompt, gc, span=None, seed=0, affix=AFFIX, commit_steps=None):
+    """generate on the request alone: the reference every engine answer must equal (commit_steps: a list that
+    receives the step that committed each answer token)."""
     build = bicache.build_shared_prefix if isinstance(gc.cache.affix, Shallow) else acache.build_shared_affix
     shared = build(model.params, model.config, affix) if gc.cache.affix is not None else None
     out = generate(
         model, [prompt], gc, seed=seed, shared_affix=shared, affix_spans=[span] if gc.cache.affix is not None else None
     )
-    return answer_tokens(out.tokens, model.config, gc)[0]
+    answer = answer_tokens(out.tokens, model.config, gc)[0]
+    if commit_steps is not None:
+        commit_steps.append(out.commit_steps[0, : len(answer)].tolist())
+    return answer
 
 
-def serve(engine, items, arrival_seed=None):
+def serve(engine, items, arrival_seed=None, commit_steps=None):
     """Submit (prompt, config, span, seed) items, in order or spread over the first steps at random; run to the end.
-    Returns each item's answer, checking that every request was answered exactly once."""
+    Returns each item's answer, checking that every request was answered exactly once (commit_steps: a list that
+    receives each item's streamed commit steps, one per answer token)."""
     ids = [None] * len(items)
     order = list(range(len(items)))
     rng = np.random.default_rng(arrival_seed)
     if arrival_seed is not None:
         rng.shuffle(order)
-    pending, seen = list(order), {}
+    pending, seen, streamed = list(order), {}, {}
     while pending or engine.has_unfinished():
         for _ in range(len(pending) if arrival_seed is None else int(rng.integers(0, 3))):
             if pending:
@@ -94,11 +99,15 @@ def serve(engine, items, arrival_seed=None):
         for out in engine.step():
             assert not seen.get(out.request_id, False), "a request answered after it finished"
             seen[out.request_id] = out.finished
+            assert len(out.commit_steps) == len(out.tokens)
+            streamed.setdefault(out.request_id, []).extend(out.commit_steps)
     assert all(seen[i] for i in ids)
     answers = []
     for rid in ids:
         r = engine.request(rid)
         answers.append(r.answer(tuple(r.config.stop_token_ids(engine.model.config))))
+        if commit_steps is not None:  # streamed: the whole block where stops do not end the answer
+            commit_steps.append(streamed.get(rid, [])[: len(answers[-1])])
         engine.release(rid)
     return answers
 
@@ -150,11 +159,12 @@ def test_warmed_engine_compiles_nothing_and_equals_solo_generate(name, models_fp
     compiles nothing (XLA's own compile events), and each answer is the request's solo `generate` answer."""
     m, engine = models_fp32[name], warm_engines[name]
     items = random_stream(len(CONFIGS), seed={"llada": 1, "dream": 2}[name])  # each config once
-    before = compile_totals()[0]
-    got = serve(engine, [(p, gc, span, seed) for p, gc, span, seed, _ in items], arrival_seed=3)
+    before, steps, solo_steps = compile_totals()[0], [], []
+    got = serve(engine, [(p, gc, span, seed) for p, gc, span, seed, _ in items], arrival_seed=3, commit_steps=steps)
     assert compile_totals()[0] == before
     assert engine.stats()["compiles_after_warmup"] == 0
-    assert got == [solo(m, p, gc, span, seed, affix) for p, gc, span, seed, affix in items]
+    assert got == [solo(m, p, gc, span, seed, affix, solo_steps) for p, gc, span, seed, affix in items]
+    assert steps == solo_steps  # each token committed at the step of its block where generate committed it
     assert engine.block_manager.num_used_pages == 0
 
 

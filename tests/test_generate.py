@@ -36,11 +36,13 @@ def softmax(l):
     return e / e.sum(-1, keepdims=True)
 
 
-def llada_reference(model, prompt, gen_length, block_length, steps, threshold=None, shift=False):
+def llada_reference(model, prompt, gen_length, block_length, steps, threshold=None, shift=False, commit_steps=None):
     """LLaDA `generate` (temperature 0, low_confidence remasking), and Fast-dLLM's threshold rule, one row.
-    shift: the logits are those of an AR-adapted model (Dream): position i is predicted at i - 1."""
+    shift: the logits are those of an AR-adapted model (Dream): position i is predicted at i - 1. commit_steps: a
+    list that receives, per generated position, the step inside its block that chose it."""
     mask = model.config.mask_token_id
     x = np.array(list(prompt) + [mask] * gen_length)
+    chosen_at = np.full(len(x), -1)
     p = len(prompt)
     n_blocks = gen_length // block_length
     spb = steps // n_blocks
@@ -67,8 +69,10 @@ def llada_reference(model, prompt, gen_length, block_length, steps, threshold=No
                 chosen = [j for j in range(len(x)) if conf[j] >= threshold] or [int(np.argmax(conf))]
                 chosen = set(chosen) | {int(np.argmax(conf))}
             for j in chosen:
-                x[j] = x0[j]
+                x[j], chosen_at[j] = x0[j], i
             i += 1
+    if commit_steps is not None:
+        commit_steps.extend(chosen_at[p:].tolist())
     return x[p:], nfe
 
 
@@ -99,9 +103,16 @@ def test_llada_matches_reference_loop(name, blocks, models_fp32):
     gen, bl, steps = blocks
     gc = opts(gen_length=gen, block_length=bl, steps=steps, stop_at_eos=False)
     out = generate(m, PROMPTS, gc)
-    for row, prompt in zip(out.tokens, PROMPTS):
-        ref, nfe = llada_reference(m, prompt, gen, bl, steps)
+    for row, row_steps, prompt in zip(out.tokens, out.commit_steps, PROMPTS):
+        ref_steps = []
+        ref, nfe = llada_reference(m, prompt, gen, bl, steps, commit_steps=ref_steps)
         np.testing.assert_array_equal(row, ref)
+        # each token was committed at the step of its block where the reference loop chose it: the fixed schedule's
+        # count at each step (steps // n_blocks steps a block), the most confident first
+        np.testing.assert_array_equal(row_steps, ref_steps)
+        spb = steps // (gen // bl)
+        for block in row_steps.reshape(gen // bl, bl):
+            assert np.bincount(block, minlength=spb).tolist() == [bl // spb] * spb
     assert out.nfe == steps and list(out.steps_per_block) == [steps // (gen // bl)] * (gen // bl)
     assert out.committed_per_step.sum() == gen * len(PROMPTS)
 
@@ -111,9 +122,13 @@ def test_llada_threshold_matches_reference(models_fp32):
     gc = opts(gen_length=12, block_length=4, threshold=0.3, stop_at_eos=False)
     for prompt in PROMPTS[:2]:
         out = generate(m, [prompt], gc)
-        ref, nfe = llada_reference(m, prompt, 12, 4, 12, threshold=0.3)
+        ref_steps = []
+        ref, nfe = llada_reference(m, prompt, 12, 4, 12, threshold=0.3, commit_steps=ref_steps)
         np.testing.assert_array_equal(out.tokens[0], ref)
         assert out.nfe == nfe
+        # the positions each step committed are those the threshold rule passed at that step
+        np.testing.assert_array_equal(out.commit_steps[0], ref_steps)
+        assert out.commit_steps.max(axis=None) < 4 and out.commit_steps.min(axis=None) == 0
 
 
 @pytest.mark.parametrize("name", ["dream", "dream_tied"])

@@ -40,6 +40,9 @@ class GenerationOutput:
     seconds: float  # wall time of the device loop (excluding compilation when already compiled)
     prompt_len: int  # bucketed prompt region length P
     shallow_depth: int | None = None  # BiCache: the layers the batch reused the prefix in
+    # [B, gen_length]: the step inside its block at which each token was committed (0: the block-start step), -1 for
+    # those no step decoded (filled with EOS after the row's answer ended): the order a block was written in
+    commit_steps: np.ndarray | None = None
 
     @property
     def stats(self) -> dict:
@@ -150,7 +153,13 @@ def _generate_impl(
     s = loop.run(
         params, config, gc, x, inp, key, init_cache=x_cache, depth=None if affix_in is None else affix_in.depth
     )
-    return s.x[:, prompt_len:], s.nfe + extra_nfe, s.steps_per_block, s.committed_per_step
+    return (
+        s.x[:, prompt_len:],
+        s.nfe + extra_nfe,
+        s.steps_per_block,
+        s.committed_per_step,
+        s.commit_step[:, prompt_len:],
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +220,7 @@ def generate(
     warn_if_slow_layer_layout(model.params)
     t0 = time.perf_counter()
     run = _generate_jit(tuple(sorted((compiler_options(mc, gc, len(prompts)) or {}).items())))
-    toks, nfe, spb, cps = run(
+    toks, nfe, spb, cps, commit_steps = run(
         model.params,
         jnp.asarray(x),
         jnp.asarray(positions),
@@ -236,6 +245,7 @@ def generate(
         seconds=seconds,
         prompt_len=P,
         shallow_depth=None if affix_in is None else affix_in.depth,
+        commit_steps=np.asarray(commit_steps),
     )
 
 

@@ -41,6 +41,7 @@ class LoopState:
     steps_per_block: Array  # [n_blocks] int32
     committed_per_step: Array  # [max_total_steps] int32: tokens committed (whole batch) at each step
     done: Array  # [B] bool: the row's answer has ended (EOS committed and the rest filled with EOS)
+    commit_step: Array  # [B, T] int32: the in-block step that committed each position (-1: not committed by a step)
     rows: Any = None  # RowSettings: per-row sampling settings and step budgets (the engine), with a RowSampler
 
 
@@ -144,6 +145,8 @@ class BlockRunner:
                 sub = pairs[:, 1]
             x0, commit = self.commit(inp, logits, masked, sub, s.step, first_of_block, s.masked_at_start, s.rows)
             x = jax.lax.dynamic_update_slice_in_dim(s.x, jnp.where(commit, x0, blk), block_start, axis=1)
+            at = jax.lax.dynamic_slice_in_dim(s.commit_step, block_start, bl, axis=1)
+            at = jax.lax.dynamic_update_slice_in_dim(s.commit_step, jnp.where(commit, s.step, at), block_start, axis=1)
             per_step = s.committed_per_step.at[s.total_steps].set(commit.sum().astype(jnp.int32))
             return dataclasses.replace(
                 s,
@@ -154,6 +157,7 @@ class BlockRunner:
                 step=s.step + 1,
                 total_steps=s.total_steps + 1,
                 committed_per_step=per_step,
+                commit_step=at,
             )
 
         # The block-start step runs unconditionally: the caller runs a block only while some row still decodes,
@@ -177,6 +181,7 @@ class BlockRunner:
             steps_per_block=jnp.zeros((self.gc.schedule.n_blocks,), jnp.int32),
             committed_per_step=jnp.zeros((max_total_steps,), jnp.int32),
             done=jnp.zeros((b,), bool),
+            commit_step=jnp.full(x.shape, -1, jnp.int32),
             rows=rows,
         )
 

@@ -263,14 +263,14 @@ class Engine:
                     for r, ranking in zip(probing, self.runner.probe(probing, self.block_manager)):
                         r.probe_done(ranking)
                     self.counters["probes"] += len(probing)
-                tokens, keys = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+                blocks = self.runner.run_block(group, self.block_manager, self._program(group[0]))
             except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
                 outputs += self._fault(group, e)
                 continue
             self.consecutive_faults = 0
             now = time.perf_counter()
-            for r, blk, key in zip(group, tokens, keys):
-                outputs.append(self._commit(r, blk.tolist(), key, now))
+            for r, blk, steps, key in zip(group, *blocks):
+                outputs.append(self._commit(r, blk.tolist(), steps.tolist(), key, now))
             self.counters["blocks"] += 1
             self.counters["block_rows"] += len(group)
         return outputs
@@ -314,29 +314,29 @@ class Engine:
         """The block runner of a request's calls: its block length and BiCache depth (everything else is data)."""
         return self._runners[(req.block_length, req.depth if isinstance(req.technique, Shallow) else None)]
 
-    def _commit(self, r: Request, block: list[int], key, now: float) -> BlockOutput:
+    def _commit(self, r: Request, block: list[int], steps: list[int], key, now: float) -> BlockOutput:
         stops = set(r.config.stop_token_ids(self.model.config))
         before = len(r.answer(tuple(stops)))
         ended = r.config.stop_at_eos and any(t in stops for t in r.generated)
         r.generated.extend(block)
         r.key = np.asarray(key, np.uint32)
-        if r.first_block_time is None:
-            r.first_block_time = now
+        r.first_block_time = r.first_block_time or now
         new = [] if ended else r.answer(tuple(stops))[before:] if r.config.stop_at_eos else block
         stopped = r.config.stop_at_eos and any(t in stops for t in block)
         reason = "stop" if stopped else "length" if r.blocks_done == r.n_blocks else None
         self.counters["generated_tokens"] += len(new)
         if reason is not None:
             self._finish(r, reason, now)
-        return self._emit(r, new, reason)
+        return self._emit(r, new, reason, steps[: len(new)])
 
     def _end(self, r: Request, reason: str) -> BlockOutput:
         """End a request unfinished ("abort"; "error": its device call failed; "timeout": past its deadline)."""
         self._finish(r, reason)
         return self._emit(r, [], reason)
 
-    def _emit(self, r: Request, tokens: list[int], reason: str | None) -> BlockOutput:
-        out = BlockOutput(r.request_id, r.blocks_done - 1, tokens, reason is not None, reason)
+    def _emit(self, r: Request, tokens: list[int], reason: str | None, steps=()) -> BlockOutput:
+        affix = r.affix_span, list(r.anchors)
+        out = BlockOutput(r.request_id, r.blocks_done - 1, tokens, reason is not None, reason, list(steps), affix)
         if r.on_block is not None:
             r.on_block(out)
         return out

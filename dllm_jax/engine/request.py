@@ -27,6 +27,8 @@ class BlockOutput:
     tokens: list[int]  # the block's new answer tokens (cut before a stop token)
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", "error" (its device call failed) or "timeout"
+    commit_steps: list[int] = dataclasses.field(default_factory=list)  # per token, the in-block step that wrote it
+    affix: tuple[tuple[int, int] | None, list[int]] = (None, [])  # the shared affix's span and ACache's anchors
 
 
 @dataclasses.dataclass(eq=False)

@@ -302,16 +302,16 @@ class ModelRunner:
         return ranks[: len(reqs)]
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
-        """One block of every request: [B, block_length] tokens of each row's block, and its new key data."""
+        """One block of every request: its [block_length] tokens, the step that committed each, its new key data."""
         t0 = time.perf_counter()
         shallow = isinstance(runner.strategy, ShallowReuse)
         lay = self.layout(reqs, bm, shallow=shallow)
         t1 = time.perf_counter()
         hidden = [self.hidden[(r.affix_entry.key, r.depth)] for r in reqs] if shallow else None
-        blk, keys = self._call(lay, runner, hidden)
+        out = self._call(lay, runner, hidden)
         self.host_seconds += t1 - t0
         self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
-        return blk[: len(reqs)], keys[: len(reqs)]
+        return tuple(a[: len(reqs)] for a in out)
 
     def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
         """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
@@ -325,8 +325,8 @@ class ModelRunner:
         if compile_only:
             self._run_block.lower(*args, **static).compile()
             return None
-        blk, keys, self.k, self.v = self._run_block(*args, **static)
-        return np.asarray(blk), np.asarray(keys)
+        blk, steps, keys, self.k, self.v = self._run_block(*args, **static)
+        return np.asarray(blk), np.asarray(steps), np.asarray(keys)
 
     def probe_batches(self) -> list[int]:
         """The probe program's batch sizes: the ladder's for 1..probe_rows requests (a lone arrival is not probed
@@ -411,8 +411,8 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     key, steps = jax.random.wrap_key_data(d["keys"]), runner.gc.max_steps_per_block()
     s = runner.initial_state(d["x"], state, key, steps, RowSettings(**d["rows"]))
     s = runner.run_block(params, inp, s, d["block_col"], False)
-    blk = jax.lax.dynamic_slice_in_dim(s.x, d["block_col"], runner.gc.schedule.block_length, axis=1)
-    return blk, jax.random.key_data(s.key), s.cache.kv.k, s.cache.kv.v
+    blk, at = (jax.lax.dynamic_slice_in_dim(a, d["block_col"], inp.block_length, axis=1) for a in (s.x, s.commit_step))
+    return blk, at, jax.random.key_data(s.key), s.cache.kv.k, s.cache.kv.v
 
 
 def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, probe: bool):
