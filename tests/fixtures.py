@@ -270,3 +270,13 @@ def start_server(*flags: str, optimized: bool = False):
         proc.kill()
         raise AssertionError(f"dllm-jax serve did not start: {seen[-2000:]}{proc.stderr.read()[-2000:]}")
     return proc, found.group(1)
+
+
+def drain_stderr(proc) -> list[str]:
+    """Read a server's stderr as it comes (the warm-up's bar would fill the pipe and block it otherwise): the list
+    its lines are appended to."""
+    import threading
+
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return lines

@@ -188,6 +188,65 @@ def _post(server, path, body, **kw):
     return httpx.post(f"{server.url}{path}", json=body, timeout=30, **kw)
 
 
+def _sse(server, path, body) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_commit_steps_and_anchors_come_with_the_answer_when_asked(server, model):
+    """return_commit_steps: each block's tokens and the in-block step that committed each (solo generate's), the
+    answer unchanged; streamed, one chunk per block, also when its text is held back for a stop string.
+    return_anchors: the prompt's tokens, the affix's span in them and ACache's anchors (inside it, as many as the
+    ratio says)."""
+    prompt = f"{DOC} question : what is the code of wizard ? reply with the digits ."
+    base = {"model": NAME, "prompt": prompt, "max_tokens": 14, "block_length": 4, "steps": 16}
+    plain = _post(server, "/v1/completions", base).json()
+    traced = _post(server, "/v1/completions", {**base, "return_commit_steps": True}).json()
+    assert traced["choices"] == plain["choices"] and "dllm" not in plain
+    blocks = traced["dllm"]["blocks"]
+    assert [b["block"] for b in blocks] == list(range(4)) and "anchors" not in traced["dllm"]
+    ids = [t for b in blocks for t in b["token_ids"]]
+    assert len(ids) == 14 and model.tokenizer.decode(ids) == plain["choices"][0]["text"]  # cut at max_tokens
+    assert [model.tokenizer.decode([t]) for t in ids] == [t for b in blocks for t in b["tokens"]]
+    ref = generate(model, [model.tokenizer.encode(prompt)], GenerationConfig.from_options(**_settings(16, 4, 16)))
+    assert [s for b in blocks for s in b["commit_steps"]] == ref.commit_steps[0, :14].tolist()
+    assert all(sorted(b["commit_steps"]) == [0, 1, 2, 3] for b in blocks[:3])  # 4 steps a block, one token each
+    assert all(0 < blocks[i]["elapsed_s"] <= blocks[i + 1]["elapsed_s"] for i in range(3))
+    # streamed: a chunk per block, the first with its text held back (a stop string may start in it)
+    never = "a stop string this long holds back the first block's text entirely"
+    chunks = _sse(server, "/v1/completions", {**base, "return_commit_steps": True, "stop": [never]})
+    streamed = [b for ch in chunks for b in ch.get("dllm", {}).get("blocks", [])]
+    assert len(chunks) == 4 and [len(ch["dllm"]["blocks"]) for ch in chunks] == [1] * 4
+    texts = [ch["choices"][0]["text"] for ch in chunks]
+    assert texts[0] == "" and "".join(texts) == plain["choices"][0]["text"]
+    assert [(b["token_ids"], b["commit_steps"]) for b in streamed] == [
+        (b["token_ids"], b["commit_steps"]) for b in blocks
+    ]
+    # ACache: the anchors its probe chose, in the affix
+    acache_body = {**base, "affix_technique": "anchors", "anchor_ratio": 0.2, "affix": {"text": DOC}}
+    for reply in (
+        _post(server, "/v1/completions", {**acache_body, "return_anchors": True}).json(),
+        _sse(server, "/v1/completions", {**acache_body, "return_anchors": True})[0],
+    ):
+        trace, doc = reply["dllm"], model.tokenizer.encode(DOC)
+        assert trace["prompt_tokens"] == [model.tokenizer.decode([t]) for t in model.tokenizer.encode(prompt)]
+        start, end = trace["affix_span"]
+        assert end - start == len(doc) and model.tokenizer.encode(prompt)[start:end] == doc
+        assert len(trace["anchors"]) == acache.anchor_count(len(doc), 0.2) == 12
+        assert (
+            trace["anchors"] == sorted(set(trace["anchors"]))
+            and start <= trace["anchors"][0] <= trace["anchors"][-1] < end
+        )
+    exact = _post(server, "/v1/completions", {**base, "return_anchors": True}).json()["dllm"]
+    assert exact["affix_span"] is None and exact["anchors"] == [] and "blocks" not in exact
+
+
+def _settings(gen, block, steps):
+    return dict(gen_length=gen, block_length=block, steps=steps, cache="dual")
+
+
 @pytest.mark.parametrize(
     "body,status,param,code",
     [
@@ -195,6 +254,7 @@ def _post(server, path, body, **kw):
         ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
         ({"model": NAME, "prompt": "x", "stepz": 4}, 400, None, None),
         ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
+        ({"model": NAME, "prompt": "x", "return_commit_steps": 1}, 400, "return_commit_steps", None),  # no 1 for true
         ({"model": NAME, "prompt": "x", "max_tokens": 8, "block_length": 3, "steps": 4}, 400, "steps", None),
         ({"model": NAME, "prompt": ""}, 400, "prompt", None),
         ({"model": NAME, "messages": []}, 400, "messages", None),
@@ -553,7 +613,7 @@ def test_soak(model, request):
     # about 16 of these requests: the burst of 96 waits for pages
     flags = ["--dtype", "float32", "--max-batch", "16", "--max-model-len", "128", "--kv-budget-gib", "0.015625"]
     proc, url = fixtures.start_server(*flags, optimized=True)
-    stderr = _drain(proc)
+    stderr = fixtures.drain_stderr(proc)
     job_list = soak.jobs(n, disconnect=0.05, deadline=0.05, lengths=(4,))  # one block each: the suite's time
     keys = sorted({json.dumps(j["body"], sort_keys=True) for j in job_list if j["kind"] == "answer"})
     keys = keys[:: max(1, len(keys) // 8)]  # about 8 distinct requests replayed: their answers are checked
@@ -604,7 +664,7 @@ def _bench(name: str):
 def test_sigterm_finishes_what_runs_then_exits(tmp_path):
     # one request decoded at a time and three sent: the drain outlasts the checks below on a loaded machine too
     proc, url = fixtures.start_server("--dtype", "float32", "--max-batch", "1", "--max-model-len", "128")
-    stderr = _drain(proc)
+    stderr = fixtures.drain_stderr(proc)
     try:
         _wait_ready(url, time.time() + 300)
         body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 64, "block_length": 8, "steps": 64, "stream": True}
@@ -655,7 +715,7 @@ def test_a_cut_drain_answers_every_open_request_and_exits_without_tracebacks(cut
     seconds (128 + SIGTERM, or 3), without a traceback."""
     flags = ["--dtype", "float32", "--max-batch", "1", "--max-model-len", "512"]
     proc, url = fixtures.start_server(*flags, *(["--drain-timeout", "2"] if cut == "drain timeout" else []))
-    stderr = _drain(proc)
+    stderr = fixtures.drain_stderr(proc)
     got: dict = {}
     try:
         _wait_ready(url, time.time() + 300)
@@ -703,13 +763,6 @@ def test_a_cut_drain_answers_every_open_request_and_exits_without_tracebacks(cut
             proc.kill()
 
 
-def _drain(proc) -> list[str]:
-    """Read the server's stderr as it comes (the warm-up's bar would fill the pipe and block it otherwise)."""
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-    return lines
-
-
 def _metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(dllm_jax_\w+) (\S+)$", text, re.M)}
@@ -738,7 +791,7 @@ def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile
     flags = ("--dtype", "float32", "--max-batch", "2", "--max-model-len", "64", "--compile-cache", str(tmp_path))
     deadline = time.time() + 300
     proc, url = fixtures.start_server(*flags)
-    stderr = _drain(proc)
+    stderr = fixtures.drain_stderr(proc)
     try:
         assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
         warming = httpx.get(f"{url}/ready", timeout=10)
@@ -780,7 +833,7 @@ def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile
         assert proc.wait(60) == 0
         # the same settings again: the programs come from the cache
         proc, url = fixtures.start_server(*flags)
-        stderr = _drain(proc)
+        stderr = fixtures.drain_stderr(proc)
         _wait_ready(url, deadline)
         again = _metrics(url)["dllm_jax_warmup_seconds"]
         assert 0 < again < 0.7 * first, (again, first)

@@ -8,6 +8,8 @@ Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}}: 40
 model, a request too long or a block length / BiCache depth the server does not serve; 401 without the API key;
 429 when the queue is full; 500 for the requests of a device call that failed; 503 while draining or when the
 engine cannot serve. GET /openapi.json documents every body and response (`openapi.py`), /docs browses it.
+GET / is the playground (`playground/`: one static page, no build step): a request's blocks replayed in the order
+their tokens were committed, its shared affix and ACache's anchors marked, the server's counters.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import asyncio
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -30,7 +34,7 @@ from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.engine import RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
-from dllm_jax.io.loading import generation_defaults
+from dllm_jax.io.loading import DEFAULT_MODEL_DIR, generation_defaults
 from dllm_jax.server import logs, openapi
 from dllm_jax.server.metrics import ServerMetrics
 from dllm_jax.server.protocol import (
@@ -55,21 +59,37 @@ from dllm_jax.server.service import EngineService, ServiceUnavailable
 from dllm_jax.server.settings import ServeSettings
 
 __all__ = ["ServeSettings", "create_app"]
+PLAYGROUND = Path(__file__).parent / "playground"
+# the playground's first example on the bundled model (its digit rule, as in the README)
+BUNDLED_EXAMPLE = {
+    "affix": "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ; 4 3 4 -> 5 6 5 ; 0 4 1 -> 9 5 8 ;",
+    "question": "input : 8 9 5 what does the rule give ?",
+}
 
 
 class Answer:
     """A request's text as its blocks arrive: stop strings cut it (held back until they cannot start in what is
-    still to come), max_tokens caps it."""
+    still to come), max_tokens caps it. trace: keep each block as decoded (return_commit_steps), timed from t0."""
 
-    def __init__(self, tokenizer, stops: list[str], max_tokens: int):
-        self.tok, self.stops, self.max_tokens = tokenizer, stops, max_tokens
+    def __init__(self, tokenizer, stops: list[str], max_tokens: int, trace: bool = False, t0: float = 0.0):
+        self.tok, self.stops, self.max_tokens, self.trace, self.t0 = tokenizer, stops, max_tokens, trace, t0
         self.ids: list[int] = []
         self.emitted = ""
         self.finish: str | None = None
+        self.blocks: list[dict] = []  # protocol.BlockTrace's fields, one per block (with trace)
+        self.affix: tuple = (None, [])  # the engine's (affix span, ACache's anchors) of the request
 
     def add(self, out: BlockOutput) -> str:
         """The text to send now (may be empty); sets `finish` when the answer is complete."""
-        self.ids = (self.ids + out.tokens)[: self.max_tokens]
+        room = self.max_tokens - len(self.ids)
+        ids, self.affix = out.tokens[:room], out.affix
+        if self.trace and out.block >= 0:
+            tokens, steps = [self.tok.decode([t]) for t in ids], out.commit_steps[:room]
+            elapsed = round(time.perf_counter() - self.t0, 4)
+            self.blocks.append(
+                dict(block=out.block, token_ids=ids, tokens=tokens, commit_steps=steps, elapsed_s=elapsed)
+            )
+        self.ids = self.ids + ids
         text = self.tok.decode(self.ids)
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)
         if cut >= 0:
@@ -130,6 +150,25 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             logs.current_request.reset(token)
         response.headers["X-Request-Id"] = rid
         return response
+
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
+    bundled = model.path is not None and Path(model.path).resolve() == DEFAULT_MODEL_DIR.resolve()
+    page_settings = dict(
+        model=settings.model_name,
+        block_lengths=list(service.engine.block_lengths),
+        shallow_depths=list(service.engine.config.shallow_depths),
+        api_key=settings.api_key is not None,
+        example=BUNDLED_EXAMPLE if bundled else None,
+        **{k: getattr(settings, k) for k in ("block_length", "max_tokens", "steps_per_token", "temperature")},
+        **{k: getattr(settings, k) for k in ("affix_technique", "anchor_ratio")},
+    )
+    page = (
+        (PLAYGROUND / "index.html").read_text().replace("__SETTINGS__", json.dumps(page_settings).replace("</", "<\\/"))
+    )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground():
+        return page
 
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401))
     async def models():
@@ -220,14 +259,14 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         except BaseException:
             service.open_answers -= 1  # its error answer is written at once
             raise
-        answer = Answer(model.tokenizer, req.stop, max_tokens)
-        cid = new_id("chatcmpl" if chat else "cmpl")
         t0 = time.perf_counter()
+        answer = Answer(model.tokenizer, req.stop, max_tokens, req.return_commit_steps, t0)
+        cid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            events = _events(rid, stream, answer, cid, req.model, len(prompt), chat, request.state.request_id, t0)
+            events = _events(rid, stream, answer, cid, req, prompt, chat, request.state.request_id, t0)
             return EventSourceResponse(events, ping=15, sep="\n")
         try:
-            body = await _collect(request, rid, stream, answer, cid, req.model, len(prompt), chat)
+            body = await _collect(request, rid, stream, answer, cid, req, prompt, chat)
         except APIError as e:
             _logged(request.state.request_id, e.status, len(prompt), answer, t0, e.code)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers, background=_sent())
@@ -283,7 +322,18 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             service.abort(rid)  # cut by a stop string or max_tokens: free its pages now
         return delta
 
-    async def _collect(request, rid, stream, answer, cid, model_name, n_prompt, chat):
+    def _trace(req: Diffusion, answer: Answer, prompt: list[int], blocks: list[dict], first: bool) -> dict:
+        """The response's `dllm` field (protocol.Trace): the blocks asked for, and in the first chunk (or the plain
+        body) the prompt's tokens, its affix and ACache's anchors."""
+        trace: dict[str, Any] = {"blocks": blocks} if req.return_commit_steps else {}
+        if req.return_anchors and first:
+            span, anchors = answer.affix
+            trace.update(prompt_tokens=[model.tokenizer.decode([t], skip_special_tokens=False) for t in prompt])
+            trace["anchors"] = list(anchors)
+            trace["affix_span"] = list(span) if span is not None else None
+        return trace
+
+    async def _collect(request, rid, stream, answer, cid, req, prompt, chat):
         try:
             while answer.finish is None:
                 get = asyncio.ensure_future(_next(stream, rid, answer))
@@ -297,17 +347,24 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         except asyncio.CancelledError:
             service.abort(rid)
             raise
-        return completion_body(cid, model_name, answer.emitted, answer.finish, usage(n_prompt, len(answer.ids)), chat)
+        use = usage(len(prompt), len(answer.ids))
+        body = completion_body(cid, req.model, answer.emitted, answer.finish, use, chat)
+        if trace := _trace(req, answer, prompt, answer.blocks, True):
+            body["dllm"] = trace
+        return body
 
-    async def _events(rid, stream, answer, cid, model_name, n_prompt, chat, request_id, t0):
-        first, status, code = True, 200, None
+    async def _events(rid, stream, answer, cid, req, prompt, chat, request_id, t0):
+        first, status, code, n_prompt = True, 200, None, len(prompt)
         try:
             while answer.finish is None:
+                blocks = len(answer.blocks)
                 delta = await _next(stream, rid, answer)
                 done = answer.finish is not None
-                if delta or done or first:
+                if delta or done or first or req.return_commit_steps:  # a traced stream: a chunk per block
                     use = usage(n_prompt, len(answer.ids)) if done else None
-                    body = completion_body(cid, model_name, delta, answer.finish, use, chat, chunk=True, first=first)
+                    body = completion_body(cid, req.model, delta, answer.finish, use, chat, chunk=True, first=first)
+                    if trace := _trace(req, answer, prompt, answer.blocks[blocks:], first):
+                        body["dllm"] = trace
                     first = False
                     yield json.dumps(body)
             yield "[DONE]"

@@ -14,6 +14,12 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
                    repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
                    {"message": i} (chat: the content of message i) or {"start": s, "end": e} (token positions)
+  return_commit_steps  true: the answer's blocks as decoded (`dllm.blocks`: each block's token ids and texts, the
+                   step inside the block that committed each token, the seconds since the request came); streamed,
+                   one chunk per block carries its block, even when its text is empty or held back for a stop string
+  return_anchors   true: the prompt's tokens, the shared affix's span in them and the prompt positions ACache's
+                   probe chose as anchors (`dllm.prompt_tokens`, `dllm.affix_span`, `dllm.anchors`; streamed: in
+                   the first block's chunk)
 OpenAI fields this engine has no use for are accepted at their neutral values (logprobs null, echo false,
 penalties 0, ...) and refused otherwise; unknown fields are refused, naming them (a typo never passes silently).
 `temperature` defaults to 0 (greedy, as LLaDA's and Dream's own generate), not the API's 1: set it to sample.
@@ -96,6 +102,8 @@ class Diffusion(BaseModel):
         None, gt=0, description="seconds after which the request ends unfinished (504); default: --request-timeout"
     )
     affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan = "auto"
+    return_commit_steps: StrictBool = False
+    return_anchors: StrictBool = False
 
     @field_validator("stop", mode="before")  # before the types: this message rather than a union's
     @classmethod
@@ -209,6 +217,25 @@ class CompletionChoice(_Choice):
     text: str
 
 
+class BlockTrace(BaseModel):
+    """One block of the answer as the denoising loop wrote it (return_commit_steps)."""
+
+    block: int = Field(description="the block's index in the answer")
+    token_ids: list[int] = Field(description="its tokens within max_tokens (stop strings cut the text, not these)")
+    tokens: list[str] = Field(description="each token's text")
+    commit_steps: list[int] = Field(description="per token, the step inside the block that committed it (0 first)")
+    elapsed_s: float = Field(description="seconds from the request's arrival to the block's commit reaching it")
+
+
+class Trace(BaseModel):
+    """How the answer was decoded (`dllm`, with return_commit_steps or return_anchors)."""
+
+    blocks: list[BlockTrace] | None = None
+    prompt_tokens: list[str] | None = Field(None, description="return_anchors: each prompt token's text")
+    affix_span: list[int] | None = Field(None, description="[start, end) of the shared affix in the prompt's tokens")
+    anchors: list[int] | None = Field(None, description="the prompt positions ACache recomputes for this request")
+
+
 class Completion(BaseModel):
     """POST /v1/completions; with stream: true, chunks of this shape (the last with usage), then [DONE]."""
 
@@ -218,6 +245,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    dllm: Trace | None = None
 
 
 class ChatMessage(BaseModel):
@@ -239,6 +267,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    dllm: Trace | None = None
 
 
 class ModelCard(BaseModel):
