@@ -243,6 +243,39 @@ def test_commit_steps_and_anchors_come_with_the_answer_when_asked(server, model)
     assert exact["affix_span"] is None and exact["anchors"] == [] and "blocks" not in exact
 
 
+def test_affixes_registered_over_http(server, model):
+    """POST /v1/affixes registers an affix (as text or tokens: the same id) and requests name it as {"id": ...}: one
+    stored copy serves them (ACache at ratio 1, exact: the answer of no sharing). DELETE drops it: 404 after, and a
+    request naming it is a 400."""
+    doc = model.tokenizer.encode(DOC)
+    made = _post(server, "/v1/affixes", {"text": DOC})
+    assert made.status_code == 200 and made.json() == {"id": made.json()["id"], "object": "affix", "tokens": len(doc)}
+    aid = made.json()["id"]
+    assert _post(server, "/v1/affixes", {"tokens": doc}).json()["id"] == aid
+    prompt = f"{DOC} question : what is the code of bottle ? reply with the digits ."
+    base = {"model": NAME, "prompt": prompt, "max_tokens": 8}
+    builds, hits = server.metric("dllm_jax_affix_builds_total"), server.metric("dllm_jax_affix_hits_total")
+    named = [
+        _post(
+            server, "/v1/completions", {**base, "affix": {"id": aid}, "affix_technique": "anchors", "anchor_ratio": 1.0}
+        )
+        for _ in range(2)
+    ]
+    exact = _post(server, "/v1/completions", {**base, "affix": "none"}).json()["choices"][0]["text"]
+    assert [r.json()["choices"][0]["text"] for r in named] == [exact] * 2
+    new_builds = server.metric("dllm_jax_affix_builds_total") - builds
+    assert new_builds <= 1 and new_builds + server.metric("dllm_jax_affix_hits_total") - hits == 2
+    for body, param in (({}, "text"), ({"text": DOC, "tokens": doc}, "text"), ({"tokens": [10**6]}, "tokens")):
+        bad = _post(server, "/v1/affixes", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    gone = httpx.delete(f"{server.url}/v1/affixes/{aid}", timeout=30)
+    assert gone.json() == {"id": aid, "object": "affix", "tokens": len(doc), "deleted": True}
+    again = httpx.delete(f"{server.url}/v1/affixes/{aid}", timeout=30)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "affix_not_found"
+    stale = _post(server, "/v1/completions", {**base, "affix": {"id": aid}})
+    assert stale.status_code == 400 and stale.json()["error"]["param"] == "affix.id"
+
+
 def _settings(gen, block, steps):
     return dict(gen_length=gen, block_length=block, steps=steps, cache="dual")
 

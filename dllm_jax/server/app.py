@@ -31,13 +31,16 @@ from starlette.background import BackgroundTask
 from dllm_jax import __version__
 from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
 from dllm_jax.decoding.config import GenerationConfig
-from dllm_jax.engine import RequestError
+from dllm_jax.engine import AffixHandle, RequestError
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.engine.scheduler import QueueFull
 from dllm_jax.io.loading import DEFAULT_MODEL_DIR, generation_defaults
 from dllm_jax.server import logs, openapi
 from dllm_jax.server.metrics import ServerMetrics
 from dllm_jax.server.protocol import (
+    Affix,
+    AffixCreate,
+    AffixID,
     AffixMessage,
     AffixSpan,
     AffixText,
@@ -58,7 +61,8 @@ from dllm_jax.server.protocol import (
 from dllm_jax.server.service import EngineService, ServiceUnavailable
 from dllm_jax.server.settings import ServeSettings
 
-__all__ = ["ServeSettings", "create_app"]
+__all__ = ["ServeSettings", "affix_id", "create_app"]
+MAX_AFFIXES = 1024  # affixes registered over HTTP at once (each pins its tokens in the engine's affix index)
 PLAYGROUND = Path(__file__).parent / "playground"
 # the playground's first example on the bundled model (its digit rule, as in the README)
 BUNDLED_EXAMPLE = {
@@ -166,6 +170,46 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         (PLAYGROUND / "index.html").read_text().replace("__SETTINGS__", json.dumps(page_settings).replace("</", "<\\/"))
     )
 
+    affixes: dict[str, AffixHandle] = {}  # registered over HTTP: id -> handle (at most MAX_AFFIXES)
+
+    @app.post(
+        "/v1/affixes",
+        response_model=Affix,
+        response_model_exclude_none=True,
+        openapi_extra=openapi.body(AffixCreate),
+        responses=openapi.errors(400, 401, 408, 413, 503),
+    )
+    async def register_affix(request: Request):
+        """Register a span many prompts will contain (a system prompt, few-shot examples, a document): requests
+        naming its id, or containing its tokens anywhere, share its one stored copy."""
+        spec = parse(AffixCreate, await _json(request, settings.body_timeout))
+        if (spec.text is None) == (spec.tokens is None):
+            raise APIError(400, "give the affix as text or as tokens (one of them)", param="text")
+        tokens = spec.tokens if spec.tokens is not None else model.tokenizer.encode(spec.text)
+        if len(affixes) >= MAX_AFFIXES:
+            raise APIError(400, f"{MAX_AFFIXES} affixes are registered already: DELETE /v1/affixes/{{id}} some first")
+        try:
+            handle = await service.call(lambda engine: engine.register_affix(tokens))
+        except RequestError as e:
+            raise APIError(400, str(e), param="tokens" if spec.tokens is not None else "text") from None
+        except ServiceUnavailable as e:
+            raise APIError(503, f"the engine cannot serve: {e}") from None
+        affixes[affix_id(handle.key)] = handle
+        return {"id": affix_id(handle.key), "object": "affix", "tokens": len(handle.tokens)}
+
+    @app.delete("/v1/affixes/{id}", response_model=Affix, responses=openapi.errors(401, 404, 503))
+    async def drop_affix(id: str):
+        """Unregister an affix: requests no longer find it by its tokens (its stored copy is evicted when the pool
+        needs the pages)."""
+        handle = affixes.pop(id, None)
+        if handle is None:
+            raise APIError(404, f"no affix {id!r} is registered", param="id", code="affix_not_found")
+        try:
+            await service.call(lambda engine: engine.affixes.unregister(handle.key))
+        except ServiceUnavailable as e:
+            raise APIError(503, f"the engine cannot serve: {e}") from None
+        return {"id": id, "object": "affix", "tokens": len(handle.tokens), "deleted": True}
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground():
         return page
@@ -252,7 +296,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
         config, max_tokens = _config(req, settings, service.engine.model.config)
-        affix = _affix(req, prompt, model.tokenizer)
+        affix = _affix(req, prompt, model.tokenizer, affixes)
         service.open_answers += 1  # until its answer is handed to the server (a cut shutdown waits for it)
         try:
             rid, stream = await _submit(request, req, prompt, config, affix)
@@ -487,12 +531,22 @@ def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationC
     return config, max_tokens
 
 
-def _affix(req: Diffusion, prompt: list[int], tokenizer) -> Any:
-    """The engine's affix argument: "auto", None, or the (start, end) token span the request names."""
+def affix_id(key: str) -> str:
+    """The public id of the affix whose engine key (`block_manager.affix_key`: "<length>:<hash>") is `key`."""
+    return "affix-" + key.replace(":", "-", 1)
+
+
+def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, AffixHandle]) -> Any:
+    """The engine's affix argument: "auto", None, a registered handle, or the (start, end) token span the request
+    names."""
     if req.affix == "auto":
         return "auto"
     if req.affix == "none":
         return None
+    if isinstance(req.affix, AffixID):
+        if req.affix.id not in registered:
+            raise APIError(400, f"no affix {req.affix.id!r} is registered (POST /v1/affixes)", param="affix.id")
+        return registered[req.affix.id]
     if isinstance(req.affix, AffixSpan):
         return req.affix.start, req.affix.end  # the engine checks it against the prompt
     if isinstance(req.affix, AffixMessage):

@@ -11,15 +11,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from dllm_jax.server.protocol import NEUTRAL, ChatRequest, CompletionRequest, ErrorResponse
+from dllm_jax.server.protocol import NEUTRAL, AffixCreate, ChatRequest, CompletionRequest, ErrorResponse
 
 REF = "#/components/schemas/{model}"
-BODIES = (CompletionRequest, ChatRequest)  # their JSON schemas join the document's components
+BODIES = (CompletionRequest, ChatRequest)  # the generation bodies: their JSON schemas join the document's components
+OTHER_BODIES = (AffixCreate,)  # and these
 
 ERRORS = {
     400: "A bad field (`param` names it), an unknown model, a request longer than the server's maximum length, or "
     "a block length / BiCache depth the server does not serve",
     401: "A missing or wrong API key (servers started with --api-key)",
+    404: "No such affix is registered (`code`: affix_not_found)",
     408: "The request body took too long to arrive",
     413: "The request body is too large (over 4 MiB)",
     429: "Too many requests waiting: retry later",
@@ -75,7 +77,7 @@ def install(app: FastAPI, model_name: str, vocab_size: int) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in BODIES], ref_template=REF)
+            _, defs = models_json_schema([(m, "validation") for m in BODIES + OTHER_BODIES], ref_template=REF)
             for m in BODIES:  # what the handlers accept, exactly: any other field or model is a 400
                 body = defs["$defs"][m.__name__]
                 body["properties"]["model"]["enum"] = [model_name]
@@ -84,6 +86,9 @@ def install(app: FastAPI, model_name: str, vocab_size: int) -> None:
                         alt["items"]["maximum"] = vocab_size - 1
                 body["properties"].update(_neutral_fields())
                 body["additionalProperties"] = False
+            for alt in defs["$defs"]["AffixCreate"]["properties"]["tokens"]["anyOf"]:
+                if alt.get("type") == "array":
+                    alt["items"]["maximum"] = vocab_size - 1
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             app.openapi_schema = schema
         return app.openapi_schema

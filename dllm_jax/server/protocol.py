@@ -13,7 +13,8 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   timeout          seconds after which the request ends unfinished with a 504 (default: --request-timeout)
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
                    repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
-                   {"message": i} (chat: the content of message i) or {"start": s, "end": e} (token positions)
+                   {"message": i} (chat: the content of message i), {"start": s, "end": e} (token positions) or
+                   {"id": ...} (one registered with POST /v1/affixes)
   return_commit_steps  true: the answer's blocks as decoded (`dllm.blocks`: each block's token ids and texts, the
                    step inside the block that committed each token, the seconds since the request came); streamed,
                    one chunk per block carries its block, even when its text is empty or held back for a stop string
@@ -72,6 +73,30 @@ class AffixMessage(BaseModel):
     message: Int = Field(ge=0)
 
 
+class AffixID(BaseModel):
+    """An affix registered with POST /v1/affixes."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
+
+
+class AffixCreate(BaseModel):
+    """POST /v1/affixes: a span many prompts will contain, as text or token ids (exactly one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = Field(None, min_length=1)
+    tokens: Annotated[list[TokenId], Field(min_length=1)] | None = None
+
+
+class Affix(BaseModel):
+    """A registered affix: name it in requests as {"affix": {"id": ...}}; DELETE /v1/affixes/{id} drops it."""
+
+    id: str
+    object: Literal["affix"]
+    tokens: int = Field(description="its length in tokens")
+    deleted: bool | None = None
+
+
 class AffixSpan(BaseModel):
     """Token positions [start, end) of the prompt (for prompts sent as token ids)."""
 
@@ -101,7 +126,7 @@ class Diffusion(BaseModel):
     timeout: Float | None = Field(
         None, gt=0, description="seconds after which the request ends unfinished (504); default: --request-timeout"
     )
-    affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan = "auto"
+    affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan | AffixID = "auto"
     return_commit_steps: StrictBool = False
     return_anchors: StrictBool = False
 
@@ -294,13 +319,14 @@ class Readiness(BaseModel):
     error: str | None = None
 
 
-def parse(model_cls: type[Diffusion], body: Any) -> Diffusion:
+def parse(model_cls: type[BaseModel], body: Any) -> Any:
     """The request, or an APIError 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         req = model_cls.model_validate(body)
-        req.check_extra()
+        if isinstance(req, Diffusion):
+            req.check_extra()
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
@@ -135,6 +135,13 @@ class EngineService:
         rid = await done
         return rid, stream
 
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """fn(engine) run on the engine thread (the only one that touches the engine), between its steps."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._inbox.put(("call", fn, loop, done))
+        return await done
+
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
@@ -199,6 +206,13 @@ class EngineService:
             for rid in list(self._streams):
                 self.engine.abort(rid)
             return
+        if item[0] == "call":
+            _, fn, loop, done = item
+            try:
+                loop.call_soon_threadsafe(_settle, done, fn(self.engine), None)
+            except Exception as e:  # noqa: BLE001  the caller answers it
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            return
         if self.cutting:  # submitted before the cut, taken in after: refused
             _, _, loop, done, _ = item
             loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
@@ -259,8 +273,8 @@ class EngineService:
             item = self._inbox.get()
             if item is None:
                 return
-            if item[0] == "add":
-                _, _, loop, done, _ = item
+            if item[0] in ("add", "call"):  # both carry (kind, what, loop, future, ...)
+                _, _, loop, done, *_ = item
                 loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable(self.fatal))
 
     def _serve(self) -> None:
