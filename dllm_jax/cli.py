@@ -253,6 +253,7 @@ def config_error(e: ValueError) -> UsageError:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from dllm_jax.audit import AuditConfig
     from dllm_jax.engine.engine import KVBudgetError
     from dllm_jax.server.run import CompileCacheError, serve
     from dllm_jax.server.settings import ServeSettings
@@ -287,6 +288,7 @@ def run_serve(args: argparse.Namespace) -> int:
             admission_wait=args.admission_wait,
             log_format=args.log_format,
             drain_timeout=args.drain_timeout,
+            audit=AuditConfig(fraction=args.audit_fraction),
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
@@ -420,6 +422,14 @@ def build_parser() -> Parser:
         help="after a block call that finished requests, hold the next one up to this fraction of a call for new "
         f"requests to take the freed rows (clients that send their next request on an answer; 0: never; default "
         f"{ADMISSION_WAIT})",
+    )
+    v.add_argument(
+        "--audit-fraction",
+        type=unit_interval,
+        default=0.02,
+        metavar="FRACTION",
+        help="of the requests served with an affix technique, the share also decoded exactly in the rows and pages "
+        "users leave, to measure what the technique costs in answers (GET /v1/audit, /metrics; 0: none; default 0.02)",
     )
     v.add_argument(
         "--kv-budget-gib",

@@ -138,6 +138,7 @@ def test_bad_flags(argv, message, capsys):
         (["--compiler-option", "fast=1"], "argument --compiler-option: expected NAME=VALUE with an XLA option name"),
         (["--compiler-option", "xla_no_such_option=1"], "argument --compiler-option: EngineConfig.compiler_options="),
         (["--compiler-option", "xla_cpu_enable_fast_math=maybe"], "not a valid bool value"),
+        (["--audit-fraction", "1.5"], "argument --audit-fraction: must be in [0, 1], got 1.5"),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):

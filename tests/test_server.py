@@ -29,9 +29,12 @@ from openai import OpenAI
 
 import dllm_jax
 from dllm_jax import GenerationConfig, answer_tokens, generate
+from dllm_jax.audit import AuditConfig
+from dllm_jax.audit import affix_id as audit_affix_id
 from dllm_jax.cli import DEMO_PROMPT
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.decoding.config import Schedule
+from dllm_jax.engine.block_manager import affix_key as audit_key
 from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.server import EngineService, ServeSettings, create_app, logs, protocol
 from dllm_jax.server.run import bind
@@ -56,11 +59,11 @@ class Server:
     test compiles only what it runs; `dllm-jax serve`'s warm-up is tested on a subprocess below). max_model_len 128:
     every call reads that many tokens (the engine pads to it), and the longest request here fits."""
 
-    def __init__(self, model, api_key=None, warmup=False, engine=None, serve_settings=None, **engine_kw):
+    def __init__(self, model, api_key=None, warmup=False, engine=None, serve_settings=None, audit=None, **engine_kw):
         if engine is None:
             settings = {"max_batch": 16, "kv_budget_bytes": 64 << 20, "max_model_len": 128, **engine_kw}
             engine = Engine(model, EngineConfig(**settings))
-        self.service = EngineService(engine, warmup=warmup).start()
+        self.service = EngineService(engine, warmup=warmup, audit=audit).start()
         self.app = create_app(self.service, ServeSettings(model_name=NAME, api_key=api_key, **(serve_settings or {})))
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -274,6 +277,53 @@ def test_affixes_registered_over_http(server, model):
     assert again.status_code == 404 and again.json()["error"]["code"] == "affix_not_found"
     stale = _post(server, "/v1/completions", {**base, "affix": {"id": aid}})
     assert stale.status_code == 400 and stale.json()["error"]["param"] == "affix.id"
+
+
+def test_the_audit_through_the_server_never_reaches_a_client(server, model):
+    """--audit-fraction 1: every affix-technique request is decoded again exactly as a shadow request. The clients'
+    answers (plain and streamed) are those of a server without the audit, the users' counters leave the shadows
+    out, and GET /v1/audit and /metrics report the comparison per affix and setting."""
+    audited = Server(model, audit=AuditConfig(fraction=1.0), block_lengths=(4, 8), shallow_depths=(2,))
+    try:
+        bodies = [
+            {
+                "model": NAME,
+                "prompt": f"{DOC} question : what is the code of {k} ? reply with the digits .",
+                "max_tokens": 8,
+                "affix_technique": "naive",
+                "affix": {"text": DOC},
+                "stream": i % 2 == 1,
+            }
+            for i, k in enumerate(KEYS[:4])
+        ]
+
+        def answers(s):
+            return [
+                "".join(c["choices"][0]["text"] for c in _sse(s, "/v1/completions", b))
+                if b["stream"]
+                else _post(s, "/v1/completions", b).json()["choices"][0]["text"]
+                for b in bodies
+            ]
+
+        assert answers(audited) == answers(server)
+        deadline = time.time() + 60
+        while (report := httpx.get(f"{audited.url}/v1/audit", timeout=10).json())["audited"] < 4:
+            assert time.time() < deadline, report
+            time.sleep(0.1)
+        assert report["shadows"] == report["shadows_finished"] == 4 and report["fraction"] == 1.0
+        (group,) = report["groups"]
+        doc_id = audit_affix_id(audit_key(model.tokenizer.encode(DOC)))
+        assert group["affix"] == doc_id and group["setting"] == "naive" and group["requests"] == 4
+        assert (
+            audited.metric("dllm_jax_requests_total") == 4 and audited.metric("dllm_jax_requests_finished_total") == 4
+        )
+        assert audited.metric("dllm_jax_audit_shadow_requests_total") == 4
+        labels = f'{{affix="{doc_id}",setting="naive"}}'
+        assert audited.metric(f"dllm_jax_audit_requests_total{labels}") == 4
+        assert audited.metric(f"dllm_jax_audit_exact_matches_total{labels}") == group["exact_matches"]
+        assert httpx.get(f"{server.url}/v1/audit", timeout=10).json()["fraction"] == 0.0  # off: nothing audited
+    finally:
+        audited.close()
 
 
 def _settings(gen, block, steps):

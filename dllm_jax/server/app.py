@@ -29,6 +29,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from dllm_jax import __version__
+from dllm_jax.audit import affix_id
 from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.engine import AffixHandle, RequestError
@@ -45,6 +46,7 @@ from dllm_jax.server.protocol import (
     AffixSpan,
     AffixText,
     APIError,
+    AuditReport,
     ChatCompletion,
     ChatRequest,
     Completion,
@@ -61,7 +63,7 @@ from dllm_jax.server.protocol import (
 from dllm_jax.server.service import EngineService, ServiceUnavailable
 from dllm_jax.server.settings import ServeSettings
 
-__all__ = ["ServeSettings", "affix_id", "create_app"]
+__all__ = ["ServeSettings", "create_app"]
 MAX_AFFIXES = 1024  # affixes registered over HTTP at once (each pins its tokens in the engine's affix index)
 PLAYGROUND = Path(__file__).parent / "playground"
 # the playground's first example on the bundled model (its digit rule, as in the README)
@@ -209,6 +211,12 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         except ServiceUnavailable as e:
             raise APIError(503, f"the engine cannot serve: {e}") from None
         return {"id": id, "object": "affix", "tokens": len(handle.tokens), "deleted": True}
+
+    @app.get("/v1/audit", response_model=AuditReport, responses=openapi.errors(401))
+    async def audit():
+        """What the affix techniques cost in answers: per affix and setting, the audited requests' agreement with
+        their exact twins (`dllm-jax serve --audit-fraction`)."""
+        return service.auditor.report()
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground():
@@ -529,11 +537,6 @@ def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationC
         param = next((f for f in fields if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
     return config, max_tokens
-
-
-def affix_id(key: str) -> str:
-    """The public id of the affix whose engine key (`block_manager.affix_key`: "<length>:<hash>") is `key`."""
-    return "affix-" + key.replace(":", "-", 1)
 
 
 def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, AffixHandle]) -> Any:

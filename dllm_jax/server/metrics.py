@@ -41,6 +41,13 @@ class _EngineCollector:
 
     def collect(self):
         s = self.service.engine.stats()
+        audit = self.service.auditor.report()
+        # the engine counts shadow requests (the audit's exact twins) with the users'; these counters are the users'
+        s["requests"] -= audit["shadows"]
+        s["finished"] -= audit["shadows_finished"]
+        s["aborted"] -= audit["shadow_abort"]
+        s["failed"] -= audit["shadow_error"]
+        s["generated_tokens"] -= audit["shadow_tokens"]
         waits = dict(self.service.waits)
         ready = self.service.readiness()["status"] == "ready"
         gauges = {
@@ -91,3 +98,30 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"dllm_jax_{name}", doc, value=value)
+        yield from _audit_families(audit)
+
+
+def _audit_families(audit: dict):
+    """The audit (`dllm_jax.audit`, GET /v1/audit): its shadow requests, counted apart from the users', and per
+    affix and technique setting the audited requests, their exact matches and their mean token agreement."""
+    totals = {
+        "audit_shadow_requests": ("Shadow requests (exact twins of audited requests; never answered)", "shadows"),
+        "audit_shadow_dropped": ("Audits given up for a user request that waited (their shadows aborted)", "dropped"),
+        "audit_skipped": ("Audits not started: too many waiting for room", "skipped"),
+        "audit_incomplete": ("Audits given up: the served request was cut short", "incomplete"),
+        "audit_shadow_tokens": ("Answer tokens the shadow requests generated", "shadow_tokens"),
+    }
+    for name, (doc, key) in totals.items():
+        yield CounterMetricFamily(f"dllm_jax_{name}", doc, value=audit[key])
+    labels = ["affix", "setting"]
+    requests = CounterMetricFamily("dllm_jax_audit_requests", "Audited requests", labels=labels)
+    exact = CounterMetricFamily("dllm_jax_audit_exact_matches", "Audited answers equal to the exact one", labels=labels)
+    agreement = GaugeMetricFamily(
+        "dllm_jax_audit_token_agreement", "Mean share of agreeing answer tokens", labels=labels
+    )
+    for g in audit["groups"]:
+        at = [g["affix"], g["setting"]]
+        requests.add_metric(at, g["requests"])
+        exact.add_metric(at, g["exact_matches"])
+        agreement.add_metric(at, g["mean_token_agreement"])
+    yield from (requests, exact, agreement)

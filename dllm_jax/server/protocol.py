@@ -97,6 +97,36 @@ class Affix(BaseModel):
     deleted: bool | None = None
 
 
+class AuditGroup(BaseModel):
+    """The audit of one affix at one technique setting."""
+
+    affix: str = Field(description="the affix's id (as POST /v1/affixes names it)")
+    setting: str = Field(description='"naive", "anchors:<ratio>" or "shallow:<depth>"')
+    requests: int = Field(description="audited requests: answers compared with their exact twins")
+    exact_matches: int
+    exact_match_rate: float
+    exact_match_interval: list[float] = Field(description="its 95% Wilson interval")
+    mean_token_agreement: float = Field(description="the mean share of answer positions where the two agree")
+    first_divergence: dict[str, int] = Field(description="block index -> audits whose answers first differ there")
+
+
+class AuditReport(BaseModel):
+    """GET /v1/audit. Shadow requests are the exact twins; they never reach a client."""
+
+    fraction: float = Field(description="the share of affix-technique requests audited (--audit-fraction)")
+    audited: int
+    shadows: int = Field(description="shadow requests queued")
+    shadows_finished: int
+    dropped: int = Field(description="shadows dropped for a user request that waited")
+    skipped: int = Field(description="audits not started: too many waiting")
+    incomplete: int = Field(description="audits given up: the served request was cut short (stop string, client)")
+    shadow_tokens: int = Field(description="answer tokens the shadows generated (not in the users' counters)")
+    shadow_abort: int = Field(description="shadows aborted (dropped, or no longer needed)")
+    shadow_error: int = Field(description="shadows whose device call failed")
+    pending: int = Field(description="audits waiting for room")
+    groups: list[AuditGroup]
+
+
 class AffixSpan(BaseModel):
     """Token positions [start, end) of the prompt (for prompts sent as token ids)."""
 

@@ -15,6 +15,7 @@ import time
 
 import uvicorn
 
+from dllm_jax.audit import AuditConfig
 from dllm_jax.engine import enable_compile_cache
 from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.server import logs
@@ -111,13 +112,15 @@ def serve(
     admission_wait: float = ADMISSION_WAIT,
     log_format: str = "text",
     drain_timeout: float | None = None,
+    audit: AuditConfig | None = None,
 ) -> int:
     """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
     the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
     max_consecutive_faults: failed device calls in a row after which GET /health answers 503. admission_wait: the
     fraction of a block call the next one may be held for new requests to take freed rows. log_format: "text"
     or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log.
-    drain_timeout: seconds a drain may take before it is cut (None: as long as it takes)."""
+    drain_timeout: seconds a drain may take before it is cut (None: as long as it takes). audit: which requests
+    served with an affix technique are also decoded exactly (`dllm_jax.audit`; GET /v1/audit reports it)."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
@@ -132,7 +135,11 @@ def serve(
             raise CompileCacheError(f"cannot use {compile_cache}: {e.strerror or e}") from None
     logs.configure(log_format, verbose=log_level == "info")
     service = EngineService(
-        engine, progress=progress, max_consecutive_faults=max_consecutive_faults, admission_wait=admission_wait
+        engine,
+        progress=progress,
+        max_consecutive_faults=max_consecutive_faults,
+        admission_wait=admission_wait,
+        audit=audit,
     )
     app = create_app(service, settings)
     server = DrainingServer(

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from dllm_jax.audit import SHADOW, AuditConfig, Auditor
 from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.server.settings import ADMISSION_WAIT
@@ -37,7 +38,9 @@ class EngineService:
     fails only its own requests, see Engine; repeated ones mean the device is gone). admission_wait: after a block
     call that finished requests, hold the next call up to this fraction of the last call's seconds for new requests
     to take the freed rows (ends as soon as they are taken): a client that sends its next request on an answer
-    arrives a few ms after the next call started, and would otherwise wait that whole call. 0: never hold."""
+    arrives a few ms after the next call started, and would otherwise wait that whole call. 0: never hold.
+    audit: which requests served with an affix technique are also decoded exactly, in the rows and pages users leave
+    (`dllm_jax.audit`; None: none)."""
 
     def __init__(
         self,
@@ -46,11 +49,13 @@ class EngineService:
         progress: bool = False,
         max_consecutive_faults: int = 3,
         admission_wait: float = ADMISSION_WAIT,
+        audit: AuditConfig | None = None,
     ):
         if not 0 <= admission_wait <= 1:
             raise ValueError(f"admission_wait={admission_wait} must be a fraction of a call in [0, 1]")
         self.engine = engine
         self.admission_wait = admission_wait
+        self.auditor = Auditor(engine, audit or AuditConfig(fraction=0.0))
         # holds of the next call for arrivals: how many, their seconds, the requests they took in
         self.waits = dict(count=0, seconds=0.0, admitted=0)
         self._held_for = collections.deque(maxlen=HOLDS_JUDGED)  # whether each of the latest holds saw an arrival
@@ -182,6 +187,7 @@ class EngineService:
 
     # ---- the thread --------------------------------------------------------------------------------------------
     def _deliver(self, out: BlockOutput) -> None:
+        self.auditor.observe(out)  # first: the record is released below once finished
         loop_stream = self._streams.get(out.request_id)
         if loop_stream is not None:
             loop, stream = loop_stream
@@ -235,6 +241,7 @@ class EngineService:
             loop.call_soon_threadsafe(_settle, done, None, e)
             return
         self._streams[rid] = (loop, stream)
+        self.auditor.consider(self.engine.request(rid), seed)
         loop.call_soon_threadsafe(_settle, done, rid, None)
 
     def _run(self) -> None:
@@ -279,6 +286,8 @@ class EngineService:
 
     def _serve(self) -> None:
         while True:
+            if not self.engine.has_unfinished():
+                self.auditor.admit()  # the users left room: audits waiting for it start
             try:  # wait for work when idle; otherwise take what arrived during the last block, then step
                 item = self._inbox.get(block=not self.engine.has_unfinished())
                 while True:
@@ -291,6 +300,7 @@ class EngineService:
             if not self.engine.has_unfinished():
                 continue
             try:
+                self.auditor.admit()  # shadow requests take only the rows and pages users leave
                 t0 = time.perf_counter()
                 outs = self.engine.step()
                 call_seconds = time.perf_counter() - t0
@@ -300,6 +310,7 @@ class EngineService:
                 for rid in list(self._streams):
                     self.engine.abort(rid)
                 continue
+            outs = [o for o in outs if not o.request_id.startswith(SHADOW)]  # the users' outputs
             tokens = sum(len(o.tokens) for o in outs)
             if tokens:
                 self._rate.append((time.perf_counter(), tokens))

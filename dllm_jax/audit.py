@@ -1,0 +1,253 @@
+"""What the shared-affix techniques cost in answers, measured online: an `Auditor` decodes a fraction of the requests
+served with an affix technique a second time, exactly (no sharing, the dual cache), as a shadow request that no
+client sees, and compares the two answers per affix and per technique setting.
+
+A layer over the engine (like the server; the engine package stays as it is): the loop that drives the engine calls
+`admit` before each step and `observe` with every output of an audited request (`EngineService` does both).
+Shadow requests only take what users leave: one is queued in the engine only when no user request waits and a
+batch row and its pages are free, at most `max_shadows` at once, and every shadow is dropped (aborted: its pages
+freed, counted) as soon as a user request waits. The comparison is between answers decoded in different batches:
+equal by construction in fp32 (the engine's answers equal solo `generate`), while bf16 sums may differ across
+batches at near ties, which an audit counts as disagreement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import OrderedDict
+from typing import Any, Sequence
+
+from dllm_jax.decoding.config import Anchors, NaiveReuse, Shallow
+from dllm_jax.engine.block_manager import affix_key, pages_for
+from dllm_jax.engine.request import BlockOutput, Request
+
+SHADOW = "shadow-"  # the request-id prefix of shadow requests
+WILSON_Z = 1.959963984540054  # the normal quantile of a 95% interval
+
+
+def affix_id(key: str) -> str:
+    """The public id of the affix whose engine key (`block_manager.affix_key`: "<length>:<hash>") is `key`."""
+    return "affix-" + key.replace(":", "-", 1)
+
+
+def wilson(successes: int, n: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% by default); (0, 1) without samples."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))
+
+
+def setting_of(technique: Any, depth: int = 0) -> str:
+    """The technique setting an audit is counted under: "naive", "anchors:<ratio>" or "shallow:<depth>"."""
+    if isinstance(technique, NaiveReuse):
+        return "naive"
+    if isinstance(technique, Anchors):
+        return f"anchors:{technique.ratio:g}"
+    if isinstance(technique, Shallow):
+        return f"shallow:{depth}"
+    raise ValueError(f"not an affix technique: {technique!r}")
+
+
+def compare(served: Sequence[int], exact: Sequence[int], block_length: int) -> tuple[bool, float, int | None]:
+    """(the answers are equal, the share of positions where they agree over the longer one, the first block where
+    they differ or None)."""
+    n = max(len(served), len(exact))
+    same = sum(a == b for a, b in zip(served, exact))
+    first = next((i for i in range(n) if i >= min(len(served), len(exact)) or served[i] != exact[i]), None)
+    return list(served) == list(exact), same / n if n else 1.0, None if first is None else first // block_length
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditConfig:
+    """fraction: of the requests served with an affix technique, the share also decoded exactly (every
+    round(1 / fraction)-th one: deterministic). max_shadows: shadow requests in the engine at once; max_pending:
+    audits waiting for room (more are skipped, counted); max_groups: (affix, setting) rows kept (the least recently
+    audited are dropped beyond it)."""
+
+    fraction: float = 0.02
+    max_shadows: int = 2
+    max_pending: int = 64
+    max_groups: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1:
+            raise ValueError(f"audit fraction={self.fraction} must be in [0, 1]")
+        for name in ("max_shadows", "max_pending", "max_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AuditConfig.{name}={getattr(self, name)} must be positive")
+
+
+@dataclasses.dataclass
+class _Pair:
+    """One audited request: the twin (the user's request) and its shadow, their answers as they arrive."""
+
+    twin: str
+    prompt: list[int]
+    config: Any  # the shadow's GenerationConfig (the twin's, exact)
+    seed: int
+    group: tuple[str, str]  # (affix id, setting)
+    block_length: int
+    served: list[int] | None = None  # the twin's answer tokens once it finished
+    exact: list[int] | None = None
+    shadow: str | None = None  # the shadow's request id once queued in the engine
+    shadow_tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Group:
+    n: int = 0
+    exact: int = 0
+    agreement: float = 0.0  # summed
+    first_divergence: dict[int, int] = dataclasses.field(default_factory=dict)  # block -> count
+
+
+class Auditor:
+    """Audits an engine's affix-technique requests (see the module doc)."""
+
+    def __init__(self, engine, config: AuditConfig | None = None):
+        self.engine, self.config = engine, config or AuditConfig()
+        self._seen = 0  # requests served with an affix technique (the fraction picks among them)
+        self._pairs: dict[str, _Pair] = {}  # by twin id and by shadow id
+        self._pending: list[_Pair] = []  # twins waiting for their shadow to be queued
+        self.groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()
+        self._lock = threading.Lock()  # `report` may run on another thread than the engine's
+        names = "audited shadows shadows_finished shadow_abort shadow_error dropped skipped incomplete shadow_tokens"
+        self.counts = dict.fromkeys(names.split(), 0)
+
+    # ---- the loop's hooks -----------------------------------------------------------------------------------------
+    def consider(self, request: Request, seed: int) -> bool:
+        """A user request was just queued: pick it for an audit (its exact twin is queued when there is room).
+        Returns whether it was picked."""
+        f = self.config.fraction
+        if request.technique is None or f == 0:
+            return False
+        self._seen += 1
+        if math.floor(self._seen * f) == math.floor((self._seen - 1) * f):
+            return False
+        if len(self._pending) >= self.config.max_pending:
+            self.counts["skipped"] += 1
+            return False
+        s, e = request.affix_span
+        cache = dataclasses.replace(request.config.cache, affix=None)
+        pair = _Pair(
+            request.request_id,
+            list(request.prompt),
+            dataclasses.replace(request.config, cache=cache),
+            seed,
+            (affix_id(affix_key(request.prompt[s:e])), setting_of(request.technique, request.depth)),
+            request.block_length,
+        )
+        self._pairs[pair.twin] = pair
+        self._pending.append(pair)
+        return True
+
+    def admit(self) -> None:
+        """Before each engine step: drop every shadow if a user request waits, else queue pending shadows that fit
+        (a batch row and the pages of their whole length free, no user request waiting)."""
+        engine = self.engine
+        users_waiting = any(not r.request_id.startswith(SHADOW) for r in engine.scheduler.waiting)
+        active = {p.shadow: p for p in self._pairs.values() if p.shadow is not None and p.exact is None}
+        if users_waiting:
+            for shadow in list(active):
+                engine.abort(shadow)  # its final output (abort) reaches `observe`
+            return
+        bm = engine.block_manager
+        while self._pending and len(active) < self.config.max_shadows and engine.open_rows() > 0:
+            pair = self._pending[0]
+            need = pages_for(len(pair.prompt) + pair.config.schedule.gen_length, bm.page_size)
+            if need > bm.num_free_pages:
+                return
+            self._pending.pop(0)
+            pair.shadow = f"{SHADOW}{pair.twin}"
+            try:
+                engine.add_request(
+                    pair.prompt, pair.config, affix=None, seed=pair.seed, request_id=pair.shadow, on_block=self.observe
+                )
+            except Exception:  # noqa: BLE001  (e.g. the id in use): this audit is given up, users are unaffected
+                self._forget(pair, "skipped")
+                continue
+            self._pairs[pair.shadow] = pair
+            self.counts["shadows"] += 1
+            active[pair.shadow] = pair
+
+    def observe(self, out: BlockOutput) -> None:
+        """An output of an audited twin or of a shadow (others are ignored)."""
+        pair = self._pairs.get(out.request_id)
+        if pair is None:
+            return
+        if out.request_id == pair.shadow:
+            pair.shadow_tokens += out.tokens
+            self.counts["shadow_tokens"] += len(out.tokens)
+            if out.finished:
+                self.engine.release(pair.shadow)
+                if out.finish_reason in ("stop", "length"):
+                    self.counts["shadows_finished"] += 1
+                    pair.exact = pair.shadow_tokens
+                else:  # dropped for a waiting user request (or failed): this audit is given up
+                    self.counts["shadow_error" if out.finish_reason == "error" else "shadow_abort"] += 1
+                    self._forget(pair, "dropped")
+                    return
+        elif out.finished:
+            if out.finish_reason not in ("stop", "length"):  # cut short (a stop string, the client left, a fault)
+                self._forget(pair, "incomplete")
+                return
+            record = self.engine.request(out.request_id)
+            pair.served = record.answer(tuple(record.config.stop_token_ids(self.engine.model.config)))
+        if pair.served is not None and pair.exact is not None:
+            self._count(pair)
+
+    # ---- results --------------------------------------------------------------------------------------------------
+    def _count(self, pair: _Pair) -> None:
+        equal, agreement, first = compare(pair.served, pair.exact, pair.block_length)
+        with self._lock:
+            g = self.groups.pop(pair.group, None) or _Group()
+            g.n, g.exact, g.agreement = g.n + 1, g.exact + equal, g.agreement + agreement
+            if first is not None:
+                g.first_divergence[first] = g.first_divergence.get(first, 0) + 1
+            self.groups[pair.group] = g  # the most recently audited last
+            while len(self.groups) > self.config.max_groups:
+                self.groups.popitem(last=False)
+        self.counts["audited"] += 1
+        self._forget(pair, None)
+
+    def _forget(self, pair: _Pair, outcome: str | None) -> None:
+        if outcome is not None:
+            self.counts[outcome] += 1
+        if pair in self._pending:
+            self._pending.remove(pair)
+        self._pairs.pop(pair.twin, None)
+        if pair.shadow is not None:
+            self._pairs.pop(pair.shadow, None)
+            if pair.exact is None and outcome is not None:  # still decoding, or just aborted: no longer needed
+                if self.engine.abort(pair.shadow):
+                    self.counts["shadow_abort"] += 1
+                self.engine.release(pair.shadow)
+
+    def report(self) -> dict:
+        """Per affix and setting: audited requests, exact matches with their 95% Wilson interval, the mean share of
+        agreeing tokens and the first diverging block's counts; and the audit's own counts."""
+        rows = []
+        with self._lock:
+            groups = [
+                (key, dataclasses.replace(g, first_divergence=dict(g.first_divergence)))
+                for key, g in self.groups.items()
+            ]
+        for (affix, setting), g in groups:
+            low, high = wilson(g.exact, g.n)
+            rows.append(
+                dict(
+                    affix=affix,
+                    setting=setting,
+                    requests=g.n,
+                    exact_matches=g.exact,
+                    exact_match_rate=g.exact / g.n,
+                    exact_match_interval=[round(low, 4), round(high, 4)],
+                    mean_token_agreement=round(g.agreement / g.n, 4),
+                    first_divergence={str(k): v for k, v in sorted(g.first_divergence.items())},
+                )
+            )
+        return dict(fraction=self.config.fraction, **self.counts, pending=len(self._pending), groups=rows)

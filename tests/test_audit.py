@@ -1,0 +1,120 @@
+"""The audit (`dllm_jax.audit`): shadow requests decode audited requests exactly, in the rows and pages users leave,
+and the comparison counts what each technique costs in answers, per affix and setting."""
+
+import numpy as np
+import pytest
+
+import dllm_jax
+from dllm_jax import GenerationConfig, answer_tokens, generate
+from dllm_jax.audit import SHADOW, AuditConfig, Auditor, affix_id, compare, wilson
+from dllm_jax.decoding.caches import acache
+from dllm_jax.engine import Engine, EngineConfig
+from dllm_jax.engine.block_manager import affix_key
+
+DOC = (
+    "document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
+    "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 ."
+)
+KEYS = ["rabbit", "feather", "yogurt", "wizard", "bottle", "compass"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dllm_jax.load(dtype="float32")  # fp32: the engine's answers equal solo generate's bit for bit
+
+
+def opts(**kw):
+    return GenerationConfig.from_options(gen_length=8, block_length=4, steps=8, cache="dual", **kw)
+
+
+def drive(engine: Engine, auditor: Auditor, items, arrivals=None) -> list[str]:
+    """What EngineService does around the engine: every user request considered for an audit and its outputs
+    observed, `admit` before each step. items: (prompt, config, span); arrivals: {step: items added then}."""
+    ids = []
+
+    def add(prompt, config, span):
+        rid = engine.add_request(prompt, config, affix=span, on_block=auditor.observe)
+        auditor.consider(engine.request(rid), 0)
+        ids.append(rid)
+
+    for item in items:
+        add(*item)
+    arrivals, step = arrivals or {}, 0
+    while True:
+        for item in arrivals.get(step, []):
+            add(*item)
+        auditor.admit()
+        if not engine.has_unfinished() and step >= max(arrivals, default=0):
+            return ids
+        engine.step()
+        step += 1
+
+
+def test_wilson_interval_and_answer_comparison():
+    low, high = wilson(75, 75)
+    assert 0.951 < low < 0.952 and high == 1.0  # 75 samples that all agree bound the rate at 0.95
+    low, high = wilson(10, 20)
+    assert low == pytest.approx(0.2993, abs=1e-4) and high == pytest.approx(0.7007, abs=1e-4)
+    assert wilson(0, 0) == (0.0, 1.0)
+    assert compare([1, 2, 3], [1, 2, 3], 2) == (True, 1.0, None)
+    assert compare([1, 2, 3, 4], [1, 2, 5, 4], 2) == (False, 0.75, 1)
+    assert compare([1, 2], [1, 2, 7, 7], 2) == (False, 0.5, 1)  # one answer ended earlier: the rest disagrees
+    assert compare([], [], 4) == (True, 1.0, None)
+    with pytest.raises(ValueError, match="fraction"):
+        AuditConfig(fraction=1.5)
+
+
+def test_the_audit_counts_what_each_technique_costs(model):
+    """Every request audited (fraction 1): at ratio 1 (exact) every audit agrees; with naive reuse of the lookup
+    document the agreement is what an offline comparison of the same requests with solo `generate` finds."""
+    tok = model.tokenizer
+    doc = tok.encode(DOC)
+    prompts = [tok.encode(f"{DOC} question : what is the code of {k} ? reply with the digits .") for k in KEYS]
+    span = (0, len(doc))
+    naive, exact_ratio = opts(affix="naive"), opts(affix="anchors", anchor_ratio=1.0)
+    engine = Engine(model, EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128, block_lengths=(4,)))
+    auditor = Auditor(engine, AuditConfig(fraction=1.0, max_shadows=4))
+    ids = drive(engine, auditor, [(p, c, span) for c in (naive, exact_ratio) for p in prompts])
+    report = auditor.report()
+    assert report["audited"] == report["shadows"] == len(ids) == 12 and report["dropped"] == 0
+    groups = {g["setting"]: g for g in report["groups"]}
+    assert set(groups) == {"naive", "anchors:1"} and {g["affix"] for g in groups.values()} == {affix_id(affix_key(doc))}
+    assert groups["anchors:1"]["exact_matches"] == 6 and groups["anchors:1"]["mean_token_agreement"] == 1.0
+    # offline: each request decoded alone, with the document's stored K/V (naive) and exactly
+    shared = acache.build_shared_affix(model.params, model.config, doc)
+    agree = []
+    for p in prompts:
+        served = generate(model, [p], naive, shared_affix=shared, affix_spans=[span])
+        exact = generate(model, [p], opts())
+        agree.append(answer_tokens(served.tokens, model.config)[0] == answer_tokens(exact.tokens, model.config)[0])
+    assert groups["naive"]["exact_matches"] == sum(agree) < 6  # naive reuse fails some lookups on this model
+    assert groups["naive"]["exact_match_rate"] == pytest.approx(np.mean(agree))
+    low, high = groups["naive"]["exact_match_interval"]
+    assert low <= np.mean(agree) <= high
+    assert engine.block_manager.num_used_pages == 0 and not engine.has_unfinished()
+
+
+def test_shadows_take_only_what_users_leave(model):
+    """One batch row: the shadow runs only once the user request finished, and is dropped (aborted, pages freed,
+    counted) the step a new user request would wait behind it; that request's answer is its solo answer."""
+    tok = model.tokenizer
+    doc = tok.encode(DOC)
+    first, later = (tok.encode(f"{DOC} question : what is the code of {k} ? reply with the digits .") for k in KEYS[:2])
+    config = opts(affix="naive")
+    engine = Engine(model, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20, max_model_len=128, block_lengths=(4,)))
+    auditor = Auditor(engine, AuditConfig(fraction=1.0))
+    span = (0, len(doc))
+    # the first request takes 2 steps (2 blocks); its shadow is queued before step 2 and runs there; the later
+    # request arrives before step 3: the shadow (one block left) is dropped for it
+    ids = drive(engine, auditor, [(first, config, span)], arrivals={3: [(later, opts(), None)]})
+    report = auditor.report()
+    assert report["shadows"] == 1 and report["dropped"] == 1 and report["shadow_abort"] == 1
+    assert report["audited"] == 0 and report["groups"] == []
+    assert engine.stats()["requests"] == 3  # two users and one shadow, which the server's metrics subtract
+    assert (
+        engine.request(ids[1]).answer(tuple(config.stop_token_ids(model.config)))
+        == answer_tokens(generate(model, [later], opts()).tokens, model.config)[0]
+    )
+    assert engine.block_manager.num_used_pages == 0
+    with pytest.raises(KeyError):
+        engine.request(f"{SHADOW}{ids[0]}")  # its record released
