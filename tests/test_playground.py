@@ -12,7 +12,8 @@ import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # --block-lengths 2 8: the bundled model's answers are 3 tokens, so blocks of 2 show an answer over several blocks
-FLAGS = ("--max-batch", "1", "--max-model-len", "128", "--block-lengths", "2", "8")
+# --audit-fraction 1: the page's request is audited, and the page shows the audit's figures
+FLAGS = ("--max-batch", "1", "--max-model-len", "128", "--block-lengths", "2", "8", "--audit-fraction", "1")
 
 # each block row: its index, whether its replay ended, and per token (commit step, shown yet)
 READ_BLOCKS = """() => [...document.querySelectorAll('#answer .block-row')].map((row) => ({
@@ -63,6 +64,9 @@ def test_the_page_replays_each_block_in_commit_order_and_marks_the_anchors(serve
             time.sleep(0.02)
         assert page.get_attribute("#status", "data-state") == "done", page.text_content("#status")
         final = page.evaluate(READ_BLOCKS)
+        # the audit's row for this request's affix and setting, once its exact twin ran (the page polls every 3 s)
+        page.wait_for_function("document.querySelectorAll('#audit tr').length > 0", timeout=20_000)
+        audit_row = page.text_content("#audit tr")
         page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
         text = page.text_content("#text")
         anchors = page.locator("#prompt .tok.anchor").count()
@@ -94,6 +98,9 @@ def test_the_page_replays_each_block_in_commit_order_and_marks_the_anchors(serve
     assert affix == trace["affix_span"][1] - trace["affix_span"][0] > 0
     assert anchors == len(trace["anchors"]) > 0
     assert counters >= 8  # the server's counters, read from /metrics
+    audit = httpx.get(f"{served}/v1/audit", timeout=10).json()["groups"][0]
+    assert audit["setting"] == "anchors:0.2" and audit_row.startswith("anchors:0.2")
+    assert f"{audit['exact_matches']}/{audit['requests']}" in audit_row
     # the screenshot shows the page: far from one flat colour
     import matplotlib.image
 

@@ -203,8 +203,28 @@ async function poll() {
       row.insertCell().textContent = values[name].toFixed(digits || 0);
       row.title = name;
     }
+    const headers = S.api_key ? { Authorization: `Bearer ${$("api-key").value}` } : {};
+    showAudit(await fetch("/v1/audit", { headers }).then((r) => (r.ok ? r.json() : null)));
   } catch (e) {
     $("ready").textContent = "unreachable";
+  }
+}
+
+// The audit's figures per affix and setting (GET /v1/audit): how often the served answer equals the exact one.
+function showAudit(audit) {
+  const table = $("audit"), note = $("audit-note");
+  table.replaceChildren();
+  if (!audit) { note.textContent = "unavailable (the API key?)"; return; }
+  if (!audit.fraction) { note.textContent = "off (dllm-jax serve --audit-fraction)"; return; }
+  note.textContent = `${(100 * audit.fraction).toFixed(0)}% of the requests that share an affix are audited; ` +
+    `${audit.audited} compared, ${audit.pending} waiting for room, ${audit.dropped} dropped for users`;
+  for (const g of audit.groups.slice(-6).reverse()) {
+    const row = table.insertRow();
+    row.insertCell().textContent = `${g.setting} · ${g.affix.slice(0, 14)}…`;
+    row.insertCell().textContent = `${g.exact_matches}/${g.requests}`;
+    const [low, high] = g.exact_match_interval.map((v) => (100 * v).toFixed(0));
+    row.insertCell().textContent = `${(100 * g.exact_match_rate).toFixed(0)}% [${low}–${high}]`;
+    row.title = `${g.affix}: exact-match rate with its 95% Wilson interval; mean token agreement ${g.mean_token_agreement}`;
   }
 }
 
