@@ -81,20 +81,105 @@ class AuditConfig:
                 raise ValueError(f"AuditConfig.{name}={getattr(self, name)} must be positive")
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrationConfig:
+    """anchor_ratio="auto" (`Calibrator`): the ACache ratios tried (1, exact, is the fallback) and the agreement
+    target (the share of answers equal to the exact ones)."""
+
+    ladder: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.5)
+    target: float = 0.95
+    max_affixes: int = 256  # calibrations kept (the least recently used are forgotten beyond it)
+
+    def __post_init__(self) -> None:
+        if not self.ladder or any(not 0 <= r < 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
+            raise ValueError(f"calibration ladder={self.ladder}: increasing ratios in [0, 1)")
+        if not 0 < self.target <= 1:
+            raise ValueError(f"agreement target={self.target} must be in (0, 1]")
+        if self.max_affixes < 1:
+            raise ValueError("max_affixes must be positive")
+
+
+class Calibrator:
+    """The ratio an affix is served at under anchor_ratio="auto", from comparisons with exact answers.
+
+    The rule. From counts of comparisons at a ratio r, r is *accepted* when the 95% Wilson lower bound of the
+    exact-match rate is at least the target and *rejected* when the upper bound is below it. For affix A, its own
+    counts decide when they do; otherwise the counts pooled over every affix at r do (a prior: a new affix starts
+    from what the others showed). A is served at its smallest accepted ratio. With none accepted, A's request is
+    served exactly (ratio 1) and a shadow decodes it at the smallest ratio neither accepted nor rejected (a
+    calibration sample); with every ratio rejected, A is served exactly. Every request served at a ratio A's own
+    counts do not decide yet is audited, so a ratio accepted on the prior, or one whose agreement falls, is
+    rejected by A's own counts and A moves up the ladder. (All n comparisons agreeing bound the rate at
+    n / (n + 3.84): 73 of them accept a ratio on their own at the target 0.95.)"""
+
+    def __init__(self, config: CalibrationConfig | None = None):
+        self.config = config or CalibrationConfig()
+        self.own: OrderedDict[str, dict[float, list[int]]] = OrderedDict()  # key -> ratio -> [agree, n]
+        self.pooled: dict[float, list[int]] = {r: [0, 0] for r in self.config.ladder}
+
+    def _judge(self, agree: int, n: int) -> bool | None:
+        low, high = wilson(agree, n)
+        return True if low >= self.config.target else False if high < self.config.target else None
+
+    def own_verdict(self, key: str, r: float) -> bool | None:
+        return self._judge(*self.own.get(key, {}).get(r, [0, 0]))
+
+    def verdict(self, key: str, r: float) -> bool | None:
+        """True: accepted, False: rejected, None: undecided (A's own counts if they decide, else the pooled)."""
+        own = self.own_verdict(key, r)
+        return own if own is not None else self._judge(*self.pooled[r])
+
+    def decide(self, key: str) -> tuple[float, float | None]:
+        """(the ratio to serve A's request at, the ratio to calibrate at with a shadow, or None)."""
+        if key in self.own:
+            self.own.move_to_end(key)
+        verdicts = [(r, self.verdict(key, r)) for r in self.config.ladder]
+        accepted = [r for r, v in verdicts if v]
+        if accepted:
+            return accepted[0], None
+        open_ratios = [r for r, v in verdicts if v is None]
+        return 1.0, open_ratios[0] if open_ratios else None
+
+    def needs_audit(self, key: str, r: float) -> bool:
+        """Whether a request served at r is audited beyond the fraction: A's own counts do not decide r yet."""
+        return r < 1 and self.own_verdict(key, r) is None
+
+    def record(self, key: str, r: float, agrees: bool) -> None:
+        counts = self.own.setdefault(key, {}).setdefault(r, [0, 0])
+        counts[0], counts[1] = counts[0] + agrees, counts[1] + 1
+        self.pooled[r][0] += agrees
+        self.pooled[r][1] += 1
+        self.own.move_to_end(key)
+        while len(self.own) > self.config.max_affixes:
+            self.own.popitem(last=False)
+
+    def report(self) -> list[dict]:
+        rows = []
+        for key, per_ratio in list(self.own.items()):
+            served, calibrating = self.decide(key)
+            counts = {f"{r:g}": {"agree": a, "n": n} for r, (a, n) in sorted(per_ratio.items())}
+            rows.append(dict(affix=affix_id(key), ratio=served, calibrating_at=calibrating, samples=counts))
+        return rows
+
+
 @dataclasses.dataclass
 class _Pair:
-    """One audited request: the twin (the user's request) and its shadow, their answers as they arrive."""
+    """One audited request: the twin (the user's request) and its shadow, their answers as they arrive. Usually the
+    shadow is exact; a calibration sample's shadow is the approximate one (the user is served exactly)."""
 
     twin: str
     prompt: list[int]
-    config: Any  # the shadow's GenerationConfig (the twin's, exact)
+    config: Any  # the shadow's GenerationConfig
     seed: int
     group: tuple[str, str]  # (affix id, setting)
     block_length: int
-    served: list[int] | None = None  # the twin's answer tokens once it finished
+    served: list[int] | None = None  # the approximate answer's tokens once finished
     exact: list[int] | None = None
     shadow: str | None = None  # the shadow's request id once queued in the engine
     shadow_tokens: list[int] = dataclasses.field(default_factory=list)
+    shadow_exact: bool = True
+    shadow_affix: Any = None  # the shadow's affix argument (None: exact; a span for a calibration sample)
+    calibration: tuple[str, float] | None = None  # (affix key, ratio): what the comparison tells the calibrator
 
 
 @dataclasses.dataclass
@@ -108,8 +193,9 @@ class _Group:
 class Auditor:
     """Audits an engine's affix-technique requests (see the module doc)."""
 
-    def __init__(self, engine, config: AuditConfig | None = None):
+    def __init__(self, engine, config: AuditConfig | None = None, calibration: CalibrationConfig | None = None):
         self.engine, self.config = engine, config or AuditConfig()
+        self.calibrator = Calibrator(calibration)
         self._seen = 0  # requests served with an affix technique (the fraction picks among them)
         self._pairs: dict[str, _Pair] = {}  # by twin id and by shadow id
         self._pending: list[_Pair] = []  # twins waiting for their shadow to be queued
@@ -119,27 +205,41 @@ class Auditor:
         self.counts = dict.fromkeys(names.split(), 0)
 
     # ---- the loop's hooks -----------------------------------------------------------------------------------------
-    def consider(self, request: Request, seed: int) -> bool:
+    def consider(self, request: Request, seed: int, calibrate: float | None = None, auto: bool = False) -> bool:
         """A user request was just queued: pick it for an audit (its exact twin is queued when there is room).
-        Returns whether it was picked."""
+        calibrate: the request is served exactly for anchor_ratio="auto": its shadow decodes it at this ratio (a
+        calibration sample, always taken). auto: it is served at the ratio the calibrator chose (audited beyond
+        the fraction while its affix has few samples there). Returns whether it was picked."""
         f = self.config.fraction
-        if request.technique is None or f == 0:
+        if request.technique is None and calibrate is None:
             return False
-        self._seen += 1
-        if math.floor(self._seen * f) == math.floor((self._seen - 1) * f):
-            return False
+        s, e = request.affix_span
+        key = affix_key(request.prompt[s:e])
+        ratio = request.technique.ratio if auto and isinstance(request.technique, Anchors) else None
+        ratio = ratio if ratio in self.calibrator.config.ladder else None  # 1: served exactly, nothing to calibrate
+        forced = calibrate is not None or (ratio is not None and self.calibrator.needs_audit(key, ratio))
+        if not forced:
+            if f == 0:
+                return False
+            self._seen += 1
+            if math.floor(self._seen * f) == math.floor((self._seen - 1) * f):
+                return False
         if len(self._pending) >= self.config.max_pending:
             self.counts["skipped"] += 1
             return False
-        s, e = request.affix_span
-        cache = dataclasses.replace(request.config.cache, affix=None)
+        technique = Anchors(calibrate) if calibrate is not None else None
+        cache = dataclasses.replace(request.config.cache, affix=technique)
+        setting = setting_of(technique or request.technique, request.depth)
         pair = _Pair(
             request.request_id,
             list(request.prompt),
             dataclasses.replace(request.config, cache=cache),
             seed,
-            (affix_id(affix_key(request.prompt[s:e])), setting_of(request.technique, request.depth)),
+            (affix_id(key), setting),
             request.block_length,
+            shadow_exact=calibrate is None,
+            shadow_affix=None if calibrate is None else (s, e),
+            calibration=(key, calibrate) if calibrate is not None else (key, ratio) if ratio is not None else None,
         )
         self._pairs[pair.twin] = pair
         self._pending.append(pair)
@@ -165,7 +265,12 @@ class Auditor:
             pair.shadow = f"{SHADOW}{pair.twin}"
             try:
                 engine.add_request(
-                    pair.prompt, pair.config, affix=None, seed=pair.seed, request_id=pair.shadow, on_block=self.observe
+                    pair.prompt,
+                    pair.config,
+                    affix=pair.shadow_affix,
+                    seed=pair.seed,
+                    request_id=pair.shadow,
+                    on_block=self.observe,
                 )
             except Exception:  # noqa: BLE001  (e.g. the id in use): this audit is given up, users are unaffected
                 self._forget(pair, "skipped")
@@ -186,7 +291,10 @@ class Auditor:
                 self.engine.release(pair.shadow)
                 if out.finish_reason in ("stop", "length"):
                     self.counts["shadows_finished"] += 1
-                    pair.exact = pair.shadow_tokens
+                    if pair.shadow_exact:
+                        pair.exact = pair.shadow_tokens
+                    else:
+                        pair.served = pair.shadow_tokens
                 else:  # dropped for a waiting user request (or failed): this audit is given up
                     self.counts["shadow_error" if out.finish_reason == "error" else "shadow_abort"] += 1
                     self._forget(pair, "dropped")
@@ -196,7 +304,11 @@ class Auditor:
                 self._forget(pair, "incomplete")
                 return
             record = self.engine.request(out.request_id)
-            pair.served = record.answer(tuple(record.config.stop_token_ids(self.engine.model.config)))
+            answer = record.answer(tuple(record.config.stop_token_ids(self.engine.model.config)))
+            if pair.shadow_exact:
+                pair.served = answer
+            else:
+                pair.exact = answer
         if pair.served is not None and pair.exact is not None:
             self._count(pair)
 
@@ -204,6 +316,8 @@ class Auditor:
     def _count(self, pair: _Pair) -> None:
         equal, agreement, first = compare(pair.served, pair.exact, pair.block_length)
         with self._lock:
+            if pair.calibration is not None:
+                self.calibrator.record(*pair.calibration, equal)
             g = self.groups.pop(pair.group, None) or _Group()
             g.n, g.exact, g.agreement = g.n + 1, g.exact + equal, g.agreement + agreement
             if first is not None:
@@ -250,4 +364,20 @@ class Auditor:
                     first_divergence={str(k): v for k, v in sorted(g.first_divergence.items())},
                 )
             )
-        return dict(fraction=self.config.fraction, **self.counts, pending=len(self._pending), groups=rows)
+        with self._lock:
+            calibration = self.calibrator.report()
+        return dict(
+            fraction=self.config.fraction,
+            **self.counts,
+            pending=len(self._pending),
+            groups=rows,
+            target=self.calibrator.config.target,
+            calibration=calibration,
+        )
+
+    def resolve_auto(self, request: Request) -> tuple[float, float | None]:
+        """anchor_ratio="auto" for a planned request (its affix span resolved): (the ratio to serve it at, the
+        ratio its calibration shadow decodes at, or None)."""
+        s, e = request.affix_span
+        with self._lock:
+            return self.calibrator.decide(affix_key(request.prompt[s:e]))

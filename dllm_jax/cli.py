@@ -59,6 +59,13 @@ probability = _checked(float, lambda v: not 0.0 < v <= 1.0, "in (0, 1]")
 non_negative = _checked(float, lambda v: v < 0, ">= 0")
 positive = _checked(float, lambda v: not v > 0, "positive")
 unit_interval = _checked(float, lambda v: not 0.0 <= v <= 1.0, "in [0, 1]")
+
+
+def ratio_or_auto(text: str) -> float | str:
+    """An anchor ratio in [0, 1], or "auto"."""
+    return "auto" if text == "auto" else unit_interval(text)
+
+
 non_negative_int = _checked(int, lambda v: v < 0, ">= 0")
 
 
@@ -253,7 +260,7 @@ def config_error(e: ValueError) -> UsageError:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from dllm_jax.audit import AuditConfig
+    from dllm_jax.audit import AuditConfig, CalibrationConfig
     from dllm_jax.engine.engine import KVBudgetError
     from dllm_jax.server.run import CompileCacheError, serve
     from dllm_jax.server.settings import ServeSettings
@@ -289,6 +296,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log_format=args.log_format,
             drain_timeout=args.drain_timeout,
             audit=AuditConfig(fraction=args.audit_fraction),
+            calibration=CalibrationConfig(target=args.agreement_target),
         )
     except KVBudgetError as e:
         raise UsageError(f"argument --kv-budget-gib: {e}") from None
@@ -506,9 +514,18 @@ def build_parser() -> Parser:
     )
     v.add_argument(
         "--anchor-ratio",
-        type=unit_interval,
+        type=ratio_or_auto,
         default=default_of(ServeSettings, "anchor_ratio"),
-        help="default ACache anchor ratio: the share of the affix recomputed in each request's context (0..1)",
+        help="default ACache anchor ratio: the share of the affix recomputed in each request's context (0..1), or "
+        "auto: per affix, the smallest ratio whose answers agree with exact ones at --agreement-target (calibrated "
+        "online from shadow requests; exact while it calibrates)",
+    )
+    v.add_argument(
+        "--agreement-target",
+        type=_checked(float, lambda v: not 0.0 < v <= 1.0, "in (0, 1]"),
+        default=0.95,
+        metavar="SHARE",
+        help="anchor ratio auto: the share of answers that must equal the exact ones (default 0.95)",
     )
     v.add_argument(
         "--shallow-depth",

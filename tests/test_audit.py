@@ -118,3 +118,74 @@ def test_shadows_take_only_what_users_leave(model):
     assert engine.block_manager.num_used_pages == 0
     with pytest.raises(KeyError):
         engine.request(f"{SHADOW}{ids[0]}")  # its record released
+
+
+RULES = "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ; 4 3 4 -> 5 6 5 ; 0 4 1 -> 9 5 8 ;"
+
+
+def test_auto_ratio_calibrates_per_affix(model):
+    """anchor_ratio "auto" through the server's engine thread: while an affix calibrates its requests are served
+    exactly and shadows decode them at the ladder's ratios; the affix where reuse is harmless (the digit rule) ends
+    at a low ratio, the one where it fails (lookups: naive reuse of the document breaks them) at a higher one or
+    exact; afterwards, held-out requests served at the chosen ratios agree with the exact answers at the target."""
+    import asyncio
+
+    from dllm_jax.audit import CalibrationConfig
+    from dllm_jax.server import EngineService
+
+    tok, rng = model.tokenizer, np.random.default_rng(0)
+    cal = CalibrationConfig(ladder=(0.0, 0.2, 0.5), target=0.75)  # 12 of 12 agreeing accept a ratio: 12 / 15.84
+    engine = Engine(model, EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128))
+    service = EngineService(engine, warmup=False, audit=AuditConfig(fraction=0.0, max_shadows=4), calibration=cal)
+    service.start()
+    config = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual", affix="anchors")
+
+    def rule(digits):
+        p = model.encode_chat(f"{RULES} input : {' '.join(map(str, digits))} what does the rule give ?")
+        r = tok.encode(RULES)
+        at = next(i for i in range(len(p)) if p[i : i + len(r)] == r)
+        return p, (at, at + len(r))
+
+    def lookup(key):
+        p, d = (
+            model.encode_chat(f"{DOC} question : what is the code of {key} ? reply with the digits ."),
+            tok.encode(DOC),
+        )
+        at = next(i for i in range(len(p)) if p[i : i + len(d)] == d)
+        return p, (at, at + len(d))
+
+    async def answer(prompt, span, auto=True, technique=config):
+        _, stream = await service.submit(prompt, technique, span, 0, auto_ratio=auto)
+        tokens = []
+        while not (out := await stream.get()).finished:
+            tokens += out.tokens
+        return tokens + out.tokens
+
+    async def wave(items, **kw):
+        got = await asyncio.gather(*[answer(p, s, **kw) for p, s in items])
+        for _ in range(600):  # the shadows run once the users left room
+            if service.auditor.report()["pending"] == 0 and not engine.has_unfinished():
+                break
+            await asyncio.sleep(0.05)
+        return got
+
+    async def main():
+        for _ in range(7):
+            await wave([rule(rng.integers(0, 10, 3)) for _ in range(3)] + [lookup(KEYS[int(rng.integers(6))])])
+        chosen = {row["affix"]: row for row in service.auditor.report()["calibration"]}
+        rules_id, doc_id = (affix_id(affix_key(tok.encode(t))) for t in (RULES, DOC))
+        assert chosen[rules_id]["ratio"] <= 0.2, chosen[rules_id]
+        assert chosen[doc_id]["ratio"] > chosen[rules_id]["ratio"], chosen
+        held_out = [rule(rng.integers(0, 10, 3)) for _ in range(6)] + [lookup(k) for k in KEYS[:3]]
+        served = await wave(held_out)
+        ratio_one = GenerationConfig.from_options(
+            gen_length=8, block_length=8, steps=8, cache="dual", affix="anchors", anchor_ratio=1.0
+        )
+        exact = await wave(held_out, auto=False, technique=ratio_one)
+        return np.mean([a == b for a, b in zip(served, exact)])
+
+    try:
+        agreement = asyncio.run(main())
+    finally:
+        service.stop()
+    assert agreement >= 0.75

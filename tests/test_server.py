@@ -322,6 +322,15 @@ def test_the_audit_through_the_server_never_reaches_a_client(server, model):
         assert audited.metric(f"dllm_jax_audit_requests_total{labels}") == 4
         assert audited.metric(f"dllm_jax_audit_exact_matches_total{labels}") == group["exact_matches"]
         assert httpx.get(f"{server.url}/v1/audit", timeout=10).json()["fraction"] == 0.0  # off: nothing audited
+        # anchor_ratio "auto": a new affix is served exactly while a shadow decodes it at the ladder's first ratio
+        auto = {**bodies[0], "affix_technique": "anchors", "anchor_ratio": "auto"}
+        exact = _post(audited, "/v1/completions", {**auto, "affix": "none"}).json()["choices"][0]["text"]
+        assert _post(audited, "/v1/completions", auto).json()["choices"][0]["text"] == exact
+        while not (calibration := httpx.get(f"{audited.url}/v1/audit", timeout=10).json()["calibration"]):
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert calibration[0]["affix"] == doc_id and calibration[0]["samples"]["0"]["n"] == 1
+        assert audited.metric(f'dllm_jax_audit_auto_ratio{{affix="{doc_id}"}}') == calibration[0]["ratio"]
     finally:
         audited.close()
 
@@ -338,6 +347,7 @@ def _settings(gen, block, steps):
         ({"model": NAME, "prompt": "x", "stepz": 4}, 400, None, None),
         ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
         ({"model": NAME, "prompt": "x", "return_commit_steps": 1}, 400, "return_commit_steps", None),  # no 1 for true
+        ({"model": NAME, "prompt": "x", "anchor_ratio": "sometimes"}, 400, "anchor_ratio", None),
         ({"model": NAME, "prompt": "x", "max_tokens": 8, "block_length": 3, "steps": 4}, 400, "steps", None),
         ({"model": NAME, "prompt": ""}, 400, "prompt", None),
         ({"model": NAME, "messages": []}, 400, "messages", None),

@@ -344,7 +344,13 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         try:
             timeout = req.timeout or settings.request_timeout
             return await service.submit(
-                prompt, config, affix, req.seed or 0, timeout, request_id=request.state.request_id
+                prompt,
+                config,
+                affix,
+                req.seed or 0,
+                timeout,
+                request_id=request.state.request_id,
+                auto_ratio=_auto_ratio(req, settings),
             )
         except QueueFull as e:
             raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
@@ -527,7 +533,7 @@ def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationC
             threshold=req.threshold,
             cache="dual",
             affix=technique,
-            anchor_ratio=s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio,
+            anchor_ratio=1.0 if _auto_ratio(req, s) else _given(req.anchor_ratio, s.anchor_ratio),
             **({"shallow_depth": depth} if technique == "shallow" else {}),
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=req.top_p,
@@ -537,6 +543,18 @@ def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationC
         param = next((f for f in fields if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
     return config, max_tokens
+
+
+def _given(value, default):
+    """A request's field, else the server's default; "auto" where ACache is not the technique is any valid ratio."""
+    value = default if value is None else value
+    return 0.2 if value == "auto" else value
+
+
+def _auto_ratio(req: Diffusion, s: ServeSettings) -> bool:
+    """Whether ACache's ratio is calibrated per affix (anchor_ratio "auto", the request's or the server's)."""
+    technique = req.affix_technique or s.affix_technique
+    return technique == "anchors" and (s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio) == "auto"
 
 
 def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, AffixHandle]) -> Any:

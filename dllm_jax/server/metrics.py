@@ -124,4 +124,9 @@ def _audit_families(audit: dict):
         requests.add_metric(at, g["requests"])
         exact.add_metric(at, g["exact_matches"])
         agreement.add_metric(at, g["mean_token_agreement"])
-    yield from (requests, exact, agreement)
+    ratio = GaugeMetricFamily(
+        "dllm_jax_audit_auto_ratio", 'The ratio anchor_ratio "auto" serves each affix at (1: exact)', labels=["affix"]
+    )
+    for row in audit["calibration"]:
+        ratio.add_metric([row["affix"]], row["ratio"])
+    yield from (requests, exact, agreement, ratio)

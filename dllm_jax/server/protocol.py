@@ -7,7 +7,9 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   threshold        Fast-dLLM parallel decoding: commit every token at least this confident (then steps is ignored)
   affix_technique  "none" (exact: the dual cache), "naive", "anchors" (ACache) or "shallow" (BiCache): how a
                    shared affix is reused
-  anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact)
+  anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact), or "auto": the
+                   smallest ratio whose answers agree with the exact ones at the server's target, per affix
+                   (calibrated online: see `dllm_jax.audit.Calibrator`; exact while it calibrates)
   shallow_depth    BiCache's depth: the affix's stored K/V serve the layers below it (0 = exact); default: the
                    published table for LLaDA-8B / Dream-7B shapes (other models must set it)
   timeout          seconds after which the request ends unfinished with a 504 (default: --request-timeout)
@@ -110,6 +112,15 @@ class AuditGroup(BaseModel):
     first_divergence: dict[str, int] = Field(description="block index -> audits whose answers first differ there")
 
 
+class Calibration(BaseModel):
+    """anchor_ratio "auto" for one affix (`dllm_jax.audit.Calibrator` states the rule)."""
+
+    affix: str
+    ratio: float = Field(description="the ratio its requests are served at now (1: exactly, while it calibrates)")
+    calibrating_at: float | None = Field(None, description="the ratio its calibration shadows decode at")
+    samples: dict[str, dict[str, int]] = Field(description="ratio -> {agree, n}: its comparisons with exact answers")
+
+
 class AuditReport(BaseModel):
     """GET /v1/audit. Shadow requests are the exact twins; they never reach a client."""
 
@@ -125,6 +136,8 @@ class AuditReport(BaseModel):
     shadow_error: int = Field(description="shadows whose device call failed")
     pending: int = Field(description="audits waiting for room")
     groups: list[AuditGroup]
+    target: float = Field(description="anchor_ratio auto: the share of answers that must equal the exact ones")
+    calibration: list[Calibration]
 
 
 class AffixSpan(BaseModel):
@@ -151,7 +164,7 @@ class Diffusion(BaseModel):
     block_length: Int | None = Field(None, ge=1)
     threshold: Float | None = Field(None, gt=0, le=1)
     affix_technique: Literal["none", "naive", "anchors", "shallow"] | None = None
-    anchor_ratio: Float | None = Field(None, ge=0, le=1)
+    anchor_ratio: Annotated[Float, Field(ge=0, le=1)] | Literal["auto"] | None = None
     shallow_depth: Int | None = Field(None, ge=0)
     timeout: Float | None = Field(
         None, gt=0, description="seconds after which the request ends unfinished (504); default: --request-timeout"
@@ -159,6 +172,13 @@ class Diffusion(BaseModel):
     affix: Literal["auto", "none"] | AffixText | AffixMessage | AffixSpan | AffixID = "auto"
     return_commit_steps: StrictBool = False
     return_anchors: StrictBool = False
+
+    @field_validator("anchor_ratio", mode="before")  # before the types: this message rather than a union's
+    @classmethod
+    def _ratio(cls, v):
+        if v is not None and v != "auto" and (isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1):
+            raise ValueError('anchor_ratio takes a number in [0, 1] or "auto"')
+        return v
 
     @field_validator("stop", mode="before")  # before the types: this message rather than a union's
     @classmethod

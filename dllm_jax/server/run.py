@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from dllm_jax.audit import AuditConfig
+from dllm_jax.audit import AuditConfig, CalibrationConfig
 from dllm_jax.engine import enable_compile_cache
 from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.server import logs
@@ -113,6 +113,7 @@ def serve(
     log_format: str = "text",
     drain_timeout: float | None = None,
     audit: AuditConfig | None = None,
+    calibration: CalibrationConfig | None = None,
 ) -> int:
     """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
     the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
@@ -120,7 +121,8 @@ def serve(
     fraction of a block call the next one may be held for new requests to take freed rows. log_format: "text"
     or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log.
     drain_timeout: seconds a drain may take before it is cut (None: as long as it takes). audit: which requests
-    served with an affix technique are also decoded exactly (`dllm_jax.audit`; GET /v1/audit reports it)."""
+    served with an affix technique are also decoded exactly (`dllm_jax.audit`; GET /v1/audit reports it);
+    calibration: how anchor_ratio "auto" chooses each affix's ratio."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
@@ -140,6 +142,7 @@ def serve(
         max_consecutive_faults=max_consecutive_faults,
         admission_wait=admission_wait,
         audit=audit,
+        calibration=calibration,
     )
     app = create_app(service, settings)
     server = DrainingServer(

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from typing import Any, Callable
 
-from dllm_jax.audit import SHADOW, AuditConfig, Auditor
+from dllm_jax.audit import SHADOW, AuditConfig, Auditor, CalibrationConfig
+from dllm_jax.decoding.config import Anchors
 from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.server.settings import ADMISSION_WAIT
@@ -40,7 +42,7 @@ class EngineService:
     to take the freed rows (ends as soon as they are taken): a client that sends its next request on an answer
     arrives a few ms after the next call started, and would otherwise wait that whole call. 0: never hold.
     audit: which requests served with an affix technique are also decoded exactly, in the rows and pages users leave
-    (`dllm_jax.audit`; None: none)."""
+    (`dllm_jax.audit`; None: none); calibration: how anchor_ratio="auto" chooses a ratio per affix."""
 
     def __init__(
         self,
@@ -50,12 +52,13 @@ class EngineService:
         max_consecutive_faults: int = 3,
         admission_wait: float = ADMISSION_WAIT,
         audit: AuditConfig | None = None,
+        calibration: CalibrationConfig | None = None,
     ):
         if not 0 <= admission_wait <= 1:
             raise ValueError(f"admission_wait={admission_wait} must be a fraction of a call in [0, 1]")
         self.engine = engine
         self.admission_wait = admission_wait
-        self.auditor = Auditor(engine, audit or AuditConfig(fraction=0.0))
+        self.auditor = Auditor(engine, audit or AuditConfig(fraction=0.0), calibration)
         # holds of the next call for arrivals: how many, their seconds, the requests they took in
         self.waits = dict(count=0, seconds=0.0, admitted=0)
         self._held_for = collections.deque(maxlen=HOLDS_JUDGED)  # whether each of the latest holds saw an arrival
@@ -127,15 +130,17 @@ class EngineService:
         seed: int,
         timeout: float | None = None,
         request_id: str | None = None,
+        auto_ratio: bool = False,
     ) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns (its engine id, the queue its BlockOutputs arrive on). Raises what
         Engine.add_request raises (RequestError, QueueFull), before anything runs. timeout: seconds from now;
         request_id: the engine's id for it (the client's X-Request-Id: its log lines name it), unless one open
-        request has it already (then the engine makes one)."""
+        request has it already (then the engine makes one). auto_ratio: ACache's ratio is the calibrator's for the
+        request's affix (anchor_ratio="auto", `dllm_jax.audit.Calibrator`)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         stream: asyncio.Queue = asyncio.Queue()
-        args = (prompt, config, affix, seed, timeout, request_id, time.perf_counter())
+        args = (prompt, config, affix, seed, timeout, request_id, time.perf_counter(), auto_ratio)
         self._inbox.put(("add", args, loop, done, stream))
         rid = await done
         return rid, stream
@@ -223,10 +228,16 @@ class EngineService:
             _, _, loop, done, _ = item
             loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
             return
-        _, (prompt, config, affix, seed, timeout, request_id, arrival), loop, done, stream = item
+        _, (prompt, config, affix, seed, timeout, request_id, arrival, auto_ratio), loop, done, stream = item
         if request_id in self._streams:  # a client reusing an id while its first request runs
             request_id = None
+        calibrate = None
         try:
+            if auto_ratio:  # the ratio the calibrator holds for the request's affix (exact while it calibrates)
+                planned = self.engine.plan_request(prompt, config, affix, remember=False)
+                if planned.affix_span is not None:
+                    ratio, calibrate = self.auditor.resolve_auto(planned)
+                    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, affix=Anchors(ratio)))
             rid = self.engine.add_request(
                 prompt,
                 config,
@@ -241,7 +252,7 @@ class EngineService:
             loop.call_soon_threadsafe(_settle, done, None, e)
             return
         self._streams[rid] = (loop, stream)
-        self.auditor.consider(self.engine.request(rid), seed)
+        self.auditor.consider(self.engine.request(rid), seed, calibrate=calibrate, auto=auto_ratio)
         loop.call_soon_threadsafe(_settle, done, rid, None)
 
     def _run(self) -> None:

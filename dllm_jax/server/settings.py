@@ -21,7 +21,7 @@ class ServeSettings:
     steps_per_token: float | None = None
     temperature: float = 0.0
     affix_technique: str = "none"
-    anchor_ratio: float = 0.2
+    anchor_ratio: float | str = 0.2  # or "auto" (calibrated per affix)
     shallow_depth: int | None = None
     request_timeout: float | None = 600.0  # seconds; a request's own timeout field wins
     body_timeout: float = 30.0  # seconds a request body may take to arrive (408 after)

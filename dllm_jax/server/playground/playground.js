@@ -49,7 +49,8 @@ function body() {
     temperature: Number($("temperature").value), affix: affix ? { text: affix } : "auto",
     affix_technique: $("technique").value,
   };
-  if (b.affix_technique === "anchors") b.anchor_ratio = Number($("ratio").value);
+  const ratio = $("ratio").value.trim();
+  if (b.affix_technique === "anchors") b.anchor_ratio = ratio === "auto" ? "auto" : Number(ratio);
   if ($("rule").value === "threshold") b.threshold = Number($("threshold").value);
   else b.steps = Math.min(Number($("steps").value), block) * Math.ceil(maxTokens / block);  // at most one a token
   return b;
