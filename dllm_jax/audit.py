@@ -14,8 +14,11 @@ batches at near ties, which an audit counts as disagreement.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -25,6 +28,7 @@ from dllm_jax.engine.request import BlockOutput, Request
 
 SHADOW = "shadow-"  # the request-id prefix of shadow requests
 WILSON_Z = 1.959963984540054  # the normal quantile of a 95% interval
+STATE_VERSION = 1  # of the file AuditConfig.state_path names
 
 
 def affix_id(key: str) -> str:
@@ -39,6 +43,18 @@ def wilson(successes: int, n: int, z: float = WILSON_Z) -> tuple[float, float]:
     p = successes / n
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))
+
+
+def check_state(config: "AuditConfig") -> None:
+    """ValueError unless config.state_path can be read (when it exists) and written: checked before serving."""
+    path = config.state_path
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{folder} is not a writable directory")
+    if os.path.exists(path):
+        Auditor(None, config)  # reads it: a bad file is refused here
 
 
 def setting_of(technique: Any, depth: int = 0) -> str:
@@ -66,16 +82,21 @@ class AuditConfig:
     """fraction: of the requests served with an affix technique, the share also decoded exactly (every
     round(1 / fraction)-th one: deterministic). max_shadows: shadow requests in the engine at once; max_pending:
     audits waiting for room (more are skipped, counted); max_groups: (affix, setting) rows kept (the least recently
-    audited are dropped beyond it)."""
+    audited are dropped beyond it). state_path: where the comparisons and calibrations persist (read at start,
+    written atomically at most every save_every_s seconds and at close); None: in memory, a restart forgets them."""
 
     fraction: float = 0.02
     max_shadows: int = 2
     max_pending: int = 64
     max_groups: int = 256
+    state_path: str | None = None  # a JSON file the figures and calibrations are kept in across restarts
+    save_every_s: float = 5.0  # how often a changed state is written (and when the auditor is closed)
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"audit fraction={self.fraction} must be in [0, 1]")
+        if self.save_every_s < 0:
+            raise ValueError(f"AuditConfig.save_every_s={self.save_every_s} must be >= 0")
         for name in ("max_shadows", "max_pending", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AuditConfig.{name}={getattr(self, name)} must be positive")
@@ -203,6 +224,9 @@ class Auditor:
         self._lock = threading.Lock()  # `report` may run on another thread than the engine's
         names = "audited shadows shadows_finished shadow_abort shadow_error dropped skipped incomplete shadow_tokens"
         self.counts = dict.fromkeys(names.split(), 0)
+        self._saved_at, self._dirty = 0.0, False
+        if self.config.state_path is not None and os.path.exists(self.config.state_path):
+            self._load(self.config.state_path)
 
     # ---- the loop's hooks -----------------------------------------------------------------------------------------
     def consider(self, request: Request, seed: int, calibrate: float | None = None, auto: bool = False) -> bool:
@@ -327,6 +351,53 @@ class Auditor:
                 self.groups.popitem(last=False)
         self.counts["audited"] += 1
         self._forget(pair, None)
+        self._dirty = True
+        if time.monotonic() - self._saved_at >= self.config.save_every_s:
+            self.save()
+
+    # ---- persistence ----------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        """Write the comparisons and calibrations to state_path (atomically: a reader never sees half a file)."""
+        path = self.config.state_path
+        if path is None or not self._dirty:
+            return
+        with self._lock:
+            state = dict(
+                version=STATE_VERSION,
+                groups=[[a, st, dataclasses.asdict(g)] for (a, st), g in self.groups.items()],
+                own={key: {f"{r!r}": c for r, c in per.items()} for key, per in self.calibrator.own.items()},
+                pooled={f"{r!r}": c for r, c in self.calibrator.pooled.items()},
+            )
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)
+        self._saved_at, self._dirty = time.monotonic(), False
+
+    def close(self) -> None:
+        """Write the state (the server calls this when it stops)."""
+        self._dirty = True
+        self.save()
+
+    def _load(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                state = json.load(f)
+            if state.get("version") != STATE_VERSION:
+                raise ValueError(f"version {state.get('version')!r}, expected {STATE_VERSION}")
+            for affix, setting, g in state["groups"]:
+                g["first_divergence"] = {int(k): v for k, v in g["first_divergence"].items()}
+                self.groups[(affix, setting)] = _Group(**g)
+            ladder = set(self.calibrator.config.ladder)
+            for key, per in state["own"].items():
+                kept = {float(r): list(c) for r, c in per.items() if float(r) in ladder}
+                if kept:
+                    self.calibrator.own[key] = kept
+            for r, c in state["pooled"].items():
+                if float(r) in ladder:
+                    self.calibrator.pooled[float(r)] = list(c)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the audit state {path} cannot be read ({type(e).__name__}: {e}); move it away") from None
 
     def _forget(self, pair: _Pair, outcome: str | None) -> None:
         if outcome is not None:

@@ -260,7 +260,7 @@ def config_error(e: ValueError) -> UsageError:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from dllm_jax.audit import AuditConfig, CalibrationConfig
+    from dllm_jax.audit import AuditConfig, CalibrationConfig, check_state
     from dllm_jax.engine.engine import KVBudgetError
     from dllm_jax.server.run import CompileCacheError, serve
     from dllm_jax.server.settings import ServeSettings
@@ -268,6 +268,11 @@ def run_serve(args: argparse.Namespace) -> int:
     check_attention(args)
     cache = compile_cache_dir(args)
     engine_config(args)  # the flags checked before the model loads
+    audit = AuditConfig(fraction=args.audit_fraction, state_path=args.audit_state)
+    try:
+        check_state(audit)
+    except ValueError as e:
+        raise UsageError(f"argument --audit-state: {e}") from None
     model = load_model(args)
     # BiCache's depths: checked here, once, rather than as a 400 on every request that takes the default
     config = engine_config(args, shallow_depths(args, model.config))
@@ -295,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
             admission_wait=args.admission_wait,
             log_format=args.log_format,
             drain_timeout=args.drain_timeout,
-            audit=AuditConfig(fraction=args.audit_fraction),
+            audit=audit,
             calibration=CalibrationConfig(target=args.agreement_target),
         )
     except KVBudgetError as e:
@@ -438,6 +443,13 @@ def build_parser() -> Parser:
         metavar="FRACTION",
         help="of the requests served with an affix technique, the share also decoded exactly in the rows and pages "
         "users leave, to measure what the technique costs in answers (GET /v1/audit, /metrics; 0: none; default 0.02)",
+    )
+    v.add_argument(
+        "--audit-state",
+        default=None,
+        metavar="FILE",
+        help="keep the audit's comparisons and anchor_ratio auto's calibrations in this JSON file across restarts "
+        "(read at start, written atomically every few seconds and at exit; default: in memory, a restart forgets them)",
     )
     v.add_argument(
         "--kv-budget-gib",

@@ -189,3 +189,31 @@ def test_auto_ratio_calibrates_per_affix(model):
     finally:
         service.stop()
     assert agreement >= 0.75
+
+
+def test_the_audit_state_survives_a_restart_when_asked(model, tmp_path):
+    """With a state file the comparisons and calibrations are written atomically and read back by the next
+    auditor (a restart); without one a new auditor starts empty; a broken file is refused before serving."""
+    from dllm_jax.audit import CalibrationConfig, check_state
+
+    tok = model.tokenizer
+    doc = tok.encode(DOC)
+    prompts = [tok.encode(f"{DOC} question : what is the code of {k} ? reply with the digits .") for k in KEYS[:2]]
+    state = tmp_path / "audit.json"
+    config = AuditConfig(fraction=1.0, state_path=str(state), save_every_s=0.0)
+    engine = Engine(model, EngineConfig(max_batch=2, kv_budget_bytes=16 << 20, max_model_len=128, block_lengths=(4,)))
+    auditor = Auditor(engine, config, CalibrationConfig(ladder=(0.0, 0.5)))
+    drive(engine, auditor, [(p, opts(affix="naive"), (0, len(doc))) for p in prompts])
+    auditor.calibrator.record(affix_key(doc), 0.5, True)
+    auditor.close()
+    before = auditor.report()
+    assert before["groups"][0]["requests"] == 2 and not list(tmp_path.glob("*.tmp*"))
+    again = Auditor(engine, config, CalibrationConfig(ladder=(0.0, 0.5)))
+    assert again.report()["groups"] == before["groups"]
+    assert again.report()["calibration"] == before["calibration"] and again.calibrator.pooled[0.5] == [1, 1]
+    assert Auditor(engine, AuditConfig(fraction=1.0)).report()["groups"] == []  # no file: a restart forgets
+    state.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        check_state(config)
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_state(AuditConfig(state_path=str(tmp_path / "missing" / "audit.json")))

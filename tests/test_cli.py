@@ -139,6 +139,8 @@ def test_bad_flags(argv, message, capsys):
         (["--compiler-option", "xla_no_such_option=1"], "argument --compiler-option: EngineConfig.compiler_options="),
         (["--compiler-option", "xla_cpu_enable_fast_math=maybe"], "not a valid bool value"),
         (["--audit-fraction", "1.5"], "argument --audit-fraction: must be in [0, 1], got 1.5"),
+        (["--audit-state", "/nonexistent/a.json"], "argument --audit-state: /nonexistent is not a writable directory"),
+        (["--agreement-target", "0"], "argument --agreement-target: must be in (0, 1], got 0.0"),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):

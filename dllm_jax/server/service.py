@@ -90,6 +90,7 @@ class EngineService:
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(None)
         self._thread.join(timeout)
+        self.auditor.close()
 
     def drain(self) -> None:
         """Stop admitting new requests; running and queued ones finish."""
