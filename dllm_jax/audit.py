@@ -109,6 +109,7 @@ class CalibrationConfig:
 
     ladder: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.5)
     target: float = 0.95
+    audit_until: int = 16  # an affix's requests at a ratio its own comparisons do not decide: all audited until this
     max_affixes: int = 256  # calibrations kept (the least recently used are forgotten beyond it)
 
     def __post_init__(self) -> None:
@@ -116,8 +117,8 @@ class CalibrationConfig:
             raise ValueError(f"calibration ladder={self.ladder}: increasing ratios in [0, 1)")
         if not 0 < self.target <= 1:
             raise ValueError(f"agreement target={self.target} must be in (0, 1]")
-        if self.max_affixes < 1:
-            raise ValueError("max_affixes must be positive")
+        if self.max_affixes < 1 or self.audit_until < 0:
+            raise ValueError("max_affixes must be positive and audit_until >= 0")
 
 
 class Calibrator:
@@ -128,10 +129,11 @@ class Calibrator:
     counts decide when they do; otherwise the counts pooled over every affix at r do (a prior: a new affix starts
     from what the others showed). A is served at its smallest accepted ratio. With none accepted, A's request is
     served exactly (ratio 1) and a shadow decodes it at the smallest ratio neither accepted nor rejected (a
-    calibration sample); with every ratio rejected, A is served exactly. Every request served at a ratio A's own
-    counts do not decide yet is audited, so a ratio accepted on the prior, or one whose agreement falls, is
-    rejected by A's own counts and A moves up the ladder. (All n comparisons agreeing bound the rate at
-    n / (n + 3.84): 73 of them accept a ratio on their own at the target 0.95.)"""
+    calibration sample); with every ratio rejected, A is served exactly. A's requests at a ratio its own counts do
+    not decide yet are all audited until it has audit_until comparisons there (then the audit fraction's), so a
+    ratio accepted on the prior, or one whose agreement falls, is rejected by A's own counts and A moves up the
+    ladder. (All n comparisons agreeing bound the rate at n / (n + 3.84): 73 of them accept a ratio on their own at
+    the target 0.95.)"""
 
     def __init__(self, config: CalibrationConfig | None = None):
         self.config = config or CalibrationConfig()
@@ -162,8 +164,10 @@ class Calibrator:
         return 1.0, open_ratios[0] if open_ratios else None
 
     def needs_audit(self, key: str, r: float) -> bool:
-        """Whether a request served at r is audited beyond the fraction: A's own counts do not decide r yet."""
-        return r < 1 and self.own_verdict(key, r) is None
+        """Whether a request served at r is audited beyond the fraction: A's own counts do not decide r yet and
+        are fewer than audit_until."""
+        own = self.own.get(key, {}).get(r, [0, 0])
+        return r < 1 and own[1] < self.config.audit_until and self._judge(*own) is None
 
     def record(self, key: str, r: float, agrees: bool) -> None:
         counts = self.own.setdefault(key, {}).setdefault(r, [0, 0])
