@@ -4,11 +4,11 @@ client sees, and compares the two answers per affix and per technique setting.
 
 A layer over the engine (like the server; the engine package stays as it is): the loop that drives the engine calls
 `admit` before each step and `observe` with every output of an audited request (`EngineService` does both).
-Shadow requests only take what users leave: one is queued in the engine only when no user request waits and a
-batch row and its pages are free, at most `max_shadows` at once, and every shadow is dropped (aborted: its pages
-freed, counted) as soon as a user request waits. The comparison is between answers decoded in different batches:
-equal by construction in fp32 (the engine's answers equal solo `generate`), while bf16 sums may differ across
-batches at near ties, which an audit counts as disagreement.
+Shadow requests only take what users leave: one is queued in the engine only into a batch row and pages left free
+once every waiting user request is admitted, at most `max_shadows` at once, and every shadow is dropped (aborted:
+its pages freed, counted) as soon as the waiting users would not fit beside them. The comparison is between
+answers decoded in different batches: equal by construction in fp32 (the engine's answers equal solo `generate`),
+while bf16 sums may differ across batches at near ties, which an audit counts as disagreement.
 """
 
 from __future__ import annotations
@@ -229,6 +229,7 @@ class Auditor:
         names = "audited shadows shadows_finished shadow_abort shadow_error dropped skipped incomplete shadow_tokens"
         self.counts = dict.fromkeys(names.split(), 0)
         self._saved_at, self._dirty = 0.0, False
+        self._waited: set[str] = set()  # the user requests waiting at the last `admit`
         if self.config.state_path is not None and os.path.exists(self.config.state_path):
             self._load(self.config.state_path)
 
@@ -274,20 +275,27 @@ class Auditor:
         return True
 
     def admit(self) -> None:
-        """Before each engine step: drop every shadow if a user request waits, else queue pending shadows that fit
-        (a batch row and the pages of their whole length free, no user request waiting)."""
+        """Before each engine step (the users who arrived are in the engine's queue): drop every shadow if the
+        waiting users would not all fit beside them (batch rows, or pages counting the evictable cached ones) or if
+        one of them already waited a step; else queue pending shadows into the rows and free pages left once every
+        waiting user is admitted."""
         engine = self.engine
-        users_waiting = any(not r.request_id.startswith(SHADOW) for r in engine.scheduler.waiting)
+        bm, scheduler = engine.block_manager, engine.scheduler
+        users = [r for r in scheduler.waiting if not r.request_id.startswith(SHADOW)]
+        stuck = any(r.request_id in self._waited for r in users)
+        self._waited = {r.request_id for r in users}
+        user_pages = sum(pages_for(r.private_tokens(), bm.page_size) for r in users)
+        rows_left = engine.config.max_batch - len(scheduler.running) - len(scheduler.waiting)
         active = {p.shadow: p for p in self._pairs.values() if p.shadow is not None and p.exact is None}
-        if users_waiting:
+        if active and (rows_left < 0 or user_pages > bm.num_free_pages + bm.num_cached_pages or stuck):
             for shadow in list(active):
                 engine.abort(shadow)  # its final output (abort) reaches `observe`
             return
-        bm = engine.block_manager
-        while self._pending and len(active) < self.config.max_shadows and engine.open_rows() > 0:
+        pages_left = bm.num_free_pages - user_pages
+        while self._pending and len(active) < self.config.max_shadows and rows_left > 0:
             pair = self._pending[0]
             need = pages_for(len(pair.prompt) + pair.config.schedule.gen_length, bm.page_size)
-            if need > bm.num_free_pages:
+            if need > pages_left:
                 return
             self._pending.pop(0)
             pair.shadow = f"{SHADOW}{pair.twin}"
@@ -306,6 +314,7 @@ class Auditor:
             self._pairs[pair.shadow] = pair
             self.counts["shadows"] += 1
             active[pair.shadow] = pair
+            rows_left, pages_left = rows_left - 1, pages_left - need
 
     def observe(self, out: BlockOutput) -> None:
         """An output of an audited twin or of a shadow (others are ignored)."""
