@@ -280,3 +280,11 @@ def drain_stderr(proc) -> list[str]:
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
     return lines
+
+
+# a lookup document of the bundled model's task and its keys (the server's and the audit's tests ask about it)
+LOOKUP_DOC = (
+    "document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
+    "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 ."
+)
+LOOKUP_KEYS = ["rabbit", "feather", "yogurt", "wizard", "bottle", "compass"]

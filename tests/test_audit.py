@@ -1,6 +1,7 @@
 """The audit (`dllm_jax.audit`): shadow requests decode audited requests exactly, in the rows and pages users leave,
 and the comparison counts what each technique costs in answers, per affix and setting."""
 
+import fixtures
 import numpy as np
 import pytest
 
@@ -11,11 +12,7 @@ from dllm_jax.decoding.caches import acache
 from dllm_jax.engine import Engine, EngineConfig
 from dllm_jax.engine.block_manager import affix_key
 
-DOC = (
-    "document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
-    "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 ."
-)
-KEYS = ["rabbit", "feather", "yogurt", "wizard", "bottle", "compass"]
+DOC, KEYS = fixtures.LOOKUP_DOC, fixtures.LOOKUP_KEYS
 
 
 @pytest.fixture(scope="module")

@@ -41,11 +41,7 @@ from dllm_jax.server.run import bind
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "dllm-jax-demo"
-DOC = (
-    "document : the code of rabbit is 6 3 9 . the code of feather is 1 8 5 . the code of yogurt is 4 3 1 . the "
-    "code of wizard is 0 3 0 . the code of bottle is 2 1 6 . the code of compass is 4 2 8 ."
-)
-KEYS = ["rabbit", "feather", "yogurt", "wizard", "bottle", "compass"]
+DOC, KEYS = fixtures.LOOKUP_DOC, fixtures.LOOKUP_KEYS
 
 
 @pytest.fixture(scope="module")
