@@ -145,6 +145,8 @@ class GenerationConfig:
             )
         if self.prompt_bucket <= 0:
             raise ValueError(f"prompt_bucket={self.prompt_bucket} must be positive")
+        if self.kernels.batch_invariant and self.cache.mode == "first_layer":
+            raise ValueError("batch_invariant does not cover cache 'first_layer' (LaCache's memo); use dual or prefix")
         s = self.schedule
         if self.sampler is None or self.sampler.uses_steps:  # threshold / factor ignore steps
             if s.steps % s.n_blocks:
@@ -197,6 +199,7 @@ class GenerationConfig:
         attention: str = "auto",
         rope_write: str = "auto",
         step_loop: str = "auto",
+        batch_invariant: bool = False,
         **rest,
     ) -> "GenerationConfig":
         """The config from flat options, the names the CLI, the server's request fields and the tests use.
@@ -228,7 +231,7 @@ class GenerationConfig:
             Schedule(gen_length, block_length, steps or gen_length),
             sampler,
             CacheConfig(cache, techniques[affix](), refresh),
-            KernelChoice(attention, rope_write, step_loop),
+            KernelChoice(attention, rope_write, step_loop, batch_invariant),
             **rest,
         )
 

@@ -81,6 +81,7 @@ class EngineConfig:
     sampler: FamilySampler | None = None  # the sampler's static part (None: the family's default; the rest is data)
     shallow_depths: tuple[int, ...] = ()  # the BiCache depths served (none by default: BiCache requests are refused)
     compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()  # XLA's (name, value) for block calls
+    batch_invariant: bool = False  # answers bit-identical whatever shares a batch (`KernelChoice.batch_invariant`)
 
     def __post_init__(self) -> None:
         counts = ("max_batch", "page_size", "max_queue", "min_affix_tokens", "window_chunk", "kv_budget_bytes")
@@ -126,7 +127,8 @@ class Engine:
         self.block_lengths, self.sampler = self.intake.block_lengths, self.intake.sampler
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
-        kernels = Kernels.resolve(KernelChoice(attention=cfg.attention, rope_write="xla"), mc, params)
+        choice = KernelChoice(attention=cfg.attention, rope_write="xla", batch_invariant=cfg.batch_invariant)
+        kernels = Kernels.resolve(choice, mc, params)
         ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
         self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, cfg.compiler_options)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.transformer.attention import attend_reference
+from dllm_jax.transformer.attention import KeySegment, attend_reference, attend_segments
 from dllm_jax.transformer.kv_cache import CacheWrite
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
@@ -64,7 +64,7 @@ class PagedKV:
         # the pool's end: not written; written slots are distinct (each is one column's)
         rows = (slots if where.mask is None else jnp.where(where.mask, slots, self.k[0].shape[0])).reshape(-1)
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        if self.kernels is not None and self.kernels.attention != "xla":  # one Pallas launch writes both, in place
+        if self.kernels is not None and self.kernels.attention not in ("xla", "invariant"):  # one launch, in place
             new_k, new_v = slot_write(self.k[i], self.v[i], k, v, rows, interpret=self.kernels.interpret)
         else:  # XLA's scatters, one a pool
             new_k, new_v = slot_write_reference(self.k[i], self.v[i], k, v, rows)
@@ -84,11 +84,13 @@ class PagedKV:
         caller's key mask (over buffer columns) has no meaning here and must be None."""
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
-        if kernels.attention == "xla":
-            k = jnp.concatenate([self.keys(i), jnp.take(self.k[i], self.own_slots, axis=0)], axis=1)
-            v = jnp.concatenate([jnp.take(self.v[i], s, axis=0) for s in (self.shared_slots, self.own_slots)], axis=1)
+        if kernels.attention in ("xla", "invariant"):  # gathered: the shared list, then the own list
             own = jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
-            return attend_reference(q, k, v, jnp.concatenate([self.shared_mask(), own], axis=1))
+            shared = KeySegment(self.keys(i), jnp.take(self.v[i], self.shared_slots, axis=0), self.shared_mask())
+            mine = KeySegment(*(jnp.take(a, self.own_slots, axis=0) for a in (self.k[i], self.v[i])), own)
+            if kernels.attention == "invariant":  # the batch-invariant mode: key chunks in order
+                return attend_segments(q, [shared, mine])
+            return attend_reference(q, *(jnp.concatenate(p, axis=1) for p in zip(shared[:3], mine[:3])))
         # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
         # as an online-softmax state, continued over the own list
         b, n = q.shape[:2]

@@ -9,6 +9,10 @@ program by `Kernels.resolve`):
 - "cudnn_pallas": the Pallas kernel for short query windows (block steps) over at most PALLAS_MAX_ROWS K/V streams,
   cuDNN otherwise (full forwards, large MHA batches): each where it was measured faster on the H200 (block steps
   1.6-3.9% faster than cuDNN at batch 1; cuDNN 8% faster at LLaDA batch 16 and ~1.5x at full forwards).
+- "invariant": the batch-invariant mode's (`attend_segments`): a query's result is bit-identical whatever shares
+  its call (other rows, other queries, padding keys, where its keys sit): queries QUERY_TILE at a time, each row's
+  valid keys packed in order and reduced KEY_CHUNK at a time by an online softmax, so every reduction has one
+  shape and one order wherever the query comes from (a full forward, a block step, the engine's paged pool).
 
 Grouped-query attention has one helper pair here (`grouped_scores`, `grouped_values`): every jnp path of the
 package (the reference attention, ACache's probe, LaCache's online-softmax state) goes through it.
@@ -16,21 +20,27 @@ package (the reference attention, ACache's probe, LaCache's online-softmax state
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.transformer.layers import matmul_precision
+from dllm_jax.transformer.layers import matmul_precision, opaque_loop, stacked
 from pallas_kernels import slot_attention as sa
 from pallas_kernels.slot_attention import AttentionState, merge_states
 
 Array = jax.Array
-BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas")
+BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas", "invariant")
 SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel ...
 PALLAS_MAX_ROWS = 256  # ... when batch x kv heads is at most this
+QUERY_TILE = 16  # "invariant": queries of a row attended at once (a block step's or a window chunk's)
+KEY_CHUNK = 128  # "invariant": keys reduced at once, in order
 
 __all__ = [
     "AttentionState",
+    "KeySegment",
     "attend",
+    "attend_segments",
     "attend_reference",
     "grouped_scores",
     "grouped_values",
@@ -126,6 +136,79 @@ def _attend_pallas(q: Array, k: Array, v: Array, key_mask: Array | None, interpr
     )
 
 
+class KeySegment(NamedTuple):
+    """Keys a query reads, in order: k, v [B, S, Hkv, D] and valid [B, S] bool (None: all)."""
+
+    k: Array
+    v: Array
+    valid: Array | None = None
+
+
+def _chunks(segment: KeySegment) -> tuple[Array, Array, Array]:
+    """A segment's keys, values and validity as [S / KEY_CHUNK, B, KEY_CHUNK, ...]: each row's valid keys first, in
+    order (a row's keys then fill the same chunks wherever its buffer put them), then padding. Always through the
+    same sort and gather, even where the keys are packed already: XLA simplifies a program around a constant mask
+    differently (measured: other rounding on the CPU), so every caller's program has one shape."""
+    k, v, valid = segment
+    b, s = k.shape[:2]
+    valid = jnp.ones((b, s), bool) if valid is None else valid
+    order = jnp.argsort(~valid, axis=1, stable=True)
+    k = jnp.take_along_axis(k, order[:, :, None, None], axis=1)
+    v = jnp.take_along_axis(v, order[:, :, None, None], axis=1)
+    valid = jnp.take_along_axis(valid, order, axis=1)
+    pad = -s % KEY_CHUNK
+    k, v = (jnp.pad(a, [(0, 0), (0, pad), (0, 0), (0, 0)]) for a in (k, v))
+    valid = jnp.pad(valid, [(0, 0), (0, pad)])
+    n = (s + pad) // KEY_CHUNK
+
+    def split(a: Array) -> Array:
+        return jnp.moveaxis(a.reshape(b, n, KEY_CHUNK, *a.shape[2:]), 1, 0)
+
+    return split(k), split(v), split(valid)
+
+
+def attend_segments(q: Array, segments: Sequence[KeySegment]) -> Array:
+    """Attention of q [B, n, Hq, D] over the keys of `segments`, read one after another -> [B, n, Hq, D] in q.dtype
+    (zeros where a query has no key). Batch invariant: every dot and reduction a query's result goes through has the
+    same shape ([QUERY_TILE] queries x [KEY_CHUNK] keys) and the same order (its valid keys, packed, chunk by chunk)
+    however many rows, queries or padding keys share the call; an all-padding chunk leaves the online-softmax state
+    exactly as it was. Slower than `attend_reference` (a loop of small dots): the mode's price."""
+    b, n, hq, d = q.shape
+    hkv = segments[0].k.shape[2]
+    parts = [_chunks(s) for s in segments]
+    n_chunks = sum(c[0].shape[0] for c in parts)
+    ks, vs, valids = (stacked(jnp.concatenate(a, axis=0), n_chunks) for a in zip(*parts))
+    tiles = -(-n // QUERY_TILE)
+    qt = jnp.pad(q, [(0, 0), (0, tiles * QUERY_TILE - n), (0, 0), (0, 0)])
+    qt = stacked(jnp.moveaxis(qt.reshape(b, tiles, QUERY_TILE, hq, d), 1, 0), tiles)
+
+    def by_heads(a: Array) -> Array:  # [B, Hkv, G, T] -> [B, T, Hq, 1] (grouped_values' layout)
+        return jnp.moveaxis(a, 3, 1).reshape(b, QUERY_TILE, hq)[..., None]
+
+    def tile(q_tile: Array) -> Array:
+        def chunk(c, state):
+            m, l, o = state  # noqa: E741
+            k, v, valid = (jax.lax.dynamic_index_in_dim(a, c, keepdims=False) for a in (ks, vs, valids))
+            scores = _masked(grouped_scores(q_tile, k), valid)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
+            p = jnp.exp(scores - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)  # exactly 1 when the chunk adds nothing, 0 before the first key
+            return m_new, alpha * l + jnp.sum(p, axis=-1), by_heads(alpha) * o + grouped_values(p, v)
+
+        stats = jnp.full((b, hkv, hq // hkv, QUERY_TILE), -jnp.inf, jnp.float32)
+        state = (stats, jnp.zeros_like(stats), jnp.zeros((b, QUERY_TILE, hq, d), jnp.float32))
+        _, l, o = opaque_loop(n_chunks, chunk, state)  # noqa: E741
+        l = by_heads(l)  # noqa: E741
+        return (o / jnp.where(l > 0, l, 1.0)).astype(q.dtype)
+
+    def each_tile(t, out):
+        return jax.lax.dynamic_update_index_in_dim(out, tile(jax.lax.dynamic_index_in_dim(qt, t, keepdims=False)), t, 0)
+
+    out = opaque_loop(tiles, each_tile, jnp.zeros(qt.shape, q.dtype))  # [tiles, B, QUERY_TILE, Hq, D]
+    return jnp.moveaxis(out[:tiles], 0, 1).reshape(b, tiles * QUERY_TILE, hq, d)[:, :n]
+
+
 def attend(
     q: Array, k: Array, v: Array, key_mask: Array | None, backend: str = "xla", interpret: bool = False
 ) -> Array:
@@ -140,4 +223,6 @@ def attend(
         return _attend_cudnn(q, k, v, key_mask)
     if backend == "pallas":
         return _attend_pallas(q, k, v, key_mask, interpret)
+    if backend == "invariant":
+        return attend_segments(q, [KeySegment(k, v, key_mask)])
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

@@ -7,6 +7,7 @@ SwiGLU, or the FP8 FFN past layer 1).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -15,8 +16,8 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.transformer import ffn
-from dllm_jax.transformer.kernels import Kernels
-from dllm_jax.transformer.layers import Linear, RMSNorm, SwiGLU, apply_rope, matmul_precision
+from dllm_jax.transformer.kernels import XLA, Kernels
+from dllm_jax.transformer.layers import Linear, RMSNorm, SwiGLU, apply_rope, matmul_precision, rope_cos_sin, tokenwise
 from dllm_jax.transformer.params import Params, is_fused, projection_widths
 
 Array = jax.Array
@@ -97,11 +98,29 @@ def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
     ).astype(h.dtype)
 
 
-def final_hidden_to_logits(params: Params, config: ModelConfig, x: Array, logits_at: Array | None) -> Array:
+def block_qkv(block: Block, layer_params: Params, x: Array, positions: Array, kernels: Kernels) -> tuple:
+    """`Block.qkv` of x [B, n, d] at positions [B, n] (RoPE computed here), token-tiled in the batch-invariant
+    mode."""
+    c = block.config
+
+    def qkv(x, positions):
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        return block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
+
+    return tokenwise(qkv, x, positions) if kernels.batch_invariant else qkv(x, positions)
+
+
+def final_hidden_to_logits(
+    params: Params, config: ModelConfig, x: Array, logits_at: Array | None, kernels: Kernels = XLA
+) -> Array:
     if logits_at is not None:  # decoding only needs a few positions: skip the vocab head elsewhere
         x = jnp.take_along_axis(x, logits_at[:, :, None].astype(jnp.int32), axis=1)
-    x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
-    return lm_head(params, config, x)
+
+    def head(x):
+        x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
+        return lm_head(params, config, x)
+
+    return tokenwise(head, x) if kernels.batch_invariant else head(x)
 
 
 def layer_finish(
@@ -115,7 +134,10 @@ def layer_finish(
     kernels: Kernels,
 ) -> Array:
     """Layer i's output from its input x [B, n, d] and attention output attn [B, n, Hq, D]: the residual o_proj,
-    then the residual FFN (bf16, or FP8 past layer 1)."""
+    then the residual FFN (bf16, or FP8 past layer 1); token-tiled in the batch-invariant mode."""
+    if kernels.batch_invariant:
+        plain = dataclasses.replace(kernels, batch_invariant=False)
+        return tokenwise(lambda x, a: layer_finish(params, config, block, layer_params, i, x, a, plain), x, attn)
     if not config.fp8_ffn:
         return block.apply({"params": layer_params}, x, attn, method=Block.finish)
     # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)

@@ -104,3 +104,51 @@ def apply_rope(x: Array, cos: Array, sin: Array, fp32: bool) -> Array:
         return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     return x * cos + _rotate_half(x) * sin
+
+
+TOKEN_TILE = 128  # tokens a batch-invariant linear layer runs at once (`tokenwise`)
+
+
+def opaque_loop(n: int, body, carry):
+    """fori_loop(0, n, body, carry) with a trip count XLA cannot see: it neither removes a loop of one trip nor
+    unrolls a short one, so the body compiles to the same code in every program (a loop it inlined would be fused
+    with its neighbours: other code, other rounding). Arrays the body indexes by the loop counter need at least 2
+    entries (`stacked`): XLA turns an index into one entry into a plain read, again other code."""
+    return jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(n)), body, carry)
+
+
+def stacked(a: Array, n: int) -> Array:
+    """a [n, ...] padded with zeros to at least 2 entries, for an `opaque_loop` body to index."""
+    return jnp.pad(a, [(0, max(0, 2 - n))] + [(0, 0)] * (a.ndim - 1))
+
+
+def tokenwise(fn, *arrays: Array, tile: int = TOKEN_TILE):
+    """fn over the tokens of arrays [B, n, ...] (each token's result its own, as in a linear layer or a norm), run
+    `tile` tokens at a time in an `opaque_loop`: every call of fn sees [1, tile, ...] in the same loop body whatever
+    B and n are, so a token's result does not depend on how many tokens share the call (a GEMM's blocking, and with
+    it its reduction order, does: the batch-invariant mode's linear layers). Returns fn's output pytree with leading
+    [B, n] again."""
+    b, n = arrays[0].shape[:2]
+    total = b * n
+    tiles = -(-total // tile)
+
+    def split(a: Array) -> Array:
+        flat = a.reshape(total, *a.shape[2:])
+        flat = jnp.pad(flat, [(0, tiles * tile - total)] + [(0, 0)] * (flat.ndim - 1))
+        return stacked(flat.reshape(tiles, 1, tile, *a.shape[2:]), tiles)
+
+    xs = tuple(split(a) for a in arrays)
+
+    def one(i):
+        return fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs))
+
+    shapes = jax.eval_shape(one, 0)
+    out = jax.tree.map(lambda s: jnp.zeros((max(tiles, 2), *s.shape), s.dtype), shapes)
+
+    def body(i, out):
+        return jax.tree.map(lambda o, y: jax.lax.dynamic_update_index_in_dim(o, y, i, 0), out, one(i))
+
+    out = opaque_loop(tiles, body, out)
+    return jax.tree.map(
+        lambda y: y[:tiles].reshape(tiles * tile, *y.shape[3:])[:total].reshape(b, n, *y.shape[3:]), out
+    )

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.transformer.attention import attend
-from dllm_jax.transformer.block import Block, block_for, embed, final_hidden_to_logits, layer_finish
+from dllm_jax.transformer.block import Block, block_for, block_qkv, embed, final_hidden_to_logits, layer_finish
 from dllm_jax.transformer.kernels import XLA, Kernels
 from dllm_jax.transformer.kv_cache import WRITE_AT_ZERO, CacheWrite, KVCache
 from dllm_jax.transformer.layers import rope_cos_sin
@@ -133,16 +133,19 @@ def forward(
     def output(x, cache=None, kv=None, probed=None):
         if output_hidden:
             return ForwardOutput(None, cache, kv, probed, x)
-        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at), cache, kv, probed)
+        return ForwardOutput(final_hidden_to_logits(params, config, x, logits_at, kernels), cache, kv, probed)
 
     def finish(lp, i, x, attn):
         return layer_finish(params, config, block, lp, i, x, attn, kernels)
+
+    def qkv(lp, x, positions):
+        return block_qkv(block, lp, x, positions, kernels)
 
     if cache is None:
 
         def layer(x, inputs):
             lp, i = inputs
-            q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)
+            q, k, v = qkv(lp, x, positions)
             x = finish(lp, i, x, attend(q, k, v, key_mask, kernels.attention, kernels.interpret))
             return x, ((k, v) if return_kv else None)
 
@@ -174,7 +177,7 @@ def forward(
             )
             cache = cache.with_layer(i, kb, vb)
         else:
-            q, k, v = block.apply({"params": lp}, x, cos, sin, method=Block.qkv)
+            q, k, v = qkv(lp, x, positions)
             cache = cache.write(i, k, v, write)
         if probe is not None:
             probed = probed + probe(q, cache, i)
@@ -187,18 +190,16 @@ def forward(
         c = chunks.size
         live_chunks = (jnp.asarray(chunks.live, jnp.int32) + c - 1) // c
 
-        def qkv(start):
-            return block.apply(
-                {"params": lp}, _cols(x, start, c), _cols(cos, start, c), _cols(sin, start, c), method=Block.qkv
-            )
+        def chunk_qkv(start):
+            return qkv(lp, _cols(x, start, c), _cols(positions, start, c))
 
         def project(j, state):  # every live chunk's K/V first: any query may attend any key of the window
             cache, qs = state
-            q, k, v = qkv(j * c)
+            q, k, v = chunk_qkv(j * c)
             cache = cache.write(i, k, v, _chunk_write(write, j * c, c))
             return cache, jax.lax.dynamic_update_slice_in_dim(qs, q, j * c, axis=1)
 
-        q_chunk = jax.eval_shape(qkv, 0)[0]
+        q_chunk = jax.eval_shape(chunk_qkv, 0)[0]
         qs = jnp.zeros((b, n) + q_chunk.shape[2:], q_chunk.dtype)
         cache, qs = jax.lax.fori_loop(0, live_chunks, project, (cache, qs))
         if probe is not None:
@@ -221,13 +222,12 @@ def forward(
         layers = list(zip(layer_params, layer_ids))
 
         def project(lp, i, j, x, cache, qs):
-            cols = [_cols(a, j * c, c) for a in (x, cos, sin)]
-            q, k, v = block.apply({"params": lp}, *cols, method=Block.qkv)
+            q, k, v = qkv(lp, _cols(x, j * c, c), _cols(positions, j * c, c))
             cache = cache.write(i, k, v, _chunk_write(write, j * c, c))
             return cache, jax.lax.dynamic_update_slice_in_dim(qs, q.astype(qs.dtype), j * c, axis=1)
 
-        (lp0, i0), cols = layers[0], [a[:, :c] for a in (x, cos, sin)]
-        q_chunk = jax.eval_shape(lambda: block.apply({"params": lp0}, *cols, method=Block.qkv)[0])
+        (lp0, i0) = layers[0]
+        q_chunk = jax.eval_shape(lambda: qkv(lp0, x[:, :c], positions[:, :c])[0])
         qs = jnp.zeros((b, n) + q_chunk.shape[2:], q_chunk.dtype)
         cache, qs = jax.lax.fori_loop(0, live_chunks, lambda j, s: project(lp0, i0, j, x, *s), (cache, qs))
         for at, (lp, i) in enumerate(layers):
