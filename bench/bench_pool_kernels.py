@@ -1,9 +1,7 @@
-"""The engine's two pool kernels against the XLA they replace, at its shapes (issue 39's block-call gaps).
+"""The engine's pool kernel against the XLA it replaces, at its shapes (issue 39's block-call gaps).
 
-- `write`: a window chunk's K and V written into one layer's pool at per-token slots: `pallas_kernels.slot_write`
-  (one in-place launch for both) against `slot_write_reference` (XLA's two scatters, what the engine ran before).
-  N tokens: 512 (16 rows x a 32-token block step), 1024 (4 probed rows x 256), 2048 (16 rows x a 128-token chunk);
-  one slot in ten invalid (not written), as for a window's fillers.
+(Run s30 also timed `write`, a Pallas kernel writing a chunk's K and V in place, against XLA's two scatters: it lost
+in every row, 0.67-0.99x of XLA's device time but one, and was removed; its rows stay in the JSON.)
 - `key_weights`: ACache's probe scores of one layer, as the engine's probe program runs them on its pool
   (`PagedKV`): `PagedKV.key_weights` (`pallas_kernels.slot_key_weights`: each row's real shared list through its
   table, from slot_attention's log-sum-exp) against `acache.row_importance_probe` (the XLA path: the gathered keys,
@@ -20,7 +18,6 @@ Writes bench/results/pool_kernels_<h200|platform>.json (rows merged by --run); o
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -34,25 +31,8 @@ from tools import common, trace  # noqa: E402
 from dllm_jax.decoding.caches.acache import row_importance_probe  # noqa: E402
 from dllm_jax.engine.kv_pool import PagedKV  # noqa: E402
 from dllm_jax.transformer import Kernels  # noqa: E402
-from pallas_kernels.slot_write import slot_write, slot_write_reference  # noqa: E402
 
 MODELS = {"llada-8b": (32, 32), "dream-7b": (28, 4)}  # query heads, KV heads
-
-
-def write_loop(impl: str, n: int, interpret: bool):
-    """n writes of (k, v) at `slots` into the pools, each a little different (nothing hoisted), in one program."""
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def run(kp, vp, k, v, slots):
-        def body(i, pools):
-            scale = (1 + i).astype(k.dtype)
-            if impl == "pallas":
-                return slot_write(*pools, k * scale, v * scale, slots, interpret=interpret)
-            return slot_write_reference(*pools, k * scale, v * scale, slots)
-
-        return jax.lax.fori_loop(0, n, body, (kp, vp))
-
-    return run
 
 
 def weights_loop(impl: str, n: int, interpret: bool):
@@ -100,9 +80,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     gpu, smoke = dev.platform == "gpu", common.smoke_on_cpu()
-    slots_n, dim, tokens, (window, span, affix) = 32768, 128, (512, 1024, 2048), (4096, (193, 321), 1024)
+    slots_n, dim, (window, span, affix) = 32768, 128, (4096, (193, 321), 1024)
     if smoke:  # tiny shapes, interpreted
-        args.n, args.reps, slots_n, dim, tokens, (window, span, affix) = 2, 1, 256, 16, (32,), (64, (9, 20), 40)
+        args.n, args.reps, slots_n, dim, (window, span, affix) = 2, 1, 256, 16, (64, (9, 20), 40)
     name = f"pool_kernels_{'h200' if 'H200' in dev.device_kind else dev.platform}.json"
     meta = common.meta(n=args.n, pool_slots=slots_n, head_dim=dim)
     rng, rows = np.random.default_rng(0), []
@@ -110,20 +90,6 @@ def main(argv=None) -> int:
         hq, hkv = MODELS[model]
         if smoke:
             hq, hkv = hq // hkv * 2, 2  # the model's grouping, two KV heads
-        for n_tok in tokens:
-            k = jnp.asarray(rng.normal(size=(n_tok, hkv, dim)), jnp.bfloat16)
-            slots = rng.permutation(slots_n)[:n_tok].astype(np.int32)
-            slots[::10] = slots_n  # not written
-            row = dict(kernel="write", model=model, tokens=n_tok, kv_heads=hkv)
-            for impl in ("xla", "pallas"):
-                pools = tuple(jnp.zeros((slots_n, hkv, dim), jnp.bfloat16) for _ in range(2))
-                fn, inputs = write_loop(impl, args.n, interpret=not gpu), (*pools, k, k, jnp.asarray(slots))
-                for key, value in timed(fn, inputs, args.n, args.reps, gpu, carry=2).items():
-                    row[f"{impl}_{key}"] = value
-            row["speedup"] = row["xla_us"] / row["pallas_us"]
-            rows.append(row)
-            print(f"{model} write {n_tok:5d} tokens: xla {row['xla_us']:8.1f} us, pallas {row['pallas_us']:8.1f} us")
-            common.write_results(name, meta, rows, args.out, args.run)
         b = 4
         q = jnp.asarray(rng.normal(size=(b, window, hq, dim)), jnp.bfloat16)
         kp = jnp.asarray(rng.normal(size=(slots_n, hkv, dim)), jnp.bfloat16)

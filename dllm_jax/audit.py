@@ -452,6 +452,7 @@ class Auditor:
             calibration = self.calibrator.report()
         return dict(
             fraction=self.config.fraction,
+            batch_invariant=self.engine.config.batch_invariant,
             **self.counts,
             pending=len(self._pending),
             groups=rows,

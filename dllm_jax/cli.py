@@ -169,6 +169,7 @@ def generation_config(args: argparse.Namespace, defaults: dict):
         temperature=args.temperature,
         cache=args.cache,
         attention=args.attention,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -179,6 +180,10 @@ def check_attention(args: argparse.Namespace) -> None:
         KernelChoice(attention=args.attention).check_device()
     except ValueError as e:
         raise UsageError(f"argument --attention: {e}") from None
+    if args.batch_invariant and getattr(args, "cache", None) == "first_layer":
+        raise UsageError(
+            "argument --batch-invariant: not with --cache first_layer (LaCache's memo); use dual or prefix"
+        )
 
 
 def load_model(args: argparse.Namespace) -> Model:
@@ -244,6 +249,7 @@ def engine_config(args: argparse.Namespace, depths: tuple[int, ...] = ()) -> Eng
             shallow_depths=depths,
             batch_sizes=None if args.batch_sizes is None else tuple(args.batch_sizes),
             compiler_options=tuple(args.compiler_option or ()),
+            batch_invariant=args.batch_invariant,
             **({} if args.window_chunk is None else dict(window_chunk=args.window_chunk)),
         )
     except ValueError as e:
@@ -322,6 +328,11 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
         help=f"attention kernel (auto: {attention})",
     )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="answers bit-identical whatever shares their batch (token-tiled GEMMs, chunked attention; slower)",
+    )
     p.add_argument(
         "--tensor-parallel",
         type=positive_int,

@@ -339,18 +339,13 @@ def test_cond_sync_smoke(tmp_path):
 
 
 def test_bench_pool_kernels_smoke(tmp_path):
-    """The pool-kernel bench at CPU sizes (interpreted): both kernels against their XLA paths for both models, the
-    probe weights agreeing with the XLA probe's, no device times off the GPU."""
+    """The pool-kernel bench at CPU sizes (interpreted): the probe-weights kernel against its XLA path for both
+    models, agreeing with the XLA probe's, no device times off the GPU."""
     bench = _load("bench_pool_kernels")
     assert bench.main(["--run", "smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "pool_kernels_cpu.json").read_text())["rows"]
-    assert [(r["kernel"], r["model"]) for r in rows] == [
-        ("write", "llada-8b"),
-        ("key_weights", "llada-8b"),
-        ("write", "dream-7b"),
-        ("key_weights", "dream-7b"),
-    ]
+    assert [(r["kernel"], r["model"]) for r in rows] == [("key_weights", "llada-8b"), ("key_weights", "dream-7b")]
     for r in rows:
         assert r["xla_us"] > 0 < r["pallas_us"] and r["speedup"] == r["xla_us"] / r["pallas_us"]
         assert r["xla_device_us"] is None and r["pallas_device_us"] is None
-    assert all(r["rel_err"] < 1e-5 for r in rows if r["kernel"] == "key_weights")
+    assert all(r["rel_err"] < 1e-5 for r in rows)

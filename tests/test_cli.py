@@ -93,6 +93,7 @@ def broken_models(tmp_path_factory):
         (["--tensor-parallel", "0"], "argument --tensor-parallel: must be a positive integer, got 0"),
         (["--tensor-parallel", "64"], "argument --tensor-parallel: tensor_parallel=64 needs 1.."),
         (["--tensor-parallel", "2", "--attention", "pallas"], "argument --attention: --tensor-parallel runs XLA's"),
+        (["--batch-invariant", "--cache", "first_layer"], "argument --batch-invariant: not with --cache first_layer"),
     ],
 )
 def test_bad_flags(argv, message, capsys):
@@ -171,6 +172,7 @@ def test_served_shallow_depths_and_compile_cache_follow_the_flags(tmp_path):
     # the engine's tuning flags reach its config; unset, the config's defaults hold
     assert cli.engine_config(parse("--window-chunk", "128", "--batch-sizes", "4", "16")).window_chunk == 128
     assert cli.engine_config(parse()) == EngineConfig()
+    assert cli.engine_config(parse("--batch-invariant")) == EngineConfig(batch_invariant=True)
 
 
 def cli_gpu() -> bool:

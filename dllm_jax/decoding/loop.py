@@ -23,6 +23,7 @@ from dllm_jax.decoding.caches.base import CacheStrategy, DecodeInputs
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.samplers.base import Sampler
 from dllm_jax.decoding.samplers.commit import commit_first_masked, exclude_token
+from dllm_jax.transformer.layers import opaque_loop, stacked
 
 Array = jax.Array
 
@@ -95,6 +96,27 @@ class BlockRunner:
         return exclude_token(logits, self.config.mask_token_id), cache
 
     def commit(self, inp: DecodeInputs, logits, masked, key, step, first_of_block: bool, masked_at_start, rows=None):
+        """The sampler's proposal x0 [B, L] and which positions it commits. Batch-invariant mode: one row at a time
+        in a loop (a reduction over the vocabulary of B * L rows may be vectorised otherwise than one of L rows,
+        which moves a confidence's last bit); rows sharing one key draw noise together, so not then."""
+        b = logits.shape[0]
+        if not inp.kernels.batch_invariant or (key.ndim == 0 and b > 1):
+            return self._commit(inp, logits, masked, key, step, first_of_block, masked_at_start, rows)
+        per_row = (logits, masked, masked_at_start, rows) + ((key,) if key.ndim else ())
+        per_row = jax.tree.map(lambda a: stacked(a[:, None], b), per_row)
+
+        def row(r, out):
+            lg, m, n, settings, *k = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), per_row)
+            x0, commit = self._commit(inp, lg, m, k[0] if k else key, step, first_of_block, n, settings)
+            return jax.tree.map(lambda o, y: jax.lax.dynamic_update_index_in_dim(o, y, r, 0), out, (x0, commit))
+
+        shapes = jax.eval_shape(
+            lambda: self._commit(inp, logits, masked, key, step, first_of_block, masked_at_start, rows)
+        )
+        out = jax.tree.map(lambda a: jnp.zeros((max(b, 2), 1, *a.shape[1:]), a.dtype), shapes)
+        return jax.tree.map(lambda a: a[:b, 0], opaque_loop(b, row, out))
+
+    def _commit(self, inp: DecodeInputs, logits, masked, key, step, first_of_block: bool, masked_at_start, rows=None):
         spb = self.gc.schedule.steps_per_block
         if rows is not None:  # settings per row (RowSampler): rows past their step budget commit nothing
             x0, commit = self.sampler.commit_rows(logits, masked, key, step, masked_at_start, rows)

@@ -126,7 +126,8 @@ class Engine:
         self.intake = Intake(mc, self.max_len, blocks, cfg.sampler, cfg.shallow_depths, self.affixes, cfg.auto_affix)
         self.block_lengths, self.sampler = self.intake.block_lengths, self.intake.sampler
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
-        params = unstack_layers(model.params, fuse=mesh_of(model.params) is None)  # fused q/k/v would not split by head
+        # fused q/k/v would not split by head; batch-invariant: generate's layout (another GEMM width, other rounding)
+        params = unstack_layers(model.params, fuse=mesh_of(model.params) is None and not cfg.batch_invariant)
         choice = KernelChoice(attention=cfg.attention, rope_write="xla", batch_invariant=cfg.batch_invariant)
         kernels = Kernels.resolve(choice, mc, params)
         ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)

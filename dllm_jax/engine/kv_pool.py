@@ -11,7 +11,7 @@ the query back by p (the jnp path rotates the gathered keys): one copy serves ev
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,6 @@ from dllm_jax.transformer.kv_cache import CacheWrite
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
 from pallas_kernels.slot_key_weights import slot_key_weights
-from pallas_kernels.slot_write import slot_write, slot_write_reference
 
 Array = jax.Array
 
@@ -45,7 +44,6 @@ class PagedKV:
     own_len: Array  # [B] int32
     rope_theta: float = dataclasses.field(metadata=dict(static=True))
     rotate: bool = dataclasses.field(metadata=dict(static=True))  # any row with a nonzero shared_delta
-    kernels: Any = dataclasses.field(default=None, metadata=dict(static=True))  # writes: slot_write unless XLA's
 
     per_layer: ClassVar[bool] = True  # a tuple of layer arrays (like an unrolled KVCache)
 
@@ -61,13 +59,12 @@ class PagedKV:
         if cols is None:
             cols = (jnp.asarray(where.offset, jnp.int32) + jnp.arange(k.shape[1], dtype=jnp.int32))[None]
         slots = jnp.take_along_axis(self.col_slots, jnp.broadcast_to(cols, k.shape[:2]), axis=1)
-        # the pool's end: not written; written slots are distinct (each is one column's)
-        rows = (slots if where.mask is None else jnp.where(where.mask, slots, self.k[0].shape[0])).reshape(-1)
-        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        if self.kernels is not None and self.kernels.attention not in ("xla", "invariant"):  # one launch, in place
-            new_k, new_v = slot_write(self.k[i], self.v[i], k, v, rows, interpret=self.kernels.interpret)
-        else:  # XLA's scatters, one a pool
-            new_k, new_v = slot_write_reference(self.k[i], self.v[i], k, v, rows)
+        # XLA's scatters (a Pallas kernel writing both in place lost on the H200: bench_pool_kernels.py); an entry not
+        # written goes past the pool's end, each to its own index (written slots are each one column's)
+        p, rows = self.k[i].shape[0], (slots if where.mask is None else jnp.where(where.mask, slots, -1)).reshape(-1)
+        rows = jnp.where((rows >= 0) & (rows < p), rows, p + jnp.arange(rows.shape[0]))
+        new_k, new_v = (a.at[rows].set(b.reshape(-1, *b.shape[2:]).astype(a.dtype), mode="drop", unique_indices=True)
+                        for a, b in ((self.k[i], k), (self.v[i], v)))  # fmt: skip
         k, v = self.k[:i] + (new_k,) + self.k[i + 1 :], self.v[:i] + (new_v,) + self.v[i + 1 :]
         return dataclasses.replace(self, k=k, v=v)
 

@@ -394,9 +394,7 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     shallow = isinstance(runner.strategy, ShallowReuse)
     # shared affixes are read rotated by their placement: a rotation by 0 (a prefix, or no affix) changes no bit, so
     # one program serves every placement (BiCache rows read their affix from their own, placed copy)
-    kv = PagedKV(
-        k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow, kernels=kernels
-    )
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
     common = {n: d[n] for n in ("window", "writes", "block_col", "block_index")}
     common.update(kv=kv, chunks=WindowChunks(chunk, d["live"]))
     if shallow:  # each row's prefix hidden states, placed at its prefix in the deep window
@@ -420,7 +418,7 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
     ACache's probe: their block start rewrites them), and with probe its ranking [b, A] of each row's shared
     affix (`acache.row_importance_probe` scores its [MASK] queries; on the slot kernels `PagedKV.key_weights`)."""
     b, a = d["x"].shape[0], d["shared_slots"].shape[1]
-    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=probe, kernels=kernels)
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=probe)
     queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
     if not probe:
         hook = None
@@ -441,7 +439,7 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
 def _prefix_hidden(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels, chunk: int, depth: int):
     """The hidden state entering layer `depth` of the affix that `d`'s one row holds [read_len, d], zero past it:
     layers 0..depth-1 in chunks, reading its stored K/V (computed alone) and writing nothing."""
-    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=False, kernels=kernels)
+    kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=False)
     x, pos, live = gather_rows(d["x"], d["window"]), gather_rows(d["positions"], d["window"]), d["live"]
     write, chunks = CacheWrite.scatter(d["window"], d["writes"]), WindowChunks(chunk, live)
     out = forward(params, config, x, pos, cache=kv, write=write, layers=(0, depth), output_hidden=True, chunks=chunks)

@@ -125,6 +125,10 @@ class AuditReport(BaseModel):
     """GET /v1/audit. Shadow requests are the exact twins; they never reach a client."""
 
     fraction: float = Field(description="the share of affix-technique requests audited (--audit-fraction)")
+    batch_invariant: bool = Field(
+        description="answers are compared bit for bit (serve --batch-invariant); without it a mismatch may also be "
+        "batching noise at a near tie"
+    )
     audited: int
     shadows: int = Field(description="shadow requests queued")
     shadows_finished: int

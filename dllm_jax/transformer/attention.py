@@ -145,7 +145,7 @@ class KeySegment(NamedTuple):
 
 
 def _chunks(segment: KeySegment) -> tuple[Array, Array, Array]:
-    """A segment's keys, values and validity as [S / KEY_CHUNK, B, KEY_CHUNK, ...]: each row's valid keys first, in
+    """A segment's keys, values and validity as [B, S / KEY_CHUNK, KEY_CHUNK, ...]: each row's valid keys first, in
     order (a row's keys then fill the same chunks wherever its buffer put them), then padding. Always through the
     same sort and gather, even where the keys are packed already: XLA simplifies a program around a constant mask
     differently (measured: other rounding on the CPU), so every caller's program has one shape."""
@@ -159,36 +159,37 @@ def _chunks(segment: KeySegment) -> tuple[Array, Array, Array]:
     pad = -s % KEY_CHUNK
     k, v = (jnp.pad(a, [(0, 0), (0, pad), (0, 0), (0, 0)]) for a in (k, v))
     valid = jnp.pad(valid, [(0, 0), (0, pad)])
-    n = (s + pad) // KEY_CHUNK
-
-    def split(a: Array) -> Array:
-        return jnp.moveaxis(a.reshape(b, n, KEY_CHUNK, *a.shape[2:]), 1, 0)
-
-    return split(k), split(v), split(valid)
+    return tuple(a.reshape(b, (s + pad) // KEY_CHUNK, KEY_CHUNK, *a.shape[2:]) for a in (k, v, valid))
 
 
 def attend_segments(q: Array, segments: Sequence[KeySegment]) -> Array:
     """Attention of q [B, n, Hq, D] over the keys of `segments`, read one after another -> [B, n, Hq, D] in q.dtype
     (zeros where a query has no key). Batch invariant: every dot and reduction a query's result goes through has the
-    same shape ([QUERY_TILE] queries x [KEY_CHUNK] keys) and the same order (its valid keys, packed, chunk by chunk)
-    however many rows, queries or padding keys share the call; an all-padding chunk leaves the online-softmax state
-    exactly as it was. Slower than `attend_reference` (a loop of small dots): the mode's price."""
+    same shape (one row's [QUERY_TILE] queries x [KEY_CHUNK] keys) and the same order (its valid keys, packed, chunk
+    by chunk) however many rows, queries or padding keys share the call: one row and query tile at a time, an
+    online softmax over the key chunks (an all-padding chunk leaves its state exactly as it was). Slower than
+    `attend_reference` (loops of small dots): the mode's price."""
     b, n, hq, d = q.shape
     hkv = segments[0].k.shape[2]
-    parts = [_chunks(s) for s in segments]
-    n_chunks = sum(c[0].shape[0] for c in parts)
-    ks, vs, valids = (stacked(jnp.concatenate(a, axis=0), n_chunks) for a in zip(*parts))
+    ks, vs, valids = (jnp.concatenate(a, axis=1) for a in zip(*(_chunks(s) for s in segments)))
+    n_chunks = ks.shape[1]
+    ks, vs, valids = (
+        stacked(jnp.moveaxis(stacked(jnp.moveaxis(a, 1, 0), n_chunks), 0, 1), b) for a in (ks, vs, valids)
+    )
     tiles = -(-n // QUERY_TILE)
     qt = jnp.pad(q, [(0, 0), (0, tiles * QUERY_TILE - n), (0, 0), (0, 0)])
-    qt = stacked(jnp.moveaxis(qt.reshape(b, tiles, QUERY_TILE, hq, d), 1, 0), tiles)
+    qt = stacked(qt.reshape(b * tiles, 1, QUERY_TILE, hq, d), b * tiles)
 
-    def by_heads(a: Array) -> Array:  # [B, Hkv, G, T] -> [B, T, Hq, 1] (grouped_values' layout)
-        return jnp.moveaxis(a, 3, 1).reshape(b, QUERY_TILE, hq)[..., None]
+    def by_heads(a: Array) -> Array:  # [1, Hkv, G, T] -> [1, T, Hq, 1] (grouped_values' layout)
+        return jnp.moveaxis(a, 3, 1).reshape(1, QUERY_TILE, hq)[..., None]
 
-    def tile(q_tile: Array) -> Array:
+    def tile(i: Array, out: Array) -> Array:
+        q_tile, row = jax.lax.dynamic_index_in_dim(qt, i, keepdims=False), i // tiles
+        keys = [jax.lax.dynamic_index_in_dim(a, row, keepdims=False) for a in (ks, vs, valids)]
+
         def chunk(c, state):
             m, l, o = state  # noqa: E741
-            k, v, valid = (jax.lax.dynamic_index_in_dim(a, c, keepdims=False) for a in (ks, vs, valids))
+            k, v, valid = (jax.lax.dynamic_index_in_dim(a, c, keepdims=True) for a in keys)
             scores = _masked(grouped_scores(q_tile, k), valid)
             m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
@@ -196,17 +197,14 @@ def attend_segments(q: Array, segments: Sequence[KeySegment]) -> Array:
             alpha = jnp.exp(m - m_safe)  # exactly 1 when the chunk adds nothing, 0 before the first key
             return m_new, alpha * l + jnp.sum(p, axis=-1), by_heads(alpha) * o + grouped_values(p, v)
 
-        stats = jnp.full((b, hkv, hq // hkv, QUERY_TILE), -jnp.inf, jnp.float32)
-        state = (stats, jnp.zeros_like(stats), jnp.zeros((b, QUERY_TILE, hq, d), jnp.float32))
+        stats = jnp.full((1, hkv, hq // hkv, QUERY_TILE), -jnp.inf, jnp.float32)
+        state = (stats, jnp.zeros_like(stats), jnp.zeros((1, QUERY_TILE, hq, d), jnp.float32))
         _, l, o = opaque_loop(n_chunks, chunk, state)  # noqa: E741
         l = by_heads(l)  # noqa: E741
-        return (o / jnp.where(l > 0, l, 1.0)).astype(q.dtype)
+        return jax.lax.dynamic_update_index_in_dim(out, (o / jnp.where(l > 0, l, 1.0)).astype(q.dtype), i, 0)
 
-    def each_tile(t, out):
-        return jax.lax.dynamic_update_index_in_dim(out, tile(jax.lax.dynamic_index_in_dim(qt, t, keepdims=False)), t, 0)
-
-    out = opaque_loop(tiles, each_tile, jnp.zeros(qt.shape, q.dtype))  # [tiles, B, QUERY_TILE, Hq, D]
-    return jnp.moveaxis(out[:tiles], 0, 1).reshape(b, tiles * QUERY_TILE, hq, d)[:, :n]
+    out = opaque_loop(b * tiles, tile, jnp.zeros(qt.shape, q.dtype))  # [B * tiles, 1, QUERY_TILE, Hq, D]
+    return out[: b * tiles].reshape(b, tiles * QUERY_TILE, hq, d)[:, :n]
 
 
 def attend(

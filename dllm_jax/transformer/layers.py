@@ -118,8 +118,8 @@ def opaque_loop(n: int, body, carry):
 
 
 def stacked(a: Array, n: int) -> Array:
-    """a [n, ...] padded with zeros to at least 2 entries, for an `opaque_loop` body to index."""
-    return jnp.pad(a, [(0, max(0, 2 - n))] + [(0, 0)] * (a.ndim - 1))
+    """a [n, ...] padded to at least 2 entries (repeating its first), for an `opaque_loop` body to index."""
+    return a if n >= 2 else jnp.concatenate([a, a[:1]], axis=0)
 
 
 def tokenwise(fn, *arrays: Array, tile: int = TOKEN_TILE):
