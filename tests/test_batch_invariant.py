@@ -175,3 +175,13 @@ def test_shared_affix_answers_do_not_depend_on_their_batch():
     together = _serve(model, [x for pair in zip(shared, others) for x in pair])[::2]
     alone = [_serve(model, [item])[0] for item in shared]
     assert together == alone
+
+
+def test_the_mode_replaces_programs_rather_than_adding_them():
+    """A batch-invariant engine warms as many programs as an ordinary one of the same settings (its programs replace
+    the ordinary ones: serve's start-up is the same count of compilations)."""
+    model = _near_tie_model("float32", 1e-7)
+    settings = dict(max_batch=8, max_model_len=128, block_lengths=(4, 8), kv_budget_bytes=1 << 25)
+    ordinary = Engine(model, EngineConfig(**settings))
+    invariant = Engine(model, EngineConfig(**settings, batch_invariant=True))
+    assert invariant.program_count() == ordinary.program_count() > 0
