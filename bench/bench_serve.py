@@ -31,7 +31,10 @@ warmup_s_cached (a second start with it), each measured in a fresh process (--st
 the device, else this process's own warm-up (`start`: which).
 --http serves rows through `dllm-jax serve`'s app (uvicorn on 127.0.0.1; the official `openai` client streaming from
 a process of its own, prompts sent as token ids, per-request settings as the request's fields) after the same row
-through the Python API (`transport` python and http, `vs_python` their ratio); for mixed, at every --arrivals.
+through the Python API (`transport` python and http, `vs_python` their ratio); for mixed, at every --arrivals. The
+HTTP rows run the server's audit as serve does (--audit-fraction; serve's default 0.02): rows of another fraction
+or of --batch-invariant are kept apart under one --run label, and `vs_unaudited` is an audited HTTP row's tokens/s
+against the --audit-fraction 0 row of the label (what auditing costs).
 Each row is written when it finishes (a run cut short keeps its rows; rows merge by --run label), a plot at the end.
 
     PYTHONPATH=. python bench/bench_serve.py --run NAME                       # the closed16 rows at 1024 tokens
@@ -154,6 +157,10 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--window-chunk", str(args.window_chunk)]
     for option in args.compiler_option or ():
         flags += ["--compiler-option", option]
+    if args.audit_fraction is not None:
+        flags += ["--audit-fraction", f"{args.audit_fraction:g}"]
+    if args.batch_invariant:
+        flags += ["--batch-invariant"]
     return flags + ["--compile-cache", str(args.compile_cache)]
 
 
@@ -301,7 +308,9 @@ class IdTokenizer:
         return [int(w) for w in text.split()]
 
 
-def http_drive(engine: Engine, items: list[Item], arrival: str, concurrency: int, admission_wait: float) -> dict:
+def http_drive(
+    engine: Engine, items: list[Item], arrival: str, concurrency: int, admission_wait: float, audit_fraction: float
+) -> dict:
     """The items through `dllm-jax serve`'s app (uvicorn in a thread on the warmed engine) from the openai
     client's async API in processes of their own (as clients are: in this one they would take the GIL from the
     engine thread and the server; bench/tools/http_clients.py), streaming (the first chunk is the first block): a
@@ -311,6 +320,7 @@ def http_drive(engine: Engine, items: list[Item], arrival: str, concurrency: int
 
     import uvicorn
 
+    from dllm_jax.audit import AuditConfig
     from dllm_jax.server import EngineService, ServeSettings, create_app
     from dllm_jax.server.run import bind
 
@@ -322,7 +332,8 @@ def http_drive(engine: Engine, items: list[Item], arrival: str, concurrency: int
             arrived.setdefault(rid, engine.request(rid).arrival)
 
     engine.before_call = record
-    service = EngineService(engine, admission_wait=admission_wait).start()  # already warm: serves at once
+    audit = AuditConfig(fraction=audit_fraction)  # serve's --audit-fraction (its shadows run beside the users)
+    service = EngineService(engine, admission_wait=admission_wait, audit=audit).start()  # warm: serves at once
     app = create_app(service, ServeSettings(model_name="bench"))
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
@@ -354,7 +365,9 @@ def http_drive(engine: Engine, items: list[Item], arrival: str, concurrency: int
     engine.before_call = None
     row = timing(wall, sum(o[0] for o in out), [o[1] for o in out], [o[2] for o in out])
     waits = dict(admission_wait=admission_wait, **{f"admission_waits_{k}": v for k, v in service.waits.items()})
-    return {**row, **arrival_offsets(calls, list(arrived.values())), **waits}
+    report = service.auditor.report() if service.auditor is not None else {}
+    audited = dict(audit_fraction=audit_fraction, audit_shadows=report.get("shadows_finished", 0))
+    return {**row, **arrival_offsets(calls, list(arrived.values())), **waits, **audited}
 
 
 def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
@@ -386,10 +399,11 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
         engine.counters["peak_pages"] = engine.block_manager.num_used_pages
     s0 = engine.stats()
     if transport == "http":
-        wait = cli.build_parser().parse_args(["serve", *serve_flags(args)]).admission_wait
-        t = http_drive(engine, items, arrival, args.concurrency, wait)
+        sargs = cli.build_parser().parse_args(["serve", *serve_flags(args)])
+        t = http_drive(engine, items, arrival, args.concurrency, sargs.admission_wait, sargs.audit_fraction)
     else:
-        t = drive(engine, items, arrival, args.concurrency)
+        t = dict(drive(engine, items, arrival, args.concurrency), audit_fraction=None)  # the engine alone
+    t["batch_invariant"] = engine.config.batch_invariant
     s1 = engine.stats()
     delta = lambda key: s1[key] - s0[key]  # noqa: E731  the engine's counters over the row
     probes = delta("probes")
@@ -683,7 +697,7 @@ def mixed_items(reqs: list[dict], row: str, depth: int | None, explicit_depth: b
 
 
 def mixed_key(r: dict) -> tuple:
-    return (r["arrival"], r["row"], r["transport"])
+    return (r["arrival"], r["row"], r["transport"], r.get("audit_fraction"), r.get("batch_invariant", False))
 
 
 def run_mixed(args) -> int:
@@ -840,26 +854,23 @@ def closed_name(args) -> str:
 def compare(row: dict, rows: list[dict], here: set[tuple]) -> None:
     """The same-run ratios: to sharing off at the same arrival and transport, and http to python (`baseline`: this
     command's row, or one of an earlier command with this --run label)."""
-    off = next(
-        (
-            r
-            for r in rows
-            if r["row"] == "off" and r["arrival"] == row["arrival"] and r["transport"] == row["transport"]
-        ),
-        None,
-    )
+
+    def same(r: dict, *fields: str) -> bool:
+        return all(r.get(f) == row.get(f) for f in ("arrival", "batch_invariant", *fields))
+
+    off = next((r for r in rows if r["row"] == "off" and same(r, "transport", "audit_fraction")), None)
     if off is not None and row["row"] != "off":
         row["speedup_vs_off"] = row["tokens_per_s"] / off["tokens_per_s"]
         row["p99_vs_off"] = row["p99_s"] / off["p99_s"]
         row["ttfb_p99_vs_off"] = row["ttfb_p99_s"] / off["ttfb_p99_s"]
         row["peak_kv_vs_off"] = row["peak_kv_bytes"] / off["peak_kv_bytes"] if off["peak_kv_bytes"] else None
         row["baseline"] = "this command" if mixed_key(off) in here else "an earlier command of this run"
-    py = next(
-        (r for r in rows if r["row"] == row["row"] and r["arrival"] == row["arrival"] and r["transport"] == "python"),
-        None,
-    )
+    py = next((r for r in rows if r["transport"] == "python" and same(r, "row")), None)
     if row["transport"] == "http" and py is not None:
         row["vs_python"] = row["tokens_per_s"] / py["tokens_per_s"]
+    unaudited = next((r for r in rows if r.get("audit_fraction") == 0 and same(r, "row", "transport")), None)
+    if row.get("audit_fraction") and unaudited is not None:  # what the audit costs: tokens/s against none
+        row["vs_unaudited"] = row["tokens_per_s"] / unaudited["tokens_per_s"]
 
 
 def mixed_path(args) -> Path:
@@ -923,6 +934,8 @@ def main(argv=None) -> int:
     g.add_argument("--admission-wait", type=float, default=None, help="the HTTP rows' hold for arrivals")
     g.add_argument("--compiler-option", action="append", metavar="NAME=VALUE", help="XLA options of the programs")
     g.add_argument("--window-chunk", type=int, default=None, help="tokens a row a window forward runs at a time")
+    g.add_argument("--audit-fraction", type=float, default=None, help="the HTTP rows' audit (serve's default: 0.02)")
+    g.add_argument("--batch-invariant", action="store_true", help="serve --batch-invariant")
     g = ap.add_argument_group("closed16 / poisson_R")
     g.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
     g.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")

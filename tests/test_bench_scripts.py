@@ -283,6 +283,8 @@ def test_bench_serve_mixed(tmp_path):
         assert r["ttfb_p50_s"] <= r["p50_s"] and r["ttfb_p99_s"] <= r["p99_s"] and r["max_requests_16gib"] > 0
         # python: every request runs to its max_tokens; http: the server's requests stop at EOS
         assert r["tokens"] == meta["generated_tokens"] if r["transport"] == "python" else r["tokens"] > 0
+        # http: the server audits as serve does by default (2%); the engine alone has no audit
+        assert (r["audit_fraction"], r["batch_invariant"]) == ((0.02 if r["transport"] == "http" else None), False)
         assert (r["probe_ms_per_request"] or 0) > 0 if r["row"] == "acache_0.2" else r["probe_ms_per_request"] is None
         if r["row"] != "off":
             off = next(
