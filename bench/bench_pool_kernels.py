@@ -1,7 +1,7 @@
 """The engine's pool kernel against the XLA it replaces, at its shapes (issue 39's block-call gaps).
 
-(Run s30 also timed `write`, a Pallas kernel writing a chunk's K and V in place, against XLA's two scatters: it lost
-in every row, 0.67-0.99x of XLA's device time but one, and was removed; its rows stay in the JSON.)
+(Run s30 also timed `write`, a Pallas kernel writing a chunk's K and V in place, against XLA's two scatters: it
+lost in device time in every row, XLA taking 0.61-0.75x the kernel's time, and was removed; its rows stay in the JSON.)
 - `key_weights`: ACache's probe scores of one layer, as the engine's probe program runs them on its pool
   (`PagedKV`): `PagedKV.key_weights` (`pallas_kernels.slot_key_weights`: each row's real shared list through its
   table, from slot_attention's log-sum-exp) against `acache.row_importance_probe` (the XLA path: the gathered keys,
