@@ -876,9 +876,11 @@ QUESTION = "input : 8 9 5 what does the rule give ?"  # 11 tokens: the longest a
 
 def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile_cache(tmp_path):
     """`dllm-jax serve` (max_batch 2, max_model_len 64: a short warm-up) answers /health at once and /ready once
-    warmed; a request sent during the warm-up is answered; varied requests compile nothing after it; a second
+    warmed; a request sent during the warm-up is answered; varied requests compile nothing after it, nor do the
+    audit's shadow requests (--audit-fraction 1: the shared-affix request is decoded again exactly); a second
     start on the same --compile-cache warms up clearly faster."""
     flags = ("--dtype", "float32", "--max-batch", "2", "--max-model-len", "64", "--compile-cache", str(tmp_path))
+    flags += ("--audit-fraction", "1")
     deadline = time.time() + 300
     proc, url = fixtures.start_server(*flags)
     stderr = fixtures.drain_stderr(proc)
@@ -907,12 +909,20 @@ def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile
 
         async def all_at_once():  # two at a time fill the batch: every batch size runs
             async with httpx.AsyncClient(timeout=120) as client:
-                bodies = [{"model": NAME, "prompt": QUESTION, **v} for v in varied]
+                bodies = [
+                    {"model": NAME, "prompt": v["affix"]["text"] + " " + QUESTION if "affix" in v else QUESTION, **v}
+                    for v in varied
+                ]
                 return await asyncio.gather(*[client.post(f"{url}/v1/completions", json=b) for b in bodies])
 
+        rule = "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ;"
+        varied.append({"max_tokens": 8, "affix_technique": "anchors", "affix": {"text": rule}})
         replies = asyncio.run(all_at_once())
         assert [r.status_code for r in replies] == [200] * len(varied), [r.text for r in replies]
         assert all(r.json()["usage"]["completion_tokens"] <= v["max_tokens"] for r, v in zip(replies, varied))
+        while (audit := httpx.get(f"{url}/v1/audit", timeout=10).json())["shadows_finished"] < 1:
+            assert time.time() < deadline, audit
+            time.sleep(0.1)
         m = _metrics(url)
         assert m["dllm_jax_compiles_after_warmup_total"] == 0 and m["dllm_jax_compile_seconds_after_warmup_total"] == 0
         assert m["dllm_jax_programs"] == warming.json()["programs"] and m["dllm_jax_ready"] == 1
