@@ -167,8 +167,8 @@ def test_shared_affix_answers_do_not_depend_on_their_batch():
     as alone in the engine."""
     model = _near_tie_model("float32", 1e-7)
     affix = np.random.default_rng(4).integers(0, 290, 24).tolist()
-    shared = _requests(model.config, 6, seed=5, affix=affix)
-    others = _requests(model.config, 6, seed=6)
+    shared = _requests(model.config, 3, seed=5, affix=affix)  # prefix, infix, suffix
+    others = _requests(model.config, 3, seed=6)
     together = _serve(model, [x for pair in zip(shared, others) for x in pair])[::2]
     alone = [_serve(model, [item])[0] for item in shared]
     assert together == alone
