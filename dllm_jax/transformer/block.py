@@ -98,16 +98,20 @@ def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
     ).astype(h.dtype)
 
 
-def block_qkv(block: Block, layer_params: Params, x: Array, positions: Array, kernels: Kernels) -> tuple:
-    """`Block.qkv` of x [B, n, d] at positions [B, n] (RoPE computed here), token-tiled in the batch-invariant
-    mode."""
+def block_qkv(
+    block: Block, layer_params: Params, x: Array, positions: Array, cos: Array, sin: Array, kernels: Kernels
+) -> tuple:
+    """`Block.qkv` of x [B, n, d] at positions [B, n] (cos / sin: their RoPE tables, computed once per forward);
+    token-tiled in the batch-invariant mode, which computes each tile's tables inside its tile."""
+    if not kernels.batch_invariant:
+        return block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
     c = block.config
 
     def qkv(x, positions):
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         return block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
 
-    return tokenwise(qkv, x, positions) if kernels.batch_invariant else qkv(x, positions)
+    return tokenwise(qkv, x, positions)
 
 
 def final_hidden_to_logits(
