@@ -1,15 +1,18 @@
-"""anchor_ratio "auto" on the bundled model: the accuracy it reaches, the ratio it chooses per affix, the block-start
-tokens it saves against sharing off, and what calibrating and auditing cost, per task x placement.
+"""anchor_ratio "auto" (or shallow_depth "auto") on the bundled model: the accuracy it reaches, the ratio (depth) it
+chooses per affix, the block-start tokens it saves against sharing off, and what calibrating and auditing cost, per
+task x placement.
 
     PYTHONPATH=. python bench/quality_auto.py                  # 20 affixes x 50 requests per cell (n = 1000)
     PYTHONPATH=. python bench/quality_auto.py --affixes 2 --per-affix 8 --tasks rule --placements prefix
+    PYTHONPATH=. python bench/quality_auto.py --technique shallow --clients 8   # BiCache: quality_auto_shallow.json
 
 Each cell runs a fresh engine behind `EngineService` (the server's engine thread: calibration, shadows and audits
 exactly as `dllm-jax serve --anchor-ratio auto` runs them) with closed-loop clients: held-out problems of the task
 (dllm_jax.tasks), `--per-affix` requests per shared part (its questions cycled: repeated questions are traffic too),
 the shared part named as the affix. The same requests are then decoded exactly (no sharing) through the same
-engine for the exact path's accuracy, and at each fixed ratio of the ladder for comparison rows. Writes
-bench/results/quality_auto.json (rows per cell and setting, Wilson 95% intervals) and quality_auto.png.
+engine for the exact path's accuracy, and at fixed ratios (depths) for comparison rows. Writes
+bench/results/quality_auto.json (rows per cell and setting, Wilson 95% intervals) and quality_auto.png; with
+--technique shallow quality_auto_shallow.json and .png (the engine serves --depths; the ladder runs deepest first).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def requests_of(task: str, placement: str, affixes: int, per_affix: int, seed: i
     return [r for round_ in zip(*cycled) for r in round_]
 
 
-async def serve_all(service: EngineService, rendered, config, auto: bool, clients: int) -> list[list[int]]:
+async def serve_all(service: EngineService, rendered, config, auto: str | None, clients: int) -> list[list[int]]:
     """Every request through the service by `clients` closed-loop clients; each one's answer tokens."""
     answers: list = [None] * len(rendered)
     todo = iter(range(len(rendered)))
@@ -62,7 +65,7 @@ async def serve_all(service: EngineService, rendered, config, auto: bool, client
     async def client():
         for i in todo:
             r = rendered[i]
-            _, stream = await service.submit(r.prompt, config, r.affix_span, 0, auto_ratio=auto)
+            _, stream = await service.submit(r.prompt, config, r.affix_span, 0, auto=auto)
             tokens = []
             while not (out := await stream.get()).finished:
                 tokens += out.tokens
@@ -80,10 +83,20 @@ def run_cell(model, task, placement, args) -> list[dict]:
     vocab = model.tokenizer.hf.get_vocab()
     rendered = requests_of(task, placement, args.affixes, args.per_affix, args.seed, vocab)
     base = dict(gen_length=8, block_length=4, steps=8, cache="dual")
-    engine_config = EngineConfig(max_batch=16, max_model_len=256, block_lengths=(4,), kv_budget_bytes=64 << 20)
+    shallow = args.technique == "shallow"
+    engine_config = EngineConfig(
+        max_batch=16,
+        max_model_len=256,
+        block_lengths=(4,),
+        kv_budget_bytes=64 << 20,
+        shallow_depths=tuple(args.depths) if shallow else (),
+    )
     rows = []
-    settings = [("auto", dict(affix="anchors"), True), ("exact", {}, False)]
-    settings += [(f"anchors_{r:g}", dict(affix="anchors", anchor_ratio=r), False) for r in args.fixed]
+    settings = [("auto", dict(affix="anchors"), args.technique), ("exact", {}, None)]
+    if shallow:
+        settings += [(f"shallow_{d}", dict(affix="shallow", shallow_depth=d), None) for d in args.fixed_depths]
+    else:
+        settings += [(f"anchors_{r:g}", dict(affix="anchors", anchor_ratio=r), None) for r in args.fixed]
     for name, extra, auto in settings:
         service = EngineService(
             Engine(model, engine_config),
@@ -103,20 +116,25 @@ def run_cell(model, task, placement, args) -> list[dict]:
         row.update(ci95=[round(v, 4) for v in wilson(k, n)], wall_seconds=round(seconds, 1))
         affix_tokens = [r.affix_span[1] - r.affix_span[0] for r in rendered]
         if name == "auto":
-            chosen = {c["affix"]: c["ratio"] for c in report["calibration"]}
+            level, exact = ("depth", 0) if shallow else ("ratio", 1.0)
+            chosen = {c["affix"]: c[level] for c in report["calibration"]}
             ids = [affix_id(affix_key(r.prompt[slice(*r.affix_span)])) for r in rendered]
-            ratios = [chosen.get(a, 1.0) for a in dict.fromkeys(ids)]
+            levels = [chosen.get(a, exact) for a in dict.fromkeys(ids)]
+            if shallow:
+                row.update(depths_chosen=levels, share_affixes_reused=float(np.mean([d > 0 for d in levels])))
+            else:
+                row.update(ratios_chosen=levels, share_affixes_at_most_0_3=float(np.mean([r <= 0.3 for r in levels])))
             row.update(
-                ratios_chosen=ratios,
-                share_affixes_at_most_0_3=float(np.mean([r <= 0.3 for r in ratios])),
                 shadow_requests=report["shadows"],
                 shadow_tokens=report["shadow_tokens"],
                 shadows_per_request=round(report["shadows"] / n, 3),
                 calibration=report["calibration"],
             )
-            # block-start tokens not recomputed (the affix's non-anchor share) over the requests' last served
-            # ratio, against sharing off: an estimate from the final ratios (early requests ran exactly)
-            saved = sum((1 - chosen.get(a, 1.0)) * t for a, t in zip(ids, affix_tokens))
+            # block-start token-layers not recomputed (ACache: the affix's non-anchor share; BiCache: its tokens in
+            # the layers below the depth) at the requests' last served level, against sharing off: an estimate from
+            # the final levels (early requests ran exactly)
+            kept = (lambda d: d / model.config.n_layers) if shallow else (lambda r: 1 - r)
+            saved = sum(kept(chosen.get(a, exact)) * t for a, t in zip(ids, affix_tokens))
             total = sum(len(r.prompt) + 8 for r in rendered)
             row["block_start_tokens_saved_share"] = round(saved / total, 4)
         rows.append(row)
@@ -127,7 +145,7 @@ def run_cell(model, task, placement, args) -> list[dict]:
     return rows
 
 
-def plot(rows, path: Path) -> None:
+def plot(rows, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,7 +167,7 @@ def plot(rows, path: Path) -> None:
     ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"{t}\n{p}" for t, p in cells])
     ax.set_ylabel("exact-match accuracy (95% Wilson)")
     ax.set_ylim(0, 1.05)
-    ax.set_title('anchor_ratio "auto" against exact decoding and fixed ratios (bundled model)')
+    ax.set_title(title)
     ax.legend(fontsize=8, ncol=len(settings))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -164,6 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.95, help="--agreement-target")
     ap.add_argument("--audit-fraction", type=float, default=0.02)
     ap.add_argument("--fixed", type=float, nargs="*", default=[0.2], help="fixed ratios decoded for comparison")
+    ap.add_argument("--technique", default="anchors", choices=["anchors", "shallow"], help="what auto calibrates")
+    ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 6], help="shallow: the depths the engine serves")
+    ap.add_argument("--fixed-depths", type=int, nargs="*", default=[4], help="shallow: fixed depths for comparison")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument(
         "--clients",
@@ -172,9 +193,12 @@ def main(argv=None) -> int:
         help="closed-loop clients (max_batch is 16: at 16 users always fill the batch and shadows rarely run)",
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality_auto.json"))
-    ap.add_argument("--plot", default=str(REPO / "bench" / "results" / "quality_auto.png"))
+    ap.add_argument("--out", default=None, help="default: bench/results/quality_auto[_shallow].json")
+    ap.add_argument("--plot", default=None, help="default: the --out path as .png")
     args = ap.parse_args(argv)
+    stem = "quality_auto" + ("_shallow" if args.technique == "shallow" else "")
+    args.out = args.out or str(REPO / "bench" / "results" / f"{stem}.json")
+    args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     model = dllm_jax.load(dtype=args.dtype)
     rows = []
     t0 = time.time()
@@ -192,7 +216,8 @@ def main(argv=None) -> int:
         per_affix=args.per_affix,
         target=args.target,
         audit_fraction=args.audit_fraction,
-        ladder=list(CalibrationConfig().ladder),
+        technique=args.technique,
+        ladder=sorted(args.depths, reverse=True) if args.technique == "shallow" else list(CalibrationConfig().ladder),
         seconds=round(time.time() - t0, 1),
         generation=dict(gen_length=8, block_length=4, steps=8, cache="dual", temperature=0),
     )
@@ -203,7 +228,12 @@ def main(argv=None) -> int:
     meta = dict(runs={**runs, str(args.clients): meta})
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     if args.plot:
-        plot([r for r in rows if r.get("clients", 16) == args.clients], Path(args.plot))
+        what = (
+            'shallow_depth "auto" against exact decoding and fixed depths'
+            if args.technique == "shallow"
+            else ('anchor_ratio "auto" against exact decoding and fixed ratios')
+        )
+        plot([r for r in rows if r.get("clients", 16) == args.clients], Path(args.plot), f"{what} (bundled model)")
     return 0
 
 

@@ -28,7 +28,8 @@ from dllm_jax.engine.request import BlockOutput, Request
 
 SHADOW = "shadow-"  # the request-id prefix of shadow requests
 WILSON_Z = 1.959963984540054  # the normal quantile of a 95% interval
-STATE_VERSION = 1  # of the file AuditConfig.state_path names
+STATE_VERSION = 2  # of the file AuditConfig.state_path names (1: anchor ratios only, still read)
+TECHNIQUES = ("anchors", "shallow")  # the techniques "auto" calibrates: ACache's ratio, BiCache's depth
 
 
 def affix_id(key: str) -> str:
@@ -68,6 +69,19 @@ def setting_of(technique: Any, depth: int = 0) -> str:
     raise ValueError(f"not an affix technique: {technique!r}")
 
 
+def kind_of(technique: Any) -> str | None:
+    """ "anchors" or "shallow" for the techniques "auto" calibrates, else None."""
+    return "anchors" if isinstance(technique, Anchors) else "shallow" if isinstance(technique, Shallow) else None
+
+
+def technique_at(kind: str, level: float) -> Anchors | Shallow:
+    """The technique a calibrator's level stands for: ACache at that ratio, BiCache at that depth; BiCache's exact
+    level (depth 0) is served as ACache at ratio 1 (exact too, and every engine serves it)."""
+    if kind == "anchors":
+        return Anchors(float(level))
+    return Shallow(int(level)) if level else Anchors(1.0)
+
+
 def compare(served: Sequence[int], exact: Sequence[int], block_length: int) -> tuple[bool, float, int | None]:
     """(the answers are equal, the share of positions where they agree over the longer one, the first block where
     they differ or None)."""
@@ -104,41 +118,57 @@ class AuditConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationConfig:
-    """anchor_ratio="auto" (`Calibrator`): the ACache ratios tried (1, exact, is the fallback) and the agreement
-    target (the share of answers equal to the exact ones)."""
+    """anchor_ratio="auto" and shallow_depth="auto" (`Calibrator`): the ACache ratios tried (1, exact, is the
+    fallback), the BiCache depths tried (None: every depth the engine serves, deepest first; 0, exact, is the
+    fallback) and the agreement target (the share of answers equal to the exact ones)."""
 
     ladder: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.5)
     target: float = 0.95
-    audit_until: int = 16  # an affix's requests at a ratio its own comparisons do not decide: all audited until this
+    audit_until: int = 16  # an affix's requests at a level its own comparisons do not decide: all audited until this
     max_affixes: int = 256  # calibrations kept (the least recently used are forgotten beyond it)
+    depths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.ladder or any(not 0 <= r < 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
             raise ValueError(f"calibration ladder={self.ladder}: increasing ratios in [0, 1)")
+        if self.depths is not None and (any(d < 1 for d in self.depths) or len(set(self.depths)) != len(self.depths)):
+            raise ValueError(f"calibration depths={self.depths}: distinct depths >= 1")
         if not 0 < self.target <= 1:
             raise ValueError(f"agreement target={self.target} must be in (0, 1]")
         if self.max_affixes < 1 or self.audit_until < 0:
             raise ValueError("max_affixes must be positive and audit_until >= 0")
 
+    def depth_ladder(self, served: Sequence[int]) -> tuple[int, ...]:
+        """The BiCache depths tried, cheapest (deepest: most layers reused) first, among those the engine serves."""
+        depths = [d for d in (served if self.depths is None else self.depths) if d > 0]
+        if missing := sorted(set(depths) - set(served)):
+            raise ValueError(
+                f"calibration depths {missing} are not served (EngineConfig.shallow_depths {list(served)})"
+            )
+        return tuple(sorted(depths, reverse=True))
+
 
 class Calibrator:
-    """The ratio an affix is served at under anchor_ratio="auto", from comparisons with exact answers.
+    """The level (ACache's ratio, or BiCache's depth) an affix is served at under "auto", from comparisons with
+    exact answers. The ladder runs from the cheapest level (ratio 0; the deepest depth) towards exact.
 
-    The rule. From counts of comparisons at a ratio r, r is *accepted* when the 95% Wilson lower bound of the
+    The rule. From counts of comparisons at a level r, r is *accepted* when the 95% Wilson lower bound of the
     exact-match rate is at least the target and *rejected* when the upper bound is below it. For affix A, its own
     counts decide when they do; otherwise the counts pooled over every affix at r do (a prior: a new affix starts
-    from what the others showed). A is served at its smallest accepted ratio. With none accepted, A's request is
-    served exactly (ratio 1) and a shadow decodes it at the smallest ratio neither accepted nor rejected (a
-    calibration sample); with every ratio rejected, A is served exactly. A's requests at a ratio its own counts do
-    not decide yet are all audited until it has audit_until comparisons there (then the audit fraction's), so a
-    ratio accepted on the prior, or one whose agreement falls, is rejected by A's own counts and A moves up the
-    ladder. (All n comparisons agreeing bound the rate at n / (n + 3.84): 73 of them accept a ratio on their own at
-    the target 0.95.)"""
+    from what the others showed). A is served at its first (cheapest) accepted level. With none accepted, A's
+    request is served exactly (ratio 1; depth 0) and a shadow decodes it at the first level neither accepted nor
+    rejected (a calibration sample); with every level rejected, A is served exactly. A's requests at a level its own
+    counts do not decide yet are all audited until it has audit_until comparisons there (then the audit
+    fraction's), so a level accepted on the prior, or one whose agreement falls, is rejected by A's own counts and
+    A moves up the ladder. (All n comparisons agreeing bound the rate at n / (n + 3.84): 73 of them accept a level
+    on their own at the target 0.95.)"""
 
-    def __init__(self, config: CalibrationConfig | None = None):
-        self.config = config or CalibrationConfig()
-        self.own: OrderedDict[str, dict[float, list[int]]] = OrderedDict()  # key -> ratio -> [agree, n]
-        self.pooled: dict[float, list[int]] = {r: [0, 0] for r in self.config.ladder}
+    def __init__(self, config: CalibrationConfig | None = None, kind: str = "anchors", ladder: Sequence = ()):
+        self.config, self.kind = config or CalibrationConfig(), kind
+        self.ladder = tuple(self.config.ladder if kind == "anchors" else ladder)
+        self.exact = 1.0 if kind == "anchors" else 0
+        self.own: OrderedDict[str, dict[float, list[int]]] = OrderedDict()  # key -> level -> [agree, n]
+        self.pooled: dict[float, list[int]] = {r: [0, 0] for r in self.ladder}
 
     def _judge(self, agree: int, n: int) -> bool | None:
         low, high = wilson(agree, n)
@@ -153,21 +183,21 @@ class Calibrator:
         return own if own is not None else self._judge(*self.pooled[r])
 
     def decide(self, key: str) -> tuple[float, float | None]:
-        """(the ratio to serve A's request at, the ratio to calibrate at with a shadow, or None)."""
+        """(the level to serve A's request at, the level to calibrate at with a shadow, or None)."""
         if key in self.own:
             self.own.move_to_end(key)
-        verdicts = [(r, self.verdict(key, r)) for r in self.config.ladder]
+        verdicts = [(r, self.verdict(key, r)) for r in self.ladder]
         accepted = [r for r, v in verdicts if v]
         if accepted:
             return accepted[0], None
-        open_ratios = [r for r, v in verdicts if v is None]
-        return 1.0, open_ratios[0] if open_ratios else None
+        open_levels = [r for r, v in verdicts if v is None]
+        return self.exact, open_levels[0] if open_levels else None
 
     def needs_audit(self, key: str, r: float) -> bool:
         """Whether a request served at r is audited beyond the fraction: A's own counts do not decide r yet and
         are fewer than audit_until."""
         own = self.own.get(key, {}).get(r, [0, 0])
-        return r < 1 and own[1] < self.config.audit_until and self._judge(*own) is None
+        return r != self.exact and own[1] < self.config.audit_until and self._judge(*own) is None
 
     def record(self, key: str, r: float, agrees: bool) -> None:
         counts = self.own.setdefault(key, {}).setdefault(r, [0, 0])
@@ -179,12 +209,32 @@ class Calibrator:
             self.own.popitem(last=False)
 
     def report(self) -> list[dict]:
-        rows = []
-        for key, per_ratio in list(self.own.items()):
+        rows, field = [], "ratio" if self.kind == "anchors" else "depth"
+        for key, per_level in list(self.own.items()):
             served, calibrating = self.decide(key)
-            counts = {f"{r:g}": {"agree": a, "n": n} for r, (a, n) in sorted(per_ratio.items())}
-            rows.append(dict(affix=affix_id(key), ratio=served, calibrating_at=calibrating, samples=counts))
+            counts = {f"{r:g}": {"agree": a, "n": n} for r, (a, n) in sorted(per_level.items())}
+            rows.append(
+                {"affix": affix_id(key), "technique": self.kind, field: served}
+                | dict(calibrating_at=calibrating, samples=counts)
+            )
         return rows
+
+    def state(self) -> dict:
+        return dict(
+            own={key: {f"{r!r}": c for r, c in per.items()} for key, per in self.own.items()},
+            pooled={f"{r!r}": c for r, c in self.pooled.items()},
+        )
+
+    def restore(self, state: dict) -> None:
+        """Counts from `state` at the levels of this ladder (a level no longer tried is dropped)."""
+        level = float if self.kind == "anchors" else lambda r: int(float(r))
+        for key, per in state["own"].items():
+            kept = {level(r): list(c) for r, c in per.items() if level(r) in self.pooled}
+            if kept:
+                self.own[key] = kept
+        for r, c in state["pooled"].items():
+            if level(r) in self.pooled:
+                self.pooled[level(r)] = list(c)
 
 
 @dataclasses.dataclass
@@ -204,7 +254,7 @@ class _Pair:
     shadow_tokens: list[int] = dataclasses.field(default_factory=list)
     shadow_exact: bool = True
     shadow_affix: Any = None  # the shadow's affix argument (None: exact; a span for a calibration sample)
-    calibration: tuple[str, float] | None = None  # (affix key, ratio): what the comparison tells the calibrator
+    calibration: tuple[str, str, float] | None = None  # (technique, affix key, level): what it tells a calibrator
 
 
 @dataclasses.dataclass
@@ -220,7 +270,9 @@ class Auditor:
 
     def __init__(self, engine, config: AuditConfig | None = None, calibration: CalibrationConfig | None = None):
         self.engine, self.config = engine, config or AuditConfig()
-        self.calibrator = Calibrator(calibration)
+        served = () if engine is None else engine.config.shallow_depths
+        depths = (calibration or CalibrationConfig()).depth_ladder(served)
+        self.calibrators = {"anchors": Calibrator(calibration), "shallow": Calibrator(calibration, "shallow", depths)}
         self._seen = 0  # requests served with an affix technique (the fraction picks among them)
         self._pairs: dict[str, _Pair] = {}  # by twin id and by shadow id
         self._pending: list[_Pair] = []  # twins waiting for their shadow to be queued
@@ -234,19 +286,21 @@ class Auditor:
             self._load(self.config.state_path)
 
     # ---- the loop's hooks -----------------------------------------------------------------------------------------
-    def consider(self, request: Request, seed: int, calibrate: float | None = None, auto: bool = False) -> bool:
+    def consider(self, request: Request, seed: int, calibrate: Any = None, auto: bool = False) -> bool:
         """A user request was just queued: pick it for an audit (its exact twin is queued when there is room).
-        calibrate: the request is served exactly for anchor_ratio="auto": its shadow decodes it at this ratio (a
-        calibration sample, always taken). auto: it is served at the ratio the calibrator chose (audited beyond
-        the fraction while its affix has few samples there). Returns whether it was picked."""
+        calibrate: the request is served exactly for "auto" (anchor_ratio or shallow_depth): its shadow decodes it
+        with this technique (`technique_at`: a calibration sample, always taken). auto: it is served at the level
+        its calibrator chose (audited beyond the fraction while its affix has few samples there). Returns whether
+        it was picked."""
         f = self.config.fraction
         if request.technique is None and calibrate is None:
             return False
         s, e = request.affix_span
         key = affix_key(request.prompt[s:e])
-        ratio = request.technique.ratio if auto and isinstance(request.technique, Anchors) else None
-        ratio = ratio if ratio in self.calibrator.config.ladder else None  # 1: served exactly, nothing to calibrate
-        forced = calibrate is not None or (ratio is not None and self.calibrator.needs_audit(key, ratio))
+        kind = kind_of(request.technique) if auto else None
+        level = None if kind is None else request.technique.ratio if kind == "anchors" else request.depth
+        level = level if kind is not None and level in self.calibrators[kind].ladder else None  # exact: nothing to do
+        forced = calibrate is not None or (level is not None and self.calibrators[kind].needs_audit(key, level))
         if not forced:
             if f == 0:
                 return False
@@ -256,9 +310,13 @@ class Auditor:
         if len(self._pending) >= self.config.max_pending:
             self.counts["skipped"] += 1
             return False
-        technique = Anchors(calibrate) if calibrate is not None else None
-        cache = dataclasses.replace(request.config.cache, affix=technique)
-        setting = setting_of(technique or request.technique, request.depth)
+        cache = dataclasses.replace(request.config.cache, affix=calibrate)
+        if calibrate is not None:
+            level = calibrate.ratio if isinstance(calibrate, Anchors) else calibrate.depth
+            calibration, setting = (kind_of(calibrate), key, level), setting_of(calibrate, level)
+        else:
+            calibration = None if level is None else (kind, key, level)
+            setting = setting_of(request.technique, request.depth)
         pair = _Pair(
             request.request_id,
             list(request.prompt),
@@ -268,7 +326,7 @@ class Auditor:
             request.block_length,
             shadow_exact=calibrate is None,
             shadow_affix=None if calibrate is None else (s, e),
-            calibration=(key, calibrate) if calibrate is not None else (key, ratio) if ratio is not None else None,
+            calibration=calibration,
         )
         self._pairs[pair.twin] = pair
         self._pending.append(pair)
@@ -354,7 +412,8 @@ class Auditor:
         equal, agreement, first = compare(pair.served, pair.exact, pair.block_length)
         with self._lock:
             if pair.calibration is not None:
-                self.calibrator.record(*pair.calibration, equal)
+                kind, key, level = pair.calibration
+                self.calibrators[kind].record(key, level, equal)
             g = self.groups.pop(pair.group, None) or _Group()
             g.n, g.exact, g.agreement = g.n + 1, g.exact + equal, g.agreement + agreement
             if first is not None:
@@ -378,8 +437,7 @@ class Auditor:
             state = dict(
                 version=STATE_VERSION,
                 groups=[[a, st, dataclasses.asdict(g)] for (a, st), g in self.groups.items()],
-                own={key: {f"{r!r}": c for r, c in per.items()} for key, per in self.calibrator.own.items()},
-                pooled={f"{r!r}": c for r, c in self.calibrator.pooled.items()},
+                calibration={kind: cal.state() for kind, cal in self.calibrators.items()},
             )
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
@@ -396,19 +454,15 @@ class Auditor:
         try:
             with open(path) as f:
                 state = json.load(f)
-            if state.get("version") != STATE_VERSION:
+            if state.get("version") not in (1, STATE_VERSION):
                 raise ValueError(f"version {state.get('version')!r}, expected {STATE_VERSION}")
             for affix, setting, g in state["groups"]:
                 g["first_divergence"] = {int(k): v for k, v in g["first_divergence"].items()}
                 self.groups[(affix, setting)] = _Group(**g)
-            ladder = set(self.calibrator.config.ladder)
-            for key, per in state["own"].items():
-                kept = {float(r): list(c) for r, c in per.items() if float(r) in ladder}
-                if kept:
-                    self.calibrator.own[key] = kept
-            for r, c in state["pooled"].items():
-                if float(r) in ladder:
-                    self.calibrator.pooled[float(r)] = list(c)
+            calibration = state["calibration"] if state["version"] > 1 else {"anchors": state}
+            for kind, cal in self.calibrators.items():
+                if kind in calibration:
+                    cal.restore(calibration[kind])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"the audit state {path} cannot be read ({type(e).__name__}: {e}); move it away") from None
 
@@ -449,20 +503,21 @@ class Auditor:
                 )
             )
         with self._lock:
-            calibration = self.calibrator.report()
+            calibration = [row for cal in self.calibrators.values() for row in cal.report()]
         return dict(
             fraction=self.config.fraction,
             batch_invariant=self.engine.config.batch_invariant,
             **self.counts,
             pending=len(self._pending),
             groups=rows,
-            target=self.calibrator.config.target,
+            target=self.calibrators["anchors"].config.target,
             calibration=calibration,
         )
 
-    def resolve_auto(self, request: Request) -> tuple[float, float | None]:
-        """anchor_ratio="auto" for a planned request (its affix span resolved): (the ratio to serve it at, the
-        ratio its calibration shadow decodes at, or None)."""
+    def resolve_auto(self, request: Request, kind: str = "anchors") -> tuple[Any, Any]:
+        """ "auto" for a planned request (its affix span resolved) and technique ("anchors": the ratio; "shallow":
+        the depth): (the technique to serve it with, the technique its calibration shadow decodes with, or None)."""
         s, e = request.affix_span
         with self._lock:
-            return self.calibrator.decide(affix_key(request.prompt[s:e]))
+            served, calibrate = self.calibrators[kind].decide(affix_key(request.prompt[s:e]))
+        return technique_at(kind, served), None if calibrate is None else technique_at(kind, calibrate)

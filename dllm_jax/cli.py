@@ -66,6 +66,11 @@ def ratio_or_auto(text: str) -> float | str:
     return "auto" if text == "auto" else unit_interval(text)
 
 
+def depth_or_auto(text: str) -> int | str:
+    """A BiCache depth >= 0, or "auto"."""
+    return "auto" if text == "auto" else non_negative_int(text)
+
+
 non_negative_int = _checked(int, lambda v: v < 0, ">= 0")
 
 
@@ -111,27 +116,37 @@ def compile_cache_dir(args: argparse.Namespace) -> Path | None:
 
 def shallow_depths(args: argparse.Namespace, mc: ModelConfig) -> tuple[int, ...]:
     """The BiCache depths the engine warms: --shallow-depths, else those the server's default implies
-    (--shallow-depth, else every depth of the model's published table when --affix-technique is shallow)."""
+    (--shallow-depth, else every depth of the model's published table when --affix-technique is shallow or
+    --shallow-depth is auto)."""
     from dllm_jax.decoding.caches.bicache import DEPTH_TABLES
 
-    for flag, depths in (("--shallow-depths", args.shallow_depths or ()), ("--shallow-depth", [args.shallow_depth])):
+    auto = args.shallow_depth == "auto"
+    fixed = None if auto else args.shallow_depth
+    for flag, depths in (("--shallow-depths", args.shallow_depths or ()), ("--shallow-depth", [fixed])):
         for d in depths:
             if d is not None and d > mc.n_layers:
                 raise UsageError(f"argument {flag}: {d} exceeds the model's {mc.n_layers} layers")
     table = DEPTH_TABLES.get((mc.family, mc.n_layers))
+    if auto and args.shallow_depths is None and table is None:
+        raise UsageError(
+            f"argument --shallow-depth: auto calibrates among the served depths: name them with --shallow-depths "
+            f"(this {mc.n_layers}-layer model has no published depth table)"
+        )
+    if auto and args.shallow_depths is not None and not any(args.shallow_depths):
+        raise UsageError("argument --shallow-depth: auto needs a depth >= 1 among --shallow-depths")
     if args.affix_technique == "shallow" and args.shallow_depth is None and table is None:
         raise UsageError(
             f"argument --shallow-depth: --affix-technique shallow needs it on this {mc.n_layers}-layer model "
             "(BiCache's depth tables cover LLaDA-8B and Dream-7B)"
         )
     if args.shallow_depths is not None:
-        if args.shallow_depth is not None and args.shallow_depth not in args.shallow_depths:
+        if fixed is not None and fixed not in args.shallow_depths:
             served = " ".join(map(str, args.shallow_depths))
-            raise UsageError(f"argument --shallow-depth: {args.shallow_depth} is not among --shallow-depths {served}")
+            raise UsageError(f"argument --shallow-depth: {fixed} is not among --shallow-depths {served}")
         return tuple(sorted(set(args.shallow_depths)))
-    if args.shallow_depth is not None:
-        return (args.shallow_depth,)
-    if args.affix_technique == "shallow":
+    if fixed is not None:
+        return (fixed,)
+    if args.affix_technique == "shallow" or auto:
         return tuple(sorted(set(table.values())))
     return ()
 
@@ -548,13 +563,15 @@ def build_parser() -> Parser:
         type=_checked(float, lambda v: not 0.0 < v <= 1.0, "in (0, 1]"),
         default=0.95,
         metavar="SHARE",
-        help="anchor ratio auto: the share of answers that must equal the exact ones (default 0.95)",
+        help="anchor ratio and shallow depth auto: the share of answers that must equal the exact ones (default 0.95)",
     )
     v.add_argument(
         "--shallow-depth",
-        type=non_negative_int,
+        type=depth_or_auto,
         default=None,
-        help="default BiCache depth (0 = exact; default: the model's depth table, LLaDA-8B and Dream-7B only)",
+        help="default BiCache depth (0 = exact; default: the model's depth table, LLaDA-8B and Dream-7B only), or "
+        "auto: per affix, the deepest served depth whose answers agree with exact ones at --agreement-target "
+        "(calibrated online like --anchor-ratio auto)",
     )
     v.add_argument(
         "--shallow-depths",

@@ -1,6 +1,8 @@
 """The audit (`dllm_jax.audit`): shadow requests decode audited requests exactly, in the rows and pages users leave,
 and the comparison counts what each technique costs in answers, per affix and setting."""
 
+import json
+
 import fixtures
 import numpy as np
 import pytest
@@ -120,19 +122,24 @@ def test_shadows_take_only_what_users_leave(model):
 RULES = "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ; 4 3 4 -> 5 6 5 ; 0 4 1 -> 9 5 8 ;"
 
 
-def test_auto_ratio_calibrates_per_affix(model):
-    """anchor_ratio "auto" through the server's engine thread: while an affix calibrates its requests are served
-    exactly and shadows decode them at the ladder's ratios; the affix where reuse is harmless (the digit rule) ends
-    at a low ratio, the one where it fails (lookups: naive reuse of the document breaks them) at a higher one or
-    exact; afterwards, held-out requests served at the chosen ratios agree with the exact answers at the target."""
+@pytest.mark.parametrize("kind", ["anchors", "shallow"])
+def test_auto_calibrates_per_affix(model, kind):
+    """anchor_ratio / shallow_depth "auto" through the server's engine thread: while an affix calibrates its
+    requests are served exactly and shadows decode them at the ladder's levels; the affix where reuse is harmless
+    (the digit rule) ends at the cheapest level (ratio <= 0.2; the deepest depth), the one where it fails (lookups:
+    naive reuse of the document breaks them) at a dearer one or exact; afterwards, held-out requests served at the
+    chosen levels agree with the exact answers at the target."""
     import asyncio
 
     from dllm_jax.audit import CalibrationConfig
     from dllm_jax.server import EngineService
 
     tok, rng = model.tokenizer, np.random.default_rng(0)
-    cal = CalibrationConfig(ladder=(0.0, 0.2, 0.5), target=0.75)  # 12 of 12 agreeing accept a ratio: 12 / 15.84
-    engine = Engine(model, EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128))
+    cal = CalibrationConfig(ladder=(0.0, 0.2, 0.5), target=0.75)  # 12 of 12 agreeing accept a level: 12 / 15.84
+    depths = (3, 6) if kind == "shallow" else ()  # 6: every layer reused (naive reuse)
+    engine = Engine(
+        model, EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128, shallow_depths=depths)
+    )
     service = EngineService(engine, warmup=False, audit=AuditConfig(fraction=0.0, max_shadows=4), calibration=cal)
     service.start()
     config = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual", affix="anchors")
@@ -151,8 +158,8 @@ def test_auto_ratio_calibrates_per_affix(model):
         at = next(i for i in range(len(p)) if p[i : i + len(d)] == d)
         return p, (at, at + len(d))
 
-    async def answer(prompt, span, auto=True, technique=config):
-        _, stream = await service.submit(prompt, technique, span, 0, auto_ratio=auto)
+    async def answer(prompt, span, auto=kind, technique=config):
+        _, stream = await service.submit(prompt, technique, span, 0, auto=auto)
         tokens = []
         while not (out := await stream.get()).finished:
             tokens += out.tokens
@@ -169,16 +176,21 @@ def test_auto_ratio_calibrates_per_affix(model):
     async def main():
         for _ in range(7):
             await wave([rule(rng.integers(0, 10, 3)) for _ in range(3)] + [lookup(KEYS[int(rng.integers(6))])])
-        chosen = {row["affix"]: row for row in service.auditor.report()["calibration"]}
+        report = service.auditor.report()["calibration"]
+        assert {row["technique"] for row in report} == {kind}
+        level = "ratio" if kind == "anchors" else "depth"
+        chosen = {row["affix"]: row[level] for row in report}
         rules_id, doc_id = (affix_id(affix_key(tok.encode(t))) for t in (RULES, DOC))
-        assert chosen[rules_id]["ratio"] <= 0.2, chosen[rules_id]
-        assert chosen[doc_id]["ratio"] > chosen[rules_id]["ratio"], chosen
+        if kind == "anchors":  # cheaper: a lower ratio
+            assert chosen[rules_id] <= 0.2 and chosen[doc_id] > chosen[rules_id], chosen
+        else:  # cheaper: a deeper depth (0: exact)
+            assert chosen[rules_id] == 6 and chosen[doc_id] < chosen[rules_id], chosen
         held_out = [rule(rng.integers(0, 10, 3)) for _ in range(6)] + [lookup(k) for k in KEYS[:3]]
         served = await wave(held_out)
         ratio_one = GenerationConfig.from_options(
             gen_length=8, block_length=8, steps=8, cache="dual", affix="anchors", anchor_ratio=1.0
         )
-        exact = await wave(held_out, auto=False, technique=ratio_one)
+        exact = await wave(held_out, auto=None, technique=ratio_one)
         return np.mean([a == b for a, b in zip(served, exact)])
 
     try:
@@ -198,17 +210,23 @@ def test_the_audit_state_survives_a_restart_when_asked(model, tmp_path):
     prompts = [tok.encode(f"{DOC} question : what is the code of {k} ? reply with the digits .") for k in KEYS[:2]]
     state = tmp_path / "audit.json"
     config = AuditConfig(fraction=1.0, state_path=str(state), save_every_s=0.0)
-    engine = Engine(model, EngineConfig(max_batch=2, kv_budget_bytes=16 << 20, max_model_len=128, block_lengths=(4,)))
+    mc = EngineConfig(max_batch=2, kv_budget_bytes=16 << 20, max_model_len=128, block_lengths=(4,), shallow_depths=(3,))
+    engine = Engine(model, mc)
     auditor = Auditor(engine, config, CalibrationConfig(ladder=(0.0, 0.5)))
     drive(engine, auditor, [(p, opts(affix="naive"), (0, len(doc))) for p in prompts])
-    auditor.calibrator.record(affix_key(doc), 0.5, True)
+    auditor.calibrators["anchors"].record(affix_key(doc), 0.5, True)
+    auditor.calibrators["shallow"].record(affix_key(doc), 3, False)
     auditor.close()
     before = auditor.report()
     assert before["groups"][0]["requests"] == 2 and not list(tmp_path.glob("*.tmp*"))
     again = Auditor(engine, config, CalibrationConfig(ladder=(0.0, 0.5)))
     assert again.report()["groups"] == before["groups"]
-    assert again.report()["calibration"] == before["calibration"] and again.calibrator.pooled[0.5] == [1, 1]
+    assert again.report()["calibration"] == before["calibration"] and len(before["calibration"]) == 2
+    assert again.calibrators["anchors"].pooled[0.5] == [1, 1] and again.calibrators["shallow"].pooled[3] == [0, 1]
     assert Auditor(engine, AuditConfig(fraction=1.0)).report()["groups"] == []  # no file: a restart forgets
+    saved = json.loads(state.read_text())  # a file of version 1 (ratios only, at the top) is still read
+    state.write_text(json.dumps(dict(version=1, groups=[], **saved["calibration"]["anchors"])))
+    assert Auditor(engine, config, CalibrationConfig(ladder=(0.0, 0.5))).calibrators["anchors"].pooled[0.5] == [1, 1]
     state.write_text("{not json")
     with pytest.raises(ValueError, match="cannot be read"):
         check_state(config)

@@ -113,6 +113,8 @@ def test_bad_flags(argv, message, capsys):
         (["--shallow-depth", "-1"], "argument --shallow-depth: must be >= 0, got -1"),
         (["--shallow-depth", "9"], "argument --shallow-depth: 9 exceeds the model's"),
         (["--affix-technique", "shallow"], "argument --shallow-depth: --affix-technique shallow needs it"),
+        (["--shallow-depth", "auto"], "argument --shallow-depth: auto calibrates among the served depths: name them"),
+        (["--shallow-depth", "auto", "--shallow-depths", "0"], "argument --shallow-depth: auto needs a depth >= 1"),
         (["--max-batch", "0"], "argument --max-batch: must be a positive integer, got 0"),
         (["--tensor-parallel", "64"], "argument --tensor-parallel: tensor_parallel=64 needs 1.."),
         (["--compile-cache", "/dev/null/xla"], "argument --compile-cache: /dev/null is not a directory"),
@@ -165,6 +167,8 @@ def test_served_shallow_depths_and_compile_cache_follow_the_flags(tmp_path):
     assert cli.shallow_depths(parse("--affix-technique", "shallow", "--shallow-depth", "3"), llada_8b) == (3,)
     assert cli.shallow_depths(parse("--shallow-depth", "3"), llada_8b) == (3,)  # a request may still ask for it
     assert cli.shallow_depths(parse("--shallow-depths", "4", "2", "4"), llada_8b) == (2, 4)
+    assert cli.shallow_depths(parse("--shallow-depth", "auto"), llada_8b) == table  # calibrated among them
+    assert cli.shallow_depths(parse("--shallow-depth", "auto", "--shallow-depths", "2", "4"), llada_8b) == (2, 4)
     assert cli.compile_cache_dir(parse()) == Path.home() / ".cache" / "dllm-jax" / "xla"
     assert cli.compile_cache_dir(parse("--no-compile-cache")) is None
     assert cli.compile_cache_dir(parse("--compile-cache", str(tmp_path / "a" / "b"))) == tmp_path / "a" / "b"

@@ -328,6 +328,15 @@ def test_the_audit_through_the_server_never_reaches_a_client(server, model):
             time.sleep(0.1)
         assert calibration[0]["affix"] == doc_id and calibration[0]["samples"]["0"]["n"] == 1
         assert audited.metric(f'dllm_jax_audit_auto_ratio{{affix="{doc_id}"}}') == calibration[0]["ratio"]
+        # shallow_depth "auto": the same over BiCache's served depths (this server serves 2; 0 is exact)
+        deep = {**auto, "affix_technique": "shallow", "shallow_depth": "auto"}
+        assert _post(audited, "/v1/completions", deep).json()["choices"][0]["text"] == exact
+        while len(calibration := httpx.get(f"{audited.url}/v1/audit", timeout=10).json()["calibration"]) < 2:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        row = next(r for r in calibration if r["technique"] == "shallow")
+        assert row["affix"] == doc_id and row["samples"]["2"]["n"] == 1 and row["depth"] == 0, row
+        assert audited.metric(f'dllm_jax_audit_auto_depth{{affix="{doc_id}"}}') == 0
     finally:
         audited.close()
 
@@ -345,6 +354,7 @@ def _settings(gen, block, steps):
         ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
         ({"model": NAME, "prompt": "x", "return_commit_steps": 1}, 400, "return_commit_steps", None),  # no 1 for true
         ({"model": NAME, "prompt": "x", "anchor_ratio": "sometimes"}, 400, "anchor_ratio", None),
+        ({"model": NAME, "prompt": "x", "shallow_depth": "deep"}, 400, "shallow_depth", None),
         ({"model": NAME, "prompt": "x", "max_tokens": 8, "block_length": 3, "steps": 4}, 400, "steps", None),
         ({"model": NAME, "prompt": ""}, 400, "prompt", None),
         ({"model": NAME, "messages": []}, 400, "messages", None),

@@ -303,7 +303,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             )
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
-        config, max_tokens = _config(req, settings, service.engine.model.config)
+        config, max_tokens = _config(req, settings, service.engine.model.config, service.engine.config.shallow_depths)
         affix = _affix(req, prompt, model.tokenizer, affixes)
         service.open_answers += 1  # until its answer is handed to the server (a cut shutdown waits for it)
         try:
@@ -350,7 +350,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                 req.seed or 0,
                 timeout,
                 request_id=request.state.request_id,
-                auto_ratio=_auto_ratio(req, settings),
+                auto=_auto(req, settings),
             )
         except QueueFull as e:
             raise APIError(429, f"too many requests waiting ({e}); retry later", code="queue_full") from None
@@ -503,7 +503,9 @@ def _refused(e: RequestError) -> APIError:
     return APIError(400, text, param=param, code=code)
 
 
-def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationConfig, int]:
+def _config(
+    req: Diffusion, s: ServeSettings, model_config, served_depths: tuple[int, ...] = ()
+) -> tuple[GenerationConfig, int]:
     """The engine settings of a request: its fields over the server's (resolved) defaults. The block length is
     never shrunk to max_tokens (each block length is a program of its own): the answer runs to whole blocks and
     `Answer` cuts it at max_tokens."""
@@ -514,6 +516,17 @@ def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationC
     steps = req.steps or max(n_blocks, round(gen_length * s.steps_per_token / n_blocks) * n_blocks)
     technique = req.affix_technique or s.affix_technique
     depth = s.shallow_depth if req.shallow_depth is None else req.shallow_depth
+    auto = _auto(req, s)
+    if auto == "shallow" and not any(served_depths):
+        raise APIError(
+            400,
+            'shallow_depth "auto" calibrates among the BiCache depths the server serves, and it serves none '
+            "(dllm-jax serve --shallow-depths)",
+            "shallow_depth",
+        )
+    if auto == "shallow":  # planned as exact ACache (the affix span found); the calibrator picks the depth
+        technique = "anchors"
+    depth = None if depth == "auto" else depth  # "auto" where BiCache is not the technique: no depth
     if depth is not None and depth > model_config.n_layers:
         raise APIError(
             400, f"shallow_depth={depth} exceeds the model's {model_config.n_layers} layers", "shallow_depth"
@@ -533,7 +546,7 @@ def _config(req: Diffusion, s: ServeSettings, model_config) -> tuple[GenerationC
             threshold=req.threshold,
             cache="dual",
             affix=technique,
-            anchor_ratio=1.0 if _auto_ratio(req, s) else _given(req.anchor_ratio, s.anchor_ratio),
+            anchor_ratio=1.0 if auto else _given(req.anchor_ratio, s.anchor_ratio),
             **({"shallow_depth": depth} if technique == "shallow" else {}),
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=req.top_p,
@@ -551,10 +564,15 @@ def _given(value, default):
     return 0.2 if value == "auto" else value
 
 
-def _auto_ratio(req: Diffusion, s: ServeSettings) -> bool:
-    """Whether ACache's ratio is calibrated per affix (anchor_ratio "auto", the request's or the server's)."""
+def _auto(req: Diffusion, s: ServeSettings) -> str | None:
+    """The technique whose level is calibrated per affix: "anchors" (anchor_ratio "auto"), "shallow"
+    (shallow_depth "auto"; the request's field or the server's default), else None."""
     technique = req.affix_technique or s.affix_technique
-    return technique == "anchors" and (s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio) == "auto"
+    if technique == "anchors" and (s.anchor_ratio if req.anchor_ratio is None else req.anchor_ratio) == "auto":
+        return "anchors"
+    if technique == "shallow" and (s.shallow_depth if req.shallow_depth is None else req.shallow_depth) == "auto":
+        return "shallow"
+    return None
 
 
 def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, AffixHandle]) -> Any:

@@ -127,6 +127,11 @@ def _audit_families(audit: dict):
     ratio = GaugeMetricFamily(
         "dllm_jax_audit_auto_ratio", 'The ratio anchor_ratio "auto" serves each affix at (1: exact)', labels=["affix"]
     )
+    depth = GaugeMetricFamily(
+        "dllm_jax_audit_auto_depth", 'The depth shallow_depth "auto" serves each affix at (0: exact)', labels=["affix"]
+    )
     for row in audit["calibration"]:
-        ratio.add_metric([row["affix"]], row["ratio"])
-    yield from (requests, exact, agreement, ratio)
+        (ratio if row["technique"] == "anchors" else depth).add_metric(
+            [row["affix"]], row["ratio"] if row["technique"] == "anchors" else row["depth"]
+        )
+    yield from (requests, exact, agreement, ratio, depth)

@@ -11,7 +11,8 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
                    smallest ratio whose answers agree with the exact ones at the server's target, per affix
                    (calibrated online: see `dllm_jax.audit.Calibrator`; exact while it calibrates)
   shallow_depth    BiCache's depth: the affix's stored K/V serve the layers below it (0 = exact); default: the
-                   published table for LLaDA-8B / Dream-7B shapes (other models must set it)
+                   published table for LLaDA-8B / Dream-7B shapes (other models must set it); or "auto": the
+                   deepest served depth whose answers agree with the exact ones at the target, per affix
   timeout          seconds after which the request ends unfinished with a 504 (default: --request-timeout)
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
                    repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
@@ -113,12 +114,20 @@ class AuditGroup(BaseModel):
 
 
 class Calibration(BaseModel):
-    """anchor_ratio "auto" for one affix (`dllm_jax.audit.Calibrator` states the rule)."""
+    """anchor_ratio or shallow_depth "auto" for one affix (`dllm_jax.audit.Calibrator` states the rule)."""
 
     affix: str
-    ratio: float = Field(description="the ratio its requests are served at now (1: exactly, while it calibrates)")
-    calibrating_at: float | None = Field(None, description="the ratio its calibration shadows decode at")
-    samples: dict[str, dict[str, int]] = Field(description="ratio -> {agree, n}: its comparisons with exact answers")
+    technique: Literal["anchors", "shallow"] = Field(description="ACache's ratio or BiCache's depth is calibrated")
+    ratio: float | None = Field(
+        None, description="anchors: the ratio its requests are served at now (1: exactly, while it calibrates)"
+    )
+    depth: int | None = Field(
+        None, description="shallow: the depth its requests are served at now (0: exactly, while it calibrates)"
+    )
+    calibrating_at: float | None = Field(None, description="the ratio or depth its calibration shadows decode at")
+    samples: dict[str, dict[str, int]] = Field(
+        description="ratio or depth -> {agree, n}: its comparisons with exact answers"
+    )
 
 
 class AuditReport(BaseModel):
@@ -140,7 +149,7 @@ class AuditReport(BaseModel):
     shadow_error: int = Field(description="shadows whose device call failed")
     pending: int = Field(description="audits waiting for room")
     groups: list[AuditGroup]
-    target: float = Field(description="anchor_ratio auto: the share of answers that must equal the exact ones")
+    target: float = Field(description='"auto": the share of answers that must equal the exact ones')
     calibration: list[Calibration]
 
 
@@ -169,7 +178,7 @@ class Diffusion(BaseModel):
     threshold: Float | None = Field(None, gt=0, le=1)
     affix_technique: Literal["none", "naive", "anchors", "shallow"] | None = None
     anchor_ratio: Annotated[Float, Field(ge=0, le=1)] | Literal["auto"] | None = None
-    shallow_depth: Int | None = Field(None, ge=0)
+    shallow_depth: Annotated[Int, Field(ge=0)] | Literal["auto"] | None = None
     timeout: Float | None = Field(
         None, gt=0, description="seconds after which the request ends unfinished (504); default: --request-timeout"
     )
@@ -182,6 +191,13 @@ class Diffusion(BaseModel):
     def _ratio(cls, v):
         if v is not None and v != "auto" and (isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1):
             raise ValueError('anchor_ratio takes a number in [0, 1] or "auto"')
+        return v
+
+    @field_validator("shallow_depth", mode="before")
+    @classmethod
+    def _depth(cls, v):
+        if v is not None and v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError('shallow_depth takes an integer >= 0 or "auto"')
         return v
 
     @field_validator("stop", mode="before")  # before the types: this message rather than a union's

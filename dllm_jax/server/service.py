@@ -18,7 +18,6 @@ import time
 from typing import Any, Callable
 
 from dllm_jax.audit import SHADOW, AuditConfig, Auditor, CalibrationConfig
-from dllm_jax.decoding.config import Anchors
 from dllm_jax.engine.engine import Engine
 from dllm_jax.engine.request import BlockOutput
 from dllm_jax.server.settings import ADMISSION_WAIT
@@ -42,7 +41,8 @@ class EngineService:
     to take the freed rows (ends as soon as they are taken): a client that sends its next request on an answer
     arrives a few ms after the next call started, and would otherwise wait that whole call. 0: never hold.
     audit: which requests served with an affix technique are also decoded exactly, in the rows and pages users leave
-    (`dllm_jax.audit`; None: none); calibration: how anchor_ratio="auto" chooses a ratio per affix."""
+    (`dllm_jax.audit`; None: none); calibration: how anchor_ratio="auto" and shallow_depth="auto" choose a
+    ratio or depth per affix."""
 
     def __init__(
         self,
@@ -131,17 +131,18 @@ class EngineService:
         seed: int,
         timeout: float | None = None,
         request_id: str | None = None,
-        auto_ratio: bool = False,
+        auto: str | None = None,
     ) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns (its engine id, the queue its BlockOutputs arrive on). Raises what
         Engine.add_request raises (RequestError, QueueFull), before anything runs. timeout: seconds from now;
         request_id: the engine's id for it (the client's X-Request-Id: its log lines name it), unless one open
-        request has it already (then the engine makes one). auto_ratio: ACache's ratio is the calibrator's for the
-        request's affix (anchor_ratio="auto", `dllm_jax.audit.Calibrator`)."""
+        request has it already (then the engine makes one). auto: "anchors" (anchor_ratio="auto") or "shallow"
+        (shallow_depth="auto"): the technique and its level are the calibrator's for the request's affix
+        (`dllm_jax.audit.Calibrator`; exact while it calibrates)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         stream: asyncio.Queue = asyncio.Queue()
-        args = (prompt, config, affix, seed, timeout, request_id, time.perf_counter(), auto_ratio)
+        args = (prompt, config, affix, seed, timeout, request_id, time.perf_counter(), auto)
         self._inbox.put(("add", args, loop, done, stream))
         rid = await done
         return rid, stream
@@ -229,16 +230,16 @@ class EngineService:
             _, _, loop, done, _ = item
             loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
             return
-        _, (prompt, config, affix, seed, timeout, request_id, arrival, auto_ratio), loop, done, stream = item
+        _, (prompt, config, affix, seed, timeout, request_id, arrival, auto), loop, done, stream = item
         if request_id in self._streams:  # a client reusing an id while its first request runs
             request_id = None
         calibrate = None
         try:
-            if auto_ratio:  # the ratio the calibrator holds for the request's affix (exact while it calibrates)
+            if auto is not None:  # the level the calibrator holds for the request's affix (exact while it calibrates)
                 planned = self.engine.plan_request(prompt, config, affix, remember=False)
                 if planned.affix_span is not None:
-                    ratio, calibrate = self.auditor.resolve_auto(planned)
-                    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, affix=Anchors(ratio)))
+                    technique, calibrate = self.auditor.resolve_auto(planned, auto)
+                    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, affix=technique))
             rid = self.engine.add_request(
                 prompt,
                 config,
@@ -253,7 +254,7 @@ class EngineService:
             loop.call_soon_threadsafe(_settle, done, None, e)
             return
         self._streams[rid] = (loop, stream)
-        self.auditor.consider(self.engine.request(rid), seed, calibrate=calibrate, auto=auto_ratio)
+        self.auditor.consider(self.engine.request(rid), seed, calibrate=calibrate, auto=auto is not None)
         loop.call_soon_threadsafe(_settle, done, rid, None)
 
     def _run(self) -> None:

@@ -22,7 +22,7 @@ class ServeSettings:
     temperature: float = 0.0
     affix_technique: str = "none"
     anchor_ratio: float | str = 0.2  # or "auto" (calibrated per affix)
-    shallow_depth: int | None = None
+    shallow_depth: int | str | None = None  # or "auto" (calibrated per affix among the served depths)
     request_timeout: float | None = 600.0  # seconds; a request's own timeout field wins
     body_timeout: float = 30.0  # seconds a request body may take to arrive (408 after)
 
