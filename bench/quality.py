@@ -2,9 +2,12 @@
 
     PYTHONPATH=. python bench/quality.py                       # full run (GPU): 1000 problems per cell
     PYTHONPATH=. python bench/quality.py --n 20 --modes none dual
+    PYTHONPATH=. python bench/quality.py --modes dual --weights fp8_all --append   # rows "dual@fp8_all"
 
 Writes bench/results/quality.json ({"meta": {...}, "rows": [{"model", "task", "placement", "mode", "accuracy",
-"ci95", "n", ...}]}) and bench/results/quality.png. ci95 is the Wilson 95% interval [lo, hi].
+"ci95", "n", "weights", ...}]}) and bench/results/quality.png. ci95 is the Wilson 95% interval [lo, hi].
+--weights fp8_ffn / fp8_all (`dllm_jax.load(weights=...)`) labels its rows "<mode>@<weights>", so one file holds
+both weights side by side (--append keeps the other label's rows).
 
 Modes (the engine's decoding settings; later techniques add entries to MODES):
   none         no cache (LLaDA's reference loop)
@@ -168,13 +171,15 @@ def run(
     progress: bool = True,
     dtype: str = "bfloat16",
     append: bool = False,
+    weights: str = "bf16",
 ):
     """append: keep the rows of other modes already in `out` (same n, seed and dtype), replacing this run's."""
     modes = list(modes or MODES)
     tasks = list(tasks or G.TASKS)
     placements = list(placements or G.PLACEMENTS)
     model_path = Path(model_path or DEFAULT_MODEL)
-    model = dllm_jax.load(model_path, dtype=dtype)
+    model = dllm_jax.load(model_path, dtype=dtype, weights=weights)
+    label = {m: m if weights == "bf16" else f"{m}@{weights}" for m in modes}
     if model.tokenizer is None:
         raise SystemExit(f"{model_path} has no tokenizer files: the benchmark needs the task tokenizer")
     gen_kwargs = dict(
@@ -190,12 +195,13 @@ def run(
                 f"--append: {out} has n={om.get('n_per_cell')} seed={om.get('seed')} "
                 f"dtype={om.get('dtype')}, this run n={n} seed={seed} dtype={dtype}"
             )
-        kept = [r for r in old["rows"] if r["mode"] not in modes]
-        kept_stats = {m: st for m, st in om.get("mode_stats", {}).items() if m not in modes}
-        kept_modes = {m: c for m, c in om.get("modes", {}).items() if m not in modes}
+        labels = set(label.values())
+        kept = [r for r in old["rows"] if r["mode"] not in labels]
+        kept_stats = {m: st for m, st in om.get("mode_stats", {}).items() if m not in labels}
+        kept_modes = {m: c for m, c in om.get("modes", {}).items() if m not in labels}
     for mode in modes:
         correct, stats = run_mode(model, cells, mode, gen_kwargs, batch, progress)
-        mode_stats[mode] = stats
+        mode_stats[label[mode]] = {**stats, "weights": weights, "device": str(jax.devices()[0].device_kind)}
         for (task, pl, rs), k in zip(cells, correct):
             lo, hi = wilson(int(k), len(rs))
             rows.append(
@@ -203,7 +209,8 @@ def run(
                     "model": model_path.name,
                     "task": task,
                     "placement": pl,
-                    "mode": mode,
+                    "mode": label[mode],
+                    "weights": weights,
                     "accuracy": round(int(k) / len(rs), 4),
                     "ci95": [round(lo, 4), round(hi, 4)],
                     "n": len(rs),
@@ -228,7 +235,7 @@ def run(
                 )
             )
     rows, mode_stats = kept + rows, {**kept_stats, **mode_stats}
-    modes = list(dict.fromkeys([r["mode"] for r in kept] + modes))
+    modes = list(dict.fromkeys([r["mode"] for r in kept] + [label[m] for m in modes]))
     # the naive-reuse gap: accuracy(dual) - accuracy(naive_affix) per cell
     gaps = {}
     if "dual" in modes and "naive_affix" in modes:
@@ -240,7 +247,7 @@ def run(
         "n_per_cell": n,
         "seed": seed,
         "split": "heldout",
-        "modes": {**kept_modes, **{m: MODES[m] for m in modes if m not in kept_modes}},
+        "modes": {**kept_modes, **{label[m]: {**MODES[m], "weights": weights} for m in label}},
         "generation": gen_kwargs,
         "dtype": dtype,
         "device": str(jax.devices()[0].device_kind),
@@ -289,6 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--bucket", type=int, default=160, help="prompt_bucket (one compiled shape per mode)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8_ffn", "fp8_all"], help="dllm_jax.load's")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality.json"))
     ap.add_argument("--plot", default=str(REPO / "bench" / "results" / "quality.png"))
     ap.add_argument("--no-progress", action="store_true")
@@ -316,6 +324,7 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
         dtype=args.dtype,
         append=args.append,
+        weights=args.weights,
     )
     print_table(result)
     if result["meta"]["naive_reuse_gap_dual_minus_naive"]:

@@ -208,12 +208,22 @@ def load_model(args: argparse.Namespace) -> Model:
 
     if args.tensor_parallel > 1 and args.attention not in ("auto", "xla"):
         raise UsageError(f"argument --attention: --tensor-parallel runs XLA's attention, not {args.attention!r}")
+    if args.weights == "fp8_all" and args.tensor_parallel > 1:
+        raise UsageError("argument --weights: fp8_all runs on one device for now (not with --tensor-parallel)")
     try:
-        model = dllm_jax.load(args.model, dtype=args.dtype, progress=True, tensor_parallel=args.tensor_parallel)
+        model = dllm_jax.load(
+            args.model,
+            dtype=args.dtype,
+            progress=True,
+            tensor_parallel=args.tensor_parallel,
+            weights=args.weights,
+        )
     except TensorParallelError as e:
         raise UsageError(f"argument --tensor-parallel: {e}") from None
     except (dllm_jax.CheckpointError, dllm_jax.ConfigError, FileNotFoundError) as e:
         raise UsageError(str(e).splitlines()[0] if not args.debug else str(e)) from e
+    except ValueError as e:  # weights the checkpoint cannot give (FP8 stored, bf16 asked)
+        raise UsageError(f"argument --weights: {e}") from None
     if model.tokenizer is None:
         raise UsageError(f"{model.path} has no tokenizer files (tokenizer.json or vocab.json + merges.txt)")
     return model
@@ -343,6 +353,13 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
         help=f"attention kernel (auto: {attention})",
     )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    p.add_argument(
+        "--weights",
+        choices=["bf16", "fp8_ffn", "fp8_all"],
+        default=None,
+        help="which linear layers run in FP8 (e4m3, 128x128 block scales; layer 1 stays in --dtype): fp8_ffn the "
+        "FFNs, fp8_all also the attention projections and the LM head (default: as the checkpoint stores them)",
+    )
     p.add_argument(
         "--batch-invariant",
         action="store_true",

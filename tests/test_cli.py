@@ -30,6 +30,8 @@ def test_readme_main_command_on_the_bundled_model(capsys):
     assert cli.main(["generate", cli.DEMO_PROMPT, "--verbose"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == "1 0 4" and "demo model" in err and "NFE 8" in err
+    assert cli.main(["generate", cli.DEMO_PROMPT, "--weights", "fp8_all"]) == 0  # every GEMM past layer 1 in FP8
+    assert capsys.readouterr().out.strip() == "1 0 4"
 
 
 def test_flags_override_the_model_defaults(capsys):
@@ -127,7 +129,7 @@ def test_bad_flags(argv, message, capsys):
         (["--window-chunk", "0"], "argument --window-chunk: must be a positive integer, got 0"),
         (
             ["--batch-sizes", "2", "4", "--max-batch", "8"],
-            "argument --batch-sizes: EngineConfig.batch_sizes=(2, 4) must be positive sizes ending at max_batch=8",
+            "argument --batch-sizes: EngineConfig.batch_sizes=(2, 4): positive sizes ending at max_batch=8",
         ),
         (["--block-lengths", "8", "x"], "argument --block-lengths: 'x' is not an integer"),
         (["--block-lengths"], "argument --block-lengths: expected at least one argument"),
@@ -144,6 +146,7 @@ def test_bad_flags(argv, message, capsys):
         (["--audit-fraction", "1.5"], "argument --audit-fraction: must be in [0, 1], got 1.5"),
         (["--audit-state", "/nonexistent/a.json"], "argument --audit-state: /nonexistent is not a writable directory"),
         (["--agreement-target", "0"], "argument --agreement-target: must be in (0, 1], got 0.0"),
+        (["--weights", "fp8_all", "--tensor-parallel", "2"], "argument --weights: fp8_all runs on one device"),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):

@@ -1,5 +1,7 @@
 """The FP8 FFN model path (LaCache): e4m3 FFNs in layers >= 2, layer 1 in bf16; conversion and loading."""
 
+import dataclasses
+
 import fixtures
 import jax
 import jax.numpy as jnp
@@ -70,6 +72,10 @@ def test_convert_fp8_ffn_and_load_time_quantisation_agree(bf16_params, tmp_path)
         np.asarray(logits(converted.params, converted.config, IDS)),
         np.asarray(logits(at_load.params, at_load.config, IDS)),
     )
+    with pytest.raises(ValueError, match="stores FP8 weights"):  # a stored FP8 checkpoint is not made bf16 again
+        dllm_jax.load(tmp_path / "out", weights="bf16")
+    with pytest.raises(ConfigError, match=r"q/k/v widths \(128, 64, 64\) to be multiples of 128"):
+        dllm_jax.load(tmp_path / "out", weights="fp8_all")  # 2 KV heads of 32: whole 128-blocks needed
 
 
 def test_fp8_needs_128_multiples(tmp_path, capsys):
@@ -80,3 +86,79 @@ def test_fp8_needs_128_multiples(tmp_path, capsys):
     assert convert_main([str(src), str(tmp_path / "out"), "--fp8-ffn", "--quiet"]) == 2
     assert "multiples of 128" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# weights="fp8_all": the projections and the head in FP8 too (q/k/v widths: multiples of 128)
+ALL = {
+    "llada": fixtures.fp8_config(n_kv_heads=4),
+    "dream": fixtures.fp8_config(family="dream", n_kv_heads=4, qkv_bias=True, tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_fp8_all_close_to_bf16_and_layer1_stays_bf16(family):
+    """Every linear layer past layer 1 and the head in e4m3: within the stated bound of the bf16 forward; layer 0
+    runs its bf16 projections (its FP8 copy is never read), layer 1 its FP8 ones, and the head its FP8 one; the
+    cached path agrees."""
+    config = ALL[family]
+    params = init_params(config, jax.random.key(0), std=0.05)
+    q, c = fp8.quantize_projections(*fp8.quantize_params(params, config))
+    assert c.weights == "fp8_all" and q["layers"]["q_proj"]["w8"].dtype == jnp.float8_e4m3fn
+    assert "lm_head" not in q and q["lm_head_fp8"]["w8"].shape == (config.vocab_size, config.d_model)
+    assert ("bias" in q["layers"]["q_proj"]) == config.qkv_bias
+    ref, out = logits(params, config, IDS), logits(q, c, IDS)
+    rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    # each quantised operand adds ~2-3% rms (3 mantissa bits); five GEMMs a layer and the head: measured 4-6%
+    assert 1e-3 < rel < 0.12, rel
+    only_ffn = logits(*fp8.quantize_params(params, config), IDS)
+    assert float(jnp.abs(out - only_ffn).max()) > 1e-3  # the projections really run in FP8
+
+    def poke(path):
+        p = jax.tree.map(lambda a: a, q)
+        *outer, last = path
+        tree = p
+        for k in outer:
+            tree[k] = dict(tree[k])
+            tree = tree[k]
+        tree[last] = jnp.zeros_like(tree[last])
+        return logits(p, c, IDS)
+
+    def zero_layer(entry):
+        p = jax.tree.map(lambda a: a, q)
+        w = p["layers"]["q_proj"]["w8"]
+        p["layers"] = dict(p["layers"], q_proj=dict(p["layers"]["q_proj"], w8=w.at[entry].set(jnp.zeros_like(w[0]))))
+        return logits(p, c, IDS)
+
+    np.testing.assert_array_equal(np.asarray(zero_layer(0)), np.asarray(out))
+    assert float(jnp.abs(zero_layer(1) - out).max()) > 1e-3
+    assert float(jnp.abs(poke(("lm_head_fp8", "w8")) - out).max()) > 1e-3
+    pos = jnp.broadcast_to(jnp.arange(24), IDS.shape)
+    cached = forward(q, c, IDS, pos, cache=KVCache.zeros(c, 2, 24)).logits.astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(cached), np.asarray(out), rtol=2e-2, atol=2e-2)
+
+
+def test_the_engine_with_fp8_all_weights_equals_generate():
+    """The bundled model loaded with weights="fp8_all": the engine's answers, decoded together, are solo
+    `generate`'s with the same weights. In the batch-invariant mode: quantising activations turns the last-bit
+    differences of another batch shape into whole e4m3 steps (in the ordinary fp32 mode an answer here
+    differed), which that mode rules out by construction. A bad weights name is refused."""
+    from dllm_jax import GenerationConfig, answer_tokens, generate
+    from dllm_jax.engine import Engine, EngineConfig
+
+    model = dllm_jax.load(dtype="float32", weights="fp8_all")
+    assert model.config.weights == "fp8_all" and "attn_first" in model.params
+    tok = model.tokenizer
+    prompts = [tok.encode(f"{fixtures.LOOKUP_DOC} question : {k} ? reply .") for k in fixtures.LOOKUP_KEYS[:4]]
+    gc = GenerationConfig.from_options(gen_length=8, block_length=4, steps=8, cache="dual", batch_invariant=True)
+    config = EngineConfig(max_batch=4, kv_budget_bytes=16 << 20, max_model_len=128, block_lengths=(4,))
+    engine = Engine(model, dataclasses.replace(config, batch_invariant=True))
+    ids = [engine.add_request(p[: len(p) - i], gc, affix=None) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    got = [engine.request(i).answer(()) for i in ids]
+    want = [
+        answer_tokens(generate(model, [p[: len(p) - i]], gc).tokens, model.config, gc)[0] for i, p in enumerate(prompts)
+    ]
+    assert got == want
+    with pytest.raises(ValueError, match="weights='fp8';"):
+        dllm_jax.load(weights="fp8")

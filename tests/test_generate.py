@@ -370,6 +370,7 @@ def test_compiler_options_turn_triton_gemms_off_only_for_fp8_past_the_limit(monk
     assert G.compiler_options(fp8, gc, 8) == {"xla_gpu_enable_triton_gemm": False}
     assert G.compiler_options(fp8, gc, 2) is None and G.compiler_options(bf16, gc, 8) is None  # 64 tokens; bf16
     assert G.compiler_options(fp8, prefix, 8) is None  # only what was measured
+    assert G.fp8_compiler_options(fp8, 16 * 32) == G.NO_TRITON_GEMM  # the serving engine's block calls (dual)
     monkeypatch.setattr(G, "NO_TRITON_GEMM_FP8_ABOVE_TOKENS", None)
     assert G.compiler_options(fp8, gc, 8) is None
 

@@ -119,16 +119,18 @@ NO_TRITON_GEMM = (("xla_gpu_enable_triton_gemm", False),)
 
 def compiler_options(config: ModelConfig, gc: "GenerationConfig", batch: int) -> dict | None:
     """The XLA options the decode program of `batch` rows is compiled with (None: XLA's defaults)."""
-    limit = NO_TRITON_GEMM_FP8_ABOVE_TOKENS
-    if (
-        limit is None
-        or jax.default_backend() != "gpu"
-        or not config.fp8_ffn
-        or gc.cache.mode != "dual"
-        or batch * gc.schedule.block_length <= limit
-    ):
+    if gc.cache.mode != "dual":
         return None
-    return dict(NO_TRITON_GEMM)
+    return dict(fp8_compiler_options(config, batch * gc.schedule.block_length)) or None
+
+
+def fp8_compiler_options(config: ModelConfig, tokens: int) -> tuple:
+    """The XLA options of a dual-cache program whose block steps have `tokens` tokens (the serving engine's too:
+    its block calls run the dual cache)."""
+    limit = NO_TRITON_GEMM_FP8_ABOVE_TOKENS
+    if limit is None or jax.default_backend() != "gpu" or not config.fp8_ffn or tokens <= limit:
+        return ()
+    return NO_TRITON_GEMM
 
 
 def _generate_impl(

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
+from dllm_jax.decoding.generate import fp8_compiler_options
 from dllm_jax.decoding.loop import BlockRunner
 from dllm_jax.decoding.samplers import FamilySampler
 from dllm_jax.decoding.samplers.rows import RowSampler
@@ -99,11 +100,8 @@ class EngineConfig:
                     raise ValueError(f"EngineConfig.{name}={values} must be {'positive' if low else '>= 0'}")
                 object.__setattr__(self, name, values)
         object.__setattr__(self, "compiler_options", tuple(dict(self.compiler_options).items()))  # typed, hashable
-        sizes = self.batch_sizes
-        if sizes is not None and (not sizes or max(sizes) != self.max_batch or min(sizes) < 1):
-            raise ValueError(
-                f"EngineConfig.batch_sizes={sizes} must be positive sizes ending at max_batch={self.max_batch}"
-            )
+        if (s := self.batch_sizes) is not None and (not s or max(s) != self.max_batch or min(s) < 1):
+            raise ValueError(f"EngineConfig.batch_sizes={s}: positive sizes ending at max_batch={self.max_batch}")
 
 
 class Engine:
@@ -132,7 +130,8 @@ class Engine:
         kernels = Kernels.resolve(choice, mc, params)
         ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
-        self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, cfg.compiler_options)
+        options = cfg.compiler_options or fp8_compiler_options(mc, cfg.max_batch * min(self.block_lengths))  # FP8
+        self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, options)
         gcs = {bl: GenerationConfig(Schedule(bl, bl, bl), rows, CacheConfig("dual")) for bl in self.block_lengths}
         depths = {d: STRATEGY if d is None else ShallowReuse(DualCache(), d) for d in (None, *cfg.shallow_depths)}
         self._runners = {(bl, d): BlockRunner(mc, gc, st, rows) for bl, gc in gcs.items() for d, st in depths.items()}

@@ -401,6 +401,9 @@ def resolve_layer_layout(layer_layout: str) -> str:
     return layer_layout
 
 
+WEIGHTS = ("bf16", "fp8_ffn", "fp8_all")  # load(weights=...): which linear layers run in FP8
+
+
 def load(
     path: str | os.PathLike | None = None,
     dtype: str = "bfloat16",
@@ -408,14 +411,23 @@ def load(
     fp8_ffn: bool = False,
     layer_layout: str = "auto",
     tensor_parallel: int = 1,
+    weights: str | None = None,
 ) -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
     memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32".
-    fp8_ffn: quantise the FFNs of layers >= 2 to e4m3 now (a checkpoint converted with --fp8-ffn already is).
+    weights: "bf16" (the dtype throughout), "fp8_ffn" (the FFNs of layers >= 2 in e4m3 with 128x128 block scales,
+    LaCache's scheme) or "fp8_all" (also their q/k/v and o projections and the LM head); None: as stored (a
+    checkpoint converted with --fp8-ffn is fp8_ffn). Quantised here when the checkpoint is not already.
+    fp8_ffn: True is weights="fp8_ffn".
     layer_layout: "stacked" ([L, ...] weights, a lax.scan over layers), "unrolled" (one array per layer, an
     unrolled layer loop: faster on the GPU), or "auto" (unrolled on a GPU; see `resolve_layer_layout`).
     tensor_parallel: split the weights over this many devices (`transformer.sharding`); every jitted call on the
     model then runs on all of them."""
+    weights = "fp8_ffn" if fp8_ffn and weights in (None, "bf16") else weights
+    if weights not in (None, *WEIGHTS):
+        raise ValueError(f"weights={weights!r}; expected one of {WEIGHTS}")
+    if weights == "fp8_all" and tensor_parallel != 1:
+        raise ValueError("weights='fp8_all' runs on one device for now (tensor_parallel=1)")
     layout = resolve_layer_layout(layer_layout)
     mesh = tensor_parallel_mesh(tensor_parallel) if tensor_parallel != 1 else None  # a bad count: before reading
     path = Path(path) if path is not None else DEFAULT_MODEL_DIR
@@ -434,11 +446,15 @@ def load(
         pieces = hf_pieces(hf, config)  # validated: names, shapes and dtypes as config.json says
     if mesh is not None:
         check_tensor_parallel(config, tensor_parallel)
-    quantize = fp8_ffn and not config.fp8_ffn
+    if weights == "bf16" and config.fp8_ffn:
+        raise ValueError(f"{path} stores FP8 weights ({config.weights}): load it with weights={config.weights!r}")
+    quantize = weights in ("fp8_ffn", "fp8_all") and not config.fp8_ffn
     if quantize:
-        P.check_fp8_shapes(config)
+        (P.check_fp8_proj_shapes if weights == "fp8_all" else P.check_fp8_shapes)(config)
     params = assemble(pieces, config, layout, mesh, quantize, progress)
     if quantize:
         config = config.replace(fp8_ffn=True)
+    if weights == "fp8_all":
+        params, config = P.quantize_projections(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

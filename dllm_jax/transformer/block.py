@@ -17,7 +17,16 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 from dllm_jax.transformer import ffn
 from dllm_jax.transformer.kernels import XLA, Kernels
-from dllm_jax.transformer.layers import Linear, RMSNorm, SwiGLU, apply_rope, matmul_precision, rope_cos_sin, tokenwise
+from dllm_jax.transformer.layers import (
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    fp8_linear,
+    matmul_precision,
+    rope_cos_sin,
+    tokenwise,
+)
 from dllm_jax.transformer.params import Params, is_fused, projection_widths
 
 Array = jax.Array
@@ -92,17 +101,43 @@ def embed(params: Params, tokens: Array) -> Array:
 
 
 def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
+    if "lm_head_fp8" in params:  # weights="fp8_all"
+        head = params["lm_head_fp8"]
+        return fp8_linear(h, head["w8"], head["s8"]).astype(h.dtype)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.einsum(
         "...d,dv->...v", h, w, preferred_element_type=jnp.float32, precision=matmul_precision(config.jnp_dtype)
     ).astype(h.dtype)
 
 
+def at_layer(params: Params, layer_params: Params, i: Any, fn):
+    """fn(the params of layer i): with FP8 projections (weights="fp8_all") layer 0 runs its bf16 ones
+    ("attn_first"); the unrolled loop picks statically, the scan over stacked layers with a lax.cond on i."""
+    if "attn_first" not in params:
+        return fn(layer_params)
+    first = {**layer_params, **params["attn_first"]}
+    if isinstance(i, int):
+        return fn(first if i == 0 else layer_params)
+    return jax.lax.cond(i == 0, lambda: fn(first), lambda: fn(layer_params))
+
+
 def block_qkv(
-    block: Block, layer_params: Params, x: Array, positions: Array, cos: Array, sin: Array, kernels: Kernels
+    block: Block,
+    layer_params: Params,
+    x: Array,
+    positions: Array,
+    cos: Array,
+    sin: Array,
+    kernels: Kernels,
+    params: Params | None = None,
+    i: Any = None,
 ) -> tuple:
-    """`Block.qkv` of x [B, n, d] at positions [B, n] (cos / sin: their RoPE tables, computed once per forward);
-    token-tiled in the batch-invariant mode, which computes each tile's tables inside its tile."""
+    """`Block.qkv` of x [B, n, d] at positions [B, n] (cos / sin: their RoPE tables, computed once per forward) in
+    layer i (params: the model's, for layer 0's bf16 projections beside FP8 ones: `at_layer`); token-tiled in the
+    batch-invariant mode, which computes each tile's tables inside its tile."""
+    if params is not None and "attn_first" in params:
+        plain = lambda lp: block_qkv(block, lp, x, positions, cos, sin, kernels)  # noqa: E731
+        return at_layer(params, layer_params, i, plain)
     if not kernels.batch_invariant:
         return block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
     c = block.config
@@ -145,5 +180,5 @@ def layer_finish(
     if not config.fp8_ffn:
         return block.apply({"params": layer_params}, x, attn, method=Block.finish)
     # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
-    o = block.apply({"params": layer_params}, attn, method=Block.attn_projection)
+    o = at_layer(params, layer_params, i, lambda lp: block.apply({"params": lp}, attn, method=Block.attn_projection))
     return ffn.fp8_ffn_residual(params, config, layer_params, i, x, o, kernels.fp8, kernels.interpret)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fp8_matmul as F
+
 Array = jax.Array
 
 
@@ -34,7 +36,10 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of PyTorch's layout)."""
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of PyTorch's layout). Where the params hold FP8
+    leaves instead of a kernel ("w8" [out, in] e4m3 with "s8" its 128x128 block scales: `params.quantize_projections`)
+    the input is quantised in 1x128 groups and the product is the dequantised one, accumulated in fp32
+    (`fp8_linear`)."""
 
     features: int
     use_bias: bool
@@ -42,6 +47,11 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
+        if self.has_variable("params", "w8"):
+            y = fp8_linear(x, self.get_variable("params", "w8"), self.get_variable("params", "s8"))
+            if self.use_bias:
+                y = y + self.get_variable("params", "bias").astype(jnp.float32)
+            return y.astype(self.dtype)
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
         # Without a bias the GEMM emits the activation dtype itself: it still accumulates in fp32 and rounds once
         # (cuBLAS, XLA's Triton GEMMs and the CPU alike), but no fp32 [M, N] output is written and re-read by a
@@ -56,6 +66,15 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(jnp.float32)
         return y.astype(self.dtype)
+
+
+def fp8_linear(x: Array, w8: Array, s8: Array) -> Array:
+    """x [..., K] @ dequant(w8 [N, K], s8).T in fp32, x quantised in 1x128 groups first: the numerics of
+    `pallas_kernels.fp8_matmul` (its XLA reference: exact dequantisation, an fp32 dot)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = F.quantize_activations(x.reshape(-1, k))
+    y = F.fp8_matmul_reference(xq, xs, w8, s8, out_dtype=jnp.float32)
+    return y.reshape(*lead, w8.shape[0])
 
 
 class SwiGLU(nn.Module):

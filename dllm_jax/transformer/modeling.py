@@ -138,14 +138,14 @@ def forward(
     def finish(lp, i, x, attn):
         return layer_finish(params, config, block, lp, i, x, attn, kernels)
 
-    def qkv(lp, x, positions, cos, sin):
-        return block_qkv(block, lp, x, positions, cos, sin, kernels)
+    def qkv(lp, i, x, positions, cos, sin):
+        return block_qkv(block, lp, x, positions, cos, sin, kernels, params, i)
 
     if cache is None:
 
         def layer(x, inputs):
             lp, i = inputs
-            q, k, v = qkv(lp, x, positions, cos, sin)
+            q, k, v = qkv(lp, i, x, positions, cos, sin)
             x = finish(lp, i, x, attend(q, k, v, key_mask, kernels.attention, kernels.interpret))
             return x, ((k, v) if return_kv else None)
 
@@ -160,6 +160,7 @@ def forward(
     # one kernel for the projection's reduction, RoPE and the K/V write: block-step windows written contiguously
     fused_write = (
         chunks is None
+        and not config.fp8_proj  # the fused kernel reads a bf16 projection
         and kernels.rope_write
         and isinstance(cache, KVCache)
         and cache.per_layer
@@ -177,7 +178,7 @@ def forward(
             )
             cache = cache.with_layer(i, kb, vb)
         else:
-            q, k, v = qkv(lp, x, positions, cos, sin)
+            q, k, v = qkv(lp, i, x, positions, cos, sin)
             cache = cache.write(i, k, v, write)
         if probe is not None:
             probed = probed + probe(q, cache, i)
@@ -191,7 +192,7 @@ def forward(
         live_chunks = (jnp.asarray(chunks.live, jnp.int32) + c - 1) // c
 
         def chunk_qkv(start):
-            return qkv(lp, *(_cols(a, start, c) for a in (x, positions, cos, sin)))
+            return qkv(lp, i, *(_cols(a, start, c) for a in (x, positions, cos, sin)))
 
         def project(j, state):  # every live chunk's K/V first: any query may attend any key of the window
             cache, qs = state
@@ -222,12 +223,12 @@ def forward(
         layers = list(zip(layer_params, layer_ids))
 
         def project(lp, i, j, x, cache, qs):
-            q, k, v = qkv(lp, *(_cols(a, j * c, c) for a in (x, positions, cos, sin)))
+            q, k, v = qkv(lp, i, *(_cols(a, j * c, c) for a in (x, positions, cos, sin)))
             cache = cache.write(i, k, v, _chunk_write(write, j * c, c))
             return cache, jax.lax.dynamic_update_slice_in_dim(qs, q.astype(qs.dtype), j * c, axis=1)
 
         (lp0, i0) = layers[0]
-        q_chunk = jax.eval_shape(lambda: qkv(lp0, *(a[:, :c] for a in (x, positions, cos, sin)))[0])
+        q_chunk = jax.eval_shape(lambda: qkv(lp0, i0, *(a[:, :c] for a in (x, positions, cos, sin)))[0])
         qs = jnp.zeros((b, n) + q_chunk.shape[2:], q_chunk.dtype)
         cache, qs = jax.lax.fori_loop(0, live_chunks, lambda j, s: project(lp0, i0, j, x, *s), (cache, qs))
         for at, (lp, i) in enumerate(layers):

@@ -19,6 +19,12 @@ FP8 FFN (LaCache, `config.fp8_ffn`): the stacked bf16 `layers.mlp` is replaced b
     mlp_first      = the first layer's bf16 SwiGLU params (the paper keeps layer 1's FFN in bf16)
 Entry 0 of mlp_fp8 only keeps the scan over layers uniform. Weights are quantised once (conversion `--fp8-ffn` or
 `load(..., fp8_ffn=True)`).
+
+FP8 projections and head (`config.fp8_proj`, weights="fp8_all" with the FP8 FFN): every q/k/v/o module (or the
+fused qkv_proj) holds {"w8": [out, in] e4m3, "s8": [out/128, in/128] f32, "bias"?} instead of {"kernel", "bias"?}
+(stacked [L, ...] or per layer), read by `layers.Linear`; layer 0's bf16 modules are kept in "attn_first" (the
+paper keeps layer 1 in bf16; its FP8 copy only keeps the layers uniform), and the head is "lm_head_fp8" {"w8":
+[V, d], "s8"} (from the embedding when the head is tied; the embedding stays for the lookup).
 """
 
 from __future__ import annotations
@@ -216,7 +222,7 @@ def _fuse_group(tree: Params, fused_name: str, names: tuple[str, ...], consume: 
 def fuse_projections(layers: Params, consume: bool = False) -> Params:
     """A layers tree (stacked [L, ...] or one layer's) with q/k/v as "qkv_proj" and, where the layer has its bf16
     FFN, gate/up as "mlp.gate_up_proj". consume=True empties the given dicts while fusing (lower peak memory)."""
-    if is_fused(layers):
+    if is_fused(layers) or "w8" in layers[FUSED_ATTENTION[1][0]]:  # FP8 projections stay apart
         return layers
     out = _fuse_group(layers, *FUSED_ATTENTION, consume)
     if "mlp" in out:  # FP8 layers keep their own e4m3 FFN tree
@@ -293,6 +299,48 @@ def quantize_params(params: Params, config: ModelConfig, on_device: bool = False
         stacked, first = quantize_stacked_mlp(mlp)
     layers["mlp_fp8"] = stacked
     return {**params, "layers": layers, "mlp_first": first}, config.replace(fp8_ffn=True)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+
+
+def check_fp8_proj_shapes(config: ModelConfig) -> None:
+    """FP8 projections need K (d_model, Hq * D) in whole 128-groups and q/k/v widths in whole 128-blocks (so a fused
+    qkv_proj quantises to the same blocks as its parts)."""
+    check_fp8_shapes(config)
+    widths = projection_widths(config)
+    if any(w % GROUP for w in widths):
+        raise ConfigError(f"weights='fp8_all' needs the q/k/v widths {widths} to be multiples of {GROUP}")
+
+
+def _quantize_module(module: dict, stacked: bool) -> dict:
+    """{"kernel": [.., in, out], "bias"?} -> {"w8": [.., out, in] e4m3, "s8", "bias"?} (stacked: per layer)."""
+    quantize = jax.vmap(F.quantize_weights) if stacked else F.quantize_weights
+    w8, s8 = quantize(jnp.swapaxes(jnp.asarray(module["kernel"]), -1, -2))
+    return {"w8": w8, "s8": s8, **({"bias": module["bias"]} if "bias" in module else {})}
+
+
+def quantize_projections(params: Params, config: ModelConfig) -> tuple[Params, ModelConfig]:
+    """Params with FP8 FFNs -> also FP8 projections and head (weights="fp8_all"), in either layer layout."""
+    if config.fp8_proj:
+        return params, config
+    if not config.fp8_ffn:
+        raise ValueError("quantize_projections needs the FFNs in FP8 first (quantize_params)")
+    check_fp8_proj_shapes(config)
+    layers = params["layers"]
+    if is_unrolled(layers):
+        first = {k: v for k, v in layers[0].items() if k in PROJECTIONS}
+        quantized = tuple(
+            {k: _quantize_module(v, False) if k in PROJECTIONS else v for k, v in lp.items()} for lp in layers
+        )
+    else:
+        first = {k: jax.tree.map(lambda a: a[0], v) for k, v in layers.items() if k in PROJECTIONS}
+        quantized = {k: _quantize_module(v, True) if k in PROJECTIONS else v for k, v in layers.items()}
+    head = params["lm_head"].T if "lm_head" in params else params["embed"]  # [V, d]
+    w8, s8 = F.quantize_weights(jnp.asarray(head))
+    out = {k: v for k, v in params.items() if k != "lm_head"}
+    out.update(layers=quantized, attn_first=first, lm_head_fp8={"w8": w8, "s8": s8})
+    return out, config.replace(fp8_proj=True)
 
 
 def fp8_param_shapes(shapes: Params, config: ModelConfig) -> Params:

@@ -45,8 +45,10 @@ class FirstLayerMemo:
 
 
 def _first_layer(params):
+    """Layer 0's params (its bf16 projections where the others are FP8: weights="fp8_all")."""
     layers = params["layers"]
-    return layers[0] if is_unrolled(layers) else jax.tree.map(lambda a: a[0], layers)
+    first = layers[0] if is_unrolled(layers) else jax.tree.map(lambda a: a[0], layers)
+    return {**first, **params.get("attn_first", {})}
 
 
 @dataclasses.dataclass(frozen=True)
