@@ -137,6 +137,38 @@ def test_fp8_all_close_to_bf16_and_layer1_stays_bf16(family):
     np.testing.assert_allclose(np.asarray(cached), np.asarray(out), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("family,assembly", [("llada", "device"), ("dream", "host")])
+def test_convert_fp8_all_and_load_time_quantisation_agree(family, assembly, tmp_path, monkeypatch):
+    """dllm-convert --weights fp8_all stores what load(weights="fp8_all") quantises (leaf for leaf, bit for bit,
+    logits too), assembled on the device or on the host; the unrolled (GPU) layout reads the same leaves; a stored
+    fp8_all is not loaded as less."""
+    from dllm_jax.io import loading
+
+    monkeypatch.setattr(loading, "DEVICE_ASSEMBLY_BYTES", 0 if assembly == "device" else 1 << 62)
+    config = ALL[family]
+    src = ckpt.export_hf(jax.tree.map(np.asarray, init_params(config, jax.random.key(2), std=0.05)), config, tmp_path)
+    assert convert_main([str(src), str(tmp_path / "out"), "--weights", "fp8_all", "--quiet"]) == 0
+    converted, at_load = dllm_jax.load(tmp_path / "out"), dllm_jax.load(src, weights="fp8_all")
+    assert converted.config.weights == at_load.config.weights == "fp8_all"
+    a = dict(jax.tree_util.tree_leaves_with_path(converted.params))
+    b = dict(jax.tree_util.tree_leaves_with_path(at_load.params))
+    assert a.keys() == b.keys()
+    for path, leaf in a.items():
+        assert leaf.dtype == b[path].dtype, path
+        np.testing.assert_array_equal(np.asarray(leaf.astype(jnp.float32)), np.asarray(b[path].astype(jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(logits(converted.params, converted.config, IDS)),
+        np.asarray(logits(at_load.params, at_load.config, IDS)),
+    )
+    unrolled = dllm_jax.load(tmp_path / "out", layer_layout="unrolled").params
+    w8 = converted.params["layers"]["q_proj"]["w8"]
+    np.testing.assert_array_equal(
+        np.asarray(unrolled["layers"][1]["q_proj"]["w8"], np.float32), np.asarray(w8[1], np.float32)
+    )
+    with pytest.raises(ValueError, match="stores FP8 weights"):
+        dllm_jax.load(tmp_path / "out", weights="fp8_ffn")
+
+
 def test_the_engine_with_fp8_all_weights_equals_generate():
     """The bundled model loaded with weights="fp8_all": the engine's answers, decoded together, are solo
     `generate`'s with the same weights. In the batch-invariant mode: quantising activations turns the last-bit

@@ -303,6 +303,34 @@ def quantize_ffn_leaves(
                 yield ("mlp_first", k, "kernel"), v["kernel"]
 
 
+def quantize_projection_leaves(
+    leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], config: ModelConfig
+) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """Stream transform for weights="fp8_all" (after `quantize_ffn_leaves`): each stacked q/k/v/o kernel becomes its
+    e4m3 leaves and layer 0's bf16 copy (attn_first), the head (or the tied embedding) lm_head_fp8 (see
+    transformer/params.py); a bias is held until its kernel has come, then stored beside both."""
+    P.check_fp8_proj_shapes(config)
+    held: dict[str, dict] = {}
+    for path, arr in leaves:
+        if path == ("lm_head",) or (path == ("embed",) and config.tie_embeddings):
+            for k, v in P.quantize_head(arr if path == ("lm_head",) else arr.T).items():  # [d, V] in
+                yield ("lm_head_fp8", k), v
+            if path == ("lm_head",):
+                continue
+        if path[:1] != ("layers",) or path[1] not in P.PROJECTIONS:
+            yield path, arr
+            continue
+        module = held.setdefault(path[1], {})
+        module[path[2]] = arr
+        if "kernel" not in module or (config.qkv_bias and path[1] != "o_proj" and "bias" not in module):
+            continue
+        fp8, first = P.quantize_projection_module(held.pop(path[1]))
+        for k, v in fp8.items():
+            yield ("layers", path[1], k), v
+        for k, v in first.items():
+            yield ("attn_first", path[1], k), v
+
+
 def read_params(ckpt: HFCheckpoint, config: ModelConfig, progress: bool = True) -> dict[str, Any]:
     """Validate, then stream every tensor into a numpy param tree in config.dtype."""
     params: dict[str, Any] = {}
@@ -451,7 +479,7 @@ def read_converted(path: str | os.PathLike, dtype: str | None = None) -> tuple[M
         if not item.exists():
             raise CheckpointError(f"{path}: missing param leaf {'/'.join(leaf)} ({item})")
         arr = ckptr.restore(item)["value"]
-        fp8 = "mlp_fp8" in leaf  # e4m3 weights and fp32 scales keep their dtypes
+        fp8 = "mlp_fp8" in leaf or leaf[-1] in ("w8", "s8")  # e4m3 weights and fp32 scales keep their dtypes
         _set(params, tuple(leaf), np.asarray(arr).astype(_NP_DTYPES[dtype]) if cast and not fp8 else arr)
     if cast:
         config = config.replace(dtype=dtype)

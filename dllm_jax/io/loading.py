@@ -207,7 +207,7 @@ def _leaves(raw: dict[str, Any], recipe: _Recipe, host: bool = False) -> tuple[d
     def shape(path, a):
         names = tuple(str(getattr(k, "key", k)) for k in path)
         a = a.T if names in recipe.transposed else a
-        dtype = a.dtype if "mlp_fp8" in names else recipe.dtype
+        dtype = a.dtype if "mlp_fp8" in names or names[-1] in ("w8", "s8") else recipe.dtype
         # always a copy: a leaf never aliases the array as read (a mapped file, which the CPU backend may keep)
         return np.array(a, dtype, order="C") if host else jnp.array(a, dtype, copy=True)
 
@@ -446,7 +446,7 @@ def load(
         pieces = hf_pieces(hf, config)  # validated: names, shapes and dtypes as config.json says
     if mesh is not None:
         check_tensor_parallel(config, tensor_parallel)
-    if weights == "bf16" and config.fp8_ffn:
+    if weights is not None and WEIGHTS.index(weights) < WEIGHTS.index(config.weights):
         raise ValueError(f"{path} stores FP8 weights ({config.weights}): load it with weights={config.weights!r}")
     quantize = weights in ("fp8_ffn", "fp8_all") and not config.fp8_ffn
     if quantize:

@@ -81,15 +81,17 @@ def param_shapes(config: ModelConfig) -> Params:
     }
     if not config.tie_embeddings:
         shapes["lm_head"] = sd((config.d_model, config.vocab_size), dt)
-    return fp8_param_shapes(shapes, config) if config.fp8_ffn else shapes
+    shapes = fp8_param_shapes(shapes, config) if config.fp8_ffn else shapes
+    return fp8_proj_param_shapes(shapes, config) if config.fp8_proj else shapes
 
 
 def init_params(config: ModelConfig, key: Array, std: float = 0.02) -> Params:
     """Random params in the config dtype (tests, benchmarks and training from scratch): normal(std) kernels and
     biases (small random biases so tests exercise them), ones for norm scales."""
     if config.fp8_ffn:
-        bf16 = config.replace(fp8_ffn=False)
-        return quantize_params(init_params(bf16, key, std), bf16)[0]
+        bf16 = config.replace(fp8_ffn=False, fp8_proj=False)
+        params, c = quantize_params(init_params(bf16, key, std), bf16)
+        return quantize_projections(params, c)[0] if config.fp8_proj else params
     dt = config.jnp_dtype
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     leaves, tree = jax.tree_util.tree_flatten_with_path(_layer_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
@@ -318,6 +320,47 @@ def _quantize_module(module: dict, stacked: bool) -> dict:
     quantize = jax.vmap(F.quantize_weights) if stacked else F.quantize_weights
     w8, s8 = quantize(jnp.swapaxes(jnp.asarray(module["kernel"]), -1, -2))
     return {"w8": w8, "s8": s8, **({"bias": module["bias"]} if "bias" in module else {})}
+
+
+def quantize_projection_module(module: dict, stacked: bool = True) -> tuple[dict, dict]:
+    """One stacked projection {"kernel": [L, in, out], "bias"?} -> (its FP8 leaves [L, ...], layer 0's bf16 module)
+    as host numpy, layer by layer (conversion: one layer's temporaries at a time)."""
+    kernel = np.asarray(module["kernel"])
+    parts = [jax.tree.map(np.asarray, _quantize_one(kernel[i])) for i in range(kernel.shape[0])]
+    out = {"w8": np.stack([w for w, _ in parts]), "s8": np.stack([s for _, s in parts])}
+    if "bias" in module:
+        out["bias"] = np.asarray(module["bias"])
+    return out, {k: np.asarray(v)[0] for k, v in module.items()}
+
+
+def quantize_head(head_in_out: Any) -> dict:
+    """The LM head's [d, V] weight (or the embedding's transpose) -> {"w8": [V, d] e4m3, "s8"} as host numpy."""
+    return dict(zip(("w8", "s8"), map(np.asarray, _quantize_one(np.asarray(head_in_out)))))
+
+
+@jax.jit
+def _quantize_one(kernel_in_out: Array) -> tuple[Array, Array]:
+    return F.quantize_weights(kernel_in_out.T)
+
+
+def fp8_proj_param_shapes(shapes: Params, config: ModelConfig) -> Params:
+    """FP8-FFN param shapes -> also FP8 projections and head (weights="fp8_all"; no allocation)."""
+    sd, L = jax.ShapeDtypeStruct, config.n_layers
+    layers = dict(shapes["layers"])
+    first = {}
+    for name in PROJECTIONS[:4]:
+        module = layers[name]
+        fan_in, width = module["kernel"].shape[1:]
+        first[name] = jax.tree.map(lambda s: sd(s.shape[1:], s.dtype), module)
+        layers[name] = {
+            "w8": sd((L, width, fan_in), jnp.float8_e4m3fn),
+            "s8": sd((L, -(-width // GROUP), fan_in // GROUP), jnp.float32),
+            **({"bias": module["bias"]} if "bias" in module else {}),
+        }
+    v, d = config.vocab_size, config.d_model
+    head = {"w8": sd((v, d), jnp.float8_e4m3fn), "s8": sd((-(-v // GROUP), d // GROUP), jnp.float32)}
+    out = {k: s for k, s in shapes.items() if k != "lm_head"}
+    return {**out, "layers": layers, "attn_first": first, "lm_head_fp8": head}
 
 
 def quantize_projections(params: Params, config: ModelConfig) -> tuple[Params, ModelConfig]:
