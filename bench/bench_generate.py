@@ -11,15 +11,16 @@ schedule (64 steps = 8 block starts + 56 block steps; stop_at_eos off), cache mo
   ms_floor_hbm, ms_floor_compute  (dual) the block step's floors: the weights as stored (embedding excluded) and the
                          K/V cache read once at 4.3 TB/s; 2 FLOPs per weight per token at 790 TFLOP/s (bf16)
   trace_block_step       (--trace) device ms per kernel kind of one block step, busy / span / idle, top kernels
---fp8-ffn runs the FFNs of layers >= 2 in e4m3; --compare-bf16 times every row again with the same weights in bf16
-in the same process (comparison row, speedup_vs_bf16). --twin FIELD=VALUE times every row again with one
-`GenerationConfig.from_options` option changed (e.g. attention=cudnn, step_loop=while, rope_write=xla); --set
-FIELD=VALUE sets one for every row.
-Writes bench/results/generate_h200.json (generate_fp8_h200.json with --fp8-ffn; rows merged by --run label) and
+--weights fp8_ffn (--fp8-ffn) runs the FFNs of layers >= 2 in e4m3, fp8_all also q/k/v, o and the head;
+--compare-bf16 times every row again with the same weights in bf16 in the same process (comparison row,
+speedup_vs_bf16). --twin FIELD=VALUE times every row again with one `GenerationConfig.from_options` option
+changed (e.g. attention=cudnn, step_loop=while, rope_write=xla); --set FIELD=VALUE sets one for every row.
+Writes bench/results/generate_h200.json (generate_fp8_h200.json with FP8 weights; rows merged by --run label) and
 a tokens/s plot beside it. On the CPU: --models tiny (a smoke test of the same code path).
 
     PYTHONPATH=. python bench/bench_generate.py --modes dual --loop 24 --run NAME      # both models, b 1/8/32
     PYTHONPATH=. python bench/bench_generate.py --fp8-ffn --compare-bf16 --modes dual --batches 1 8 --run NAME
+    PYTHONPATH=. python bench/bench_generate.py --weights fp8_all --compare-bf16 --modes dual --batches 1 8 32 --run N
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dllm_jax.decoding.caches import strategy_for  # noqa: E402
 from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
 from dllm_jax.decoding.generate import compiler_options, generate  # noqa: E402
 from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
-from dllm_jax.transformer.params import quantize_params, unstack_layers  # noqa: E402
+from dllm_jax.transformer.params import quantize_params, quantize_projections, unstack_layers  # noqa: E402
 
 PROMPT, GEN, BLOCK = 256, 256, 32
 FUSED = 8  # forwards per timed call
@@ -95,7 +96,8 @@ def bench_one(
     )
     rng = np.random.default_rng(batch)  # the same prompts for a row and its twins
     prompts = [rng.integers(0, min(100_000, model.config.vocab_size - 3), PROMPT).tolist() for _ in range(batch)]
-    tag = f"{name} {mode} b{batch} s{steps}{' fp8' if model.config.fp8_ffn else ''} {overrides or ''}"
+    weights = model.config.weights
+    tag = f"{name} {mode} b{batch} s{steps}{'' if weights == 'bf16' else ' ' + weights} {overrides or ''}"
     t0 = time.perf_counter()
     out = generate(model, prompts, gc)
     first = time.perf_counter() - t0
@@ -117,7 +119,7 @@ def bench_one(
         **forward_times(model, gc, batch, loop, traced),
         **(floors(model, batch) if mode == "dual" else {}),
         "fp8_ffn": bool(model.config.fp8_ffn),
-        "weights": "fp8_ffn" if model.config.fp8_ffn else "bf16",
+        "weights": weights,
         "attention": common.kernels(model, gc).attention,
         "rope_write": common.kernels(model, gc).rope_write,
         "step_loop": gc.kernels.step_loop,
@@ -182,8 +184,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed generates per row (1 for none at batch >= 8)")
     ap.add_argument("--loop", type=int, default=0, metavar="L", help="also time block steps in a loop of L > 8")
     ap.add_argument("--trace", action="store_true", help="device time of a block step by kernel kind")
-    ap.add_argument("--fp8-ffn", action="store_true", help="FFNs of layers >= 2 in e4m3 (LaCache's FP8 FFN)")
-    ap.add_argument("--compare-bf16", action="store_true", help="with --fp8-ffn: the same weights in bf16 too")
+    ap.add_argument(
+        "--weights",
+        choices=["bf16", "fp8_ffn", "fp8_all"],
+        default="bf16",
+        help="layers >= 2 in e4m3: fp8_ffn the FFNs (LaCache's FP8 FFN), fp8_all also q/k/v, o and the LM head",
+    )
+    ap.add_argument("--fp8-ffn", action="store_true", help="the same as --weights fp8_ffn")
+    ap.add_argument("--compare-bf16", action="store_true", help="with FP8 weights: the same weights in bf16 too")
     ap.add_argument(
         "--set",
         action="append",
@@ -206,12 +214,14 @@ def main() -> None:
     )
     common.output_args(ap, budget_s=420.0)
     args = ap.parse_args()
-    if args.compare_bf16 and not args.fp8_ffn:
-        ap.error("--compare-bf16 needs --fp8-ffn")
+    if args.fp8_ffn and args.weights == "bf16":
+        args.weights = "fp8_ffn"
+    if args.compare_bf16 and args.weights == "bf16":
+        ap.error("--compare-bf16 needs FP8 weights (--weights)")
     fixed, twins = dict(parse_twin(t) for t in args.set), [parse_twin(t) for t in args.twin]
     layer_layout = resolve_layer_layout(args.layer_layout)
     stacked = "_stacked" if args.layer_layout == "stacked" else ""
-    name_json = f"generate{'_fp8' if args.fp8_ffn else ''}{stacked}_h200.json"
+    name_json = f"generate{'_fp8' if args.weights != 'bf16' else ''}{stacked}_h200.json"
     meta = common.meta(
         prompt_length=PROMPT,
         gen_length=GEN,
@@ -227,10 +237,12 @@ def main() -> None:
     for name in args.models:
         config, params = common.MODELS[name], common.random_params(common.MODELS[name])
         bf16 = None
-        if args.fp8_ffn:
+        if args.weights != "bf16":
             if args.compare_bf16:
                 bf16 = Model(config, unstack_layers(params) if layer_layout == "unrolled" else params)
             params, config = quantize_params(params, config, on_device=True)
+            if args.weights == "fp8_all":
+                params, config = quantize_projections(params, config)
         model = Model(config, unstack_layers(params) if layer_layout == "unrolled" else params)
         print(f"[{time.perf_counter() - t_start:5.0f}s] {name} ready ({layer_layout})", flush=True)
         for batch in args.batches:

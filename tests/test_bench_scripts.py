@@ -33,8 +33,9 @@ def _run(script: str, *args: str):
 
 
 def test_bench_generate_fp8_bf16_twin_loop_and_trace(tmp_path):
-    """The FP8 row on the GPU's layer layout and its same-run bf16 twin (--twin FIELD=VALUE rows take the same
-    path); the forwards per call of 8 and per step in a longer loop, the floors, the (empty on the CPU) trace."""
+    """The FP8 row (every GEMM past layer 1) on the GPU's layer layout and its same-run bf16 twin (--twin
+    FIELD=VALUE rows take the same path); the forwards per call of 8 and per step in a longer loop, the floors, the
+    (empty on the CPU) trace."""
     _run(
         "bench_generate",
         "--models",
@@ -45,7 +46,8 @@ def test_bench_generate_fp8_bf16_twin_loop_and_trace(tmp_path):
         "dual",
         "--layer-layout",
         "unrolled",
-        "--fp8-ffn",
+        "--weights",
+        "fp8_all",
         "--compare-bf16",
         "--loop",
         "10",
@@ -57,7 +59,7 @@ def test_bench_generate_fp8_bf16_twin_loop_and_trace(tmp_path):
     )
     data = json.loads((tmp_path / "generate_fp8_h200.json").read_text())
     fp8, bf16 = data["rows"]
-    assert [(r["fp8_ffn"], r["comparison"]) for r in data["rows"]] == [(True, None), (False, "same-run bf16")]
+    assert [(r["weights"], r["comparison"]) for r in data["rows"]] == [("fp8_all", None), ("bf16", "same-run bf16")]
     assert fp8["speedup_vs_bf16"] == bf16["seconds"] / fp8["seconds"]
     assert fp8["block_step_speedup_vs_bf16"] == bf16["ms_block_step"] / fp8["ms_block_step"]
     for r in data["rows"]:
