@@ -161,6 +161,8 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--audit-fraction", f"{args.audit_fraction:g}"]
     if args.batch_invariant:
         flags += ["--batch-invariant"]
+    if args.weights != "bf16":
+        flags += ["--weights", args.weights]
     return flags + ["--compile-cache", str(args.compile_cache)]
 
 
@@ -197,15 +199,16 @@ def build_model(args):
 
     import dllm_jax
 
+    weights = getattr(args, "weights", "bf16")
     if args.hf_dir is None:
-        model = common.random_model(args.model)
+        model = common.random_model(args.model, weights)
         load_s = None
     else:
         d = Path(args.hf_dir)
         ensure_checkpoint(d, common.MODELS[args.model])
         jax.devices()  # the backend's start is not loading
         t0 = time.perf_counter()
-        model = dllm_jax.load(d, dtype="bfloat16")
+        model = dllm_jax.load(d, dtype="bfloat16", weights=weights)
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t0
     if model.tokenizer is None:  # what the server needs of one: a token is its id as text
@@ -215,7 +218,8 @@ def build_model(args):
 
 def start_child(spec: dict) -> int:
     """A fresh process's start (--start-child): load, build the engine, warm it; one JSON line on stdout."""
-    args = argparse.Namespace(model=spec["model"], hf_dir=spec["hf_dir"])
+    weights = cli.build_parser().parse_args(["serve", *spec["flags"]]).weights or "bf16"  # as the flags say
+    args = argparse.Namespace(model=spec["model"], hf_dir=spec["hf_dir"], weights=weights)
     t0 = time.perf_counter()
     model, load_s = build_model(args)
     engine = serve_engine(model, spec["flags"])
@@ -404,6 +408,7 @@ def measured(engine: Engine, items: list[Item], arrival: str, args, transport: s
     else:
         t = dict(drive(engine, items, arrival, args.concurrency), audit_fraction=None)  # the engine alone
     t["batch_invariant"] = engine.config.batch_invariant
+    t["weights"] = engine.model.config.weights
     s1 = engine.stats()
     delta = lambda key: s1[key] - s0[key]  # noqa: E731  the engine's counters over the row
     probes = delta("probes")
@@ -697,7 +702,14 @@ def mixed_items(reqs: list[dict], row: str, depth: int | None, explicit_depth: b
 
 
 def mixed_key(r: dict) -> tuple:
-    return (r["arrival"], r["row"], r["transport"], r.get("audit_fraction"), r.get("batch_invariant", False))
+    return (
+        r["arrival"],
+        r["row"],
+        r["transport"],
+        r.get("audit_fraction"),
+        r.get("batch_invariant", False),
+        r.get("weights", "bf16"),
+    )
 
 
 def run_mixed(args) -> int:
@@ -856,7 +868,7 @@ def compare(row: dict, rows: list[dict], here: set[tuple]) -> None:
     command's row, or one of an earlier command with this --run label)."""
 
     def same(r: dict, *fields: str) -> bool:
-        return all(r.get(f) == row.get(f) for f in ("arrival", "batch_invariant", *fields))
+        return all(r.get(f) == row.get(f) for f in ("arrival", "batch_invariant", "weights", *fields))
 
     off = next((r for r in rows if r["row"] == "off" and same(r, "transport", "audit_fraction")), None)
     if off is not None and row["row"] != "off":
@@ -936,6 +948,9 @@ def main(argv=None) -> int:
     g.add_argument("--window-chunk", type=int, default=None, help="tokens a row a window forward runs at a time")
     g.add_argument("--audit-fraction", type=float, default=None, help="the HTTP rows' audit (serve's default: 0.02)")
     g.add_argument("--batch-invariant", action="store_true", help="serve --batch-invariant")
+    g.add_argument(
+        "--weights", choices=["bf16", "fp8_ffn", "fp8_all"], default="bf16", help="serve --weights (rows keyed by it)"
+    )
     g = ap.add_argument_group("closed16 / poisson_R")
     g.add_argument("--placements", nargs="+", default=["prefix", "infix", "suffix"])
     g.add_argument("--ratios", nargs="+", type=float, default=[0.0, 0.2, 1.0], help="ACache ratios (sharing on)")

@@ -219,14 +219,15 @@ def test_profile_serve_smoke(tmp_path):
 
 def test_bench_serve_rows_through_python_and_http(tmp_path):
     """The serving bench on the tiny model: a shared-affix row through the Python API, then the same through the
-    HTTP server and the openai client, with the fields issue 30 names, their ratio, the engine as `dllm-jax serve`
-    builds it (warmed once) and no compilations after warm-up."""
+    HTTP server and the openai client, with the fields issue 30 names, their ratio, the engine as `dllm-jax serve
+    --weights fp8_all` builds it (warmed once: every GEMM past layer 1 in FP8) and no compilations after warm-up."""
     import jax
 
     bench = _load("bench_serve")
     args = ["--model", "tiny", "--requests", "4", "--concurrency", "2", "--affix-len", "64", "--question-len", "8"]
     args += ["--output-len", "32", "--placements", "suffix", "--ratios", "0.2", "--no-off", "--no-generate"]
     args += ["--kv-budget-gib", "0.01", "--max-batch", "1", "--max-model-len", "128"]  # serve flags: a CPU's sizes
+    args += ["--weights", "fp8_all"]
     args += ["--compile-cache", jax.config.jax_compilation_cache_dir]  # the session's (conftest)
     assert bench.main([*args, "--http", "--run", "smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "serve_cpu_smoke.json").read_text())
@@ -242,12 +243,13 @@ def test_bench_serve_rows_through_python_and_http(tmp_path):
             "acache",
         )
         assert row["tokens"] == 4 * 32 and row["compiles_after_warmup"] == 0 and row["probe_ms_per_request"] > 0
-        assert row["ttfb_p99_s"] <= row["p99_s"]
+        assert row["ttfb_p99_s"] <= row["p99_s"] and row["weights"] == "fp8_all"
         assert row["programs"] == row["warmup"]["programs"] == 3  # block, probe, affix
     assert (python["transport"], http["transport"]) == ("python", "http")
     assert http["vs_python"] == http["tokens_per_s"] / python["tokens_per_s"]
     meta = data["meta"]["runs"]["smoke"]
     assert meta["affix_len"] == 64 and meta["serve_flags"]["()"].startswith("dllm-jax serve --max-batch 1 ")
+    assert "--weights fp8_all" in meta["serve_flags"]["()"]
     assert (tmp_path / "serve_cpu_smoke.png").stat().st_size > 0
 
 

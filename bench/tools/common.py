@@ -26,7 +26,12 @@ from dllm_jax.decoding.caches.base import DecodeInputs  # noqa: E402
 from dllm_jax.decoding.generate import layout  # noqa: E402
 from dllm_jax.io.loading import Model, resolve_layer_layout  # noqa: E402
 from dllm_jax.transformer.kernels import Kernels  # noqa: E402
-from dllm_jax.transformer.params import param_shapes, unstack_layers  # noqa: E402
+from dllm_jax.transformer.params import (  # noqa: E402
+    param_shapes,
+    quantize_params,
+    quantize_projections,
+    unstack_layers,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 HBM_BYTES_PER_S = 4.3e12  # achievable HBM bandwidth of an H200
@@ -125,10 +130,15 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(tree, make(keys))
 
 
-def random_model(name: str) -> Model:
-    """A model of MODELS with random_params, per-layer arrays where that is the device's default layout."""
+def random_model(name: str, weights: str = "bf16") -> Model:
+    """A model of MODELS with random_params, per-layer arrays where that is the device's default layout; weights:
+    quantised as `dllm_jax.load(weights=...)` does (on the device)."""
     cfg = MODELS[name]
     params = random_params(cfg)
+    if weights != "bf16":
+        params, cfg = quantize_params(params, cfg, on_device=True)
+    if weights == "fp8_all":
+        params, cfg = quantize_projections(params, cfg)
     return Model(cfg, unstack_layers(params) if resolve_layer_layout("auto") == "unrolled" else params)
 
 
