@@ -276,10 +276,11 @@ def run(
 def print_table(result) -> None:
     rows = result["rows"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    print(f"{'task/placement':18s}" + "".join(f"{m:>14s}" for m in modes))
+    width = {m: max(14, len(m) + 2) for m in modes}
+    print(f"{'task/placement':18s}" + "".join(f"{m:>{width[m]}s}" for m in modes))
     for task, pl in dict.fromkeys((r["task"], r["placement"]) for r in rows):
         acc = {r["mode"]: r for r in rows if r["task"] == task and r["placement"] == pl}
-        print(f"{task + '/' + pl:18s}" + "".join(f"{acc[m]['accuracy']:14.3f}" for m in modes))
+        print(f"{task + '/' + pl:18s}" + "".join(f"{acc[m]['accuracy']:{width[m]}.3f}" for m in modes))
 
 
 def main(argv=None) -> int:
