@@ -1,0 +1,91 @@
+"""Which engine replica serves a request: the cluster's affix-aware routing rule, as host logic (no Ray here).
+
+A shared affix saves work only on the replica that stores it, so requests that share one should meet there. The
+ingress keys each request by what it can see without an engine's history (`route_key`):
+  * a registered affix (its public id, "affix-<len>-<hash>": a content key, the same on every replica),
+  * an explicit affix (a span of the prompt, or text / a message the ingress located in it): the same content
+    key as registering it would give,
+  * else the prompt's leading `lead_tokens` tokens (a discovered prefix: a shared system prompt, few-shot
+    examples or a document placed first), hashed;
+and no key for prompts shorter than that. A key's owner is the replica that rendezvous hashing (highest random
+weight) ranks first among the live ones: every ingress agrees without coordination, and a replica that leaves or
+joins moves only the keys it owned or wins. `RoutingRule.choose` sends a keyed request to its owner unless the
+owner's queue has reached `spill_queue`, and every other request (no key, or spilled) to the least loaded replica,
+so one hot affix cannot starve the cluster: it spreads once its owner is busy, at the cost of storing it again
+where it spills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Mapping, Sequence
+
+from dllm_jax.audit import affix_id
+from dllm_jax.engine.block_manager import affix_key, token_bytes
+
+LEAD_TOKENS = 64  # the leading prompt tokens that key a request without an explicit affix (four 16-token pages)
+
+
+def route_key(
+    prompt: Sequence[int],
+    span: tuple[int, int] | None = None,
+    registered: str | None = None,
+    lead_tokens: int = LEAD_TOKENS,
+) -> str | None:
+    """The routing key of a request with these prompt tokens: its registered affix's id, else its explicit affix
+    span's content key (the id registering it would give), else a hash of its first `lead_tokens` tokens; None for
+    a shorter prompt without an affix."""
+    if registered is not None:
+        return registered
+    if span is not None:
+        s, e = span
+        if not 0 <= s < e <= len(prompt):
+            raise ValueError(f"affix span {span} is not a non-empty span of the {len(prompt)}-token prompt")
+        return affix_id(affix_key(prompt[s:e]))
+    if lead_tokens < 1:
+        raise ValueError(f"lead_tokens={lead_tokens} must be positive")
+    if len(prompt) < lead_tokens:
+        return None
+    return "lead-" + hashlib.blake2b(token_bytes(prompt[:lead_tokens]), digest_size=16).hexdigest()
+
+
+def owner(key: str, replicas: Sequence[str]) -> str:
+    """The replica rendezvous hashing gives `key`: the highest BLAKE2b score of (key, replica) among `replicas`."""
+    if not replicas:
+        raise ValueError("no live replica")
+
+    def score(replica: str) -> bytes:
+        return hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest()
+
+    return max(replicas, key=score)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRule:
+    """spill_queue: the requests queued at (sent to and not yet answered by) an affix's owner from which more of
+    that affix go to the least loaded replica instead. affinity=False: the control (least loaded for everything,
+    round robin among equals), which stores every hot affix on every replica."""
+
+    spill_queue: int = 8
+    affinity: bool = True
+
+    def __post_init__(self) -> None:
+        if self.spill_queue < 1:
+            raise ValueError(f"spill_queue={self.spill_queue} must be positive")
+
+    def choose(self, key: str | None, queues: Mapping[str, int], turn: int = 0) -> tuple[str, bool]:
+        """(the replica for a request with this key, given each live replica's queue, whether it spilled past its
+        owner). turn breaks ties among the least loaded (a request counter: round robin among equals)."""
+        if not queues:
+            raise ValueError("no live replica")
+        live = sorted(queues)
+        fewest = min(queues.values())
+        tied = [r for r in live if queues[r] == fewest]
+        least = tied[turn % len(tied)]
+        if key is None or not self.affinity:
+            return least, False
+        first = owner(key, live)
+        if queues[first] < self.spill_queue:
+            return first, False
+        return least, least != first

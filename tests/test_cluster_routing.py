@@ -1,0 +1,55 @@
+"""The cluster's routing rule (`dllm_jax.cluster.routing`): requests that share an affix meet on one replica that
+every ingress agrees on, a replica leaving moves only its own keys, and a busy owner spills to the least loaded."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from dllm_jax.audit import affix_id
+from dllm_jax.cluster import RoutingRule, owner, route_key
+from dllm_jax.engine.block_manager import affix_key
+
+RNG = np.random.default_rng(0)
+DOC = RNG.integers(0, 1000, 96).tolist()
+
+
+def test_keys_name_the_affix_whatever_surrounds_it():
+    a = RNG.integers(0, 1000, 5).tolist() + DOC + [7, 8]
+    b = [9] + DOC + RNG.integers(0, 1000, 30).tolist()
+    # an explicit span: the content key registering the affix gives (so a handle and a span meet)
+    assert route_key(a, (5, 101)) == route_key(b, (1, 97)) == affix_id(affix_key(DOC))
+    assert route_key(b, (1, 97), registered="affix-3-abc") == "affix-3-abc"
+    # no affix named: the leading tokens (a shared prefix), and nothing for a short prompt
+    assert route_key(DOC + [1, 2]) == route_key(DOC + [3]) != route_key([0] + DOC)
+    assert route_key(DOC[:63]) is None and route_key(DOC[:63], lead_tokens=16) is not None
+    with pytest.raises(ValueError, match="not a non-empty span"):
+        route_key(a, (5, 200))
+
+
+def test_owners_are_stable_spread_and_move_only_when_their_replica_leaves():
+    replicas = [f"r{i}" for i in range(4)]
+    keys = [f"affix-{i}" for i in range(400)]
+    owners = {k: owner(k, replicas) for k in keys}
+    assert owners == {k: owner(k, list(reversed(replicas))) for k in keys}  # order-free: every ingress agrees
+    counts = collections.Counter(owners.values())
+    assert set(counts) == set(replicas) and min(counts.values()) > 60  # ~100 each
+    left = [r for r in replicas if r != "r2"]
+    moved = {k for k in keys if owner(k, left) != owners[k]}
+    assert moved == {k for k in keys if owners[k] == "r2"}  # only the leaver's keys move
+    with pytest.raises(ValueError, match="no live replica"):
+        owner("k", [])
+
+
+def test_a_busy_owner_spills_to_the_least_loaded_and_unkeyed_requests_balance():
+    rule = RoutingRule(spill_queue=3)
+    replicas = ["a", "b", "c"]
+    key = next(f"k{i}" for i in range(100) if owner(f"k{i}", replicas) == "a")
+    assert rule.choose(key, {"a": 2, "b": 0, "c": 0}) == ("a", False)  # below the bound: the owner, busy or not
+    assert rule.choose(key, {"a": 3, "b": 1, "c": 0}) == ("c", True)  # at the bound: the least loaded
+    assert rule.choose(key, {"a": 3, "b": 3, "c": 3}) == ("a", False)  # all as busy: the owner keeps it
+    assert [rule.choose(None, {"a": 1, "b": 1, "c": 2}, turn)[0] for turn in range(4)] == ["a", "b", "a", "b"]
+    control = RoutingRule(affinity=False)  # round robin among the least loaded, whatever the key
+    assert {control.choose(key, dict.fromkeys(replicas, 0), t)[0] for t in range(3)} == set(replicas)
+    with pytest.raises(ValueError, match="spill_queue"):
+        RoutingRule(spill_queue=0)
