@@ -22,7 +22,7 @@ import fixtures  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--soak-requests", type=int, default=150, help="requests of the server soak test (a longer one: 3000)"
+        "--soak-requests", type=int, default=120, help="requests of the server soak test (a longer one: 3000)"
     )
     parser.addoption("--playground-screenshot", default=None, help="copy the playground test's screenshot here")
 

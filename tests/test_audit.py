@@ -174,7 +174,7 @@ def test_auto_calibrates_per_affix(model, kind):
         return got
 
     async def main():
-        for _ in range(7):
+        for _ in range(5):
             await wave([rule(rng.integers(0, 10, 3)) for _ in range(3)] + [lookup(KEYS[int(rng.integers(6))])])
         report = service.auditor.report()["calibration"]
         assert {row["technique"] for row in report} == {kind}

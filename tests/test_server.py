@@ -984,7 +984,8 @@ def test_finished_request_timings_are_bounded(monkeypatch):
     from dllm_jax.server import service as service_module
 
     monkeypatch.setattr(service_module, "LATENCIES_KEPT", 3)
-    engine = types.SimpleNamespace(warmed=True, program_count=lambda: 0)  # only the service's bookkeeping runs
+    settings = types.SimpleNamespace(shallow_depths=())
+    engine = types.SimpleNamespace(warmed=True, program_count=lambda: 0, config=settings)  # only the bookkeeping runs
     svc = service_module.EngineService(engine)
     for i in range(5):
         with svc._latency_lock:
