@@ -703,7 +703,7 @@ def test_the_openapi_schema_documents_every_body_and_response(server):
 
 
 def test_soak(model, request):
-    """bench/soak.py's driver: N requests (150 by default, --soak-requests for a longer one) from 64 concurrent
+    """bench/soak.py's driver: N requests (120 by default, --soak-requests for a longer one) from 64 concurrent
     clients, mixed lengths, half sharing one document (ACache), some clients leaving mid-stream, some deadlines
     too short to meet, a burst of 96 at once past the pool: 0 lost, 0 duplicated, every answer equal to its solo
     `generate` and to its replay through the server, the deadlines 504s, the pool idle at the end. Bounded in time."""
