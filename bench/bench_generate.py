@@ -9,7 +9,10 @@ schedule (64 steps = 8 block starts + 56 block steps; stop_at_eos off), cache mo
   ms_block_step_loop     (--loop L) one more block step inside a jitted loop, (t(L) - t(8)) / (L - 8): what a step
                          costs in generate, which runs a whole generation as one call
   ms_floor_hbm, ms_floor_compute  (dual) the block step's floors: the weights as stored (embedding excluded) and the
-                         K/V cache read once at 4.3 TB/s; 2 FLOPs per weight per token at 790 TFLOP/s (bf16)
+                         K/V cache read once at this run's HBM rate; 2 FLOPs per weight per token at its bf16 GEMM
+                         rate (the e4m3 weights at its e4m3 rate): `common.measure_floors`, in meta.floors
+  floor_ms_block_step / _start  the larger floor of a block step / start; block_step_of_floor / block_start_of_floor
+                         the achieved fraction (floor / measured)
   trace_block_step       (--trace) device ms per kernel kind of one block step, busy / span / idle, top kernels
 --weights fp8_ffn (--fp8-ffn) runs the FFNs of layers >= 2 in e4m3, fp8_all also q/k/v, o and the head;
 --compare-bf16 times every row again with the same weights in bf16 in the same process (comparison row,
@@ -70,13 +73,30 @@ def forward_times(model: Model, gc: GenerationConfig, batch: int, loop: int = 0,
     return out
 
 
-def floors(model: Model, batch: int) -> dict:
+def floors(model: Model, batch: int, rates: dict | None = None) -> dict:
+    """The block step's and block start's floors: HBM (the weights as stored, embedding excluded, and the K/V cache
+    read once) and compute (2 FLOPs per weight per token, the e4m3 ones at the e4m3 rate), at `rates` (this run's
+    `common.measure_floors`) or, without them, the H200's nominal figures; a floor is the larger of the two."""
     cfg = model.config
+    hbm = rates["hbm_bytes_per_s"] if rates else common.HBM_BYTES_PER_S
+    bf16 = rates["bf16_flops_per_s"] if rates else common.BF16_FLOPS_PER_S
+    e4m3 = rates["e4m3_flops_per_s"] if rates else common.FP8_FLOPS_PER_S
     stored = common.param_bytes(model.params) - common.param_bytes(model.params["embed"])
     kv = 2 * cfg.n_layers * batch * (PROMPT + GEN) * cfg.n_kv_heads * cfg.head_dim * 2
+    fp8 = common.fp8_weight_count(cfg)
+    per_token_s = 2 * ((common.weight_count(cfg) - fp8) / bf16 + fp8 / e4m3)  # compute seconds a token
+
+    def floor(tokens: int) -> tuple[float, float]:
+        return 1e3 * (stored + kv) / hbm, 1e3 * per_token_s * tokens
+
+    step_hbm, step_compute = floor(batch * BLOCK)
+    start_hbm, start_compute = floor(batch * (PROMPT + GEN))
     return {
-        "ms_floor_hbm": 1e3 * (stored + kv) / common.HBM_BYTES_PER_S,
-        "ms_floor_compute": 1e3 * 2 * common.weight_count(cfg) * batch * BLOCK / common.BF16_FLOPS_PER_S,
+        "ms_floor_hbm": step_hbm,
+        "ms_floor_compute": step_compute,
+        "floor_ms_block_step": max(step_hbm, step_compute),
+        "floor_ms_block_start": max(start_hbm, start_compute),
+        "floor_rates": "this run" if rates else "nominal H200",
     }
 
 
@@ -89,6 +109,7 @@ def bench_one(
     reps: int,
     loop: int = 0,
     traced: bool = False,
+    rates: dict | None = None,
     **overrides,
 ) -> dict:
     gc = GenerationConfig.from_options(
@@ -117,7 +138,7 @@ def bench_one(
         "nfe": out.nfe,
         "compile_s": max(first - sec, 0.0),
         **forward_times(model, gc, batch, loop, traced),
-        **(floors(model, batch) if mode == "dual" else {}),
+        **(floors(model, batch, rates) if mode == "dual" else {}),
         "fp8_ffn": bool(model.config.fp8_ffn),
         "weights": weights,
         "attention": common.kernels(model, gc).attention,
@@ -126,6 +147,9 @@ def bench_one(
         "date": common.now(),
         "comparison": None,
     }
+    for kind in ("step", "start"):  # the achieved fraction of the floor (1: at the floor)
+        if f"floor_ms_block_{kind}" in row and row.get(f"ms_block_{kind}"):
+            row[f"block_{kind}_of_floor"] = row[f"floor_ms_block_{kind}"] / row[f"ms_block_{kind}"]
     print(
         f"    {tag}: {row['tokens_per_s']:8.1f} tok/s  step {row['ms_block_step']:6.2f} ms  start "
         f"{row['ms_block_start']:6.2f} ms  loop step {row.get('ms_block_step_loop', float('nan')):6.2f} ms",
@@ -233,6 +257,9 @@ def main() -> None:
         "prefix 130-138, none 125.7; batch > 1 unsupported",
     )
     t_start = time.perf_counter()
+    rates = common.measure_floors()  # this run's HBM and GEMM rates: the floors of every row
+    meta["floors"] = rates
+    print(f"floors: {rates}", flush=True)
     rows, skipped = [], []
     for name in args.models:
         config, params = common.MODELS[name], common.random_params(common.MODELS[name])
@@ -260,7 +287,16 @@ def main() -> None:
                     for m, label, overrides in timed:
                         try:
                             row = bench_one(
-                                m, name, mode, batch, steps, reps, args.loop, args.trace, **{**fixed, **overrides}
+                                m,
+                                name,
+                                mode,
+                                batch,
+                                steps,
+                                reps,
+                                args.loop,
+                                args.trace,
+                                rates,
+                                **{**fixed, **overrides},
                             )
                         except Exception as e:  # noqa: BLE001  one failing row must not lose the run
                             print(f"FAILED {name} {mode} b{batch} s{steps} {label}: {type(e).__name__}: {e}")

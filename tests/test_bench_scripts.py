@@ -66,6 +66,15 @@ def test_bench_generate_fp8_bf16_twin_loop_and_trace(tmp_path):
         assert r["nfe"] == r["steps"] == 64 and r["tokens_per_s"] > 0 and r["run"] == "r1"
         assert r["ms_block_step"] > 0 and r["ms_block_start"] > 0 and r["loop_steps"] == 10
         assert r["ms_floor_hbm"] > 0 and r["ms_floor_compute"] > 0 and "by_kind_ms" in r["trace_block_step"]
+        assert (
+            r["floor_ms_block_step"] == max(r["ms_floor_hbm"], r["ms_floor_compute"]) and r["floor_rates"] == "this run"
+        )
+        assert r["block_step_of_floor"] == r["floor_ms_block_step"] / r["ms_block_step"]
+        assert r["floor_ms_block_start"] > r["floor_ms_block_step"] and r["block_start_of_floor"] > 0
+    rates = data["meta"]["runs"]["r1"]["floors"]  # measured in the run: a copy and two square GEMMs
+    assert rates["hbm_bytes_per_s"] > 0 and rates["bf16_flops_per_s"] > 0 and rates["e4m3_flops_per_s"] > 0
+    # the e4m3 FLOPs are counted apart: fp8_all's compute floor is below its bf16 twin's only where e4m3 is faster
+    assert fp8["ms_floor_compute"] != bf16["ms_floor_compute"]
     assert data["meta"]["runs"]["r1"]["command"].endswith(f"--out {tmp_path}")
     assert (tmp_path / "generate_fp8_h200.png").stat().st_size > 0
 

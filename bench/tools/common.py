@@ -147,9 +147,49 @@ def param_bytes(params: Any) -> int:
 
 
 def weight_count(config: ModelConfig) -> int:
-    """Weights a forward multiplies by: every parameter but the embedding table (a gather)."""
-    shapes = param_shapes(config)
+    """Weights a forward multiplies by: every parameter but the embedding table (a gather), counted on the bf16
+    layout (FP8 storage multiplies as many)."""
+    shapes = param_shapes(config.replace(fp8_ffn=False, fp8_proj=False))
     return sum(s.size for s in jax.tree_util.tree_leaves(shapes)) - shapes["embed"].size
+
+
+def fp8_weight_count(config: ModelConfig) -> int:
+    """Of `weight_count`, those multiplied in e4m3 under config.weights: the FFNs of layers >= 2 (fp8_ffn), and their
+    q/k/v and o and the LM head (fp8_all)."""
+    d, f, late = config.d_model, config.mlp_hidden, config.n_layers - 1
+    wq, wk, wv = (config.n_heads * config.head_dim,) + (config.n_kv_heads * config.head_dim,) * 2
+    ffn = 3 * d * f * late if config.fp8_ffn else 0
+    proj = ((wq + wk + wv) * d + wq * d) * late + d * config.vocab_size if config.fp8_proj else 0
+    return ffn + proj
+
+
+def measure_floors(copy_bytes: int = 4 << 30, side: int = 8192, reps: int = 5) -> dict:
+    """This run's floors, measured on its device: HBM bytes/s from a device-to-device pass over `copy_bytes`
+    (read once, written once), and the sustained dense bf16 and e4m3 FLOP/s of square GEMMs of `side` (XLA's:
+    cuBLAS(Lt) on a GPU, per-tensor FP8 with an fp32 result). The CPU smoke runs tiny sizes (its figures mean
+    nothing)."""
+    if smoke_on_cpu():
+        copy_bytes, side = 8 << 20, 256
+    buf = jnp.zeros(copy_bytes // 2, jnp.bfloat16)
+    bump = jax.jit(lambda a: a + jnp.bfloat16(1))  # one read and one write of every byte
+    t_copy, _ = time_call(lambda b=buf: bump(b).block_until_ready(), reps=reps)
+    del buf
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (side, side), jnp.bfloat16)
+    b = jax.random.normal(key_b, (side, side), jnp.bfloat16)
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+    t_bf16, _ = time_call(lambda: dot(a, b).block_until_ready(), reps=reps)
+    a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
+    dot8 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    t_e4m3, _ = time_call(lambda: dot8(a8, b8).block_until_ready(), reps=reps)
+    flops = 2 * side**3
+    return dict(
+        hbm_bytes_per_s=2 * copy_bytes / t_copy,
+        bf16_flops_per_s=flops / t_bf16,
+        e4m3_flops_per_s=flops / t_e4m3,
+        copy_bytes=copy_bytes,
+        gemm_side=side,
+    )
 
 
 def decode_inputs(model, gc, prompts: list[list[int]]) -> tuple[jax.Array, DecodeInputs]:
