@@ -172,13 +172,15 @@ def run(
     dtype: str = "bfloat16",
     append: bool = False,
     weights: str = "bf16",
+    fp8_first_layer: bool = False,
 ):
     """append: keep the rows of other modes already in `out` (same n, seed and dtype), replacing this run's."""
     modes = list(modes or MODES)
     tasks = list(tasks or G.TASKS)
     placements = list(placements or G.PLACEMENTS)
     model_path = Path(model_path or DEFAULT_MODEL)
-    model = dllm_jax.load(model_path, dtype=dtype, weights=weights)
+    model = dllm_jax.load(model_path, dtype=dtype, weights=weights, fp8_first_layer=fp8_first_layer)
+    weights += "+layer1" if fp8_first_layer else ""  # the label: layer 1 in FP8 too
     label = {m: m if weights == "bf16" else f"{m}@{weights}" for m in modes}
     if model.tokenizer is None:
         raise SystemExit(f"{model_path} has no tokenizer files: the benchmark needs the task tokenizer")
@@ -298,6 +300,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket", type=int, default=160, help="prompt_bucket (one compiled shape per mode)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8_ffn", "fp8_all"], help="dllm_jax.load's")
+    ap.add_argument(
+        "--fp8-first-layer", action="store_true", help="layer 1 in FP8 too (rows '<mode>@<weights>+layer1')"
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality.json"))
     ap.add_argument("--plot", default=str(REPO / "bench" / "results" / "quality.png"))
     ap.add_argument("--no-progress", action="store_true")
@@ -326,6 +331,7 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         append=args.append,
         weights=args.weights,
+        fp8_first_layer=args.fp8_first_layer,
     )
     print_table(result)
     if result["meta"]["naive_reuse_gap_dual_minus_naive"]:

@@ -217,6 +217,7 @@ def load_model(args: argparse.Namespace) -> Model:
             progress=True,
             tensor_parallel=args.tensor_parallel,
             weights=args.weights,
+            fp8_first_layer=args.fp8_first_layer,
         )
     except TensorParallelError as e:
         raise UsageError(f"argument --tensor-parallel: {e}") from None
@@ -359,6 +360,12 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
         default=None,
         help="which linear layers run in FP8 (e4m3, 128x128 block scales; layer 1 stays in --dtype): fp8_ffn the "
         "FFNs, fp8_all also the attention projections and the LM head (default: as the checkpoint stores them)",
+    )
+    p.add_argument(
+        "--fp8-first-layer",
+        action="store_true",
+        help="with FP8 --weights: layer 1 in FP8 too (by default it stays in --dtype: its activations are the most "
+        "sensitive to rounding)",
     )
     p.add_argument(
         "--batch-invariant",

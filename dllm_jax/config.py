@@ -44,12 +44,15 @@ class ModelConfig:
     dtype: str = "bfloat16"  # activation/weight dtype the engine runs in ("bfloat16" or "float32")
     fp8_ffn: bool = False  # FFN of layers >= 2 with e4m3 weights/activations (LaCache); layer 1 stays in dtype
     fp8_proj: bool = False  # also q/k/v and o of layers >= 2 and the LM head in e4m3 (with fp8_ffn: "fp8_all")
+    fp8_first_layer: bool = False  # layer 1 in e4m3 too (LaCache keeps it in dtype: its activations are the touchiest)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.fp8_first_layer and not self.fp8_ffn:
+            raise ConfigError("fp8_first_layer quantises layer 1 beside FP8 weights: weights='fp8_ffn' or 'fp8_all'")
         if self.fp8_proj and not self.fp8_ffn:
             raise ConfigError("fp8_proj (FP8 projections and head) comes with fp8_ffn: weights='fp8_all'")
         if self.dtype not in ("bfloat16", "float32"):

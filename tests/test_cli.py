@@ -96,6 +96,7 @@ def broken_models(tmp_path_factory):
         (["--tensor-parallel", "64"], "argument --tensor-parallel: tensor_parallel=64 needs 1.."),
         (["--tensor-parallel", "2", "--attention", "pallas"], "argument --attention: --tensor-parallel runs XLA's"),
         (["--batch-invariant", "--cache", "first_layer"], "argument --batch-invariant: not with --cache first_layer"),
+        (["--fp8-first-layer"], "argument --weights: fp8_first_layer quantises layer 1 beside FP8 weights"),
     ],
 )
 def test_bad_flags(argv, message, capsys):

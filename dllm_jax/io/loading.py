@@ -412,13 +412,14 @@ def load(
     layer_layout: str = "auto",
     tensor_parallel: int = 1,
     weights: str | None = None,
+    fp8_first_layer: bool = False,
 ) -> Model:
     """Load a model. `path`: a directory written by `dllm-convert`, or an HF release directory (converted in
     memory), or None for the bundled default model. dtype: "bfloat16" (default) or "float32".
     weights: "bf16" (the dtype throughout), "fp8_ffn" (the FFNs of layers >= 2 in e4m3 with 128x128 block scales,
     LaCache's scheme) or "fp8_all" (also their q/k/v and o projections and the LM head); None: as stored (a
     checkpoint converted with --fp8-ffn is fp8_ffn). Quantised here when the checkpoint is not already.
-    fp8_ffn: True is weights="fp8_ffn".
+    fp8_ffn: True is weights="fp8_ffn". fp8_first_layer: layer 1 in FP8 as well (by default it stays in dtype).
     layer_layout: "stacked" ([L, ...] weights, a lax.scan over layers), "unrolled" (one array per layer, an
     unrolled layer loop: faster on the GPU), or "auto" (unrolled on a GPU; see `resolve_layer_layout`).
     tensor_parallel: split the weights over this many devices (`transformer.sharding`); every jitted call on the
@@ -446,6 +447,8 @@ def load(
         pieces = hf_pieces(hf, config)  # validated: names, shapes and dtypes as config.json says
     if mesh is not None:
         check_tensor_parallel(config, tensor_parallel)
+    if fp8_first_layer and (weights or config.weights) == "bf16":
+        raise ValueError("fp8_first_layer quantises layer 1 beside FP8 weights: weights='fp8_ffn' or 'fp8_all'")
     if weights is not None and WEIGHTS.index(weights) < WEIGHTS.index(config.weights):
         raise ValueError(f"{path} stores FP8 weights ({config.weights}): load it with weights={config.weights!r}")
     quantize = weights in ("fp8_ffn", "fp8_all") and not config.fp8_ffn
@@ -456,5 +459,7 @@ def load(
         config = config.replace(fp8_ffn=True)
     if weights == "fp8_all":
         params, config = P.quantize_projections(params, config)
+    if fp8_first_layer:
+        params, config = P.quantize_first_layer(params, config)
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

@@ -160,6 +160,8 @@ def fp8_ffn_residual(
         h = norm.apply({"params": layer_params["ffn_norm"]}, s)
         return s + F.fp8_ffn(h, layer_params["mlp_fp8"], backend=backend, out_dtype=h.dtype)
 
+    if config.fp8_first_layer:  # layer 1 in FP8 as well
+        return rest(x, attn_out)
     if isinstance(layer_index, int):  # the unrolled layer loop: a static choice, no conditional in the program
         return first(x, attn_out) if layer_index == 0 else rest(x, attn_out)
     return jax.lax.cond(layer_index == 0, first, rest, x, attn_out)

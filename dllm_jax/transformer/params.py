@@ -82,7 +82,8 @@ def param_shapes(config: ModelConfig) -> Params:
     if not config.tie_embeddings:
         shapes["lm_head"] = sd((config.d_model, config.vocab_size), dt)
     shapes = fp8_param_shapes(shapes, config) if config.fp8_ffn else shapes
-    return fp8_proj_param_shapes(shapes, config) if config.fp8_proj else shapes
+    shapes = fp8_proj_param_shapes(shapes, config) if config.fp8_proj else shapes
+    return {k: v for k, v in shapes.items() if k not in FIRST_LAYER} if config.fp8_first_layer else shapes
 
 
 def init_params(config: ModelConfig, key: Array, std: float = 0.02) -> Params:
@@ -91,7 +92,8 @@ def init_params(config: ModelConfig, key: Array, std: float = 0.02) -> Params:
     if config.fp8_ffn:
         bf16 = config.replace(fp8_ffn=False, fp8_proj=False)
         params, c = quantize_params(init_params(bf16, key, std), bf16)
-        return quantize_projections(params, c)[0] if config.fp8_proj else params
+        params = quantize_projections(params, c)[0] if config.fp8_proj else params
+        return quantize_first_layer(params, c)[0] if config.fp8_first_layer else params
     dt = config.jnp_dtype
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     leaves, tree = jax.tree_util.tree_flatten_with_path(_layer_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
@@ -384,6 +386,18 @@ def quantize_projections(params: Params, config: ModelConfig) -> tuple[Params, M
     out = {k: v for k, v in params.items() if k != "lm_head"}
     out.update(layers=quantized, attn_first=first, lm_head_fp8={"w8": w8, "s8": s8})
     return out, config.replace(fp8_proj=True)
+
+
+FIRST_LAYER = ("mlp_first", "attn_first")  # layer 1's bf16 copies beside its FP8 entries
+
+
+def quantize_first_layer(params: Params, config: ModelConfig) -> tuple[Params, ModelConfig]:
+    """FP8 params -> layer 1 in FP8 too (config.fp8_first_layer): its FP8 entries, kept so far only to make the
+    layers uniform, are now read, and its bf16 copies dropped."""
+    if not config.fp8_ffn:
+        raise ValueError("quantize_first_layer needs FP8 weights first (quantize_params)")
+    out = {k: v for k, v in params.items() if k not in FIRST_LAYER}
+    return out, config.replace(fp8_first_layer=True)
 
 
 def fp8_param_shapes(shapes: Params, config: ModelConfig) -> Params:
