@@ -13,6 +13,7 @@ import time
 
 from dllm_jax.config import ConfigError
 from dllm_jax.io import checkpoint as ckpt
+from dllm_jax.io.loading import WEIGHTS
 from dllm_jax.transformer.params import check_fp8_proj_shapes, check_fp8_shapes
 
 
@@ -27,6 +28,8 @@ def convert(
 ) -> str:
     """weights: "bf16", "fp8_ffn" (fp8_ffn=True) or "fp8_all" (`dllm_jax.load`'s), stored quantised."""
     weights = "fp8_ffn" if fp8_ffn and weights == "bf16" else weights
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}; expected one of {WEIGHTS}")
     hf = ckpt.HFCheckpoint(hf_dir)
     config = hf.model_config(dtype=dtype)
     if weights == "fp8_all":

@@ -498,7 +498,8 @@ def build_parser() -> Parser:
         "--audit-state",
         default=None,
         metavar="FILE",
-        help="keep the audit's comparisons and anchor_ratio auto's calibrations in this JSON file across restarts "
+        help="keep the audit's comparisons and the auto calibrations (anchor ratio, shallow depth) in this JSON file "
+        "across restarts "
         "(read at start, written atomically every few seconds and at exit; default: in memory, a restart forgets them)",
     )
     v.add_argument(

@@ -136,6 +136,7 @@ def test_fp8_all_close_to_bf16_and_layer1_stays_bf16(family):
     q1, c1 = fp8.quantize_first_layer(q, c)
     assert c1.fp8_first_layer and not {"mlp_first", "attn_first"} & set(q1)
     assert jax.tree.map(lambda a: a.shape, q1) == jax.tree.map(lambda a: a.shape, param_shapes(c1))
+    assert jax.tree.map(lambda a: a.shape, init_params(c1, jax.random.key(1))) == jax.tree.map(lambda a: a.shape, q1)
     first = logits(q1, c1, IDS)
     rel_first = float(jnp.linalg.norm(first - ref) / jnp.linalg.norm(ref))
     # layer 1's rounding reaches every later layer: measured 12-13% here against 4-6% (why it stays bf16 by default)
@@ -178,6 +179,8 @@ def test_convert_fp8_all_and_load_time_quantisation_agree(family, assembly, tmp_
     )
     with pytest.raises(ValueError, match="stores FP8 weights"):
         dllm_jax.load(tmp_path / "out", weights="fp8_ffn")
+    with pytest.raises(ValueError, match="not stacked back: convert the HF checkpoint"):
+        fp8.stack_layers(unrolled, converted.config)
 
 
 def test_the_engine_with_fp8_all_weights_equals_generate():

@@ -149,7 +149,7 @@ def param_bytes(params: Any) -> int:
 def weight_count(config: ModelConfig) -> int:
     """Weights a forward multiplies by: every parameter but the embedding table (a gather), counted on the bf16
     layout (FP8 storage multiplies as many)."""
-    shapes = param_shapes(config.replace(fp8_ffn=False, fp8_proj=False))
+    shapes = param_shapes(config.replace(fp8_ffn=False, fp8_proj=False, fp8_first_layer=False))
     return sum(s.size for s in jax.tree_util.tree_leaves(shapes)) - shapes["embed"].size
 
 

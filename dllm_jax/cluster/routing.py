@@ -86,6 +86,6 @@ class RoutingRule:
         if key is None or not self.affinity:
             return least, False
         first = owner(key, live)
-        if queues[first] < self.spill_queue:
+        if queues[first] < self.spill_queue or queues[first] == fewest:
             return first, False
         return least, least != first

@@ -130,7 +130,8 @@ class Engine:
         kernels = Kernels.resolve(choice, mc, params)
         ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
-        options = cfg.compiler_options or fp8_compiler_options(mc, cfg.max_batch * min(self.block_lengths))  # FP8
+        # FP8: generate's options where every block call of the engine would get them (its smallest batch's)
+        options = cfg.compiler_options or fp8_compiler_options(mc, ladder.batch_sizes[0] * min(self.block_lengths))
         self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, options)
         gcs = {bl: GenerationConfig(Schedule(bl, bl, bl), rows, CacheConfig("dual")) for bl in self.block_lengths}
         depths = {d: STRATEGY if d is None else ShallowReuse(DualCache(), d) for d in (None, *cfg.shallow_depths)}

@@ -447,10 +447,12 @@ def load(
         pieces = hf_pieces(hf, config)  # validated: names, shapes and dtypes as config.json says
     if mesh is not None:
         check_tensor_parallel(config, tensor_parallel)
-    if fp8_first_layer and (weights or config.weights) == "bf16":
-        raise ValueError("fp8_first_layer quantises layer 1 beside FP8 weights: weights='fp8_ffn' or 'fp8_all'")
+        if config.fp8_proj:  # stored fp8_all (the asked-for case was refused before reading)
+            raise ValueError(f"{path} stores weights='fp8_all', which runs on one device for now (tensor_parallel=1)")
     if weights is not None and WEIGHTS.index(weights) < WEIGHTS.index(config.weights):
         raise ValueError(f"{path} stores FP8 weights ({config.weights}): load it with weights={config.weights!r}")
+    if fp8_first_layer and (weights or config.weights) == "bf16":
+        raise ValueError("fp8_first_layer quantises layer 1 beside FP8 weights: weights='fp8_ffn' or 'fp8_all'")
     quantize = weights in ("fp8_ffn", "fp8_all") and not config.fp8_ffn
     if quantize:
         (P.check_fp8_proj_shapes if weights == "fp8_all" else P.check_fp8_shapes)(config)

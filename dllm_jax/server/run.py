@@ -122,7 +122,7 @@ def serve(
     or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log.
     drain_timeout: seconds a drain may take before it is cut (None: as long as it takes). audit: which requests
     served with an affix technique are also decoded exactly (`dllm_jax.audit`; GET /v1/audit reports it);
-    calibration: how anchor_ratio "auto" chooses each affix's ratio."""
+    calibration: how anchor_ratio and shallow_depth "auto" choose each affix's ratio or depth."""
     sock = bind(host, port)  # before anything slow: a taken port fails at once
     try:
         engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here

@@ -90,7 +90,7 @@ def init_params(config: ModelConfig, key: Array, std: float = 0.02) -> Params:
     """Random params in the config dtype (tests, benchmarks and training from scratch): normal(std) kernels and
     biases (small random biases so tests exercise them), ones for norm scales."""
     if config.fp8_ffn:
-        bf16 = config.replace(fp8_ffn=False, fp8_proj=False)
+        bf16 = config.replace(fp8_ffn=False, fp8_proj=False, fp8_first_layer=False)
         params, c = quantize_params(init_params(bf16, key, std), bf16)
         params = quantize_projections(params, c)[0] if config.fp8_proj else params
         return quantize_first_layer(params, c)[0] if config.fp8_first_layer else params
@@ -176,6 +176,11 @@ def stack_layers(params: Params, config: ModelConfig | None = None) -> Params:
     layers = params["layers"]
     if not is_unrolled(layers):
         return params
+    if any("w8" in m for name, m in layers[0].items() if name in PROJECTIONS):
+        raise ValueError(
+            "per-layer params with FP8 projections (weights='fp8_all') are not stacked back: convert the HF "
+            "checkpoint with dllm-convert --weights fp8_all instead"
+        )
     if "mlp_fp8" in layers[0]:  # drop the kernel-layout scale tables that unstack_layers added
         layers = [{**lp, "mlp_fp8": without_kernel_scales(lp["mlp_fp8"])} for lp in layers]
     stack = np.stack if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp.stack
