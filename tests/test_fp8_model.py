@@ -172,11 +172,15 @@ def test_convert_fp8_all_and_load_time_quantisation_agree(family, assembly, tmp_
         np.asarray(logits(converted.params, converted.config, IDS)),
         np.asarray(logits(at_load.params, at_load.config, IDS)),
     )
+    # the per-layer (GPU) layout fuses q/k/v into one FP8 GEMM, the same from the stored leaves as quantised at load
     unrolled = dllm_jax.load(tmp_path / "out", layer_layout="unrolled").params
-    w8 = converted.params["layers"]["q_proj"]["w8"]
-    np.testing.assert_array_equal(
-        np.asarray(unrolled["layers"][1]["q_proj"]["w8"], np.float32), np.asarray(w8[1], np.float32)
+    fused = dict(
+        jax.tree_util.tree_leaves_with_path(dllm_jax.load(src, weights="fp8_all", layer_layout="unrolled").params)
     )
+    assert dict(jax.tree_util.tree_leaves_with_path(unrolled)).keys() == fused.keys()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(unrolled):
+        np.testing.assert_array_equal(np.asarray(leaf, np.float32), np.asarray(fused[path], np.float32), str(path))
+    assert "qkv_proj" in unrolled["layers"][1] and "qkv_proj" in unrolled["attn_first"]
     with pytest.raises(ValueError, match="stores FP8 weights"):
         dllm_jax.load(tmp_path / "out", weights="fp8_ffn")
     with pytest.raises(ValueError, match="not stacked back: convert the HF checkpoint"):

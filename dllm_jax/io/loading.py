@@ -337,6 +337,13 @@ def assemble(
     finally:
         bar.close()
     params["layers"] = tuple(layers) if unrolled else stacked
+    return _fuse_first(params, layout, mesh)
+
+
+def _fuse_first(params: dict[str, Any], layout: str, mesh: Mesh | None) -> dict[str, Any]:
+    """A stored fp8_all's layer-1 bf16 projections fused as the per-layer layout fuses the layers."""
+    if layout == "unrolled" and mesh is None and "attn_first" in params:
+        params["attn_first"] = P.fuse_projections(params["attn_first"])
     return params
 
 
@@ -374,6 +381,7 @@ def _assemble_on_host(
         if mlp is not None:
             params["mlp_first"] = mlp
     params["layers"] = tuple(layers) if layout == "unrolled" else jax.tree.map(lambda *a: np.stack(a), *layers)
+    params = _fuse_first(params, layout, mesh)
     if mesh is None:
         return jax.device_put(params)
     specs = param_specs(params, mesh.shape[AXIS])

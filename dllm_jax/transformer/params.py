@@ -154,6 +154,8 @@ def unstack_layers_in_place(params: Params, fuse: bool = True) -> Params:
     layers = params.pop("layers")
     if fuse:
         layers = fuse_projections(layers, consume=True)
+        if "attn_first" in params:  # layer 1's bf16 projections, laid out as the layers they stand in for
+            params["attn_first"] = fuse_projections(params["attn_first"])
     flat, treedef = jax.tree.flatten(layers)
     del layers
     n = flat[0].shape[0]
@@ -193,6 +195,18 @@ def stack_layers(params: Params, config: ModelConfig | None = None) -> Params:
 
 
 # q/k/v share their input, and so do gate/up: fused kernels are the parts concatenated along the output axis.
+FP8_ROWS = ("w8", "s8")  # FP8 leaves, whose output axis is their second last (s8: in 128-row blocks)
+
+
+def _rows(a: Any, leaf: str, lo: int, hi: int) -> Any:
+    """Output columns lo:hi of a fused leaf: the last axis of a kernel or bias, the rows of an FP8 leaf."""
+    if leaf == "w8":
+        return a[..., lo:hi, :]
+    if leaf == "s8":
+        return a[..., lo // GROUP : hi // GROUP, :]
+    return a[..., lo:hi]
+
+
 FUSED_ATTENTION = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
 FUSED_MLP = ("gate_up_proj", ("gate_proj", "up_proj"))
 
@@ -222,16 +236,22 @@ def _concat_last(parts: list[Any]) -> Any:
 def _fuse_group(tree: Params, fused_name: str, names: tuple[str, ...], consume: bool) -> Params:
     out = {k: v for k, v in tree.items() if k not in names}
     modules = [tree.pop(n) if consume else tree[n] for n in names]
-    out[fused_name] = {
-        leaf: _concat_last([m.pop(leaf) if consume else m[leaf] for m in modules]) for leaf in list(modules[0])
-    }
+
+    def fuse(leaf: str) -> Any:
+        parts = [m.pop(leaf) if consume else m[leaf] for m in modules]
+        if leaf in FP8_ROWS:  # FP8 leaves are [.., out, in] (scales by 128-row blocks): fused along their rows
+            xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+            return xp.concatenate(parts, axis=-2)
+        return _concat_last(parts)
+
+    out[fused_name] = {leaf: fuse(leaf) for leaf in list(modules[0])}
     return out
 
 
 def fuse_projections(layers: Params, consume: bool = False) -> Params:
     """A layers tree (stacked [L, ...] or one layer's) with q/k/v as "qkv_proj" and, where the layer has its bf16
     FFN, gate/up as "mlp.gate_up_proj". consume=True empties the given dicts while fusing (lower peak memory)."""
-    if is_fused(layers) or "w8" in layers[FUSED_ATTENTION[1][0]]:  # FP8 projections stay apart
+    if is_fused(layers):
         return layers
     out = _fuse_group(layers, *FUSED_ATTENTION, consume)
     if "mlp" in out:  # FP8 layers keep their own e4m3 FFN tree
@@ -248,7 +268,7 @@ def split_projections(layers: Params, config: ModelConfig) -> Params:
         out = {k: v for k, v in tree.items() if k != fused_name}
         bounds = np.cumsum((0,) + tuple(widths))
         for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
-            out[name] = {leaf: a[..., lo:hi] for leaf, a in tree[fused_name].items()}
+            out[name] = {leaf: _rows(a, leaf, lo, hi) for leaf, a in tree[fused_name].items()}
         return out
 
     out = split(layers, *FUSED_ATTENTION, projection_widths(config))
@@ -323,9 +343,14 @@ def check_fp8_proj_shapes(config: ModelConfig) -> None:
 
 
 def _quantize_module(module: dict, stacked: bool) -> dict:
-    """{"kernel": [.., in, out], "bias"?} -> {"w8": [.., out, in] e4m3, "s8", "bias"?} (stacked: per layer)."""
-    quantize = jax.vmap(F.quantize_weights) if stacked else F.quantize_weights
-    w8, s8 = quantize(jnp.swapaxes(jnp.asarray(module["kernel"]), -1, -2))
+    """{"kernel": [.., in, out], "bias"?} -> {"w8": [.., out, in] e4m3, "s8", "bias"?} (stacked: per layer), by the
+    one quantiser program conversion runs too (bit-identical leaves whichever way they were made)."""
+    kernel = jnp.asarray(module["kernel"])
+    if stacked:
+        parts = [_quantize_one(kernel[i]) for i in range(kernel.shape[0])]
+        w8, s8 = jnp.stack([w for w, _ in parts]), jnp.stack([s for _, s in parts])
+    else:
+        w8, s8 = _quantize_one(kernel)
     return {"w8": w8, "s8": s8, **({"bias": module["bias"]} if "bias" in module else {})}
 
 
@@ -386,8 +411,8 @@ def quantize_projections(params: Params, config: ModelConfig) -> tuple[Params, M
     else:
         first = {k: jax.tree.map(lambda a: a[0], v) for k, v in layers.items() if k in PROJECTIONS}
         quantized = {k: _quantize_module(v, True) if k in PROJECTIONS else v for k, v in layers.items()}
-    head = params["lm_head"].T if "lm_head" in params else params["embed"]  # [V, d]
-    w8, s8 = F.quantize_weights(jnp.asarray(head))
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T  # [d, V]
+    w8, s8 = _quantize_one(jnp.asarray(head))
     out = {k: v for k, v in params.items() if k != "lm_head"}
     out.update(layers=quantized, attn_first=first, lm_head_fp8={"w8": w8, "s8": s8})
     return out, config.replace(fp8_proj=True)
