@@ -13,7 +13,9 @@ import pytest
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # --block-lengths 2 8: the bundled model's answers are 3 tokens, so blocks of 2 show an answer over several blocks
 # --audit-fraction 1: the page's request is audited, and the page shows the audit's figures
+# --shallow-depths 2: BiCache is offered, at depth 2 or "auto"
 FLAGS = ("--max-batch", "1", "--max-model-len", "128", "--block-lengths", "2", "8", "--audit-fraction", "1")
+FLAGS += ("--shallow-depths", "2")
 
 # each block row: its index, whether its replay ended, and per token (commit step, shown yet)
 READ_BLOCKS = """() => [...document.querySelectorAll('#answer .block-row')].map((row) => ({
@@ -52,6 +54,16 @@ def test_the_page_replays_each_block_in_commit_order_and_marks_the_anchors(serve
         page.wait_for_function("document.getElementById('ready').textContent === 'ready'", timeout=10_000)
         # the bundled model's example is filled in, with ACache chosen; blocks of 2, 2 steps each, a slow replay
         assert "rule examples" in page.input_value("#affix") and page.input_value("#technique") == "anchors"
+        # BiCache: its depth picker (the served depth, or auto) shows only for it and reaches the request
+        assert page.is_hidden("#depth-box")
+        page.select_option("#technique", "shallow")
+        assert page.is_visible("#depth-box") and page.is_hidden("#ratio-box")
+        assert page.eval_on_selector_all("#depth option", "os => os.map((o) => o.value)") == ["2", "auto"]
+        page.select_option("#depth", "auto")
+        shallow = json.loads(page.evaluate("JSON.stringify(body())"))
+        assert (shallow["affix_technique"], shallow["shallow_depth"]) == ("shallow", "auto")
+        assert "anchor_ratio" not in shallow
+        page.select_option("#technique", "anchors")
         page.select_option("#block-length", "2")
         page.fill("#steps", "2")
         page.select_option("#replay", "150")

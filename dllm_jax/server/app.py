@@ -166,7 +166,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         api_key=settings.api_key is not None,
         example=BUNDLED_EXAMPLE if bundled else None,
         **{k: getattr(settings, k) for k in ("block_length", "max_tokens", "steps_per_token", "temperature")},
-        **{k: getattr(settings, k) for k in ("affix_technique", "anchor_ratio")},
+        **{k: getattr(settings, k) for k in ("affix_technique", "anchor_ratio", "shallow_depth")},
     )
     page = (
         (PLAYGROUND / "index.html").read_text().replace("__SETTINGS__", json.dumps(page_settings).replace("</", "<\\/"))

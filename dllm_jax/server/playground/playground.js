@@ -22,6 +22,9 @@ function init() {
   for (const [v, l] of techniques) option($("technique"), v, l);
   $("technique").value = S.example ? "anchors" : S.affix_technique;
   $("ratio").value = S.anchor_ratio;
+  for (const d of S.shallow_depths) option($("depth"), d, d === 0 ? "0 (exact)" : `${d} layers`);
+  if (S.shallow_depths.some((d) => d > 0)) option($("depth"), "auto", "auto (calibrated per affix)");
+  if (S.shallow_depths.length) $("depth").value = S.shallow_depth ?? S.shallow_depths[0];
   for (const b of S.block_lengths) option($("block-length"), b, b);
   $("block-length").value = S.block_length;
   $("max-tokens").value = S.max_tokens;
@@ -30,6 +33,7 @@ function init() {
   $("key-box").hidden = !S.api_key;
   const sync = () => {
     $("ratio-box").hidden = $("technique").value !== "anchors";
+    $("depth-box").hidden = $("technique").value !== "shallow";
     $("steps-box").hidden = $("rule").value !== "steps";
     $("threshold-box").hidden = $("rule").value !== "threshold";
   };
@@ -51,6 +55,8 @@ function body() {
   };
   const ratio = $("ratio").value.trim();
   if (b.affix_technique === "anchors") b.anchor_ratio = ratio === "auto" ? "auto" : Number(ratio);
+  const depth = $("depth").value;
+  if (b.affix_technique === "shallow") b.shallow_depth = depth === "auto" ? "auto" : Number(depth);
   if ($("rule").value === "threshold") b.threshold = Number($("threshold").value);
   else b.steps = Math.min(Number($("steps").value), block) * Math.ceil(maxTokens / block);  // at most one a token
   return b;
