@@ -342,27 +342,23 @@ def check_fp8_proj_shapes(config: ModelConfig) -> None:
         raise ConfigError(f"weights='fp8_all' needs the q/k/v widths {widths} to be multiples of {GROUP}")
 
 
-def _quantize_module(module: dict, stacked: bool) -> dict:
-    """{"kernel": [.., in, out], "bias"?} -> {"w8": [.., out, in] e4m3, "s8", "bias"?} (stacked: per layer), by the
-    one quantiser program conversion runs too (bit-identical leaves whichever way they were made)."""
-    kernel = jnp.asarray(module["kernel"])
+def _quantize_module(module: dict, stacked: bool, host: bool = False) -> dict:
+    """{"kernel": [.., in, out], "bias"?} -> {"w8": [.., out, in] e4m3, "s8", "bias"?} (stacked: layer by layer), by
+    the one quantiser program of every path (bit-identical leaves whichever way they were made). host: numpy out,
+    each layer's leaves brought back as they are made (conversion: one layer's temporaries at a time)."""
+    kernel, to, stack = module["kernel"], (np.asarray if host else jnp.asarray), (np.stack if host else jnp.stack)
     if stacked:
-        parts = [_quantize_one(kernel[i]) for i in range(kernel.shape[0])]
-        w8, s8 = jnp.stack([w for w, _ in parts]), jnp.stack([s for _, s in parts])
+        parts = [jax.tree.map(to, _quantize_one(jnp.asarray(kernel[i]))) for i in range(kernel.shape[0])]
+        w8, s8 = stack([w for w, _ in parts]), stack([s for _, s in parts])
     else:
-        w8, s8 = _quantize_one(kernel)
-    return {"w8": w8, "s8": s8, **({"bias": module["bias"]} if "bias" in module else {})}
+        w8, s8 = jax.tree.map(to, _quantize_one(jnp.asarray(kernel)))
+    return {"w8": w8, "s8": s8, **({"bias": to(module["bias"])} if "bias" in module else {})}
 
 
-def quantize_projection_module(module: dict, stacked: bool = True) -> tuple[dict, dict]:
+def quantize_projection_module(module: dict) -> tuple[dict, dict]:
     """One stacked projection {"kernel": [L, in, out], "bias"?} -> (its FP8 leaves [L, ...], layer 0's bf16 module)
-    as host numpy, layer by layer (conversion: one layer's temporaries at a time)."""
-    kernel = np.asarray(module["kernel"])
-    parts = [jax.tree.map(np.asarray, _quantize_one(kernel[i])) for i in range(kernel.shape[0])]
-    out = {"w8": np.stack([w for w, _ in parts]), "s8": np.stack([s for _, s in parts])}
-    if "bias" in module:
-        out["bias"] = np.asarray(module["bias"])
-    return out, {k: np.asarray(v)[0] for k, v in module.items()}
+    as host numpy (conversion)."""
+    return _quantize_module(module, True, host=True), {k: np.asarray(v)[0] for k, v in module.items()}
 
 
 def quantize_head(head_in_out: Any) -> dict:
