@@ -37,7 +37,13 @@ from tools import common, trace  # noqa: E402
 # package imports (re-point here when the package moves)
 from pallas_kernels import fp8_matmul as F  # noqa: E402  fp8_matmul, fp8_matmul_reference, quantize_*, default_config
 
-SHAPES = {"llada": [(24576, 4096), (4096, 12288)], "dream": [(37888, 3584), (3584, 18944)], "tiny": [(256, 256)]}
+SHAPES = {
+    "llada": [(24576, 4096), (4096, 12288)],  # the FFN: gate|up, down
+    "dream": [(37888, 3584), (3584, 18944)],
+    "llada_proj": [(12288, 4096), (4096, 4096), (126464, 4096)],  # weights="fp8_all": q|k|v, o, the LM head
+    "dream_proj": [(4608, 3584), (3584, 3584), (152064, 3584)],
+    "tiny": [(256, 256)],
+}
 MS = [32, 256, 1024, 4096, 16384]
 INTERPRET = jax.default_backend() != "gpu"  # the Mosaic GPU simulator
 R = 1 if INTERPRET else 4  # rotating input sets per timing

@@ -884,16 +884,31 @@ def fp8_matmul(
     cfg = None
     if backend == "pallas":
         cfg = config or default_config(m, n, k)
-        if cfg.column_scales:
-            check_column_tiling(n, cfg, "fp8_matmul(pallas)")
-        elif n % cfg.cluster_tile_n:
-            raise ValueError(
-                f"fp8_matmul(pallas): N={n} must be a multiple of {cfg.cluster_tile_n} (wq {wq.shape}); "
-                "use backend='xla' for ragged N"
-            )
-        if (k // GROUP) % cfg.split_k:
-            raise ValueError(f"fp8_matmul(pallas): split_k={cfg.split_k} must divide K/128={k // GROUP}")
+        problem = _tiling_problem(n, k, cfg)
+        if problem:
+            raise ValueError(f"fp8_matmul(pallas): {problem} (wq {wq.shape}); use backend='xla'")
     return _fp8_matmul_jit(xq, xs, wq, ws, out_dtype=out_dtype, interpret=interpret, cfg=cfg)
+
+
+def _tiling_problem(n: int, k: int, cfg: Fp8MatmulConfig) -> str | None:
+    """Why the kernel cannot run [*, K] @ [N, K].T on this tiling (None: it can)."""
+    if k % GROUP:
+        return f"K={k} must be a multiple of {GROUP}"
+    if cfg.column_scales:
+        try:
+            check_column_tiling(n, cfg, "fp8_matmul(pallas)")
+        except ValueError as e:
+            return str(e)
+    elif n % cfg.cluster_tile_n:
+        return f"N={n} must be a multiple of {cfg.cluster_tile_n}"
+    if (k // GROUP) % cfg.split_k:
+        return f"split_k={cfg.split_k} must divide K/128={k // GROUP}"
+    return None
+
+
+def kernel_fits(m: int, n: int, k: int) -> bool:
+    """Whether the kernel runs an [M, K] @ [N, K].T product on its default tiling (else: the XLA reference)."""
+    return k % GROUP == 0 and _tiling_problem(n, k, default_config(m, n, k)) is None
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "cfg"))

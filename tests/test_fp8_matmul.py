@@ -524,3 +524,30 @@ def test_fp8_ffn_close_to_bf16_ffn():
     # the kernel path gives the same FFN as the reference path
     yk = F.fp8_ffn(h, p, backend="pallas", interpret=INTERPRET)
     assert _rel(yk.astype(jnp.float32), y8.astype(jnp.float32)) < 2e-2
+
+
+PROJECTIONS = [(12288, 4096), (4096, 4096), (126464, 4096), (4608, 3584), (3584, 3584), (152064, 3584)]
+
+
+def test_projection_shapes_fit_the_kernel():
+    """weights="fp8_all" runs q|k|v, o and the LM head of LLaDA-8B and Dream-7B on the kernel (`layers.fp8_linear`
+    falls back to the reference only where the tiling does not fit): every shape fits at block-step and block-start
+    sizes, and Dream's q|k|v (4608 columns: not a power of two) lowers for CUDA; ragged shapes do not fit."""
+    for m in (32, 256, 1024, 4096):
+        for n, k in PROJECTIONS:
+            assert F.kernel_fits(m, n, k), (m, n, k)
+    assert not F.kernel_fits(32, 4608 + 64, 3584) and not F.kernel_fits(32, 4096, 4000)
+    _lower_for_cuda(32, 4608, 3584)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel needs a Hopper GPU")
+@pytest.mark.parametrize("m", [32, 256])
+@pytest.mark.parametrize("n,k", PROJECTIONS)
+def test_fp8_linear_kernel_matches_reference_gpu(m, n, k):
+    from dllm_jax.transformer.layers import fp8_linear
+
+    x, w = _data(m, n, k, seed=2)
+    wq, ws = F.quantize_weights(w)
+    ref = fp8_linear(x.astype(jnp.bfloat16), wq, ws, "xla", jnp.float32)
+    y = fp8_linear(x.astype(jnp.bfloat16), wq, ws, "pallas", jnp.float32)
+    assert _rel(y, ref) < 5e-4

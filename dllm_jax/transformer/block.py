@@ -38,17 +38,18 @@ class Block(nn.Module):
 
     config: ModelConfig
     fused: bool = False
+    fp8: str = "xla"  # where FP8 projections run (`Kernels.fp8`)
 
     def setup(self) -> None:
         c, dt = self.config, self.config.jnp_dtype
         self.attn_norm = RMSNorm(c.rms_eps, dt)
         if self.fused:
-            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt)
+            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt, self.fp8)
         else:
-            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt)
-            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
-            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt)
-        self.o_proj = Linear(c.d_model, False, dt)
+            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
+            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
+            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
+        self.o_proj = Linear(c.d_model, False, dt, self.fp8)
         self.ffn_norm = RMSNorm(c.rms_eps, dt)
         self.mlp = SwiGLU(c.mlp_hidden, dt, fused=self.fused)
 
@@ -92,18 +93,18 @@ class Block(nn.Module):
         return self.finish(x, attend_fn(q, k, v))
 
 
-def block_for(params: Params, config: ModelConfig) -> Block:
-    return Block(config, fused=is_fused(params["layers"]))
+def block_for(params: Params, config: ModelConfig, kernels: Kernels = XLA) -> Block:
+    return Block(config, fused=is_fused(params["layers"]), fp8=kernels.fp8)
 
 
 def embed(params: Params, tokens: Array) -> Array:
     return jnp.take(params["embed"], tokens, axis=0)
 
 
-def lm_head(params: Params, config: ModelConfig, h: Array) -> Array:
+def lm_head(params: Params, config: ModelConfig, h: Array, fp8: str = "xla") -> Array:
     if "lm_head_fp8" in params:  # weights="fp8_all"
         head = params["lm_head_fp8"]
-        return fp8_linear(h, head["w8"], head["s8"]).astype(h.dtype)
+        return fp8_linear(h, head["w8"], head["s8"], fp8, h.dtype)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.einsum(
         "...d,dv->...v", h, w, preferred_element_type=jnp.float32, precision=matmul_precision(config.jnp_dtype)
@@ -157,7 +158,7 @@ def final_hidden_to_logits(
 
     def head(x):
         x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
-        return lm_head(params, config, x)
+        return lm_head(params, config, x, kernels.fp8)
 
     return tokenwise(head, x) if kernels.batch_invariant else head(x)
 

@@ -44,14 +44,16 @@ class Linear(nn.Module):
     features: int
     use_bias: bool
     dtype: jnp.dtype
+    fp8: str = "xla"  # where FP8 leaves run: "pallas" (the GPU kernel, where it fits) or "xla" (the reference)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         if self.has_variable("params", "w8"):
-            y = fp8_linear(x, self.get_variable("params", "w8"), self.get_variable("params", "s8"))
-            if self.use_bias:
-                y = y + self.get_variable("params", "bias").astype(jnp.float32)
-            return y.astype(self.dtype)
+            w8, s8 = self.get_variable("params", "w8"), self.get_variable("params", "s8")
+            if not self.use_bias:
+                return fp8_linear(x, w8, s8, self.fp8, self.dtype)
+            y = fp8_linear(x, w8, s8, self.fp8, jnp.float32)
+            return (y + self.get_variable("params", "bias").astype(jnp.float32)).astype(self.dtype)
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
         # Without a bias the GEMM emits the activation dtype itself: it still accumulates in fp32 and rounds once
         # (cuBLAS, XLA's Triton GEMMs and the CPU alike), but no fp32 [M, N] output is written and re-read by a
@@ -68,13 +70,19 @@ class Linear(nn.Module):
         return y.astype(self.dtype)
 
 
-def fp8_linear(x: Array, w8: Array, s8: Array) -> Array:
-    """x [..., K] @ dequant(w8 [N, K], s8).T in fp32, x quantised in 1x128 groups first: the numerics of
-    `pallas_kernels.fp8_matmul` (its XLA reference: exact dequantisation, an fp32 dot)."""
+def fp8_linear(x: Array, w8: Array, s8: Array, backend: str = "xla", out_dtype=jnp.float32) -> Array:
+    """x [..., K] @ dequant(w8 [N, K], s8).T accumulated in fp32, x quantised in 1x128 groups first, rounded once
+    to out_dtype: `pallas_kernels.fp8_matmul`'s kernel (backend "pallas", where its tiling fits the shape) or its
+    XLA reference (exact dequantisation, an fp32 dot)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    xq, xs = F.quantize_activations(x.reshape(-1, k))
-    y = F.fp8_matmul_reference(xq, xs, w8, s8, out_dtype=jnp.float32)
-    return y.reshape(*lead, w8.shape[0])
+    x2 = x.reshape(-1, k)
+    xq, xs = F.quantize_activations(x2)
+    n = w8.shape[0]
+    if backend == "pallas" and F.kernel_fits(x2.shape[0], n, k):
+        y = F.fp8_matmul(xq, xs, w8, s8, out_dtype=out_dtype, backend="pallas")
+    else:
+        y = F.fp8_matmul_reference(xq, xs, w8, s8, out_dtype=out_dtype)
+    return y.reshape(*lead, n)
 
 
 class SwiGLU(nn.Module):

@@ -121,7 +121,7 @@ def forward(
         raise ValueError("probe needs a cache (it reads each layer's K buffer)")
     if chunks is not None and (cache is None or n % chunks.size):
         raise ValueError(f"chunks need a cache and a window ({n}) that is a multiple of the chunk ({chunks.size})")
-    block = block_for(params, config)
+    block = block_for(params, config, kernels)
     inputs = jnp.asarray(inputs)
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
     if jnp.issubdtype(inputs.dtype, jnp.integer):
