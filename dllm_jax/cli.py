@@ -291,20 +291,38 @@ def config_error(e: ValueError) -> UsageError:
     return UsageError(f"argument --{flag.replace('_', '-')}: {e}" if flag else str(e))
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from dllm_jax.audit import AuditConfig, CalibrationConfig, check_state
-    from dllm_jax.engine.engine import KVBudgetError
-    from dllm_jax.server.run import CompileCacheError, serve
-    from dllm_jax.server.settings import ServeSettings
+@dataclasses.dataclass(frozen=True)
+class ServeParts:
+    """What `serve` builds an engine server from, every flag checked and the model loaded (one process, or each
+    replica of a cluster: `dllm_jax.cluster`)."""
+
+    model: Model
+    config: EngineConfig
+    settings: Any  # server.settings.ServeSettings
+    options: dict  # server.run.build_service's keyword arguments
+
+
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """What `serve` can refuse before the model loads (one line naming the flag)."""
+    from dllm_jax.audit import AuditConfig, check_state
 
     check_attention(args)
-    cache = compile_cache_dir(args)
-    engine_config(args)  # the flags checked before the model loads
-    audit = AuditConfig(fraction=args.audit_fraction, state_path=args.audit_state)
+    compile_cache_dir(args)
+    engine_config(args)
     try:
-        check_state(audit)
+        check_state(AuditConfig(fraction=args.audit_fraction, state_path=args.audit_state))
     except ValueError as e:
         raise UsageError(f"argument --audit-state: {e}") from None
+
+
+def serve_parts(args: argparse.Namespace) -> ServeParts:
+    """`serve`'s flags checked, its model loaded, and what `server.run.build_service` takes made from them."""
+    from dllm_jax.audit import AuditConfig, CalibrationConfig
+    from dllm_jax.server.settings import ServeSettings
+
+    check_serve_flags(args)
+    cache = compile_cache_dir(args)
+    audit = AuditConfig(fraction=args.audit_fraction, state_path=args.audit_state)
     model = load_model(args)
     # BiCache's depths: checked here, once, rather than as a 400 on every request that takes the default
     config = engine_config(args, shallow_depths(args, model.config))
@@ -319,28 +337,50 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
     )
     model_generation_defaults(model.path)  # a broken generation_config.json is one line here, not a 500 later
+    options = dict(
+        log_level="info" if args.verbose else "warning",
+        compile_cache=cache,
+        max_consecutive_faults=args.max_consecutive_faults,
+        admission_wait=args.admission_wait,
+        log_format=args.log_format,
+        audit=audit,
+        calibration=CalibrationConfig(target=args.agreement_target),
+    )
+    return ServeParts(model, config, settings, options)
+
+
+def engine_start_error(e: ValueError, args: argparse.Namespace) -> UsageError:
+    """What building the engine refused, as a usage error naming the flag."""
+    from dllm_jax.engine.engine import KVBudgetError
+    from dllm_jax.server.run import CompileCacheError
+
+    if isinstance(e, KVBudgetError):
+        return UsageError(f"argument --kv-budget-gib: {e}")
+    if isinstance(e, CompileCacheError):
+        return UsageError(f"argument --compile-cache: {e}")
+    return config_error(e)  # what the engine checks against the model (a block as long as max_model_len)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.replicas > 1:
+        from dllm_jax.cluster.run import run_cluster
+
+        return run_cluster(args)
+    from dllm_jax.server.run import serve
+
+    parts = serve_parts(args)
     try:
         return serve(
-            model,
-            config,
-            settings,
+            parts.model,
+            parts.config,
+            parts.settings,
             args.host,
             args.port,
-            log_level="info" if args.verbose else "warning",
-            compile_cache=cache,
-            max_consecutive_faults=args.max_consecutive_faults,
-            admission_wait=args.admission_wait,
-            log_format=args.log_format,
             drain_timeout=args.drain_timeout,
-            audit=audit,
-            calibration=CalibrationConfig(target=args.agreement_target),
+            **parts.options,
         )
-    except KVBudgetError as e:
-        raise UsageError(f"argument --kv-budget-gib: {e}") from None
-    except CompileCacheError as e:
-        raise UsageError(f"argument --compile-cache: {e}") from None
-    except ValueError as e:  # what the engine checks against the model (a block as long as max_model_len)
-        raise config_error(e) from None
+    except ValueError as e:
+        raise engine_start_error(e, args) from None
     except OSError as e:
         raise UsageError(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
@@ -383,6 +423,7 @@ def model_flags(p: argparse.ArgumentParser, attention: str, verbose: str) -> Non
 
 
 def build_parser() -> Parser:
+    from dllm_jax.cluster.routing import RoutingRule
     from dllm_jax.engine.engine import EngineConfig
     from dllm_jax.server.settings import ADMISSION_WAIT, ServeSettings
 
@@ -612,6 +653,36 @@ def build_parser() -> Parser:
         type=non_negative,
         default=default_of(ServeSettings, "temperature"),
         help="default sampling temperature when a request sets none (0: greedy)",
+    )
+    c = v.add_argument_group("replicas (Ray Serve; `pip install 'dllm-jax[cluster]'`)")
+    c.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="engine replicas behind one ingress on Ray Serve, each with its own device and pool; requests that "
+        "share an affix go to the replica that stores it (default 1: one process, no Ray)",
+    )
+    c.add_argument(
+        "--spill-queue",
+        type=positive_int,
+        default=default_of(RoutingRule, "spill_queue"),
+        help="requests queued at an affix's replica from which more of that affix go to the least loaded one",
+    )
+    c.add_argument(
+        "--no-affinity",
+        action="store_true",
+        help="route every request to the least loaded replica (the control: each replica stores every hot affix)",
+    )
+    c.add_argument(
+        "--ray-address",
+        default=None,
+        help="a running Ray cluster to join (default: start one on this machine for this server)",
+    )
+    c.add_argument(
+        "--gpus-per-replica",
+        type=non_negative,
+        default=None,
+        help="GPUs each replica takes (default: 1 where Ray sees GPUs, else 0)",
     )
     model_flags(v, attention="the paged slot kernel on a GPU, XLA elsewhere", verbose="uvicorn's access log")
     return ap

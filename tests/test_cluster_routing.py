@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dllm_jax.audit import affix_id
-from dllm_jax.cluster import RoutingRule, owner, route_key
+from dllm_jax.cluster import RoutingRule, owner, request_route_key, route_key
 from dllm_jax.engine.block_manager import affix_key
 
 RNG = np.random.default_rng(0)
@@ -53,3 +53,27 @@ def test_a_busy_owner_spills_to_the_least_loaded_and_unkeyed_requests_balance():
     assert {control.choose(key, dict.fromkeys(replicas, 0), t)[0] for t in range(3)} == set(replicas)
     with pytest.raises(ValueError, match="spill_queue"):
         RoutingRule(spill_queue=0)
+
+
+def test_request_bodies_are_keyed_without_a_tokenizer():
+    """The ingress keys a JSON body as the engine would group it: by a registered id, an explicit affix (its text,
+    the message it names, or its token span: the same key as registering those tokens), else the prompt's lead;
+    a body it cannot read gets no key (the replica answers its 400)."""
+    system = "you answer questions about the attached contract. " * 8  # > LEAD_CHARS characters
+    chat = lambda q, **kw: {"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}], **kw}  # noqa: E731
+    assert request_route_key(chat("a?")) == request_route_key(chat("b?")) is not None
+    assert request_route_key(chat("a?")) != request_route_key({"messages": [{"role": "user", "content": system}]})
+    assert request_route_key({"prompt": system + "x"}) == request_route_key({"prompt": [system + "y"]})
+    assert request_route_key({"prompt": "short"}) is None
+    # explicit affixes, wherever they sit in the prompt
+    text = {"text": "rule examples : 7 4 0 -> 2 5 9 ;"}
+    assert request_route_key({"prompt": "a b", "affix": text}) == request_route_key({"prompt": "c", "affix": text})
+    assert request_route_key(chat("a?", affix={"message": 0})) == request_route_key(
+        {"messages": [{"role": "user", "content": system}], "affix": {"message": 0}}
+    )
+    assert request_route_key({"prompt": [1, 2], "affix": {"id": "affix-3-abc"}}) == "affix-3-abc"
+    tokens = [5] * 3 + DOC + [6]
+    assert request_route_key({"prompt": tokens, "affix": {"start": 3, "end": 99}}) == affix_id(affix_key(DOC))
+    assert request_route_key({"prompt": DOC + [1]}) == route_key(DOC)
+    for bad in (None, [], "x", {"prompt": tokens, "affix": {"start": 3, "end": 999}}, {"messages": "x"}):
+        assert request_route_key(bad) is None

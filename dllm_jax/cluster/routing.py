@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from dllm_jax.audit import affix_id
 from dllm_jax.engine.block_manager import affix_key, token_bytes
 
 LEAD_TOKENS = 64  # the leading prompt tokens that key a request without an explicit affix (four 16-token pages)
+LEAD_CHARS = 256  # the same for a text prompt (about as many tokens of English)
 
 
 def route_key(
@@ -48,6 +49,48 @@ def route_key(
     if len(prompt) < lead_tokens:
         return None
     return "lead-" + hashlib.blake2b(token_bytes(prompt[:lead_tokens]), digest_size=16).hexdigest()
+
+
+def request_route_key(body: Any, lead_tokens: int = LEAD_TOKENS, lead_chars: int = LEAD_CHARS) -> str | None:
+    """The routing key of a completion or chat request's JSON body, read without a tokenizer (the ingress loads
+    no model): a registered affix's id; an explicit affix's text (or the message it names) hashed; a token prompt
+    by `route_key`; else the first `lead_chars` characters of the prompt (a chat's messages as role: content
+    lines), hashed; None for a shorter prompt or a body that is not a request (the replica answers its 400).
+    A key only has to be the same for requests that share an affix: it need not be the engine's own."""
+    if not isinstance(body, dict):
+        return None
+    affix, prompt, messages = body.get("affix"), body.get("prompt"), body.get("messages")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    tokens = prompt if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
+    if isinstance(affix, dict):
+        if isinstance(affix.get("id"), str):
+            return affix["id"]
+        if isinstance(affix.get("text"), str):
+            return _text_key("affix", affix["text"])
+        i = affix.get("message")
+        if type(i) is int and isinstance(messages, list) and 0 <= i < len(messages):
+            return _text_key("affix", str(_content(messages[i])))
+        if tokens is not None and type(affix.get("start")) is int and type(affix.get("end")) is int:
+            try:
+                return route_key(tokens, (affix["start"], affix["end"]))
+            except ValueError:
+                return None
+    if tokens is not None:
+        return route_key(tokens, lead_tokens=lead_tokens) if tokens else None
+    if isinstance(messages, list):
+        prompt = "".join(f"{m.get('role')}: {_content(m)}\n" for m in messages if isinstance(m, dict))
+    if not isinstance(prompt, str) or len(prompt) < lead_chars:
+        return None
+    return _text_key("lead", prompt[:lead_chars])
+
+
+def _content(message: Any) -> Any:
+    return message.get("content") if isinstance(message, dict) else None
+
+
+def _text_key(kind: str, text: str) -> str:
+    return f"{kind}-" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def owner(key: str, replicas: Sequence[str]) -> str:

@@ -14,6 +14,7 @@ import threading
 import time
 
 import uvicorn
+from fastapi import FastAPI
 
 from dllm_jax.audit import AuditConfig, CalibrationConfig
 from dllm_jax.engine import enable_compile_cache
@@ -99,41 +100,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(
+def build_service(
     model,
     engine_config: EngineConfig,
     settings: ServeSettings,
-    host: str = "127.0.0.1",
-    port: int = 8000,
     log_level: str = "warning",
     progress: bool = True,
     compile_cache: str | os.PathLike | None = None,
     max_consecutive_faults: int = 3,
     admission_wait: float = ADMISSION_WAIT,
     log_format: str = "text",
-    drain_timeout: float | None = None,
     audit: AuditConfig | None = None,
     calibration: CalibrationConfig | None = None,
-) -> int:
-    """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
-    the socket already accepts. compile_cache: jax's persistent compilation cache directory (None: off).
-    max_consecutive_faults: failed device calls in a row after which GET /health answers 503. admission_wait: the
-    fraction of a block call the next one may be held for new requests to take freed rows. log_format: "text"
-    or "json" (JSON lines); log_level "info" adds a line per finished request and uvicorn's access log.
-    drain_timeout: seconds a drain may take before it is cut (None: as long as it takes). audit: which requests
-    served with an affix technique are also decoded exactly (`dllm_jax.audit`; GET /v1/audit reports it);
-    calibration: how anchor_ratio and shallow_depth "auto" choose each affix's ratio or depth."""
-    sock = bind(host, port)  # before anything slow: a taken port fails at once
-    try:
-        engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
-    except ValueError:
-        sock.close()
-        raise
+) -> tuple[EngineService, FastAPI]:
+    """The engine, its service (not started) and the HTTP app on it: what one `dllm-jax serve` process (`serve`) or
+    one replica of a cluster (`dllm_jax.cluster`) runs. Raises KVBudgetError / CompileCacheError / ValueError for
+    settings the model or machine refuse, before any device work."""
+    engine = Engine(model, engine_config)  # a KV budget over the free memory is refused here
     if compile_cache is not None:  # jax-wide: turned on only once nothing else can refuse the start
         try:
             enable_compile_cache(compile_cache)
         except OSError as e:
-            sock.close()
             raise CompileCacheError(f"cannot use {compile_cache}: {e.strerror or e}") from None
     logs.configure(log_format, verbose=log_level == "info")
     service = EngineService(
@@ -144,7 +131,34 @@ def serve(
         audit=audit,
         calibration=calibration,
     )
-    app = create_app(service, settings)
+    return service, create_app(service, settings)
+
+
+def serve(
+    model,
+    engine_config: EngineConfig,
+    settings: ServeSettings,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+    drain_timeout: float | None = None,
+    **options,
+) -> int:
+    """Serve until a signal: the engine warms every program first (a progress bar on stderr when progress) while
+    the socket already accepts. drain_timeout: seconds a drain may take before it is cut (None: as long as it
+    takes). options: `build_service`'s: progress; compile_cache, jax's persistent compilation cache directory
+    (None: off); max_consecutive_faults, failed device calls in a row after which GET /health answers 503;
+    admission_wait, the fraction of a block call the next one may be held for new requests to take freed rows;
+    log_format, "text" or "json" (JSON lines; log_level "info" adds a line per finished request and uvicorn's
+    access log); audit, which requests served with an affix technique are also decoded exactly
+    (`dllm_jax.audit`; GET /v1/audit reports it); calibration, how anchor_ratio and shallow_depth "auto" choose
+    each affix's ratio or depth."""
+    sock = bind(host, port)  # before anything slow: a taken port fails at once
+    try:
+        service, app = build_service(model, engine_config, settings, log_level=log_level, **options)
+    except BaseException:
+        sock.close()
+        raise
     server = DrainingServer(
         uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=30),
         service,

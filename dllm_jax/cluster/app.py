@@ -1,0 +1,218 @@
+"""The Ray Serve application of `dllm-jax serve --replicas N`: N `Replica` deployments (each one engine server,
+`replica.ReplicaServer`, on its own device) behind one `Ingress` (a FastAPI app on Ray's HTTP proxy, no model).
+
+The ingress forwards every HTTP request as it is (method, path, headers, body) and streams the answer back,
+adding an `x-dllm-replica` header that names the replica that answered. Requests to /v1/completions and
+/v1/chat/completions carry their routing key (`routing.request_route_key`), which `AffixRouter`, the replicas'
+Ray Serve request router, turns into a replica by `routing.RoutingRule`: the key's owner unless its queue is at
+`spill_queue`, else the least loaded. Affix registrations (POST / DELETE /v1/affixes) go to every replica (an
+affix's id is a content key, the same on each); GET /health and /ready answer 200 only when every replica does.
+A request whose replica died before answering is sent once more (Ray restarts the replica).
+
+No `from __future__ import annotations` here: FastAPI reads the route's parameter types at run time.
+"""
+
+import argparse
+import json
+from typing import Any, List, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from dllm_jax.cluster.replica import ReplicaServer
+from dllm_jax.cluster.routing import RoutingRule, request_route_key
+
+REPLICA_HEADER = "x-dllm-replica"
+REPLICAS_HEADER = "x-dllm-replicas"  # a broadcast's answer: every replica that answered, in order
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+BROADCAST = "/v1/affixes"  # and its sub-paths
+ALL_MUST_ANSWER = ("/health", "/ready")
+HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
+
+
+class AffixRouter(RequestRouter):
+    """Ray Serve's request router for the replicas: `RoutingRule` on each request's `route_key`, with the queue
+    lengths Ray's router keeps per replica (requests sent and not yet answered); a `replica_index` names one
+    replica of the sorted live ones instead (the ingress's broadcasts)."""
+
+    # a replica compiling its programs (XLA holds the GIL for long stretches) answers Ray's queue-length probes late:
+    # Ray's 0.1 s deadline would skip it, and a broadcast that must reach it would spin on the probe
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 10.0
+
+    def initialize_state(self, spill_queue: int = 8, affinity: bool = True) -> None:
+        self.rule = RoutingRule(spill_queue=spill_queue, affinity=affinity)
+        self.turn = 0
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:  # back off between rounds (else a replica that cannot take the request now
+            pending_request.routing_context.should_backoff = True  # makes Ray's retry loop spin)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        index = kwargs.get("replica_index")
+        if index is not None:
+            ids = sorted(by_id)
+            return [[by_id[ids[index % len(ids)]]]]
+        cache = self.replica_queue_len_cache
+        queues = {rid: cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
+        self.turn += 1
+        chosen, _ = self.rule.choose(kwargs.get("route_key"), queues, self.turn)
+        return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
+
+
+class Replica:
+    """One engine server (`dllm-jax serve`'s, from its parsed flags) as a Ray Serve replica."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.server = ReplicaServer(args)
+        self.name = serve.get_replica_context().replica_id.unique_id
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: List[Any],
+        body: bytes,
+        route_key: Optional[str] = None,
+        replica_index: Optional[int] = None,
+    ):
+        """The answer as `ReplicaServer.request` yields it, this replica named in its headers (route_key and
+        replica_index are read by the router)."""
+        async for part in self.server.request(method, path, query, headers, body):
+            if isinstance(part, dict):
+                part = {**part, "headers": [*part["headers"], (REPLICA_HEADER, self.name)]}
+            yield part
+
+    def queued(self) -> int:
+        return self.server.queued()
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose engine cannot serve (its thread died or its faults ran over the limit)."""
+        reason = self.server.alive()
+        if reason is not None:
+            raise RuntimeError(f"engine replica cannot serve: {reason}")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+
+
+api = FastAPI(title="dllm-jax cluster ingress", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+async def _answer(stream) -> tuple[dict, List[bytes]]:
+    """The head and the whole body of a replica's streamed answer."""
+    head, chunks = None, []
+    async for part in stream:
+        if isinstance(part, dict):
+            head = part
+        else:
+            chunks.append(part)
+    return head, chunks
+
+
+def _headers(head: dict) -> dict:
+    """A replica's answer headers as the ingress sends them (Ray's proxy adds the request id itself)."""
+    return {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id"}
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+async def _rest(stream):
+    try:
+        async for part in stream:
+            yield part
+    except RayActorError:  # the replica died mid-answer: the client sees the stream end early
+        return
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class Ingress:
+    """Forwards HTTP to the replicas (`AffixRouter` picks one), streaming the answers back."""
+
+    def __init__(self, replicas, count: int):
+        self.replicas = replicas
+        self.count = count
+
+    def _call(self, method, path, query, headers, body, **route):
+        return self.replicas.options(stream=True).request.remote(method, path, query, headers, body, **route)
+
+    async def _everywhere(self, method, path, query, headers, body) -> List[tuple[dict, List[bytes]]]:
+        # one after the other: the calls of one HTTP request share Ray's internal request id, by which its router
+        # matches a chosen replica to a waiting call, so concurrent ones would wait for each other forever
+        return [
+            await _answer(self._call(method, path, query, headers, body, replica_index=i)) for i in range(self.count)
+        ]
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def forward(self, request: Request, path: str) -> Response:
+        method, path, query = request.method, request.url.path, request.url.query
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        body = await request.body()
+        if path in ALL_MUST_ANSWER or (method != "GET" and path.startswith(BROADCAST)):
+            return self._combined(path, await self._everywhere(method, path, query, headers, body))
+        key = request_route_key(_json(body)) if method == "POST" and path in ROUTED else None
+        for attempt in (0, 1):
+            stream = self._call(method, path, query, headers, body, route_key=key)
+            try:
+                head = await stream.__anext__()
+            except RayActorError:  # the replica died before answering: once more, on a live one
+                if attempt:
+                    raise
+                continue
+            return StreamingResponse(_rest(stream), status_code=head["status"], headers=_headers(head))
+
+    def _combined(self, path: str, answers: List[tuple[dict, List[bytes]]]) -> Response:
+        """Every replica's answer to a broadcast as one: the first failure's if any replica failed, else the first
+        replica's; /health and /ready list every replica's body."""
+        failed = [a for a in answers if a[0]["status"] >= 400]
+        head, chunks = (failed or answers)[0]
+        who = {REPLICAS_HEADER: ",".join(dict(h["headers"]).get(REPLICA_HEADER, "?") for h, _ in answers)}
+        if path in ALL_MUST_ANSWER:
+            bodies = [_json(b"".join(c)) for _, c in answers]
+            status = "ok" if not failed else "unavailable"
+            if path == "/ready":
+                status = "ready" if not failed else "not ready"
+            return JSONResponse({"status": status, "replicas": bodies}, status_code=503 if failed else 200, headers=who)
+        return Response(b"".join(chunks), status_code=head["status"], headers={**_headers(head), **who})
+
+
+def build_app(
+    args: argparse.Namespace,
+    replicas: int,
+    gpus_per_replica: float = 0.0,
+    spill_queue: int = 8,
+    affinity: bool = True,
+    max_ongoing_requests: int = 1024,
+):
+    """The bound application: `replicas` engine replicas, each the server of `dllm-jax serve`'s parsed flags `args`
+    on `gpus_per_replica` GPUs, behind the ingress."""
+    from ray.serve.config import RequestRouterConfig
+
+    replica = serve.deployment(Replica).options(
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing_requests,  # the engine queues (and answers 429 past --max-queue) itself
+        ray_actor_options={"num_cpus": 0, "num_gpus": gpus_per_replica},
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=5,
+        request_router_config=RequestRouterConfig(
+            request_router_class=AffixRouter,
+            request_router_kwargs={"spill_queue": spill_queue, "affinity": affinity},
+        ),
+    )
+    return Ingress.bind(replica.bind(args), replicas)
