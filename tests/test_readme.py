@@ -47,7 +47,7 @@ def test_engine_example_prints_what_the_readme_says():
 
 
 def test_server_examples_against_dllm_jax_serve():
-    command = block("dllm-jax serve", BASH_BLOCKS).split("#")[0].split()
+    command = block("the bundled model; --model DIR", BASH_BLOCKS).split("#")[0].split()
     assert command == [".venv/bin/dllm-jax", "serve"]
     proc, url = fixtures.start_server()  # the README's command on a free port, the run's compile cache
     try:
