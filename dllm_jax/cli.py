@@ -674,15 +674,24 @@ def build_parser() -> Parser:
         help="route every request to the least loaded replica (the control: each replica stores every hot affix)",
     )
     c.add_argument(
-        "--ray-address",
+        "--address",
         default=None,
-        help="a running Ray cluster to join (default: start one on this machine for this server)",
+        help="a running Ray cluster to join, e.g. ray://head:10001 or auto (default: start one on this machine for "
+        "this server)",
     )
     c.add_argument(
         "--gpus-per-replica",
         type=non_negative,
         default=None,
-        help="GPUs each replica takes (default: 1 where Ray sees GPUs, else 0)",
+        help="GPUs each replica takes; below 1, replicas share a GPU (default: --tensor-parallel where Ray sees "
+        "GPUs, else 0)",
+    )
+    c.add_argument(
+        "--replica-memory-fraction",
+        type=probability,
+        default=None,
+        help="the share of its GPU's memory each replica's XLA may take (replicas that share a GPU; default: "
+        "XLA's own, 75%%)",
     )
     model_flags(v, attention="the paged slot kernel on a GPU, XLA elsewhere", verbose="uvicorn's access log")
     return ap

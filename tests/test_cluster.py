@@ -1,7 +1,9 @@
 """`dllm-jax serve --replicas 2`: two engine replicas on Ray Serve behind one ingress, on the CPU with the bundled
-model. Requests that share an affix meet on one replica, different affixes spread over both, a registration
-reaches every replica, streams stream, and SIGTERM stops the cluster."""
+model, driven by the `openai` client. Answers equal one engine's, plain and streamed; requests that share an affix
+meet on one replica and each affix is stored once; a hot affix spills to the other replica; a replica killed
+mid-run loses no request; registrations reach every replica; SIGTERM stops the cluster and leaves no replica."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -33,72 +35,132 @@ def _wait_ready(url: str, seconds: float) -> dict:
     raise AssertionError(f"the cluster was not ready within {seconds} s")
 
 
-def _chat(url: str, content: str, affix=None, **extra) -> httpx.Response:
-    body = {"model": NAME, "messages": [{"role": "user", "content": content}], **extra}
-    if affix is not None:
-        body["affix"] = affix
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r
+def _replica_pids() -> list[int]:
+    """The processes of this test's engine replicas (Ray names them by their deployment)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"ServeReplica:dllm-jax:Replica" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
 
 
-def test_two_replicas_route_by_affix_broadcast_registrations_and_stop_on_sigterm():
-    proc, url = fixtures.start_server(
-        "--replicas", "2", "--dtype", "float32", "--max-batch", "2", "--max-model-len", "128", "--spill-queue", "64"
-    )
+def _per_replica(url: str, name: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    families = text_string_to_metric_families(text)
+    return {s.labels["replica"]: s.value for f in families for s in f.samples if s.name == name}
+
+
+FLAGS = ("--dtype", "float32", "--max-batch", "2", "--max-model-len", "128", "--affix-technique", "anchors")
+# ACache at ratio 1: exact, and each affix's copy stored once per replica that serves it (its builds and hits count)
+EXACT = ("--anchor-ratio", "1")
+
+
+def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_stop():
+    import asyncio
+    import concurrent.futures as cf
+    import json
+
+    from openai import OpenAI
+
+    from dllm_jax.cluster.replica import ReplicaServer
+
+    proc, url = fixtures.start_server("--replicas", "2", "--spill-queue", "3", *FLAGS, *EXACT)
     stderr = fixtures.drain_stderr(proc)
+    single = ReplicaServer([*FLAGS, *EXACT])  # one engine with the same settings, in this process, no Ray
     try:
         ready = _wait_ready(url, 240)
-        assert ready["status"] == "ready" and [r["status"] for r in ready["replicas"]] == ["ready", "ready"]
+        assert [r["status"] for r in ready["replicas"]] == ["ready", "ready"]
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
-        # the README's question through the cluster: the bundled model's answer
-        r = _chat(url, DEMO_PROMPT, affix={"text": RULES})
-        assert r.json()["choices"][0]["message"]["content"] == "1 0 4"
-        home = r.headers["x-dllm-replica"]
-        # every request with that affix meets on the replica that stores it
-        for digits in ("1 2 3", "4 5 6", "7 8 9"):
-            again = _chat(url, f"{RULES} input : {digits} what does the rule give ?", affix={"text": RULES})
-            assert again.headers["x-dllm-replica"] == home
-        # different affixes spread: eight keys on two replicas by rendezvous hashing, each always on its own one
-        owners = {}
-        for i in range(8):
-            affix = f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;"
-            first = _chat(url, f"{affix} input : 1 2 3 what does the rule give ?", affix={"text": affix}, max_tokens=8)
-            second = _chat(url, f"{affix} input : 4 5 6 what does the rule give ?", affix={"text": affix}, max_tokens=8)
-            assert first.headers["x-dllm-replica"] == second.headers["x-dllm-replica"]
-            owners[i] = first.headers["x-dllm-replica"]
-        assert len(set(owners.values())) == 2, owners
+        def body(question: str, affix: str, max_tokens: int | None) -> dict:  # None: the model's default length
+            b = dict(model=NAME, messages=[{"role": "user", "content": f"{affix} {question}"}])
+            return b if max_tokens is None else {**b, "max_tokens": max_tokens}
 
-        # a registration reaches both replicas; the id routes to one, which serves it; a deletion reaches both
+        def ask(question: str, affix: str, max_tokens: int | None = None, stream: bool = False):
+            b, extra = body(question, affix, max_tokens), {"affix": {"text": affix}}
+            if stream:
+                chunks = client.chat.completions.create(**b, extra_body=extra, stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), None
+            raw = client.chat.completions.with_raw_response.create(**b, extra_body=extra)
+            return raw.parse().choices[0].message.content, raw.headers["x-dllm-replica"]
+
+        def alone(question: str, affix: str, max_tokens: int | None = None) -> str:
+            sent = json.dumps({**body(question, affix, max_tokens), "affix": {"text": affix}}).encode()
+            call = single.request("POST", "/v1/chat/completions", "", [("content-type", "application/json")], sent)
+
+            async def answer():
+                return [part async for part in call]
+
+            return json.loads(asyncio.run(answer())[1])["choices"][0]["message"]["content"]
+
+        # the same answers as one engine, plain and streamed: the README's question gets its answer
+        question = "input : 8 9 5 what does the rule give ?"
+        assert ask(question, RULES)[0] == alone(question, RULES) == "1 0 4"
+        assert ask(question, RULES, stream=True)[0] == "1 0 4"
+
+        # four affixes, one request after another (below the spill bound): each always on one replica, stored once
+        affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(4)]
+        builds = sum(_per_replica(url, "dllm_jax_affix_builds_total").values())
+        owners: dict[str, set] = {}
+        for affix in affixes:
+            for digits in ("1 2 3", "4 5 6", "7 8 9"):
+                q = f"input : {digits} what does the rule give ?"
+                answer, replica = ask(q, affix, max_tokens=8)
+                owners.setdefault(affix, set()).add(replica)
+                if digits == "1 2 3":
+                    assert answer == alone(q, affix, max_tokens=8)
+        assert all(len(r) == 1 for r in owners.values()), owners
+        assert sum(_per_replica(url, "dllm_jax_affix_builds_total").values()) - builds == len(affixes)
+
+        # a registration reaches both replicas, its id routes to one that serves it; a deletion reaches both
         reg = httpx.post(f"{url}/v1/affixes", json={"text": RULES}, timeout=60)
-        assert reg.status_code == 200, reg.text
-        assert len(set(reg.headers["x-dllm-replicas"].split(","))) == 2
-        aid = reg.json()["id"]
-        assert _chat(url, DEMO_PROMPT, affix={"id": aid}).json()["choices"][0]["message"]["content"] == "1 0 4"
-        gone = httpx.delete(f"{url}/v1/affixes/{aid}", timeout=60)
+        assert reg.status_code == 200 and len(set(reg.headers["x-dllm-replicas"].split(","))) == 2, reg.text
+        named = {"model": NAME, "messages": [{"role": "user", "content": f"{RULES} {question}"}]}
+        named["affix"] = {"id": reg.json()["id"]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=named, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "1 0 4"
+        gone = httpx.delete(f"{url}/v1/affixes/{reg.json()['id']}", timeout=60)
         assert gone.status_code == 200 and len(set(gone.headers["x-dllm-replicas"].split(","))) == 2
-        refused = httpx.post(
-            f"{url}/v1/chat/completions",
-            json={"model": NAME, "messages": [{"role": "user", "content": DEMO_PROMPT}], "affix": {"id": aid}},
-            timeout=60,
-        )
-        assert refused.status_code == 400 and "no affix" in refused.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/chat/completions", json=named, timeout=60).status_code == 400
 
-        # a stream streams through the ingress: one event per block, then [DONE]
-        body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 16, "block_length": 8, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as s:
-            assert s.status_code == 200 and s.headers["x-dllm-replica"]
-            events = [line for line in s.iter_lines() if line.startswith("data:")]
-        assert len(events) >= 2 and events[-1] == "data: [DONE]"
+        # one hot affix past the spill bound: both replicas serve it, every request is answered
+        questions = [f"input : {a} {b} 0 what does the rule give ?" for a in range(4) for b in range(3)]
+        with cf.ThreadPoolExecutor(12) as pool:
+            hot = list(pool.map(lambda q: ask(q, affixes[0], max_tokens=8), questions))
+        assert len({replica for _, replica in hot}) == 2 and all(answer for answer, _ in hot)
+
+        # a replica killed while it decodes: every request is still answered, as one engine answers it (the ones
+        # on the dead replica sent again to the one left)
+        pids = {r["replica"]: r["pid"] for r in httpx.get(f"{url}/ready", timeout=30).json()["replicas"]}
+        assert sorted(pids.values()) == sorted(_replica_pids())
+        with cf.ThreadPoolExecutor(8) as pool:
+            running = [pool.submit(ask, q, affixes[0]) for q in questions[:8]]
+            deadline, busy = time.time() + 30, {}
+            while not any(busy.values()) and time.time() < deadline:
+                busy = _per_replica(url, "dllm_jax_requests_running")
+            victim = max(busy, key=busy.get)
+            os.kill(pids[victim], signal.SIGKILL)
+            answers = [f.result(timeout=120) for f in running]
+        assert [a for a, _ in answers] == [alone(q, affixes[0]) for q in questions[:8]]
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
+        deadline = time.time() + 30
+        while _replica_pids() and time.time() < deadline:  # no replica process left behind
+            time.sleep(0.5)
+        assert not _replica_pids()
     finally:
+        single.stop()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        ray = Path(sys.executable).parent / "ray"
-        subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=60)  # anything left behind
+            ray = Path(sys.executable).parent / "ray"
+            subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=60)
     assert not any("Traceback" in line for line in stderr), "".join(stderr)[-3000:]
 
 

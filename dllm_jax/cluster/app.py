@@ -14,6 +14,7 @@ No `from __future__ import annotations` here: FastAPI reads the route's paramete
 
 import argparse
 import json
+import os
 from typing import Any, List, Optional
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,7 @@ REPLICAS_HEADER = "x-dllm-replicas"  # a broadcast's answer: every replica that 
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 BROADCAST = "/v1/affixes"  # and its sub-paths
 ALL_MUST_ANSWER = ("/health", "/ready")
+METRICS = "/metrics"  # every replica's, each sample labelled with its replica
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
 
 
@@ -67,6 +69,22 @@ class AffixRouter(RequestRouter):
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
 
 
+async def _answer(stream) -> tuple[dict, List[bytes]]:
+    """The head and the whole body of a replica's streamed answer."""
+    head, chunks = None, []
+    async for part in stream:
+        if isinstance(part, dict):
+            head = part
+        else:
+            chunks.append(part)
+    return head, chunks
+
+
+async def _parts(head: dict, body: Any):
+    yield head
+    yield json.dumps(body).encode()
+
+
 class Replica:
     """One engine server (`dllm-jax serve`'s, from its parsed flags) as a Ray Serve replica."""
 
@@ -86,7 +104,12 @@ class Replica:
     ):
         """The answer as `ReplicaServer.request` yields it, this replica named in its headers (route_key and
         replica_index are read by the router)."""
-        async for part in self.server.request(method, path, query, headers, body):
+        answer = self.server.request(method, path, query, headers, body)
+        if path in ALL_MUST_ANSWER:  # the ingress lists every replica's: say which one this is, and its process
+            head, chunks = await _answer(answer)
+            state = {**json.loads(b"".join(chunks)), "replica": self.name, "pid": os.getpid()}
+            answer = _parts({**head, "headers": [h for h in head["headers"] if h[0] != "content-length"]}, state)
+        async for part in answer:
             if isinstance(part, dict):
                 part = {**part, "headers": [*part["headers"], (REPLICA_HEADER, self.name)]}
             yield part
@@ -109,20 +132,34 @@ class Replica:
 api = FastAPI(title="dllm-jax cluster ingress", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-async def _answer(stream) -> tuple[dict, List[bytes]]:
-    """The head and the whole body of a replica's streamed answer."""
-    head, chunks = None, []
-    async for part in stream:
-        if isinstance(part, dict):
-            head = part
-        else:
-            chunks.append(part)
-    return head, chunks
-
-
 def _headers(head: dict) -> dict:
     """A replica's answer headers as the ingress sends them (Ray's proxy adds the request id itself)."""
     return {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id"}
+
+
+def merge_metrics(texts: List[tuple]) -> str:
+    """Prometheus text of several replicas, [(replica, text)], as one: each family's HELP and TYPE once, then
+    every replica's samples of it, each labelled with its `replica`."""
+    meta, samples = {}, {}
+    for replica, text in texts:
+        family = None
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split(" ", 3)[2]
+                meta.setdefault(family, {}).setdefault(line.split(" ", 2)[1], line)
+                samples.setdefault(family, [])
+            elif line.strip() and not line.startswith("#"):
+                samples.setdefault(family, []).append(_labelled(line, replica))
+    return "".join("\n".join([*meta.get(f, {}).values(), *lines]) + "\n" for f, lines in samples.items())
+
+
+def _labelled(sample: str, replica: str) -> str:
+    head, value = sample.rsplit(" ", 1)  # the exporter writes no timestamps
+    label = f'replica="{replica}"'
+    if not head.endswith("}"):
+        return f"{head}{{{label}}} {value}"
+    name, labels = head.split("{", 1)
+    return f"{name}{{{label}{'' if labels == '}' else ','}{labels} {value}"
 
 
 def _json(body: bytes) -> Any:
@@ -132,12 +169,21 @@ def _json(body: bytes) -> Any:
         return None
 
 
-async def _rest(stream):
+STREAM_LOST = (
+    b'data: {"error": {"message": "the replica serving this stream stopped; send the request again", '
+    b'"type": "server_error", "param": null, "code": "replica_lost"}}\n\ndata: [DONE]\n\n'
+)
+
+
+async def _rest(stream, events: bool):
+    """The rest of a replica's answer; where the replica dies mid-answer, a stream ends with an error event (in
+    OpenAI's error shape) and [DONE] (its first part already went out, so it cannot be sent again)."""
     try:
         async for part in stream:
             yield part
-    except RayActorError:  # the replica died mid-answer: the client sees the stream end early
-        return
+    except RayActorError:
+        if events:
+            yield STREAM_LOST
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -164,6 +210,13 @@ class Ingress:
         method, path, query = request.method, request.url.path, request.url.query
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         body = await request.body()
+        if path == METRICS:
+            answers = await self._everywhere(method, path, query, headers, body)
+            texts = [
+                (dict(h["headers"]).get(REPLICA_HEADER, str(i)), b"".join(c).decode())
+                for i, (h, c) in enumerate(answers)
+            ]
+            return Response(merge_metrics(texts), media_type=dict(answers[0][0]["headers"]).get("content-type"))
         if path in ALL_MUST_ANSWER or (method != "GET" and path.startswith(BROADCAST)):
             return self._combined(path, await self._everywhere(method, path, query, headers, body))
         key = request_route_key(_json(body)) if method == "POST" and path in ROUTED else None
@@ -175,7 +228,8 @@ class Ingress:
                 if attempt:
                     raise
                 continue
-            return StreamingResponse(_rest(stream), status_code=head["status"], headers=_headers(head))
+            events = dict(head["headers"]).get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(_rest(stream, events), status_code=head["status"], headers=_headers(head))
 
     def _combined(self, path: str, answers: List[tuple[dict, List[bytes]]]) -> Response:
         """Every replica's answer to a broadcast as one: the first failure's if any replica failed, else the first
@@ -192,22 +246,31 @@ class Ingress:
         return Response(b"".join(chunks), status_code=head["status"], headers={**_headers(head), **who})
 
 
+def _replica_env(memory_fraction: Optional[float]) -> dict:
+    """The replica processes' environment: XLA reads its GPU memory share from there (this library reads none)."""
+    if memory_fraction is None:
+        return {}
+    return {"env_vars": {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{memory_fraction:g}"}}
+
+
 def build_app(
     args: argparse.Namespace,
     replicas: int,
     gpus_per_replica: float = 0.0,
     spill_queue: int = 8,
     affinity: bool = True,
+    memory_fraction: Optional[float] = None,
     max_ongoing_requests: int = 1024,
 ):
     """The bound application: `replicas` engine replicas, each the server of `dllm-jax serve`'s parsed flags `args`
-    on `gpus_per_replica` GPUs, behind the ingress."""
+    on `gpus_per_replica` GPUs (XLA taking `memory_fraction` of its GPU's memory, None: its default), behind the
+    ingress."""
     from ray.serve.config import RequestRouterConfig
 
     replica = serve.deployment(Replica).options(
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,  # the engine queues (and answers 429 past --max-queue) itself
-        ray_actor_options={"num_cpus": 0, "num_gpus": gpus_per_replica},
+        ray_actor_options={"num_cpus": 0, "num_gpus": gpus_per_replica, "runtime_env": _replica_env(memory_fraction)},
         health_check_period_s=5,
         graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(

@@ -1,5 +1,5 @@
 """`dllm-jax serve --replicas N`: the Ray Serve application (`app.build_app`) on a Ray cluster (one started here
-for this server unless --ray-address names a running one), until SIGTERM / SIGINT.
+for this server unless --address names a running one), until SIGTERM / SIGINT.
 
 The serve flags are checked here before Ray starts (one line, exit 2, as the single server); each replica then
 loads the model and warms its engine. The command prints the address once every replica is ready.
@@ -70,19 +70,20 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     port = args.port or free_port(args.host)
     stop = threading.Event()
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=bool(args.verbose))
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=bool(args.verbose))
     # after ray.init, which installs its own handlers: the first signal stops the cluster cleanly
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         gpus = args.gpus_per_replica
-        if gpus is None:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+        if gpus is None:  # a tensor-parallel replica is a group of GPUs
+            gpus = float(args.tensor_parallel) if ray.cluster_resources().get("GPU", 0) else 0.0
         serve.start(http_options={"host": args.host, "port": port})
         app = build_app(
             args,
             args.replicas,
             gpus_per_replica=gpus,
+            memory_fraction=args.replica_memory_fraction,
             spill_queue=args.spill_queue,
             affinity=not args.no_affinity,
         )
