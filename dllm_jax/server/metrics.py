@@ -61,6 +61,7 @@ class _EngineCollector:
             "kv_pages_shared": ("Pages of stored affix copies held by running requests", s["pages_shared"]),
             "kv_pages_cached": ("Pages of stored affix copies no request holds (evictable)", s["pages_cached"]),
             "kv_bytes_used": ("Bytes of the KV pool in use", s["kv_bytes_used"]),
+            "kv_bytes_peak": ("The most bytes of the KV pool in use at once", s["peak_kv_bytes"]),
             "generation_tokens_per_second": (
                 "Generated tokens per second over the last 10 s",
                 self.service.tokens_per_second(),
