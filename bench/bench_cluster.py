@@ -62,6 +62,11 @@ def workload(n_affixes: int, per_affix: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def distinct_affixes(reqs: list[dict]) -> set[tuple]:
+    """The workload's distinct affix contents (what the engines store: one copy each at best)."""
+    return {tuple(r["prompt"][r["affix"]["start"] : r["affix"]["end"]]) for r in reqs}
+
+
 def start(replicas: int, affinity: bool, spill_queue: int) -> tuple[subprocess.Popen, str]:
     cluster = [] if replicas == 1 else ["--replicas", str(replicas), "--spill-queue", str(spill_queue)]
     cluster += [] if affinity else ["--no-affinity"]
@@ -161,7 +166,8 @@ def row(replicas: int, affinity: bool, reqs: list[dict], args) -> dict:
         replicas=replicas,
         routing="affix" if affinity else "round_robin",
         requests=len(reqs),
-        affixes=len({r["group"] for r in reqs}),
+        affix_groups=len({r["group"] for r in reqs}),
+        affixes=len(distinct_affixes(reqs)),  # contents: a group's affix tokens may differ by placement
         affix_hit_rate=n_hits / max(1.0, n_hits + n_builds),
         affix_copies=int(n_builds),
         kv_peak_bytes=int(peak),

@@ -175,7 +175,7 @@ def test_a_replica_reports_flags_the_model_refuses_instead_of_restarting():
 
     server = ReplicaServer(["--dtype", "float32", "--shallow-depth", "9"])
     assert server.refused.startswith("argument --shallow-depth: 9 exceeds the model's 6 layers")
-    assert server.alive() is None and server.queued() == 0  # reported, not restarted by Ray
+    assert server.alive() is None  # reported, not restarted by Ray
 
     async def answer(method, path):
         return [part async for part in server.request(method, path, body=b"{}")]

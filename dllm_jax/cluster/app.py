@@ -38,7 +38,13 @@ HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
 class AffixRouter(RequestRouter):
     """Ray Serve's request router for the replicas: `RoutingRule` on each request's `route_key`, with the queue
     lengths Ray's router keeps per replica (requests sent and not yet answered); a `replica_index` names one
-    replica of the sorted live ones instead (the ingress's broadcasts)."""
+    replica of the sorted live ones instead (the ingress's broadcasts).
+
+    Why Ray's request-router extension point (`RequestRouter`, public since Ray 2.4x) rather than a router of our
+    own in the ingress: Ray keeps the live replica set, the queue lengths, retries and backoff, and restarts, so the
+    routing is only the choice. Why not Ray's own routers: `PrefixCacheAffinityRouter` matches token prefixes of
+    the prompt text, which misses an affix placed after the question (ACache serves any placement) and cannot use
+    a registered id; the experimental consistent-hash router has no spill past a busy owner."""
 
     # a replica compiling its programs (XLA holds the GIL for long stretches) answers Ray's queue-length probes late:
     # Ray's 0.1 s deadline would skip it, and a broadcast that must reach it would spin on the probe
@@ -113,9 +119,6 @@ class Replica:
             if isinstance(part, dict):
                 part = {**part, "headers": [*part["headers"], (REPLICA_HEADER, self.name)]}
             yield part
-
-    def queued(self) -> int:
-        return self.server.queued()
 
     def check_health(self) -> None:
         """Ray restarts a replica whose engine cannot serve (its thread died or its faults ran over the limit)."""

@@ -57,13 +57,6 @@ class ReplicaServer:
         not."""
         return None if self.service is None else self.service.alive()
 
-    def queued(self) -> int:
-        """Requests this replica's engine runs or holds waiting: its load, as the router sees it."""
-        if self.service is None:
-            return 0
-        s = self.service.engine.stats()
-        return int(s["running"]) + int(s["waiting"])
-
     def _refusal(self, path: str) -> list[Any]:
         if path in ("/ready", "/health"):
             body: dict = {"status": "failed", "error": self.refused}
