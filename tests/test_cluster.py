@@ -189,3 +189,30 @@ def test_a_replica_reports_flags_the_model_refuses_instead_of_restarting():
         "replicas": [{"status": "warming"}, json.loads(asyncio.run(answer("GET", "/ready"))[1])],
     }
     assert refusal(ready) == server.refused and refusal({"replicas": [{"status": "warming"}]}) is None
+
+
+def test_a_stream_whose_replica_dies_ends_with_an_error_event():
+    """The part of a stream already sent cannot be sent again: where its replica dies, the ingress ends it with an
+    error event in OpenAI's shape and [DONE]; a plain answer ends where it stopped (the ingress retried it earlier,
+    before its first part)."""
+    import asyncio
+    import json
+
+    from ray.exceptions import RayActorError
+
+    from dllm_jax.cluster.app import answer_rest
+
+    first = b'data: {"choices": [{"text": "1 0"}]}\n\n'
+
+    async def dying():
+        yield first
+        raise RayActorError()
+
+    async def collect(events: bool) -> list[bytes]:
+        return [part async for part in answer_rest(dying(), events)]
+
+    streamed = asyncio.run(collect(True))
+    assert streamed[0] == first and streamed[-1].endswith(b"data: [DONE]\n\n")
+    error = json.loads(streamed[-1].split(b"\n\n")[0].removeprefix(b"data: "))["error"]
+    assert error["code"] == "replica_lost" and error["type"] == "server_error"
+    assert asyncio.run(collect(False)) == [first]

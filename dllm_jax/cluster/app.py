@@ -178,7 +178,7 @@ STREAM_LOST = (
 )
 
 
-async def _rest(stream, events: bool):
+async def answer_rest(stream, events: bool):
     """The rest of a replica's answer; where the replica dies mid-answer, a stream ends with an error event (in
     OpenAI's error shape) and [DONE] (its first part already went out, so it cannot be sent again)."""
     try:
@@ -232,7 +232,7 @@ class Ingress:
                     raise
                 continue
             events = dict(head["headers"]).get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(_rest(stream, events), status_code=head["status"], headers=_headers(head))
+            return StreamingResponse(answer_rest(stream, events), status_code=head["status"], headers=_headers(head))
 
     def _combined(self, path: str, answers: List[tuple[dict, List[bytes]]]) -> Response:
         """Every replica's answer to a broadcast as one: the first failure's if any replica failed, else the first
