@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fixtures
 import httpx
+import jax
 import pytest
 
 from dllm_jax.cli import DEMO_PROMPT
@@ -69,9 +70,14 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
 
     from dllm_jax.cluster.replica import ReplicaServer
 
+    # one engine with the same settings, in this process, no Ray; warmed first, so that the replicas load its
+    # programs from the run's compilation cache instead of compiling them again side by side
+    single = ReplicaServer([*FLAGS, *EXACT, "--compile-cache", jax.config.jax_compilation_cache_dir])
+    deadline = time.time() + 240
+    while not single.service.warmed and time.time() < deadline:
+        time.sleep(0.2)
     proc, url = fixtures.start_server("--replicas", "2", "--spill-queue", "3", *FLAGS, *EXACT)
     stderr = fixtures.drain_stderr(proc)
-    single = ReplicaServer([*FLAGS, *EXACT])  # one engine with the same settings, in this process, no Ray
     try:
         ready = _wait_ready(url, 240)
         assert [r["status"] for r in ready["replicas"]] == ["ready", "ready"]
@@ -173,7 +179,7 @@ def test_a_replica_reports_flags_the_model_refuses_instead_of_restarting():
     from dllm_jax.cluster.replica import ReplicaServer
     from dllm_jax.cluster.run import refusal
 
-    server = ReplicaServer(["--dtype", "float32", "--shallow-depth", "9"])
+    server = ReplicaServer(["--dtype", "float32", "--shallow-depth", "9", "--no-compile-cache"])
     assert server.refused.startswith("argument --shallow-depth: 9 exceeds the model's 6 layers")
     assert server.alive() is None  # reported, not restarted by Ray
 
