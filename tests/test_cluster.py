@@ -134,6 +134,13 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         assert gone.status_code == 200 and len(set(gone.headers["x-dllm-replicas"].split(","))) == 2
         assert httpx.post(f"{url}/v1/chat/completions", json=named, timeout=60).status_code == 400
 
+        # the cluster's metrics and audit: every replica's, each sample / group naming its replica
+        served = _per_replica(url, "dllm_jax_requests_finished_total")
+        assert set(served) == set(_per_replica(url, "dllm_jax_ready")) and len(served) == 2
+        audit = httpx.get(f"{url}/v1/audit", timeout=30)
+        assert audit.status_code == 200 and audit.json()["fraction"] == 0.02
+        assert all(g["replica"] in served for g in audit.json()["groups"])
+
         # one hot affix past the spill bound: both replicas serve it, every request is answered
         questions = [f"input : {a} {b} 0 what does the rule give ?" for a in range(4) for b in range(3)]
         with cf.ThreadPoolExecutor(12) as pool:
@@ -222,3 +229,22 @@ def test_a_stream_whose_replica_dies_ends_with_an_error_event():
     error = json.loads(streamed[-1].split(b"\n\n")[0].removeprefix(b"data: "))["error"]
     assert error["code"] == "replica_lost" and error["type"] == "server_error"
     assert asyncio.run(collect(False)) == [first]
+
+
+def test_metrics_and_audits_of_the_replicas_merge_into_one():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dllm_jax.cluster.app import merge_audit, merge_metrics
+
+    text = "# HELP x_total Things\n# TYPE x_total counter\nx_total 3.0\n"
+    text += '# HELP y A gauge\n# TYPE y gauge\ny{affix="a b"} 1.0\n'
+    merged = {
+        f.name: [(s.labels, s.value) for s in f.samples]
+        for f in text_string_to_metric_families(merge_metrics([("r1", text), ("r2", text.replace("3.0", "4.0"))]))
+    }
+    assert merged["x"] == [({"replica": "r1"}, 3.0), ({"replica": "r2"}, 4.0)]
+    assert merged["y"] == [({"replica": "r1", "affix": "a b"}, 1.0), ({"replica": "r2", "affix": "a b"}, 1.0)]
+    report = {"fraction": 0.02, "audited": 2, "pending": 1, "groups": [{"affix": "a"}], "calibration": []}
+    both = merge_audit([("r1", report), ("r2", {**report, "audited": 3, "groups": []})])
+    assert both["audited"] == 5 and both["pending"] == 2 and both["fraction"] == 0.02
+    assert both["groups"] == [{"affix": "a", "replica": "r1"}] and both["calibration"] == []

@@ -32,6 +32,10 @@ ROUTED = ("/v1/completions", "/v1/chat/completions")
 BROADCAST = "/v1/affixes"  # and its sub-paths
 ALL_MUST_ANSWER = ("/health", "/ready")
 METRICS = "/metrics"  # every replica's, each sample labelled with its replica
+AUDIT = "/v1/audit"  # every replica's, summed, each group and calibration naming its replica
+AUDIT_COUNTS = (
+    "audited shadows shadows_finished dropped skipped incomplete shadow_tokens shadow_abort shadow_error pending"
+).split()
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
 
 
@@ -156,6 +160,18 @@ def merge_metrics(texts: List[tuple]) -> str:
     return "".join("\n".join([*meta.get(f, {}).values(), *lines]) + "\n" for f, lines in samples.items())
 
 
+def merge_audit(reports: List[tuple]) -> dict:
+    """Every replica's GET /v1/audit, [(replica, report)], as one report of the same shape: the counts summed, the
+    groups and calibrations of each replica listed with a `replica` field (each replica audits and calibrates the
+    affixes it serves: with affix routing, mostly its own)."""
+    merged = dict(reports[0][1])
+    for key in AUDIT_COUNTS:
+        merged[key] = sum(r.get(key, 0) for _, r in reports)
+    for key in ("groups", "calibration"):
+        merged[key] = [{**row, "replica": replica} for replica, r in reports for row in r.get(key, [])]
+    return merged
+
+
 def _labelled(sample: str, replica: str) -> str:
     head, value = sample.rsplit(" ", 1)  # the exporter writes no timestamps
     label = f'replica="{replica}"'
@@ -220,6 +236,14 @@ class Ingress:
                 for i, (h, c) in enumerate(answers)
             ]
             return Response(merge_metrics(texts), media_type=dict(answers[0][0]["headers"]).get("content-type"))
+        if path == AUDIT and method == "GET":
+            answers = await self._everywhere(method, path, query, headers, body)
+            if any(h["status"] != 200 for h, _ in answers):  # a 401, say: the replicas' own answer
+                return self._combined(path, answers)
+            named = [
+                (dict(h["headers"]).get(REPLICA_HEADER, str(i)), _json(b"".join(c))) for i, (h, c) in enumerate(answers)
+            ]
+            return JSONResponse(merge_audit(named))
         if path in ALL_MUST_ANSWER or (method != "GET" and path.startswith(BROADCAST)):
             return self._combined(path, await self._everywhere(method, path, query, headers, body))
         key = request_route_key(_json(body)) if method == "POST" and path in ROUTED else None
