@@ -116,3 +116,45 @@ def test_first_layer_settings(models_fp32):
         ).num_leaves
         == 7
     )
+
+
+def test_attend_state_on_the_slot_kernel_equals_the_jnp_state():
+    """`attend_state`: the slot kernel's state out, and its state in continued over more keys, equal the jnp
+    reference's (interpreted on the CPU), a row with no keys on the first side included."""
+    from dllm_jax.transformer.attention import attend_state
+
+    rng = np.random.default_rng(1)
+    b, n, s, hq, hkv, d = 3, 5, 12, 4, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, n, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32)
+    first = jnp.asarray(rng.random((b, s)) < 0.5).at[2].set(False)
+    ref = attend_state(q, k, v, first, "xla", True, return_state=True)
+    got = attend_state(q, k, v, first, "pallas", True, return_state=True)
+    np.testing.assert_allclose(np.asarray(got.l), np.asarray(ref.l), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got.o), np.asarray(ref.o), rtol=1e-5, atol=1e-5)
+    out_ref = attend_state(q, k, v, ~first, "xla", True, init_state=ref)
+    out = attend_state(q, k, v, ~first, "pallas", True, init_state=got)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(attend_reference(q, k, v, None)), rtol=1e-5, atol=1e-6)
+
+
+def test_the_memo_through_the_slot_kernel_and_fp8_all_keeps_the_tokens(models_fp32):
+    """With attention on the slot kernel (interpreted here) the memo runs layer 1's attention through its state in
+    and out, and decodes the tokens of the same settings without the memo; so it does with FP8 projections
+    (weights="fp8_all": layer 1 stays bf16, the memo's layer)."""
+    m = models_fp32["llada_gqa_tied"]
+    kw = dict(gen_length=8, block_length=4, steps=8, stop_at_eos=False, attention="pallas")
+    plain = generate(m, PROMPTS, opts(**kw)).tokens
+    np.testing.assert_array_equal(generate(m, PROMPTS, opts(cache="first_layer", **kw)).tokens, plain)
+    from dllm_jax.transformer.params import quantize_projections
+
+    cfg = fixtures.fp8_config(dtype="float32", n_kv_heads=4)  # q/k/v widths of whole 128-blocks
+
+    q8, c8 = quantize_params(init_params(cfg, jax.random.key(0), std=0.05), cfg)
+    q8, c8 = quantize_projections(q8, c8)
+    m8 = Model(c8, q8)
+    gc = dict(gen_length=8, block_length=4, steps=8, stop_at_eos=False)
+    np.testing.assert_array_equal(
+        generate(m8, PROMPTS, opts(cache="first_layer", **gc)).tokens, generate(m8, PROMPTS, opts(**gc)).tokens
+    )

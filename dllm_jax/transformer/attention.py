@@ -120,20 +120,49 @@ def _attend_cudnn(q: Array, k: Array, v: Array, key_mask: Array | None) -> Array
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
-def _attend_pallas(q: Array, k: Array, v: Array, key_mask: Array | None, interpret: bool) -> Array:
+def _attend_pallas(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_mask: Array | None,
+    interpret: bool,
+    init_state: AttentionState | None = None,
+    return_state: bool = False,
+) -> Array | AttentionState:
     b, s, hkv, d = k.shape
     t = q.shape[1]
     q_lens = jnp.full((b,), t, jnp.int32)
+    state = dict(init_state=init_state, return_state=return_state, interpret=interpret)
     if key_mask is None:  # the contiguous fast path: slots computed in-kernel, no table
         kv_lens = jnp.full((b,), s, jnp.int32)
-        return sa.slot_attention(q, k, v, None, q_lens, kv_lens, interpret=interpret)
+        return sa.slot_attention(q, k, v, None, q_lens, kv_lens, **state)
     # Valid keys first: a stable argsort of ~mask lists each row's valid slots in order; kv_len = their count.
     order = jnp.argsort(~key_mask, axis=1, stable=True).astype(jnp.int32)
     table = order + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
     kv_lens = key_mask.sum(axis=1).astype(jnp.int32)
-    return sa.slot_attention(
-        q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, q_lens, kv_lens, interpret=interpret
-    )
+    return sa.slot_attention(q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, q_lens, kv_lens, **state)
+
+
+def attend_state(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_mask: Array | None,
+    backend: str,
+    interpret: bool,
+    init_state: AttentionState | None = None,
+    return_state: bool = False,
+) -> Array | AttentionState:
+    """Attention of q [B, T, Hq, D] over the keys k/v [B, S, Hkv, D] where key_mask [B, S] holds, continuing
+    init_state (q's online-softmax state over other keys): the output in q.dtype, or the state (return_state).
+    Backends that run the slot kernel ("pallas", "cudnn_pallas") pass the state in and out of it; the others
+    compute `softmax_state` and `merge_states` in jnp (the reference)."""
+    if backend in ("pallas", "cudnn_pallas"):
+        return _attend_pallas(q, k, v, key_mask, interpret, init_state, return_state)
+    state = softmax_state(q, k, v, key_mask)
+    if init_state is not None:
+        state = merge_states(init_state, state)
+    return state if return_state else finish_state(state, q.dtype)
 
 
 class KeySegment(NamedTuple):

@@ -12,7 +12,16 @@ output o, fp32). A step then
   * runs layer 1's o_proj and FFN, and layers 2..L, on the whole buffer as the uncached forward does.
 The result is what a full layer 1 computes (exactly, up to the float order of the merge), so the tokens are the
 uncached ones (tests/test_lacache.py). The saving is layer 1's q/k/v GEMM and its outside x outside attention per
-step, a few percent of a forward; LaCache's FP8 FFN is `config.fp8_ffn` / --fp8-ffn.
+step, a few percent of a forward; LaCache's FP8 FFN is `config.fp8_ffn` / --fp8-ffn, and with weights="fp8_all"
+layer 1 keeps its bf16 projections (the memo's layer).
+
+Where the resolved kernels run the slot kernel (the GPU's default), layer 1's attention runs on it: the block
+start takes the kernel's online-softmax state out over the outside keys, a step passes that state in and continues
+it over the block's keys (`attention.attend_state`); elsewhere the same in jnp.
+
+Why the memo does not compose with the prefix / dual caches (and so with a shared affix, which needs one): those
+caches already skip every layer's work on the rows outside the block, layer 1's included, and a block row's
+queries change at every step, so no part of layer 1 is left that the memo could keep.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import jax.numpy as jnp
 
 from dllm_jax.decoding.caches.base import DecodeInputs, block_logit_index
 from dllm_jax.transformer import forward
-from dllm_jax.transformer.attention import AttentionState, attend_reference, finish_state, merge_states, softmax_state
+from dllm_jax.transformer.attention import AttentionState, attend_state
 from dllm_jax.transformer.block import Block, block_for, embed, layer_finish
 from dllm_jax.transformer.layers import rope_cos_sin
 from dllm_jax.transformer.params import is_unrolled
@@ -42,6 +51,12 @@ class FirstLayerMemo:
     k: Array  # [B, T, Hkv, D] rotated keys
     v: Array  # [B, T, Hkv, D]
     outside: AttentionState  # every query row's online-softmax state over the keys outside the block (FACache)
+
+
+def _backend(inp: DecodeInputs) -> tuple[str, bool]:
+    """Where layer 1's attention runs: the slot kernel (its online-softmax state in and out) where the resolved
+    kernels use it, jnp elsewhere (`attention.attend_state`)."""
+    return inp.kernels.attention, inp.kernels.interpret
 
 
 def _first_layer(params):
@@ -75,9 +90,8 @@ class FirstLayerCache:
         q, k, v = block.apply({"params": _first_layer(params)}, e, cos, sin, method=Block.qkv)
         idx = jnp.arange(x.shape[1])
         outside = inp.key_mask & ((idx < block_start) | (idx >= block_start + inp.block_length))[None]
-        return self.step(
-            params, config, inp, FirstLayerMemo(e, q, k, v, softmax_state(q, k, v, outside)), x, block_start
-        )
+        state = attend_state(q, k, v, outside, *_backend(inp), return_state=True)
+        return self.step(params, config, inp, FirstLayerMemo(e, q, k, v, state), x, block_start)
 
     def step(self, params, config, inp: DecodeInputs, state: FirstLayerMemo, x, block_start):
         bl = inp.block_length
@@ -100,10 +114,10 @@ class FirstLayerCache:
             v=put(state.v, v_blk),
         )
         blk_mask = jax.lax.dynamic_slice_in_dim(inp.key_mask, block_start, bl, axis=1)
-        # every row: its cached state over the outside keys merged with the block's keys ...
-        attn = finish_state(merge_states(memo.outside, softmax_state(memo.q, k_blk, v_blk, blk_mask)), config.jnp_dtype)
+        # every row: its cached state over the outside keys continued over the block's keys ...
+        attn = attend_state(memo.q, k_blk, v_blk, blk_mask, *_backend(inp), init_state=memo.outside)
         # ... but the block's own rows attend over everything (their queries changed)
-        own = attend_reference(q_blk, memo.k, memo.v, inp.key_mask)
+        own = attend_state(q_blk, memo.k, memo.v, inp.key_mask, *_backend(inp))
         attn = put(attn, own)
         h = layer_finish(params, config, block, first, 0, memo.embedded, attn, inp.kernels)
         at = block_logit_index(inp, block_start, 0, x.shape[0])
