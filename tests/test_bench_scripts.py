@@ -364,3 +364,33 @@ def test_bench_pool_kernels_smoke(tmp_path):
         assert r["xla_us"] > 0 < r["pallas_us"] and r["speedup"] == r["xla_us"] / r["pallas_us"]
         assert r["xla_device_us"] is None and r["pallas_device_us"] is None
     assert all(r["rel_err"] < 1e-5 for r in rows)
+
+
+def test_the_commands_in_performance_md_run_as_written(monkeypatch):
+    """Every bench command PERFORMANCE.md gives (its placeholders W and L filled in) is accepted by that bench's
+    own argument parser: the reproduction commands name no option that no longer exists."""
+    import argparse
+    import re
+    import shlex
+
+    text = (BENCH / "PERFORMANCE.md").read_text()
+    found = re.findall(r"`([a-z_]+\.py(?: [^`\[\]]*)?)`", text)
+    commands = {c for c in found if (BENCH / c.split()[0]).is_file()}
+    assert len(commands) >= 20, sorted(commands)
+
+    class Parsed(Exception):
+        pass
+
+    def parse_only(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise Parsed
+
+    original = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    for command in sorted(commands):
+        script, *argv = shlex.split(command)
+        argv = [{"W": "0.1", "L": "label", "NAME": "label"}.get(a, a) for a in argv]
+        monkeypatch.setattr(sys, "argv", [script, *argv])  # for the mains that take no argv
+        main = _load(script.removesuffix(".py")).main
+        with pytest.raises(Parsed):
+            main(argv) if main.__code__.co_argcount else main()
