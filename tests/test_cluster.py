@@ -36,16 +36,24 @@ def _wait_ready(url: str, seconds: float) -> dict:
     raise AssertionError(f"the cluster was not ready within {seconds} s")
 
 
-def _replica_pids() -> list[int]:
-    """The processes of this test's engine replicas (Ray names them by their deployment)."""
+def _pids(*names: bytes) -> list[int]:
+    """Processes whose command line holds one of these names."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"ServeReplica:dllm-jax:Replica" in (proc / "cmdline").read_bytes():
+            if proc.name.isdigit() and any(n in (proc / "cmdline").read_bytes() for n in names):
                 pids.append(int(proc.name))
         except OSError:
             continue
     return pids
+
+
+def _replica_pids() -> list[int]:
+    """The processes of this test's engine replicas (Ray names them by their deployment)."""
+    return _pids(b"ServeReplica:dllm-jax:Replica")
+
+
+RAY_PROCESSES = (b"ServeReplica:dllm-jax", b"ray::", b"raylet", b"gcs_server")
 
 
 def _per_replica(url: str, name: str) -> dict[str, float]:
@@ -164,9 +172,9 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
         deadline = time.time() + 30
-        while _replica_pids() and time.time() < deadline:  # no replica process left behind
+        while _pids(*RAY_PROCESSES) and time.time() < deadline:  # no process of the cluster left behind
             time.sleep(0.5)
-        assert not _replica_pids()
+        assert not _pids(*RAY_PROCESSES)
     finally:
         single.stop()
         if proc.poll() is None:
