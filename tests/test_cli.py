@@ -148,6 +148,15 @@ def test_bad_flags(argv, message, capsys):
         (["--audit-state", "/nonexistent/a.json"], "argument --audit-state: /nonexistent is not a writable directory"),
         (["--agreement-target", "0"], "argument --agreement-target: must be in (0, 1], got 0.0"),
         (["--weights", "fp8_all", "--tensor-parallel", "2"], "argument --weights: fp8_all runs on one device"),
+        (["--replicas", "0"], "argument --replicas: must be a positive integer, got 0"),
+        (
+            ["--replicas", "2", "--replica-memory-fraction", "0"],
+            "argument --replica-memory-fraction: must be in (0, 1]",
+        ),
+        (  # a cluster's flags are checked before Ray starts, as one process's
+            ["--replicas", "2", "--batch-sizes", "2", "4", "--max-batch", "8"],
+            "argument --batch-sizes: EngineConfig.batch_sizes=(2, 4): positive sizes ending at max_batch=8",
+        ),
     ],
 )
 def test_bad_serve_flags(argv, message, capsys):
