@@ -122,7 +122,7 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         builds = sum(_per_replica(url, "dllm_jax_affix_builds_total").values())
         owners: dict[str, set] = {}
         for affix in affixes:
-            for digits in ("1 2 3", "4 5 6", "7 8 9"):
+            for digits in ("1 2 3", "4 5 6"):
                 q = f"input : {digits} what does the rule give ?"
                 answer, replica = ask(q, affix, max_tokens=8)
                 owners.setdefault(affix, set()).add(replica)
@@ -150,8 +150,8 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         assert all(g["replica"] in served for g in audit.json()["groups"])
 
         # one hot affix past the spill bound: both replicas serve it, every request is answered
-        questions = [f"input : {a} {b} 0 what does the rule give ?" for a in range(4) for b in range(3)]
-        with cf.ThreadPoolExecutor(12) as pool:
+        questions = [f"input : {a} {b} 0 what does the rule give ?" for a in range(4) for b in range(2)]
+        with cf.ThreadPoolExecutor(8) as pool:
             hot = list(pool.map(lambda q: ask(q, affixes[0], max_tokens=8), questions))
         assert len({replica for _, replica in hot}) == 2 and all(answer for answer, _ in hot)
 
@@ -159,15 +159,15 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         # on the dead replica sent again to the one left)
         pids = {r["replica"]: r["pid"] for r in httpx.get(f"{url}/ready", timeout=30).json()["replicas"]}
         assert set(pids.values()) <= set(_replica_pids())
-        with cf.ThreadPoolExecutor(8) as pool:
-            running = [pool.submit(ask, q, affixes[0]) for q in questions[:8]]
+        with cf.ThreadPoolExecutor(6) as pool:
+            running = [pool.submit(ask, q, affixes[0]) for q in questions[:6]]
             deadline, busy = time.time() + 30, {}
             while not any(busy.values()) and time.time() < deadline:
                 busy = _per_replica(url, "dllm_jax_requests_running")
             victim = max(busy, key=busy.get)
             os.kill(pids[victim], signal.SIGKILL)
             answers = [f.result(timeout=120) for f in running]
-        assert [a for a, _ in answers] == [alone(q, affixes[0]) for q in questions[:8]]
+        assert [a for a, _ in answers] == [alone(q, affixes[0]) for q in questions[:6]]
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
