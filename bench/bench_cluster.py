@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tools import common  # noqa: E402
+from tools import common, http_clients  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--max-batch", "4", "--max-model-len", "256", "--affix-technique", "anchors"]
 TASKS = ("rule", "lookup", "locate")
@@ -70,27 +69,7 @@ def distinct_affixes(reqs: list[dict]) -> set[tuple]:
 def start(replicas: int, affinity: bool, spill_queue: int) -> tuple[subprocess.Popen, str]:
     cluster = [] if replicas == 1 else ["--replicas", str(replicas), "--spill-queue", str(spill_queue)]
     cluster += [] if affinity else ["--no-affinity"]
-    cmd = [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", *FLAGS, *cluster]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    for _ in range(40):
-        line = proc.stderr.readline()
-        found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
-        if found or not line:
-            break
-    if not found:
-        proc.kill()
-        raise SystemExit(f"dllm-jax serve did not start: {' '.join(cmd)}")
-    url = found.group(1)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"{url} was not ready in 900 s")
+    return http_clients.start_server([*FLAGS, *cluster], ready_within=900)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -25,15 +25,16 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools import http_clients  # noqa: E402
 
 DOC = (
     "the code of rabbit is 0 3 0 . the code of feather is 5 1 9 . the code of yogurt is 7 7 2 . "
@@ -203,32 +204,6 @@ def summary(rep: Report, replayed: dict[str, str] | None, pages_end: float | Non
     return out
 
 
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", *flags],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
-    for _ in range(50):
-        line = proc.stderr.readline()
-        found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
-        if found:
-            url = found.group(1)
-            break
-    else:
-        proc.kill()
-        raise RuntimeError("the server did not start")
-    # keep reading its stderr (a full pipe would block the server)
-    threading.Thread(target=proc.stderr.read, daemon=True).start()
-    deadline = time.time() + 600
-    while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
-        if time.time() > deadline or proc.poll() is not None:
-            raise RuntimeError("the server did not get ready")
-        time.sleep(0.2)
-    return proc, url
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server (default: start `dllm-jax serve` on the CPU)")
@@ -246,7 +221,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     proc, url, pid = None, args.url, args.server_pid
     if url is None:
-        proc, url = start_server(args.serve_flags.split())
+        proc, url = http_clients.start_server(args.serve_flags.split())
         pid = proc.pid
     rss: list = []
     stop = False

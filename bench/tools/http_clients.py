@@ -122,3 +122,40 @@ def main(path: str) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1]))
+
+
+def start_server(flags: list[str], ready_within: float = 600.0):
+    """`dllm-jax serve --port 0 FLAGS` in a process of its own, as a user starts it: (the process, its base URL) once
+    GET /ready answers 200. Its stderr keeps being read (a full pipe would block the server)."""
+    import re
+    import subprocess
+    import threading
+
+    import httpx
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", *flags],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    for _ in range(50):
+        found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", proc.stderr.readline())
+        if found:
+            url = found.group(1)
+            break
+    else:
+        proc.kill()
+        raise RuntimeError(f"dllm-jax serve {' '.join(flags)} did not start")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    deadline = time.time() + ready_within
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:  # a cluster's HTTP proxy may not listen yet
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"{url} did not get ready within {ready_within:g} s")
+        time.sleep(0.2)
