@@ -168,6 +168,9 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
             os.kill(pids[victim], signal.SIGKILL)
             answers = [f.result(timeout=120) for f in running]
         assert [a for a, _ in answers] == [alone(q, affixes[0]) for q in questions[:6]]
+        # those of the dead replica went to the live one, not to its replacement (compiling: it would hold them
+        # for its whole warm-up)
+        assert {replica for _, replica in answers} <= set(pids), (answers, pids)
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0

@@ -55,6 +55,22 @@ def test_a_busy_owner_spills_to_the_least_loaded_and_unkeyed_requests_balance():
         RoutingRule(spill_queue=0)
 
 
+def test_a_warming_replica_gets_no_routed_request_while_a_warm_one_is_live():
+    """A restarted replica compiles its programs before it can answer: its keys go to the warm replicas meanwhile
+    (as if it had not joined), and come back to it once warm; when every replica warms (the cluster's start), all
+    are used."""
+    rule = RoutingRule(spill_queue=3)
+    replicas = ["a", "b", "c"]
+    key = next(f"k{i}" for i in range(100) if owner(f"k{i}", replicas) == "c")
+    idle = dict.fromkeys(replicas, 0)
+    assert rule.choose(key, idle) == ("c", False)
+    assert rule.choose(key, idle, warming=["c"]) == (owner(key, ["a", "b"]), False)
+    assert {rule.choose(None, {"a": 0, "b": 0, "c": 0}, t, warming=["a"])[0] for t in range(4)} == {"b", "c"}
+    assert rule.choose(key, idle, warming=replicas) == ("c", False)
+    control = RoutingRule(affinity=False)
+    assert {control.choose(key, idle, t, warming=["b", "c"])[0] for t in range(3)} == {"a"}
+
+
 def test_request_bodies_are_keyed_without_a_tokenizer():
     """The ingress keys a JSON body as the engine would group it: by a registered id, an explicit affix (its text,
     the message it names, or its token span: the same key as registering those tokens), else the prompt's lead;

@@ -36,6 +36,9 @@ AUDIT = "/v1/audit"  # every replica's, summed, each group and calibration namin
 AUDIT_COUNTS = (
     "audited shadows shadows_finished dropped skipped incomplete shadow_tokens shadow_abort shadow_error pending"
 ).split()
+# how often Ray pulls each replica's routing stats (its warm flag): a restarted replica takes routed requests within
+# about this long of finishing its warm-up (Ray's default, 10 s, would leave it idle that long)
+ROUTING_STATS_PERIOD_S = 1.0
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
 
 
@@ -74,8 +77,10 @@ class AffixRouter(RequestRouter):
             return [[by_id[ids[index % len(ids)]]]]
         cache = self.replica_queue_len_cache
         queues = {rid: cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
+        # `Replica.record_routing_stats`, as Ray's controller last pulled it: none yet counts as warming
+        warming = [rid for rid, r in by_id.items() if not (r.routing_stats or {}).get("warm")]
         self.turn += 1
-        chosen, _ = self.rule.choose(kwargs.get("route_key"), queues, self.turn)
+        chosen, _ = self.rule.choose(kwargs.get("route_key"), queues, self.turn, warming)
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
 
 
@@ -123,6 +128,10 @@ class Replica:
             if isinstance(part, dict):
                 part = {**part, "headers": [*part["headers"], (REPLICA_HEADER, self.name)]}
             yield part
+
+    def record_routing_stats(self) -> dict:
+        """What the router reads of this replica (Ray pulls it every `ROUTING_STATS_PERIOD_S`): whether it is warm."""
+        return {"warm": self.server.warm}
 
     def check_health(self) -> None:
         """Ray restarts a replica whose engine cannot serve (its thread died or its faults ran over the limit)."""
@@ -205,7 +214,8 @@ async def answer_rest(stream, events: bool):
             yield STREAM_LOST
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+# a stop polls the in-flight requests every 0.2 s (Ray's default 2 s adds ~2 s a deployment to every stop)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.2)
 @serve.ingress(api)
 class Ingress:
     """Forwards HTTP to the replicas (`AffixRouter` picks one), streaming the answers back."""
@@ -300,9 +310,11 @@ def build_app(
         ray_actor_options={"num_cpus": 0, "num_gpus": gpus_per_replica, "runtime_env": _replica_env(memory_fraction)},
         health_check_period_s=5,
         graceful_shutdown_timeout_s=5,
+        graceful_shutdown_wait_loop_s=0.2,
         request_router_config=RequestRouterConfig(
             request_router_class=AffixRouter,
             request_router_kwargs={"spill_queue": spill_queue, "affinity": affinity},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
     )
     return Ingress.bind(replica.bind(args), replicas)

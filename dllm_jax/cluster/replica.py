@@ -52,6 +52,11 @@ class ReplicaServer:
         if self.service is not None:
             self.service.stop()
 
+    @property
+    def warm(self) -> bool:
+        """Whether this replica's engine has finished its warm-up (a refused one never does)."""
+        return self.service is not None and bool(self.service.warmed)
+
     def alive(self) -> str | None:
         """None while this replica can serve (or refused its flags: that is reported, not restarted), else why
         not."""

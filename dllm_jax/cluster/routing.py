@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from dllm_jax.audit import affix_id
 from dllm_jax.engine.block_manager import affix_key, token_bytes
@@ -117,11 +117,16 @@ class RoutingRule:
         if self.spill_queue < 1:
             raise ValueError(f"spill_queue={self.spill_queue} must be positive")
 
-    def choose(self, key: str | None, queues: Mapping[str, int], turn: int = 0) -> tuple[str, bool]:
+    def choose(
+        self, key: str | None, queues: Mapping[str, int], turn: int = 0, warming: Collection[str] = ()
+    ) -> tuple[str, bool]:
         """(the replica for a request with this key, given each live replica's queue, whether it spilled past its
-        owner). turn breaks ties among the least loaded (a request counter: round robin among equals)."""
+        owner). turn breaks ties among the least loaded (a request counter: round robin among equals). warming:
+        replicas still compiling their programs (a restarted one), passed over while a warm one is live: a request
+        would wait there for the whole warm-up; their keys come back to them once warm."""
         if not queues:
             raise ValueError("no live replica")
+        queues = {r: q for r, q in queues.items() if r not in warming} or queues
         live = sorted(queues)
         fewest = min(queues.values())
         tied = [r for r in live if queues[r] == fewest]
