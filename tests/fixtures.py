@@ -232,13 +232,24 @@ def decode_inputs(model, gc, prompts, spans=None):
     return jnp.asarray(x), DecodeInputs(*masks, p, gc.schedule.block_length, shift, XLA)
 
 
+def subprocess_env(optimized: bool = False) -> dict[str, str]:
+    """The environment of a command the tests start: this one's without PYTHONPATH (the installed package runs);
+    optimized: with XLA's CPU optimisations back on (conftest turns them off for the suite's compile-bound tests;
+    a process that mostly runs its programs, many calls at larger shapes, is about twice as fast with them)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if optimized:
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    return env
+
+
 def start_server(*flags: str, optimized: bool = False):
     """`dllm-jax serve --port 0 FLAGS` in a subprocess (the installed package, not this checkout's PYTHONPATH):
     (the process, its base URL read from the line it prints at start). Unless FLAGS name one, the server uses the
     run's compilation cache (conftest), not the user's: servers with the same settings load each other's programs.
     optimized: XLA's CPU backend optimises its programs (conftest turns that off for the suite's compile-bound
     tests; a server that runs hundreds of calls is faster with it: 20 s instead of 47 for the soak's)."""
-    import os
     import re
     import subprocess
     import sys
@@ -248,9 +259,7 @@ def start_server(*flags: str, optimized: bool = False):
     if not any(f in ("--compile-cache", "--no-compile-cache") for f in flags) and jax.config.jax_compilation_cache_dir:
         flags = (*flags, "--compile-cache", jax.config.jax_compilation_cache_dir)
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if optimized:
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    env = subprocess_env(optimized)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", *flags],
         cwd=Path(__file__).resolve().parents[1],
