@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# --block-lengths 2 8: the bundled model's answers are 3 tokens, so blocks of 2 show an answer over several blocks
+# --block-lengths 2: the bundled model's answers are 3 tokens, so blocks of 2 show an answer over several blocks (one
+# block length: each one more is a set of programs to warm up)
 # --audit-fraction 1: the page's request is audited, and the page shows the audit's figures
 # --shallow-depths 2: BiCache is offered, at depth 2 or "auto"
-FLAGS = ("--max-batch", "1", "--max-model-len", "128", "--block-lengths", "2", "8", "--audit-fraction", "1")
+FLAGS = ("--max-batch", "1", "--max-model-len", "128", "--block-lengths", "2", "--audit-fraction", "1")
 FLAGS += ("--shallow-depths", "2")
 
 # each block row: its index, whether its replay ended, and per token (commit step, shown yet)
