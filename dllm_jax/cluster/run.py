@@ -19,6 +19,7 @@ import urllib.request
 
 from dllm_jax import cli
 
+APP_NAME = "dllm-jax"  # the Ray Serve application's name (its replicas' processes carry it)
 READY_TIMEOUT_S = 1800.0  # a replica's model load and warm-up (minutes for an 8B model's programs)
 
 
@@ -87,7 +88,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             spill_queue=args.spill_queue,
             affinity=not args.no_affinity,
         )
-        serve.run(app, name="dllm-jax", route_prefix="/", blocking=False)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{args.host}:{port}"
         print(
             f"dllm-jax serve: {args.replicas} replicas on Ray Serve at {url}/v1, warming up (GET /ready: 200 once "
@@ -105,6 +106,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 0
     finally:
         try:
-            serve.shutdown()
+            if args.address is None:  # the Ray instance is this command's: Serve goes with it
+                serve.shutdown()
+            else:  # a shared cluster: its other applications (and Serve's proxy) keep running
+                serve.delete(APP_NAME)
         finally:
             ray.shutdown()
