@@ -64,7 +64,7 @@ def _per_replica(url: str, name: str) -> dict[str, float]:
     return {s.labels["replica"]: s.value for f in families for s in f.samples if s.name == name}
 
 
-FLAGS = ("--dtype", "float32", "--max-batch", "2", "--max-model-len", "128", "--affix-technique", "anchors")
+FLAGS = ("--dtype", "float32", "--max-batch", "1", "--max-model-len", "128", "--affix-technique", "anchors")
 # ACache at ratio 1: exact, and each affix's copy stored once per replica that serves it (its builds and hits count)
 EXACT = ("--anchor-ratio", "1")
 

@@ -41,7 +41,8 @@ out = {}
 
 GENERATE = """
 # the shared affix on both families; FP8 weights with the plain dual cache; the layout checks once per model
-for name, fp8, tps in [("llada_tp", False, (1, 2, 8)), ("dream_tp", False, (1, 8)), ("llada_fp8_tp", True, (1, 2))]:
+# (2 devices: the FP8 model's; every count divides the heads the same way, and each is a compile: the suite's time)
+for name, fp8, tps in [("llada_tp", False, (1, 8)), ("dream_tp", False, (1, 8)), ("llada_fp8_tp", True, (1, 2))]:
     for tp in tps:
         m = load(name, tp, fp8_ffn=fp8)
         out[f"{name}/{tp}"] = [tokens(m, dual, PROMPTS)]
@@ -96,7 +97,7 @@ def run(body: str, tmp_path) -> dict:
 
 def test_generate_on_2_and_8_devices_equals_one_device(tmp_path):
     out = run(GENERATE, tmp_path)
-    for name, tps in [("llada_tp", (2, 8)), ("dream_tp", (8,)), ("llada_fp8_tp", (2,))]:
+    for name, tps in [("llada_tp", (8,)), ("dream_tp", (8,)), ("llada_fp8_tp", (2,))]:
         for tp in tps:
             assert out[f"{name}/{tp}"] == out[f"{name}/1"], (name, tp)  # plain and with a shared affix
         assert out[f"{name}/{tp}/all_reduce"]  # partitioned, not replicated
