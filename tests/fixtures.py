@@ -232,15 +232,18 @@ def decode_inputs(model, gc, prompts, spans=None):
     return jnp.asarray(x), DecodeInputs(*masks, p, gc.schedule.block_length, shift, XLA)
 
 
-def subprocess_env(optimized: bool = False) -> dict[str, str]:
+def subprocess_env(optimized: bool = False, host_devices: int = 0) -> dict[str, str]:
     """The environment of a command the tests start: this one's without PYTHONPATH (the installed package runs);
     optimized: with XLA's CPU optimisations back on (conftest turns them off for the suite's compile-bound tests;
-    a process that mostly runs its programs, many calls at larger shapes, is about twice as fast with them)."""
+    a process that mostly runs its programs, many calls at larger shapes, is about twice as fast with them);
+    host_devices: XLA's CPU split into that many devices (the tensor-parallel tests)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if optimized:
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    if host_devices:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}"
     return env
 
 

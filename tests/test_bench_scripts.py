@@ -4,11 +4,11 @@ quality.py and train_demo.py are run by tests/test_quality_smoke.py and tests/te
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import fixtures
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -273,7 +273,7 @@ def test_bench_serve_mixed(tmp_path):
     args += ["--mixed-max-tokens", "16", "32", "--arrivals", "poisson_50", "closed", "--bicache-depth", "1"]
     args += ["--starts", "--hf-dir", str(tmp_path / "hf"), "--compile-cache", str(tmp_path / "xla"), "--http"]
     args += ["--run", "smoke", "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = fixtures.subprocess_env()
     r = subprocess.run(
         [sys.executable, str(BENCH / "bench_serve.py"), *args], env=env, capture_output=True, text=True, timeout=600
     )
@@ -322,8 +322,7 @@ def test_bench_serve_mixed(tmp_path):
 def test_bench_tp_smoke(tmp_path):
     """The tensor-parallel bench on 2 host devices (a fresh interpreter: XLA_FLAGS is read at jax's start): the
     fields issue 34 names, tp 2 against tp 1 in the same run, a plot."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = fixtures.subprocess_env(host_devices=2)
     args = ["--model", "tiny", "--batches", "1", "--prompt-len", "16", "--gen-len", "8", "--block-len", "4"]
     args += ["--steps-per-block", "2", "--run", "smoke", "--out", str(tmp_path)]
     r = subprocess.run(

@@ -5,7 +5,6 @@ and the family's mapping table (numpy transposes and casts; `params.py`'s host l
 families, both layouts, sharded and rule-ordered files, converted checkpoints and tensor-parallel placement."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -205,8 +204,7 @@ def test_tensor_parallel_placement(tmp_path):
     """On 8 host devices: every leaf equals the expectation and lies in its `param_specs` split (each device got
     its part straight from the file: q's columns by head)."""
     tests = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = fixtures.subprocess_env(host_devices=8)
     r = subprocess.run(
         [sys.executable, "-c", TP_BODY, str(tests), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600
     )

@@ -4,10 +4,11 @@ and the engine's pool split by head; the compiled programs all-reduce. Each test
 the test gives XLA_FLAGS (the library never sets it)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import fixtures
 
 TESTS = Path(__file__).parent
 
@@ -82,8 +83,7 @@ print(json.dumps(out))
 
 
 def run(body: str, tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = fixtures.subprocess_env(host_devices=8)
     r = subprocess.run(
         [sys.executable, "-c", PRELUDE + body, str(TESTS), str(tmp_path)],
         capture_output=True,

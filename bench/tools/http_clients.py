@@ -124,10 +124,6 @@ def main(path: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
-
-
 def start_server(flags: list[str], ready_within: float = 600.0):
     """`dllm-jax serve --port 0 FLAGS` in a process of its own, as a user starts it: (the process, its base URL) once
     GET /ready answers 200. Its stderr keeps being read (a full pipe would block the server)."""
@@ -163,3 +159,7 @@ def start_server(flags: list[str], ready_within: float = 600.0):
             proc.kill()
             raise RuntimeError(f"{url} did not get ready within {ready_within:g} s")
         time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))
