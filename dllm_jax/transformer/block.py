@@ -23,6 +23,7 @@ from dllm_jax.transformer.layers import (
     SwiGLU,
     apply_rope,
     fp8_linear,
+    fp8_linears_on_kernels,
     matmul_precision,
     rope_cos_sin,
     tokenwise,
@@ -122,6 +123,39 @@ def at_layer(params: Params, layer_params: Params, i: Any, fn):
     return jax.lax.cond(i == 0, lambda: fn(first), lambda: fn(layer_params))
 
 
+def _fp8_linears(layer_params: Params, names: tuple[str, ...]) -> list[dict] | None:
+    leaves = [layer_params.get(name) for name in names]
+    return leaves if all(leaf is not None and "w8" in leaf for leaf in leaves) else None
+
+
+def _fp8_qkv_on_kernels(config: ModelConfig, layer_params: Params, x: Array, kernels: Kernels) -> Array | None:
+    """`Block.qkv_projection(attn_norm(x))` of FP8 projections on the GPU kernels, the norm fused into the
+    activations' quantisation (`layers.fp8_linears_on_kernels`); None where they do not run there."""
+    if kernels.fp8 != "pallas":
+        return None
+    linears = _fp8_linears(layer_params, ("qkv_proj",)) or _fp8_linears(layer_params, ("q_proj", "k_proj", "v_proj"))
+    if linears is None:
+        return None
+    out = fp8_linears_on_kernels(
+        x, linears, config.jnp_dtype, layer_params["attn_norm"]["scale"], config.rms_eps, kernels.interpret
+    )
+    return None if out is None else jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+
+
+def attn_projection(block: Block, layer_params: Params, attn: Array, kernels: Kernels = XLA) -> Array:
+    """`Block.attn_projection`: o_proj of attn [B, n, heads, head_dim]; FP8 on the GPU kernels with the
+    activations quantised by one kernel (`layers.fp8_linears_on_kernels`)."""
+    b, n = attn.shape[:2]
+    linears = _fp8_linears(layer_params, ("o_proj",)) if kernels.fp8 == "pallas" else None
+    if linears is not None:
+        out = fp8_linears_on_kernels(
+            attn.reshape(b, n, -1), linears, block.config.jnp_dtype, None, 0.0, kernels.interpret
+        )
+        if out is not None:
+            return out[0]
+    return block.apply({"params": layer_params}, attn, method=Block.attn_projection)
+
+
 def block_qkv(
     block: Block,
     layer_params: Params,
@@ -140,6 +174,9 @@ def block_qkv(
         plain = lambda lp: block_qkv(block, lp, x, positions, cos, sin, kernels)  # noqa: E731
         return at_layer(params, layer_params, i, plain)
     if not kernels.batch_invariant:
+        qkv = _fp8_qkv_on_kernels(block.config, layer_params, x, kernels)
+        if qkv is not None:
+            return block.apply({"params": layer_params}, qkv, cos, sin, method=Block.split_rotate)
         return block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
     c = block.config
 
@@ -157,6 +194,11 @@ def final_hidden_to_logits(
         x = jnp.take_along_axis(x, logits_at[:, :, None].astype(jnp.int32), axis=1)
 
     def head(x):
+        if kernels.fp8 == "pallas" and "lm_head_fp8" in params:  # the final norm fused into the quantisation
+            scale = params["final_norm"]["scale"]
+            out = fp8_linears_on_kernels(x, [params["lm_head_fp8"]], x.dtype, scale, config.rms_eps, kernels.interpret)
+            if out is not None:
+                return out[0]
         x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
         return lm_head(params, config, x, kernels.fp8)
 
@@ -181,5 +223,5 @@ def layer_finish(
     if not config.fp8_ffn:
         return block.apply({"params": layer_params}, x, attn, method=Block.finish)
     # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
-    o = at_layer(params, layer_params, i, lambda lp: block.apply({"params": lp}, attn, method=Block.attn_projection))
+    o = at_layer(params, layer_params, i, lambda lp: attn_projection(block, lp, attn, kernels))
     return ffn.fp8_ffn_residual(params, config, layer_params, i, x, o, kernels.fp8, kernels.interpret)

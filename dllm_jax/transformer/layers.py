@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import fp8_matmul as F
+from pallas_kernels import fp8_quantize as Q
 
 Array = jax.Array
 
@@ -83,6 +84,47 @@ def fp8_linear(x: Array, w8: Array, s8: Array, backend: str = "xla", out_dtype=j
     else:
         y = F.fp8_matmul_reference(xq, xs, w8, s8, out_dtype=out_dtype)
     return y.reshape(*lead, n)
+
+
+def fp8_linears_on_kernels(
+    x: Array,
+    linears: list[dict],
+    out_dtype,
+    norm_scale: Array | None = None,
+    eps: float = 0.0,
+    interpret: bool = False,
+) -> list[Array] | None:
+    """Each FP8 linear {"w8", "s8"[, "bias"]} of x [..., K] on the GPU kernels, x normalised first by RMSNorm(
+    norm_scale, eps) where given: one Pallas kernel normalises and quantises x straight into the GEMM's layouts
+    (`fp8_quantize.rmsnorm_quantize`, or `quantize_t` without a norm) for every linear, where XLA ran the norm, the
+    1x128 amaxes, the pads and a transpose per GEMM (~6 us a GEMM at block-step sizes, `fp8_matmul_h200.json`).
+    The same numbers as RMSNorm then `Linear` with backend "pallas" (the quantisers' references are those ops).
+    None where the kernel's default tiling does not fit a linear's shape (the caller runs `Linear`)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if any(not F.kernel_fits(m, lin["w8"].shape[0], k) for lin in linears):
+        return None
+    cfgs = [F.default_config(m, lin["w8"].shape[0], k) for lin in linears]  # outside any jit: shapes are static
+    mp = F.padded_rows(m, *cfgs)
+    if norm_scale is None:
+        xq, xs_t = Q.quantize_t(x2, m_pad=mp, interpret=interpret)
+    else:
+        xq, xs_t = Q.rmsnorm_quantize(x2, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
+    out = []
+    for lin, cfg in zip(linears, cfgs):
+        n = lin["w8"].shape[0]
+        ws = F.kernel_weight_scales(lin["s8"], n, cfg)
+        bias = lin.get("bias")
+        dt = jnp.float32 if bias is not None or cfg.split_k > 1 else out_dtype
+        y = F.fp8_matmul_padded(xq, xs_t, lin["w8"], ws, cfg=cfg, out_dtype=dt, interpret=interpret)
+        if cfg.split_k > 1:  # fp32 partials
+            y = y.sum(axis=0)
+        y = y[:m]
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        out.append(y.astype(out_dtype).reshape(*lead, n))
+    return out
 
 
 class SwiGLU(nn.Module):
