@@ -1,7 +1,8 @@
 """`dllm-jax serve --replicas 2`: two engine replicas on Ray Serve behind one ingress, on the CPU with the bundled
 model, driven by the `openai` client. Answers equal one engine's, plain and streamed; requests that share an affix
 meet on one replica and each affix is stored once; a hot affix spills to the other replica; a replica killed
-mid-run loses no request; registrations reach every replica; SIGTERM stops the cluster and leaves no replica."""
+mid-run loses no request; registrations reach every replica; SIGTERM stops the cluster and leaves no replica.
+The control (`--no-affinity`) stores every affix on every replica."""
 
 import os
 import signal
@@ -163,6 +164,7 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
             running = [pool.submit(ask, q, affixes[0]) for q in questions[:6]]
             deadline, busy = time.time() + 30, {}
             while not any(busy.values()) and time.time() < deadline:
+                time.sleep(0.05)  # each poll gathers every replica's metrics: not in a tight loop
                 busy = _per_replica(url, "dllm_jax_requests_running")
             victim = max(busy, key=busy.get)
             os.kill(pids[victim], signal.SIGKILL)
@@ -259,3 +261,36 @@ def test_metrics_and_audits_of_the_replicas_merge_into_one():
     both = merge_audit([("r1", report), ("r2", {**report, "audited": 3, "groups": []})])
     assert both["audited"] == 5 and both["pending"] == 2 and both["fraction"] == 0.02
     assert both["groups"] == [{"affix": "a", "replica": "r1"}] and both["calibration"] == []
+
+
+def test_round_robin_control_stores_every_affix_on_every_replica():
+    """The control of the affix routing above (`--no-affinity`: least loaded, round robin among equals): the same
+    kind of traffic, three affixes of four requests one after another, stores each affix on both replicas (its
+    builds counted by each replica), where affix routing stores it once."""
+    proc, url = fixtures.start_server("--replicas", "2", "--no-affinity", *FLAGS, *EXACT)
+    stderr = fixtures.drain_stderr(proc)
+    try:
+        _wait_ready(url, 240)
+        before = _per_replica(url, "dllm_jax_affix_builds_total")
+        affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(3)]
+        replicas: dict[str, set] = {}
+        for affix in affixes:
+            for digits in ("1 2 3", "4 5 6", "7 8 9", "0 1 2"):
+                body = dict(model=NAME, max_tokens=8, affix={"text": affix})
+                body["messages"] = [{"role": "user", "content": f"{affix} input : {digits} what does the rule give ?"}]
+                r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                replicas.setdefault(affix, set()).add(r.headers["x-dllm-replica"])
+        assert all(len(r) == 2 for r in replicas.values()), replicas
+        after = _per_replica(url, "dllm_jax_affix_builds_total")
+        assert len(after) == 2 and all(after[r] - before.get(r, 0) == len(affixes) for r in after), (before, after)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            subprocess.run(
+                [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=60
+            )
+    assert not any("Traceback" in line for line in stderr), "".join(stderr)[-3000:]
