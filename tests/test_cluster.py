@@ -70,6 +70,7 @@ FLAGS = ("--dtype", "float32", "--max-batch", "1", "--max-model-len", "128", "--
 EXACT = ("--anchor-ratio", "1")
 
 
+@pytest.mark.xdist_group("ray-cluster")  # one Ray cluster at a time: each checks none is left
 def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_stop():
     import asyncio
     import concurrent.futures as cf
@@ -263,6 +264,7 @@ def test_metrics_and_audits_of_the_replicas_merge_into_one():
     assert both["groups"] == [{"affix": "a", "replica": "r1"}] and both["calibration"] == []
 
 
+@pytest.mark.xdist_group("ray-cluster")  # one Ray cluster at a time: each checks none is left
 def test_round_robin_control_stores_every_affix_on_every_replica():
     """The control of the affix routing above (`--no-affinity`: least loaded, round robin among equals): the same
     kind of traffic, three affixes of four requests one after another, stores each affix on both replicas (its
@@ -286,6 +288,10 @@ def test_round_robin_control_stores_every_affix_on_every_replica():
         assert len(after) == 2 and all(after[r] - before.get(r, 0) == len(affixes) for r in after), (before, after)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
+        deadline = time.time() + 30
+        while _pids(*RAY_PROCESSES) and time.time() < deadline:  # no process of the cluster left behind
+            time.sleep(0.5)
+        assert not _pids(*RAY_PROCESSES)
     finally:
         if proc.poll() is None:
             proc.kill()
