@@ -57,6 +57,24 @@ def _replica_pids() -> list[int]:
 RAY_PROCESSES = (b"ServeReplica:dllm-jax", b"ray::", b"raylet", b"gcs_server")
 
 
+def _stop_and_check_nothing_left(proc) -> None:
+    """SIGTERM stops `serve --replicas` cleanly (exit 0) and no process of its Ray cluster is left."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    deadline = time.time() + 30
+    while _pids(*RAY_PROCESSES) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _pids(*RAY_PROCESSES)
+
+
+def _kill_if_running(proc) -> None:
+    """After a failure: the server and every Ray process of this machine's (tests start one cluster at a time)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=60)
+
+
 def _per_replica(url: str, name: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -175,19 +193,10 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         # for its whole warm-up)
         assert {replica for _, replica in answers} <= set(pids), (answers, pids)
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        deadline = time.time() + 30
-        while _pids(*RAY_PROCESSES) and time.time() < deadline:  # no process of the cluster left behind
-            time.sleep(0.5)
-        assert not _pids(*RAY_PROCESSES)
+        _stop_and_check_nothing_left(proc)
     finally:
         single.stop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            ray = Path(sys.executable).parent / "ray"
-            subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=60)
+        _kill_if_running(proc)
     assert not any("Traceback" in line for line in stderr), "".join(stderr)[-3000:]
 
 
@@ -286,17 +295,7 @@ def test_round_robin_control_stores_every_affix_on_every_replica():
         assert all(len(r) == 2 for r in replicas.values()), replicas
         after = _per_replica(url, "dllm_jax_affix_builds_total")
         assert len(after) == 2 and all(after[r] - before.get(r, 0) == len(affixes) for r in after), (before, after)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        deadline = time.time() + 30
-        while _pids(*RAY_PROCESSES) and time.time() < deadline:  # no process of the cluster left behind
-            time.sleep(0.5)
-        assert not _pids(*RAY_PROCESSES)
+        _stop_and_check_nothing_left(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            subprocess.run(
-                [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=60
-            )
+        _kill_if_running(proc)
     assert not any("Traceback" in line for line in stderr), "".join(stderr)[-3000:]
