@@ -179,6 +179,14 @@ def test_fp8_all_projections_on_the_kernels_quantise_inside_their_producers(fami
     assert calls == {"rmsnorm_quantize": fp8_layers + 1, "quantize_t": fp8_layers}, calls
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert rel < 2e-2, rel
+    # the GPU layout carries each projection's and the head's kernel-layout scale tables, and the kernels read them
+    layer = q["layers"][1]
+    tables = [k for k in layer["qkv_proj"] if "_tma" in k]
+    assert tables and all(k in q["lm_head_fp8"] for k in tables) and any("_tma" in k for k in layer["o_proj"])
+    poisoned = {k: jnp.zeros_like(v) if "_tma" in k else v for k, v in layer["qkv_proj"].items()}
+    layers = (q["layers"][0], {**layer, "qkv_proj": poisoned}, *q["layers"][2:])
+    bad = forward({**q, "layers": layers}, c, IDS, pos, kernels=kernels).logits.astype(jnp.float32)
+    assert float(jnp.abs(bad - out).max()) > 1e-2
 
 
 @pytest.mark.parametrize("family,assembly", [("llada", "device"), ("dream", "host")])

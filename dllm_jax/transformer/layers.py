@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dllm_jax.transformer.params import PROJECTION_SCALES, kernel_scale_table
 from pallas_kernels import fp8_matmul as F
 from pallas_kernels import fp8_quantize as Q
 
@@ -114,7 +115,7 @@ def fp8_linears_on_kernels(
     out = []
     for lin, cfg in zip(linears, cfgs):
         n = lin["w8"].shape[0]
-        ws = F.kernel_weight_scales(lin["s8"], n, cfg)
+        ws = kernel_scale_table(lin, "s8", cfg, PROJECTION_SCALES)  # the load-time table where there is one
         bias = lin.get("bias")
         dt = jnp.float32 if bias is not None or cfg.split_k > 1 else out_dtype
         y = F.fp8_matmul_padded(xq, xs_t, lin["w8"], ws, cfg=cfg, out_dtype=dt, interpret=interpret)
