@@ -276,7 +276,7 @@ def test_metrics_and_audits_of_the_replicas_merge_into_one():
 @pytest.mark.xdist_group("ray-cluster")  # one Ray cluster at a time: each checks none is left
 def test_round_robin_control_stores_every_affix_on_every_replica():
     """The control of the affix routing above (`--no-affinity`: least loaded, round robin among equals): the same
-    kind of traffic, three affixes of four requests one after another, stores each affix on both replicas (its
+    kind of traffic, three affixes of two requests one after another, stores each affix on both replicas (its
     builds counted by each replica), where affix routing stores it once."""
     proc, url = fixtures.start_server("--replicas", "2", "--no-affinity", *FLAGS, *EXACT)
     stderr = fixtures.drain_stderr(proc)
@@ -286,7 +286,7 @@ def test_round_robin_control_stores_every_affix_on_every_replica():
         affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(3)]
         replicas: dict[str, set] = {}
         for affix in affixes:
-            for digits in ("1 2 3", "4 5 6", "7 8 9", "0 1 2"):
+            for digits in ("1 2 3", "4 5 6"):  # one after another: round robin sends the second to the other
                 body = dict(model=NAME, max_tokens=8, affix={"text": affix})
                 body["messages"] = [{"role": "user", "content": f"{affix} input : {digits} what does the rule give ?"}]
                 r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
