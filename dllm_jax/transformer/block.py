@@ -40,17 +40,18 @@ class Block(nn.Module):
     config: ModelConfig
     fused: bool = False
     fp8: str = "xla"  # where FP8 projections run (`Kernels.fp8`)
+    interpret: bool = False  # the GPU kernels interpreted (`Kernels.interpret`)
 
     def setup(self) -> None:
         c, dt = self.config, self.config.jnp_dtype
         self.attn_norm = RMSNorm(c.rms_eps, dt)
         if self.fused:
-            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt, self.fp8)
+            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt, self.fp8, self.interpret)
         else:
-            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
-            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
-            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
-        self.o_proj = Linear(c.d_model, False, dt, self.fp8)
+            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt, self.fp8, self.interpret)
+            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8, self.interpret)
+            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8, self.interpret)
+        self.o_proj = Linear(c.d_model, False, dt, self.fp8, self.interpret)
         self.ffn_norm = RMSNorm(c.rms_eps, dt)
         self.mlp = SwiGLU(c.mlp_hidden, dt, fused=self.fused)
 
@@ -95,17 +96,16 @@ class Block(nn.Module):
 
 
 def block_for(params: Params, config: ModelConfig, kernels: Kernels = XLA) -> Block:
-    return Block(config, fused=is_fused(params["layers"]), fp8=kernels.fp8)
+    return Block(config, fused=is_fused(params["layers"]), fp8=kernels.fp8, interpret=kernels.interpret)
 
 
 def embed(params: Params, tokens: Array) -> Array:
     return jnp.take(params["embed"], tokens, axis=0)
 
 
-def lm_head(params: Params, config: ModelConfig, h: Array, fp8: str = "xla") -> Array:
+def lm_head(params: Params, config: ModelConfig, h: Array, fp8: str = "xla", interpret: bool = False) -> Array:
     if "lm_head_fp8" in params:  # weights="fp8_all"
-        head = params["lm_head_fp8"]
-        return fp8_linear(h, head["w8"], head["s8"], fp8, h.dtype)
+        return fp8_linear(h, params["lm_head_fp8"], fp8, h.dtype, interpret)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.einsum(
         "...d,dv->...v", h, w, preferred_element_type=jnp.float32, precision=matmul_precision(config.jnp_dtype)
@@ -139,21 +139,9 @@ def _fp8_qkv_on_kernels(config: ModelConfig, layer_params: Params, x: Array, ker
     out = fp8_linears_on_kernels(
         x, linears, config.jnp_dtype, layer_params["attn_norm"]["scale"], config.rms_eps, kernels.interpret
     )
-    return None if out is None else jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]
-
-
-def attn_projection(block: Block, layer_params: Params, attn: Array, kernels: Kernels = XLA) -> Array:
-    """`Block.attn_projection`: o_proj of attn [B, n, heads, head_dim]; FP8 on the GPU kernels with the
-    activations quantised by one kernel (`layers.fp8_linears_on_kernels`)."""
-    b, n = attn.shape[:2]
-    linears = _fp8_linears(layer_params, ("o_proj",)) if kernels.fp8 == "pallas" else None
-    if linears is not None:
-        out = fp8_linears_on_kernels(
-            attn.reshape(b, n, -1), linears, block.config.jnp_dtype, None, 0.0, kernels.interpret
-        )
-        if out is not None:
-            return out[0]
-    return block.apply({"params": layer_params}, attn, method=Block.attn_projection)
+    if out is None:
+        return None
+    return jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]
 
 
 def block_qkv(
@@ -200,7 +188,7 @@ def final_hidden_to_logits(
             if out is not None:
                 return out[0]
         x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
-        return lm_head(params, config, x, kernels.fp8)
+        return lm_head(params, config, x, kernels.fp8, kernels.interpret)
 
     return tokenwise(head, x) if kernels.batch_invariant else head(x)
 
@@ -223,5 +211,5 @@ def layer_finish(
     if not config.fp8_ffn:
         return block.apply({"params": layer_params}, x, attn, method=Block.finish)
     # the residual add x + o_proj(attn) is left to the FP8 FFN (fused into its RMSNorm kernel on the GPU)
-    o = at_layer(params, layer_params, i, lambda lp: attn_projection(block, lp, attn, kernels))
+    o = at_layer(params, layer_params, i, lambda lp: block.apply({"params": lp}, attn, method=Block.attn_projection))
     return ffn.fp8_ffn_residual(params, config, layer_params, i, x, o, kernels.fp8, kernels.interpret)
