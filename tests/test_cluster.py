@@ -276,25 +276,29 @@ def test_metrics_and_audits_of_the_replicas_merge_into_one():
 @pytest.mark.xdist_group("ray-cluster")  # one Ray cluster at a time: each checks none is left
 def test_round_robin_control_stores_every_affix_on_every_replica():
     """The control of the affix routing above (`--no-affinity`: least loaded, round robin among equals): the same
-    kind of traffic, three affixes of two requests one after another, stores each affix on both replicas (its
-    builds counted by each replica), where affix routing stores it once."""
+    kind of traffic, three affixes of four requests one after another, stores the affixes on both replicas (each
+    replica builds each affix it serves once), where affix routing stores each once in the cluster. Ray's queue
+    lengths, which the control reads, lag the replicas: an affix's requests may all meet on one replica now and
+    then (seen at two requests an affix), so most affixes, not all, are asserted on both."""
     proc, url = fixtures.start_server("--replicas", "2", "--no-affinity", *FLAGS, *EXACT)
     stderr = fixtures.drain_stderr(proc)
     try:
         _wait_ready(url, 240)
         before = _per_replica(url, "dllm_jax_affix_builds_total")
         affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(3)]
-        replicas: dict[str, set] = {}
+        served: dict[str, set] = {}  # replica -> the affixes it served
         for affix in affixes:
-            for digits in ("1 2 3", "4 5 6"):  # one after another: round robin sends the second to the other
+            for digits in ("1 2 3", "4 5 6", "7 8 9", "0 1 2"):
                 body = dict(model=NAME, max_tokens=8, affix={"text": affix})
                 body["messages"] = [{"role": "user", "content": f"{affix} input : {digits} what does the rule give ?"}]
                 r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
                 assert r.status_code == 200, r.text
-                replicas.setdefault(affix, set()).add(r.headers["x-dllm-replica"])
-        assert all(len(r) == 2 for r in replicas.values()), replicas
+                served.setdefault(r.headers["x-dllm-replica"], set()).add(affix)
         after = _per_replica(url, "dllm_jax_affix_builds_total")
-        assert len(after) == 2 and all(after[r] - before.get(r, 0) == len(affixes) for r in after), (before, after)
+        assert len(after) == 2 and set(served) == set(after), (served, after)
+        assert all(after[r] - before.get(r, 0) == len(served[r]) for r in after), (before, after, served)
+        on_both = [a for a in affixes if all(a in served[r] for r in served)]
+        assert len(on_both) >= 2, served  # copies stored: >= 5 of 3 affixes (affix routing: 3)
         _stop_and_check_nothing_left(proc)
     finally:
         _kill_if_running(proc)
