@@ -142,8 +142,9 @@ def item(
 
 
 # ---- engines as `dllm-jax serve` builds them -------------------------------------------------------------------
-def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
-    """The `dllm-jax serve` flags of the engine a row runs on (serve's defaults for everything else)."""
+def serve_flags(args, depths: tuple[int, ...] = (), audit_fraction: float | None = None) -> list[str]:
+    """The `dllm-jax serve` flags of the engine a row runs on (serve's defaults for everything else); the audit's
+    fraction is the row's (else the first --audit-fraction): it is the server's, the engine does not depend on it."""
     flags = ["--max-batch", str(args.max_batch), "--kv-budget-gib", f"{args.kv_budget_gib:g}"]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
@@ -157,8 +158,9 @@ def serve_flags(args, depths: tuple[int, ...] = ()) -> list[str]:
         flags += ["--window-chunk", str(args.window_chunk)]
     for option in args.compiler_option or ():
         flags += ["--compiler-option", option]
-    if args.audit_fraction is not None:
-        flags += ["--audit-fraction", f"{args.audit_fraction:g}"]
+    audit = audit_fraction if audit_fraction is not None else (args.audit_fraction or [None])[0]
+    if audit is not None:
+        flags += ["--audit-fraction", f"{audit:g}"]
     if args.batch_invariant:
         flags += ["--batch-invariant"]
     if args.weights != "bf16":
@@ -397,13 +399,15 @@ def arrival_offsets(calls: list[float], arrivals: list[float]) -> dict:
     )
 
 
-def measured(engine: Engine, items: list[Item], arrival: str, args, transport: str) -> dict:
+def measured(
+    engine: Engine, items: list[Item], arrival: str, args, transport: str, audit_fraction: float | None = None
+) -> dict:
     """One row's timings plus the engine's counters over it (peak KV, probes, compiles after warm-up)."""
     if "peak_pages" in engine.counters:  # the peak of this row, not of the engine's earlier rows
         engine.counters["peak_pages"] = engine.block_manager.num_used_pages
     s0 = engine.stats()
     if transport == "http":
-        sargs = cli.build_parser().parse_args(["serve", *serve_flags(args)])
+        sargs = cli.build_parser().parse_args(["serve", *serve_flags(args, audit_fraction=audit_fraction)])
         t = http_drive(engine, items, arrival, args.concurrency, sargs.admission_wait, sargs.audit_fraction)
     else:
         t = dict(drive(engine, items, arrival, args.concurrency), audit_fraction=None)  # the engine alone
@@ -811,15 +815,17 @@ def run_mixed(args) -> int:
             begin = dict(start="this process", load_s=load_s, warmup_s=info["seconds"], warmup_s_cached=None)
             begin["warmup"] = info
         begin["warmup_this_process"] = info
-        plan = [(a, n, "python") for a in args.arrivals for n in names]
-        plan += [(a, n, "http") for a in args.arrivals for n in names if args.http]
-        for arrival, name, transport in plan:
+        # HTTP rows once per --audit-fraction, in the order given, on this warm engine (the audit is the server's)
+        fractions = args.audit_fraction or [None]
+        plan = [(a, n, "python", None) for a in args.arrivals for n in names]
+        plan += [(a, n, "http", f) for a in args.arrivals for n in names for f in fractions if args.http]
+        for arrival, name, transport, fraction in plan:
             if time.perf_counter() - t_start > args.budget_s:
                 meta["skipped"].append(dict(row=name, arrival=arrival, transport=transport))
                 continue
             items = mixed_items(reqs, name, depth, args.bicache_depth is not None, args.block_len)
             try:
-                m = measured(engine, items, arrival, args, transport)
+                m = measured(engine, items, arrival, args, transport, fraction)
             except Exception as e:  # noqa: BLE001  one failing row must not lose the run
                 print(f"FAILED {arrival} {name} {transport}: {type(e).__name__}: {e}", flush=True)
                 meta["skipped"].append(dict(row=name, arrival=arrival, transport=transport, error=str(e)[:300]))
@@ -838,7 +844,7 @@ def run_mixed(args) -> int:
                 **m,
                 max_requests_16gib=capacity(engine, items, affix_lens if shared else []),
                 **begin,
-                serve_flags="dllm-jax serve " + " ".join(flags),
+                serve_flags="dllm-jax serve " + " ".join(serve_flags(args, depths, fraction)),
             )
             compare(row, rows, measured_here)
             measured_here.add(mixed_key(row))
@@ -946,7 +952,14 @@ def main(argv=None) -> int:
     g.add_argument("--admission-wait", type=float, default=None, help="the HTTP rows' hold for arrivals")
     g.add_argument("--compiler-option", action="append", metavar="NAME=VALUE", help="XLA options of the programs")
     g.add_argument("--window-chunk", type=int, default=None, help="tokens a row a window forward runs at a time")
-    g.add_argument("--audit-fraction", type=float, default=None, help="the HTTP rows' audit (serve's default: 0.02)")
+    g.add_argument(
+        "--audit-fraction",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the HTTP rows' audit (serve's default: 0.02); mixed: several run every HTTP row once per fraction, in "
+        "this order, on one warm engine (e.g. 0 0.02: what auditing costs, same engine and process)",
+    )
     g.add_argument("--batch-invariant", action="store_true", help="serve --batch-invariant")
     g.add_argument(
         "--weights", choices=["bf16", "fp8_ffn", "fp8_all"], default="bf16", help="serve --weights (rows keyed by it)"
