@@ -8,8 +8,6 @@ inputs of a layer cost ~7 small XLA kernels (RMSNorm, two amax reductions, four 
   * `rmsnorm_quantize(x, weight, residual=)`: the attention residual add (x + residual in x.dtype, also written
     out: the FFN's own residual), the FFN's RMSNorm (fp32 statistics, rounded to x.dtype, times the weight,
     exactly as `dllm_jax.layers.RMSNorm`) then the 1x128 quantisation of `fp8_matmul.quantize_activations`.
-  * `quantize_t(x)`: the quantisation alone, for a GEMM whose input needs no norm (the attention output before
-    o_proj).
   * `swiglu_quantize_t(gu)`: the sum of the gate/up GEMM's split-K partials (rounded to bf16, as the GEMM's own
     bf16 output would be), silu(gate) * up in fp32, then the same quantisation.
 
@@ -92,11 +90,10 @@ def rmsnorm_quantize_reference(
     return out if residual is None else (*out, x)
 
 
-def _rmsnorm_quantize_kernel(x_ref, *refs, m: int, k: int, eps: float, with_residual: bool, normalize: bool = True):
+def _rmsnorm_quantize_kernel(x_ref, w_ref, *refs, m: int, k: int, eps: float, with_residual: bool):
     """One row per program, held as a [groups (padded to a power of two), 128] tile: the statistic is one
     reduction and the 1x128 amaxes one reduction along the lanes (a loop of per-group reductions synchronised the
-    warps once per group: 21 us per LLaDA-8B row block on the H200 instead of a few). normalize False: the
-    quantisation alone (`quantize_t`; no weight operand)."""
+    warps once per group: 21 us per LLaDA-8B row block on the H200 instead of a few)."""
     i = pl.program_id(0)
     groups = k // GROUP
     gp = 1 << (groups - 1).bit_length()
@@ -106,8 +103,6 @@ def _rmsnorm_quantize_kernel(x_ref, *refs, m: int, k: int, eps: float, with_resi
     ok = g < groups
     row = jnp.zeros_like(cols) + i
     live = ok & (i < m)
-    if normalize:
-        w_ref, *refs = refs
     if with_residual:  # x + residual in x's dtype (the model's residual stream), written out for the FFN's add
         r_ref, q_ref, s_ref, sum_ref = refs
         x = (
@@ -119,11 +114,10 @@ def _rmsnorm_quantize_kernel(x_ref, *refs, m: int, k: int, eps: float, with_resi
     else:
         q_ref, s_ref = refs
         x = plgpu.load(x_ref.at[row, cols], mask=live, other=0.0).astype(jnp.float32)
-    if normalize:
-        w = plgpu.load(w_ref.at[cols], mask=ok, other=0.0)
-        inv = lax.rsqrt(jnp.sum(x * x) / k + eps)
-        x = ((x * inv).astype(x_ref.dtype) * w.astype(x_ref.dtype)).astype(jnp.float32)
-    q, scale = quantize_rows(x)
+    w = plgpu.load(w_ref.at[cols], mask=ok, other=0.0)
+    inv = lax.rsqrt(jnp.sum(x * x) / k + eps)
+    h = (x * inv).astype(x_ref.dtype) * w.astype(x_ref.dtype)
+    q, scale = quantize_rows(h.astype(jnp.float32))
     plgpu.store(q_ref.at[jnp.zeros_like(cols), cols], q, mask=ok)
     plgpu.store(s_ref.at[g, jnp.zeros_like(g)], scale[:, None], mask=ok)
 
@@ -181,44 +175,6 @@ def _rmsnorm_quantize(x, weight, *, eps: float, m_pad: int, residual, blocks: Qu
         interpret=interpret,
         name="rmsnorm_quantize",
     )(x, weight, *([residual] if with_residual else []))
-
-
-def quantize_t_reference(x: jax.Array, m_pad: int) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (xq [m_pad, K] e4m3, xs_t [K/128, m_pad] fp32): zero pad rows, then
-    `fp8_matmul.quantize_activations`, in the GEMM's layouts."""
-    _check_pad(x.shape[0], m_pad, "quantize_t")
-    return _layout(*quantize_activations(jnp.pad(x, ((0, m_pad - x.shape[0]), (0, 0)))))
-
-
-def quantize_t(
-    x: jax.Array, *, m_pad: int, blocks: QuantizeBlocks | None = None, interpret: bool = False
-) -> tuple[jax.Array, jax.Array]:
-    """1x128 e4m3 quantisation of x [M, K] in the FP8 GEMM's layouts (xq [m_pad, K], xs_t [K/128, m_pad]): one
-    kernel where XLA runs an amax reduction, a scaling and a transpose with pads (the attention output before
-    o_proj). blocks None: `QuantizeBlocks.for_rmsnorm`, resolved outside the jitted body."""
-    bs = blocks or QuantizeBlocks.for_rmsnorm(x.shape[-1], x.shape[0])
-    return _quantize_t(x, m_pad=m_pad, blocks=bs, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("m_pad", "blocks", "interpret"))
-def _quantize_t(x, *, m_pad: int, blocks: QuantizeBlocks, interpret: bool):
-    if x.ndim != 2 or x.shape[-1] % GROUP:
-        raise ValueError(f"quantize_t: expected x [M, K] with K a multiple of {GROUP}, got {x.shape}")
-    m, k = x.shape
-    _check_pad(m, m_pad, "quantize_t")
-    if blocks.block_m != 1:
-        raise ValueError(f"quantize_t: one row per program (block_m=1), got block_m={blocks.block_m}")
-    kernel = functools.partial(_rmsnorm_quantize_kernel, m=m, k=k, eps=0.0, with_residual=False, normalize=False)
-    return pl.pallas_call(
-        kernel,
-        grid=(m_pad,),
-        in_specs=[pl.BlockSpec((m, k), lambda i: (0, 0))],
-        out_specs=[pl.BlockSpec((1, k), lambda i: (i, 0)), pl.BlockSpec((k // GROUP, 1), lambda i: (0, i))],
-        out_shape=[jax.ShapeDtypeStruct((m_pad, k), FP8), jax.ShapeDtypeStruct((k // GROUP, m_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
-        interpret=interpret,
-        name="quantize_t",
-    )(x)
 
 
 # ------------------------------------------------------------------------------------------- SwiGLU

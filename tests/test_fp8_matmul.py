@@ -548,6 +548,6 @@ def test_fp8_linear_kernel_matches_reference_gpu(m, n, k):
 
     x, w = _data(m, n, k, seed=2)
     wq, ws = F.quantize_weights(w)
-    ref = fp8_linear(x.astype(jnp.bfloat16), {"w8": wq, "s8": ws}, "xla", jnp.float32)
-    y = fp8_linear(x.astype(jnp.bfloat16), {"w8": wq, "s8": ws}, "pallas", jnp.float32)
+    ref = fp8_linear(x.astype(jnp.bfloat16), wq, ws, "xla", jnp.float32)
+    y = fp8_linear(x.astype(jnp.bfloat16), wq, ws, "pallas", jnp.float32)
     assert _rel(y, ref) < 5e-4

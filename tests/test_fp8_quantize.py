@@ -167,19 +167,6 @@ def test_quantizer_errors():
         Q.swiglu_quantize_t(jnp.ones((16, 384), jnp.bfloat16), interpret=True)
 
 
-@pytest.mark.parametrize("m,m_pad,k", [(1, 64, 128), (33, 64, 384)])
-def test_quantize_t_equals_its_reference(m, m_pad, k):
-    """The quantisation alone (the attention output before o_proj): codes and scales as `fp8_matmul`'s quantiser
-    of the zero-padded rows, bit for bit."""
-    x = (jax.random.normal(jax.random.key(m), (m, k)) * jnp.exp(jnp.linspace(-3, 3, k))).astype(jnp.bfloat16)
-    x = x.at[0, :128].set(0.0)
-    q, s_t = Q.quantize_t(x, m_pad=m_pad, interpret=INTERPRET)
-    q_ref, s_ref = Q.quantize_t_reference(x, m_pad)
-    np.testing.assert_array_equal(_codes(q), _codes(q_ref))
-    np.testing.assert_array_equal(np.asarray(s_t), np.asarray(s_ref))
-    _check_quantised(q, s_t, np.asarray(x, np.float32), m)
-
-
 # ------------------------------------------------------------------------------ the FFN on the kernels
 CFG = fixtures.fp8_config(n_layers=2)
 

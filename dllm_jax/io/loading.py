@@ -471,6 +471,5 @@ def load(
         params, config = P.quantize_projections(params, config)
     if fp8_first_layer:
         params, config = P.quantize_first_layer(params, config)
-    params = P.with_projection_tables(params)  # a stored fp8_all in the GPU layout: its kernels' scale tables
     tokenizer = load_tokenizer(path, config) if has_tokenizer(path) else None
     return Model(config, params, tokenizer, path)

@@ -23,7 +23,6 @@ from dllm_jax.transformer.layers import (
     SwiGLU,
     apply_rope,
     fp8_linear,
-    fp8_linears_on_kernels,
     matmul_precision,
     rope_cos_sin,
     tokenwise,
@@ -40,18 +39,17 @@ class Block(nn.Module):
     config: ModelConfig
     fused: bool = False
     fp8: str = "xla"  # where FP8 projections run (`Kernels.fp8`)
-    interpret: bool = False  # the GPU kernels interpreted (`Kernels.interpret`)
 
     def setup(self) -> None:
         c, dt = self.config, self.config.jnp_dtype
         self.attn_norm = RMSNorm(c.rms_eps, dt)
         if self.fused:
-            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt, self.fp8, self.interpret)
+            self.qkv_proj = Linear(sum(projection_widths(c)), c.qkv_bias, dt, self.fp8)
         else:
-            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt, self.fp8, self.interpret)
-            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8, self.interpret)
-            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8, self.interpret)
-        self.o_proj = Linear(c.d_model, False, dt, self.fp8, self.interpret)
+            self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
+            self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
+            self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, dt, self.fp8)
+        self.o_proj = Linear(c.d_model, False, dt, self.fp8)
         self.ffn_norm = RMSNorm(c.rms_eps, dt)
         self.mlp = SwiGLU(c.mlp_hidden, dt, fused=self.fused)
 
@@ -96,16 +94,17 @@ class Block(nn.Module):
 
 
 def block_for(params: Params, config: ModelConfig, kernels: Kernels = XLA) -> Block:
-    return Block(config, fused=is_fused(params["layers"]), fp8=kernels.fp8, interpret=kernels.interpret)
+    return Block(config, fused=is_fused(params["layers"]), fp8=kernels.fp8)
 
 
 def embed(params: Params, tokens: Array) -> Array:
     return jnp.take(params["embed"], tokens, axis=0)
 
 
-def lm_head(params: Params, config: ModelConfig, h: Array, fp8: str = "xla", interpret: bool = False) -> Array:
+def lm_head(params: Params, config: ModelConfig, h: Array, fp8: str = "xla") -> Array:
     if "lm_head_fp8" in params:  # weights="fp8_all"
-        return fp8_linear(h, params["lm_head_fp8"], fp8, h.dtype, interpret)
+        head = params["lm_head_fp8"]
+        return fp8_linear(h, head["w8"], head["s8"], fp8, h.dtype)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.einsum(
         "...d,dv->...v", h, w, preferred_element_type=jnp.float32, precision=matmul_precision(config.jnp_dtype)
@@ -121,27 +120,6 @@ def at_layer(params: Params, layer_params: Params, i: Any, fn):
     if isinstance(i, int):
         return fn(first if i == 0 else layer_params)
     return jax.lax.cond(i == 0, lambda: fn(first), lambda: fn(layer_params))
-
-
-def _fp8_linears(layer_params: Params, names: tuple[str, ...]) -> list[dict] | None:
-    leaves = [layer_params.get(name) for name in names]
-    return leaves if all(leaf is not None and "w8" in leaf for leaf in leaves) else None
-
-
-def _fp8_qkv_on_kernels(config: ModelConfig, layer_params: Params, x: Array, kernels: Kernels) -> Array | None:
-    """`Block.qkv_projection(attn_norm(x))` of FP8 projections on the GPU kernels, the norm fused into the
-    activations' quantisation (`layers.fp8_linears_on_kernels`); None where they do not run there."""
-    if kernels.fp8 != "pallas":
-        return None
-    linears = _fp8_linears(layer_params, ("qkv_proj",)) or _fp8_linears(layer_params, ("q_proj", "k_proj", "v_proj"))
-    if linears is None:
-        return None
-    out = fp8_linears_on_kernels(
-        x, linears, config.jnp_dtype, layer_params["attn_norm"]["scale"], config.rms_eps, kernels.interpret
-    )
-    if out is None:
-        return None
-    return jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]
 
 
 def block_qkv(
@@ -162,9 +140,6 @@ def block_qkv(
         plain = lambda lp: block_qkv(block, lp, x, positions, cos, sin, kernels)  # noqa: E731
         return at_layer(params, layer_params, i, plain)
     if not kernels.batch_invariant:
-        qkv = _fp8_qkv_on_kernels(block.config, layer_params, x, kernels)
-        if qkv is not None:
-            return block.apply({"params": layer_params}, qkv, cos, sin, method=Block.split_rotate)
         return block.apply({"params": layer_params}, x, cos, sin, method=Block.qkv)
     c = block.config
 
@@ -182,13 +157,8 @@ def final_hidden_to_logits(
         x = jnp.take_along_axis(x, logits_at[:, :, None].astype(jnp.int32), axis=1)
 
     def head(x):
-        if kernels.fp8 == "pallas" and "lm_head_fp8" in params:  # the final norm fused into the quantisation
-            scale = params["final_norm"]["scale"]
-            out = fp8_linears_on_kernels(x, [params["lm_head_fp8"]], x.dtype, scale, config.rms_eps, kernels.interpret)
-            if out is not None:
-                return out[0]
         x = RMSNorm(config.rms_eps, config.jnp_dtype).apply({"params": params["final_norm"]}, x)
-        return lm_head(params, config, x, kernels.fp8, kernels.interpret)
+        return lm_head(params, config, x, kernels.fp8)
 
     return tokenwise(head, x) if kernels.batch_invariant else head(x)
 

@@ -15,11 +15,25 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.transformer.layers import RMSNorm, SwiGLU
-from dllm_jax.transformer.params import kernel_scale_table
+from dllm_jax.transformer.params import GROUP, KERNEL_SCALES, column_scale_key, kernel_scale_key
 from pallas_kernels import fp8_matmul as F
 from pallas_kernels.fp8_quantize import QuantizeBlocks, rmsnorm_quantize, splitk_residual_add, swiglu_quantize_t
 
 Array = jax.Array
+
+
+def _kernel_scales(mlp_fp8: dict, src: str, cfg: F.Fp8MatmulConfig) -> Array:
+    """The weight-scale table a tiling reads: the load-time leaf where it exists with the right shape (the GPU
+    layout, `params.with_kernel_scales`), else built here (a kernel per call)."""
+    n, k = mlp_fp8[KERNEL_SCALES[src]].shape
+    if cfg.column_scales:
+        key, shape = column_scale_key(src, cfg), F.column_scale_table_shape(n, k, cfg)
+    else:
+        key, shape = kernel_scale_key(src, F.ws_cols(cfg)), (k // GROUP, n // F.ws_cols(cfg))
+    table = mlp_fp8.get(key)
+    if table is not None and table.shape == shape:
+        return table
+    return F.kernel_weight_scales(mlp_fp8[src], n, cfg)
 
 
 class FfnPlan(NamedTuple):
@@ -85,7 +99,7 @@ def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret,
         xq, xs_t, x = rmsnorm_quantize(
             x, norm_scale, eps=eps, m_pad=mp, residual=residual, blocks=plan.norm_blocks, interpret=interpret
         )
-    ws_gu = kernel_scale_table(mlp_fp8, "s_gu", plan.gate_up)
+    ws_gu = _kernel_scales(mlp_fp8, "s_gu", plan.gate_up)
     if plan.fused:
         aq, as_t = F.fp8_gate_up_swiglu(xq, xs_t, mlp_fp8["w_gu"], ws_gu, cfg=plan.gate_up, interpret=interpret)
     else:
@@ -97,7 +111,7 @@ def _fp8_ffn_kernels(x, norm_scale, mlp_fp8, residual, *, eps: float, interpret,
         aq,
         as_t,
         mlp_fp8["w_down"],
-        kernel_scale_table(mlp_fp8, "s_down", plan.down),
+        _kernel_scales(mlp_fp8, "s_down", plan.down),
         cfg=plan.down,
         out_dtype=x.dtype,
         interpret=interpret,

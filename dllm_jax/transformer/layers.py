@@ -8,16 +8,12 @@ in fp32, Dream in the activation dtype.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.transformer.params import PROJECTION_SCALES, kernel_scale_table
 from pallas_kernels import fp8_matmul as F
-from pallas_kernels import fp8_quantize as Q
 
 Array = jax.Array
 
@@ -48,13 +44,16 @@ class Linear(nn.Module):
     features: int
     use_bias: bool
     dtype: jnp.dtype
-    fp8: str = "xla"  # where FP8 leaves run: "pallas" (the GPU kernels, where they fit) or "xla" (the reference)
-    interpret: bool = False  # the GPU kernels interpreted (off the GPU: tests)
+    fp8: str = "xla"  # where FP8 leaves run: "pallas" (the GPU kernel, where it fits) or "xla" (the reference)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        if self.has_variable("params", "w8"):  # w8, s8, the bias if any, the kernels' load-time scale tables
-            return fp8_linear(x, self.variables["params"], self.fp8, self.dtype, self.interpret)
+        if self.has_variable("params", "w8"):
+            w8, s8 = self.get_variable("params", "w8"), self.get_variable("params", "s8")
+            if not self.use_bias:
+                return fp8_linear(x, w8, s8, self.fp8, self.dtype)
+            y = fp8_linear(x, w8, s8, self.fp8, jnp.float32)
+            return (y + self.get_variable("params", "bias").astype(jnp.float32)).astype(self.dtype)
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
         # Without a bias the GEMM emits the activation dtype itself: it still accumulates in fp32 and rounds once
         # (cuBLAS, XLA's Triton GEMMs and the CPU alike), but no fp32 [M, N] output is written and re-read by a
@@ -71,63 +70,19 @@ class Linear(nn.Module):
         return y.astype(self.dtype)
 
 
-def fp8_linear(x: Array, leaves: Mapping, backend: str = "xla", out_dtype=jnp.float32, interpret: bool = False):
-    """x [..., K] @ dequant(w8 [N, K], s8).T (+ bias) of an FP8 linear's leaves, accumulated in fp32 (the bias added
-    before the one rounding to out_dtype), x quantised in 1x128 groups first: on the GPU kernels (backend "pallas",
-    `fp8_linears_on_kernels`, where their tiling fits the shape) or the XLA reference (exact dequantisation, an fp32
-    dot)."""
-    if backend == "pallas":
-        out = fp8_linears_on_kernels(x, [leaves], out_dtype, interpret=interpret)
-        if out is not None:
-            return out[0]
-    lead, k = x.shape[:-1], x.shape[-1]
-    w8, s8, bias = leaves["w8"], leaves["s8"], leaves.get("bias")
-    xq, xs = F.quantize_activations(x.reshape(-1, k))
-    y = F.fp8_matmul_reference(xq, xs, w8, s8, out_dtype=out_dtype if bias is None else jnp.float32)
-    if bias is not None:
-        y = (y + bias.astype(jnp.float32)).astype(out_dtype)
-    return y.reshape(*lead, w8.shape[0])
-
-
-def fp8_linears_on_kernels(
-    x: Array,
-    linears: list[dict],
-    out_dtype,
-    norm_scale: Array | None = None,
-    eps: float = 0.0,
-    interpret: bool = False,
-) -> list[Array] | None:
-    """Each FP8 linear {"w8", "s8"[, "bias"]} of x [..., K] on the GPU kernels, x normalised first by RMSNorm(
-    norm_scale, eps) where given: one Pallas kernel normalises and quantises x straight into the GEMM's layouts
-    (`fp8_quantize.rmsnorm_quantize`, or `quantize_t` without a norm) for every linear, where XLA ran the norm, the
-    1x128 amaxes, the pads and a transpose per GEMM (~6 us a GEMM at block-step sizes, `fp8_matmul_h200.json`).
-    The same numbers as RMSNorm then `Linear` with backend "pallas" (the quantisers' references are those ops).
-    None where the kernel's default tiling does not fit a linear's shape (the caller runs `Linear`)."""
+def fp8_linear(x: Array, w8: Array, s8: Array, backend: str = "xla", out_dtype=jnp.float32) -> Array:
+    """x [..., K] @ dequant(w8 [N, K], s8).T accumulated in fp32, x quantised in 1x128 groups first, rounded once
+    to out_dtype: `pallas_kernels.fp8_matmul`'s kernel (backend "pallas", where its tiling fits the shape) or its
+    XLA reference (exact dequantisation, an fp32 dot)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if any(not F.kernel_fits(m, lin["w8"].shape[0], k) for lin in linears):
-        return None
-    cfgs = [F.default_config(m, lin["w8"].shape[0], k) for lin in linears]  # outside any jit: shapes are static
-    mp = F.padded_rows(m, *cfgs)
-    if norm_scale is None:
-        xq, xs_t = Q.quantize_t(x2, m_pad=mp, interpret=interpret)
+    xq, xs = F.quantize_activations(x2)
+    n = w8.shape[0]
+    if backend == "pallas" and F.kernel_fits(x2.shape[0], n, k):
+        y = F.fp8_matmul(xq, xs, w8, s8, out_dtype=out_dtype, backend="pallas")
     else:
-        xq, xs_t = Q.rmsnorm_quantize(x2, norm_scale, eps=eps, m_pad=mp, interpret=interpret)
-    out = []
-    for lin, cfg in zip(linears, cfgs):
-        n = lin["w8"].shape[0]
-        ws = kernel_scale_table(lin, "s8", cfg, PROJECTION_SCALES)  # the load-time table where there is one
-        bias = lin.get("bias")
-        dt = jnp.float32 if bias is not None or cfg.split_k > 1 else out_dtype
-        y = F.fp8_matmul_padded(xq, xs_t, lin["w8"], ws, cfg=cfg, out_dtype=dt, interpret=interpret)
-        if cfg.split_k > 1:  # fp32 partials
-            y = y.sum(axis=0)
-        y = y[:m]
-        if bias is not None:
-            y = y + bias.astype(jnp.float32)
-        out.append(y.astype(out_dtype).reshape(*lead, n))
-    return out
+        y = F.fp8_matmul_reference(xq, xs, w8, s8, out_dtype=out_dtype)
+    return y.reshape(*lead, n)
 
 
 class SwiGLU(nn.Module):

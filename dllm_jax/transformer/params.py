@@ -169,7 +169,7 @@ def unstack_layers_in_place(params: Params, fuse: bool = True) -> Params:
     if "mlp_fp8" in layers[0]:  # the FP8 kernel's weight-scale tables, built once here rather than every step
         layers = [{**lp, "mlp_fp8": with_kernel_scales(lp["mlp_fp8"])} for lp in layers]
     params["layers"] = tuple(layers)
-    return with_projection_tables(params)
+    return params
 
 
 def stack_layers(params: Params, config: ModelConfig | None = None) -> Params:
@@ -411,7 +411,7 @@ def quantize_projections(params: Params, config: ModelConfig) -> tuple[Params, M
     w8, s8 = _quantize_one(jnp.asarray(head))
     out = {k: v for k, v in params.items() if k != "lm_head"}
     out.update(layers=quantized, attn_first=first, lm_head_fp8={"w8": w8, "s8": s8})
-    return with_projection_tables(out), config.replace(fp8_proj=True)
+    return out, config.replace(fp8_proj=True)
 
 
 FIRST_LAYER = ("mlp_first", "attn_first")  # layer 1's bf16 copies beside its FP8 entries
@@ -449,7 +449,6 @@ def fp8_param_shapes(shapes: Params, config: ModelConfig) -> Params:
 # step), so the GPU layout stores both tables as leaves (~1.2 MB per LLaDA layer).
 KERNEL_SCALE_COLS = (4, 8)
 KERNEL_SCALES = {"s_gu": "w_gu", "s_down": "w_down"}
-PROJECTION_SCALES = {"s8": "w8"}  # the same tables for the FP8 projections and head (weights="fp8_all")
 
 
 def kernel_scale_key(src: str, cols: int) -> str:
@@ -461,13 +460,12 @@ def column_scale_key(src: str, cfg: F.Fp8MatmulConfig) -> str:
     return f"{src}_col{cfg.wg_tile_n}{cfg.wg_dimension.name}"
 
 
-def with_kernel_scales(mlp_fp8: dict, scales: dict[str, str] = KERNEL_SCALES) -> dict:
-    """One layer's mlp_fp8 dict (or, with PROJECTION_SCALES, an FP8 linear's {"w8", "s8"}) plus the kernel-layout
-    scale tables (numpy stays numpy: host loading): the 128-byte-row tables of KERNEL_SCALE_COLS, and the
-    per-column table of the block-step column tiling where that GEMM has one (Dream-7B's gate/up: ~4.7 MB a
-    layer)."""
+def with_kernel_scales(mlp_fp8: dict) -> dict:
+    """One layer's mlp_fp8 dict plus the kernel-layout scale tables (numpy stays numpy: host loading): the
+    128-byte-row tables of KERNEL_SCALE_COLS, and the per-column table of the block-step column tiling where that
+    GEMM has one (Dream-7B's gate/up: ~4.7 MB a layer)."""
     out = dict(mlp_fp8)
-    for src, w in scales.items():
+    for src, w in KERNEL_SCALES.items():
         ws, (n, k) = mlp_fp8[src], np.shape(mlp_fp8[w])[-2:]
         xp = np if isinstance(ws, np.ndarray) else jnp
         for cols in KERNEL_SCALE_COLS:
@@ -480,36 +478,3 @@ def with_kernel_scales(mlp_fp8: dict, scales: dict[str, str] = KERNEL_SCALES) ->
 
 def without_kernel_scales(mlp_fp8: dict) -> dict:
     return {k: v for k, v in mlp_fp8.items() if "_tma" not in k and "_col" not in k}
-
-
-def kernel_scale_table(leaves: dict, src: str, cfg: F.Fp8MatmulConfig, scales: dict[str, str] = KERNEL_SCALES):
-    """The weight-scale table a tiling reads: the load-time leaf where it exists with the right shape
-    (`with_kernel_scales`), else built here (a broadcast kernel per call)."""
-    n, k = leaves[scales[src]].shape
-    if cfg.column_scales:
-        key, shape = column_scale_key(src, cfg), F.column_scale_table_shape(n, k, cfg)
-    else:
-        key, shape = kernel_scale_key(src, F.ws_cols(cfg)), (k // GROUP, n // F.ws_cols(cfg))
-    table = leaves.get(key)
-    if table is not None and table.shape == shape:
-        return table
-    return F.kernel_weight_scales(leaves[src], n, cfg)
-
-
-def with_projection_tables(params: Params) -> Params:
-    """Per-layer (GPU layout) params with FP8 projections: each projection and the head with its kernel-layout
-    scale tables (`with_kernel_scales`), as the FP8 FFN has them, so that no step expands them (a broadcast kernel
-    a GEMM). Other params are returned as they are; tables already there are kept."""
-    layers = params.get("layers")
-    if not is_unrolled(layers) or "lm_head_fp8" not in params:
-        return params
-
-    def tabled(module: Any) -> Any:
-        if isinstance(module, dict) and "w8" in module and kernel_scale_key("s8", KERNEL_SCALE_COLS[0]) not in module:
-            return with_kernel_scales(module, PROJECTION_SCALES)
-        return module
-
-    out = dict(params)
-    out["layers"] = tuple({k: tabled(v) if k in PROJECTIONS else v for k, v in lp.items()} for lp in layers)
-    out["lm_head_fp8"] = tabled(params["lm_head_fp8"])
-    return out
