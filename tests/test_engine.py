@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 from engine_invariants import check_block_manager
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dllm_jax import GenerationConfig, answer_tokens, generate
 from dllm_jax.decoding.caches import acache, bicache
@@ -191,6 +193,49 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
     assert [ladder.chunk(b) for b in ladder.batch_sizes] == [256, 256, 128]  # <= 2048 tokens a chunk at 16 rows
     assert Ladder.for_settings(16, 2000, (2, 16)).batch_sizes == (2, 16)
     assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 2 + 1  # no BiCache depth served
+
+
+def test_a_few_long_windows_run_in_a_call_of_their_own():
+    """Every row of a block call pays its block start's chunks up to the longest window: `Ladder.calls` splits off
+    the long rows where that saves more than the other call's steps cost, and keeps rows of like windows together.
+    LLaDA-8B's serve defaults on a GPU: an audit's shadow (an unshared 2400-token window) among 14 ACache rows."""
+    ladder = Ladder.for_settings(16, 4096)
+    windows = [400] * 7 + [2400] + [400] * 7
+    assert ladder.calls(windows, [8] * 15, 32) == [[7], [*range(7), *range(8, 15)]]
+    assert ladder.calls([900] * 16, [8] * 16, 32) == [list(range(16))]
+    assert ladder.calls([300, 2000, 400, 2200], [8] * 4, 32) == [[0, 1, 2, 3]]  # half long: a second call's steps
+    # three tiers, longest first
+    assert ladder.calls([100] * 10 + [1000, 3000], [8] * 12, 32) == [[11], [10], list(range(10))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 4096), st.integers(1, 32)), min_size=1, max_size=16),
+    st.sampled_from(["gpu", "cpu"]),
+)
+def test_calls_partition_the_rows_and_never_cost_more_than_one_call(rows, platform):
+    ladder = Ladder.for_settings(16, 4096, platform=platform)
+    windows, steps = [w for w, _ in rows], [s for _, s in rows]
+    calls = ladder.calls(windows, steps, 32)
+    assert sorted(i for c in calls for i in c) == list(range(len(rows))) and all(c == sorted(c) for c in calls)
+    cost = sum(ladder.cost([windows[i] for i in c], max(steps[i] for i in c), 32) for c in calls)
+    assert cost <= ladder.cost(windows, max(steps), 32)
+
+
+def test_a_long_window_runs_apart_and_every_answer_stays_solo(models_fp32):
+    """One long unshared prompt among short ones: two calls in the step (the long row alone), answers as solo."""
+    m = models_fp32["llada"]
+    engine = engine_for(m, max_model_len=96, window_chunk=16)
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual")
+    items = [(RNG.integers(0, 80, 80).tolist(), gc, None, 0), (OWN[0], gc, None, 1), (OWN[2], gc, None, 2)]
+    ids = [engine.add_request(p, c, affix=span, seed=seed) for p, c, span, seed in items]
+    blocks, rows = engine.counters["blocks"], engine.counters["block_rows"]
+    engine.step()
+    assert (engine.counters["blocks"] - blocks, engine.counters["block_rows"] - rows) == (2, 3)
+    while engine.has_unfinished():
+        engine.step()
+    got = [engine.request(i).answer(tuple(gc.stop_token_ids(m.config))) for i in ids]
+    assert got == [solo(m, p, c, seed=seed) for p, c, _, seed in items]
 
 
 @pytest.mark.xdist_group("engine-dream")

@@ -128,7 +128,8 @@ class Engine:
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None and not cfg.batch_invariant)
         choice = KernelChoice(attention=cfg.attention, rope_write="xla", batch_invariant=cfg.batch_invariant)
         kernels = Kernels.resolve(choice, mc, params)
-        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
+        platform = jax.devices()[0].platform
+        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk, platform)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
         # FP8: generate's options where every block call of the engine would get them (its smallest batch's)
         options = cfg.compiler_options or fp8_compiler_options(mc, ladder.batch_sizes[0] * min(self.block_lengths))
@@ -255,27 +256,40 @@ class Engine:
                 except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
                     outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
-            probing = [r for r in group if r.needs_probe][: Ladder.probe_rows]  # the rest: by the next calls
-            group = [r for r in group if not r.needs_probe] + probing
-            if any(r.status != Status.RUNNING for r in group):  # failed with a lost pool earlier in this step
+            probes = [r for r in group if r.needs_probe][: Ladder.probe_rows]  # the rest: by the next calls
+            group = [r for r in group if not r.needs_probe] + probes
+            outputs += self._run_calls(group, probes)
+        return outputs
+
+    def _run_calls(self, group: list[Request], probes: list[Request]) -> list[BlockOutput]:
+        """One block of each of one program's requests (new ACache ones, `probes`, last), in the calls
+        `Ladder.calls` splits them into: a block start recomputes every row's window up to the longest one's, so a
+        few long windows (unshared requests among shared ones, audit shadows) run apart."""
+        outputs: list[BlockOutput] = []
+        bl = group[0].block_length
+        steps = [min(r.config.schedule.steps_per_block, bl) for r in group]
+        for ix in self.runner.ladder.calls([r.private_tokens() for r in group], steps, bl):
+            call = [group[i] for i in ix]  # in group order: the probed rows last
+            probing = [r for r in call if r in probes]
+            if any(r.status != Status.RUNNING for r in call):  # failed with a lost pool earlier in this step
                 continue
             try:
                 if self.before_call is not None:
-                    self.before_call([r.request_id for r in group])
+                    self.before_call([r.request_id for r in call])
                 if probing:  # their anchors first, then their first block in the call with the others
                     for r, ranking in zip(probing, self.runner.probe(probing, self.block_manager)):
                         r.probe_done(ranking)
                     self.counters["probes"] += len(probing)
-                blocks = self.runner.run_block(group, self.block_manager, self._program(group[0]))
+                blocks = self.runner.run_block(call, self.block_manager, self._program(call[0]))
             except Exception as e:  # noqa: BLE001  a failed device call fails its requests, not the engine
-                outputs += self._fault(group, e)
+                outputs += self._fault(call, e)
                 continue
             self.consecutive_faults = 0
             now = time.perf_counter()
-            for r, blk, steps, key in zip(group, *blocks):
-                outputs.append(self._commit(r, blk.tolist(), steps.tolist(), key, now))
+            for r, blk, committed, key in zip(call, *blocks):
+                outputs.append(self._commit(r, blk.tolist(), committed.tolist(), key, now))
             self.counters["blocks"] += 1
-            self.counters["block_rows"] += len(group)
+            self.counters["block_rows"] += len(call)
         return outputs
 
     def _prepare_affix(self, r: Request) -> None:
