@@ -128,8 +128,7 @@ class Engine:
         params = unstack_layers(model.params, fuse=mesh_of(model.params) is None and not cfg.batch_invariant)
         choice = KernelChoice(attention=cfg.attention, rope_write="xla", batch_invariant=cfg.batch_invariant)
         kernels = Kernels.resolve(choice, mc, params)
-        platform = jax.devices()[0].platform
-        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk, platform)
+        ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
         # FP8: generate's options where every block call of the engine would get them (its smallest batch's)
         options = cfg.compiler_options or fp8_compiler_options(mc, ladder.batch_sizes[0] * min(self.block_lengths))

@@ -43,9 +43,10 @@ Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
 CHUNK_TOKENS = 2048  # a block-start chunk of all rows at most this many tokens (see `Ladder.chunk`)
 # A block step's cost floor in tokens of block-start work (`Ladder.calls`): a step streams every weight once however
-# few its rows, which costs what this many tokens' GEMMs cost at the device's FLOP-to-byte ratio (LLaDA-8B bf16 on
-# the H200: 4.81 ms a batch-1 step, 26.7 ms a batch-32 step of 1024 tokens, so ~185 tokens); a CPU's ratio is lower.
-STEP_FLOOR_TOKENS = {"gpu": 192, "cpu": 16}
+# few its rows, which costs what this many tokens' GEMMs cost at a GPU's FLOP-to-byte ratio (LLaDA-8B bf16 on the
+# H200: 4.81 ms a batch-1 step, 26.7 ms a batch-32 step of 1024 tokens, so ~185 tokens). On a CPU, where small
+# models' calls cost their dispatch as much, it keeps them together all the more.
+STEP_FLOOR_TOKENS = 192
 SPLIT_GAIN = 0.8  # split a call only where the estimate saves a fifth (it is an estimate)
 
 
@@ -85,18 +86,14 @@ class Ladder:
     read_len: int  # the one width of the read lists and windows (of block starts, probes, affixes)
     window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
     probe_rows: int = 4  # new ACache requests a probe call takes at most (the rest: the next steps')
-    step_floor: int = STEP_FLOOR_TOKENS["gpu"]  # `calls`' cost of a step of few rows, in block-start tokens
 
     @classmethod
-    def for_settings(
-        cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None, window_chunk=256, platform="gpu"
-    ):
-        """The ladder of these settings (batch_sizes: None for the defaults) on this platform ("gpu", "cpu")."""
+    def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None, window_chunk=256):
+        """The ladder of these settings (batch_sizes: None for the defaults)."""
         cap = round_up(max_len)
         chunk = min(round_up(window_chunk), cap)
         batch_sizes = batch_sizes or {min(4**i, max_batch) for i in range(max_batch.bit_length())}  # 1, 4, 16, ...
-        floor = STEP_FLOOR_TOKENS.get(platform, STEP_FLOOR_TOKENS["gpu"])
-        return cls(tuple(sorted(set(batch_sizes))), round_up(cap, chunk), chunk, step_floor=floor)
+        return cls(tuple(sorted(set(batch_sizes))), round_up(cap, chunk), chunk)
 
     def batch(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
@@ -111,10 +108,10 @@ class Ladder:
 
     def cost(self, windows: Sequence[int], steps: int, block_length: int) -> int:
         """A block call's estimated work in tokens: its block start runs every padded row's chunks up to the longest
-        window; each step costs its rows' block tokens, at least `step_floor`."""
+        window; each step costs its rows' block tokens, at least STEP_FLOOR_TOKENS."""
         b = self.batch(len(windows))
         c = self.chunk(b)
-        return b * c * -(-max(windows) // c) + steps * max(self.step_floor, b * block_length)
+        return b * c * -(-max(windows) // c) + steps * max(STEP_FLOOR_TOKENS, b * block_length)
 
     def calls(self, windows: Sequence[int], steps: Sequence[int], block_length: int) -> list[list[int]]:
         """How one program's rows (their block-start windows and steps a block) split into calls, as lists of row
