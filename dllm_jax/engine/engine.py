@@ -255,13 +255,12 @@ class Engine:
                 except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
                     outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
-            probes = [r for r in group if r.needs_probe][: Ladder.probe_rows]  # the rest: by the next calls
-            group = [r for r in group if not r.needs_probe] + probes
-            outputs += self._run_calls(group, probes)
+            probing = [r for r in group if r.needs_probe][: Ladder.probe_rows]  # the rest: by the next calls
+            outputs += self._run_calls([r for r in group if not r.needs_probe] + probing)
         return outputs
 
-    def _run_calls(self, group: list[Request], probes: list[Request]) -> list[BlockOutput]:
-        """One block of each of one program's requests (new ACache ones, `probes`, last), in the calls
+    def _run_calls(self, group: list[Request]) -> list[BlockOutput]:
+        """One block of each of one program's requests (new ACache ones last, probed first), in the calls
         `Ladder.calls` splits them into: a block start recomputes every row's window up to the longest one's, so a
         few long windows (unshared requests among shared ones, audit shadows) run apart."""
         outputs: list[BlockOutput] = []
@@ -269,7 +268,7 @@ class Engine:
         steps = [min(r.config.schedule.steps_per_block, bl) for r in group]
         for ix in self.runner.ladder.calls([r.private_tokens() for r in group], steps, bl):
             call = [group[i] for i in ix]  # in group order: the probed rows last
-            probing = [r for r in call if r in probes]
+            probing = [r for r in call if r.needs_probe]
             if any(r.status != Status.RUNNING for r in call):  # failed with a lost pool earlier in this step
                 continue
             try:

@@ -124,11 +124,10 @@ class Ladder:
             return self.cost([windows[i] for i in ix], max(steps[i] for i in ix), block_length)
 
         def split(ix: list[int]) -> list[list[int]]:
-            whole = cost(ix)
-            best = min(range(1, len(ix)), key=lambda k: cost(ix[:k]) + cost(ix[k:]), default=None)
-            if best is None or cost(ix[:best]) + cost(ix[best:]) > SPLIT_GAIN * whole:
+            best = min(((cost(ix[:k]) + cost(ix[k:]), k) for k in range(1, len(ix))), default=None)
+            if best is None or best[0] > SPLIT_GAIN * cost(ix):
                 return [sorted(ix)]
-            return split(ix[:best]) + split(ix[best:])
+            return split(ix[: best[1]]) + split(ix[best[1] :])
 
         return split(rows)
 
