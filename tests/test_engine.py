@@ -221,19 +221,24 @@ def test_calls_partition_the_rows_and_never_cost_more_than_one_call(rows, max_ba
 
 
 def test_a_long_window_runs_apart_and_every_answer_stays_solo(models_fp32):
-    """One long unshared prompt among short ones: two calls in the step (the long row alone), answers as solo."""
+    """One long unshared prompt beside a short one and an ACache one (probed in the same step): two calls (the long
+    row alone), on programs the warm-up compiled (nothing compiles after it), every answer as solo `generate`."""
     m = models_fp32["llada"]
-    engine = engine_for(m, max_model_len=160, window_chunk=16)
-    gc = opts(gen_length=4, block_length=4, steps=1, cache="dual")  # a step costs little beside a 10-chunk window
-    items = [(RNG.integers(0, 80, 150).tolist(), gc, None, 0), (OWN[0], gc, None, 1)]  # two calls of one row
+    engine = engine_for(m, max_model_len=192, window_chunk=16)
+    engine.warmup(progress=False)
+    gc = opts(gen_length=4, block_length=4, steps=1, cache="dual")  # a step costs little beside a 12-chunk window
+    shared = opts(gen_length=8, block_length=4, steps=4, cache="dual", affix="anchors", anchor_ratio=0.2)
+    items = [(RNG.integers(0, 80, 180).tolist(), gc, None, 0), (OWN[0], gc, None, 1)]
+    items.append((PLACED[1][0], shared, PLACED[1][1], 2))  # an infix affix
     ids = [engine.add_request(p, c, affix=span, seed=seed) for p, c, span, seed in items]
     blocks, rows = engine.counters["blocks"], engine.counters["block_rows"]
     engine.step()
-    assert (engine.counters["blocks"] - blocks, engine.counters["block_rows"] - rows) == (2, 2)
+    assert (engine.counters["blocks"] - blocks, engine.counters["block_rows"] - rows) == (2, 3)
     while engine.has_unfinished():
         engine.step()
-    got = [engine.request(i).answer(tuple(gc.stop_token_ids(m.config))) for i in ids]
-    assert got == [solo(m, p, c, seed=seed) for p, c, _, seed in items]
+    assert engine.stats()["compiles_after_warmup"] == 0
+    got = [engine.request(i).answer(tuple(c.stop_token_ids(m.config))) for i, (_, c, _, _) in zip(ids, items)]
+    assert got == [solo(m, p, c, span, seed) for p, c, span, seed in items]
 
 
 @pytest.mark.xdist_group("engine-dream")
