@@ -227,31 +227,45 @@ def test_a_replica_reports_flags_the_model_refuses_instead_of_restarting():
     assert refusal(ready) == server.refused and refusal({"replicas": [{"status": "warming"}]}) is None
 
 
-def test_a_stream_whose_replica_dies_ends_with_an_error_event():
+def test_a_stream_whose_replica_dies_ends_with_an_error_event_and_a_plain_answer_is_retried():
     """The part of a stream already sent cannot be sent again: where its replica dies, the ingress ends it with an
-    error event in OpenAI's shape and [DONE]; a plain answer ends where it stopped (the ingress retried it earlier,
-    before its first part)."""
+    error event in OpenAI's shape and [DONE]. A plain answer goes out only whole: a replica that dies after its
+    head (before its body) is retried on another, never an empty 200 (seen once in a kill run before this)."""
     import asyncio
     import json
 
     from ray.exceptions import RayActorError
 
-    from dllm_jax.cluster.app import answer_rest
+    from dllm_jax.cluster.app import answer_rest, first_answer
 
     first = b'data: {"choices": [{"text": "1 0"}]}\n\n'
+    events = {"status": 200, "headers": [("content-type", "text/event-stream")]}
+    plain = {"status": 200, "headers": [("content-type", "application/json")]}
 
-    async def dying():
+    async def dying(head):
+        yield head
         yield first
         raise RayActorError()
 
-    async def collect(events: bool) -> list[bytes]:
-        return [part async for part in answer_rest(dying(), events)]
+    async def whole(head):
+        yield head
+        yield b'{"choices": []}'
 
-    streamed = asyncio.run(collect(True))
+    async def stream_of(call) -> tuple[dict, list[bytes] | None, list[bytes]]:
+        head, body, stream = await first_answer(call)
+        return head, body, [part async for part in answer_rest(stream)] if body is None else []
+
+    head, body, streamed = asyncio.run(stream_of(lambda: dying(events)))
+    assert head == events and body is None
     assert streamed[0] == first and streamed[-1].endswith(b"data: [DONE]\n\n")
     error = json.loads(streamed[-1].split(b"\n\n")[0].removeprefix(b"data: "))["error"]
     assert error["code"] == "replica_lost" and error["type"] == "server_error"
-    assert asyncio.run(collect(False)) == [first]
+
+    calls = iter([dying(plain), whole(plain)])
+    head, body, _ = asyncio.run(stream_of(lambda: next(calls)))
+    assert head == plain and body == [b'{"choices": []}']
+    with pytest.raises(RayActorError):  # two replicas lost in a row: the client gets the ingress's 500
+        asyncio.run(first_answer(lambda: dying(plain)))
 
 
 def test_metrics_and_audits_of_the_replicas_merge_into_one():

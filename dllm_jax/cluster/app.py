@@ -7,12 +7,14 @@ adding an `x-dllm-replica` header that names the replica that answered. Requests
 Ray Serve request router, turns into a replica by `routing.RoutingRule`: the key's owner unless its queue is at
 `spill_queue`, else the least loaded. Affix registrations (POST / DELETE /v1/affixes) go to every replica (an
 affix's id is a content key, the same on each); GET /health and /ready answer 200 only when every replica does.
-A request whose replica died before answering is sent once more (Ray restarts the replica).
+A request whose replica died before its whole plain answer (or before an event stream's first part) is sent once
+more (Ray restarts the replica).
 
 No `from __future__ import annotations` here: FastAPI reads the route's parameter types at run time.
 """
 
 import argparse
+import functools
 import json
 import os
 from typing import Any, List, Optional
@@ -203,15 +205,32 @@ STREAM_LOST = (
 )
 
 
-async def answer_rest(stream, events: bool):
-    """The rest of a replica's answer; where the replica dies mid-answer, a stream ends with an error event (in
+async def answer_rest(stream):
+    """The rest of a replica's event stream; where the replica dies mid-stream, it ends with an error event (in
     OpenAI's error shape) and [DONE] (its first part already went out, so it cannot be sent again)."""
     try:
         async for part in stream:
             yield part
     except RayActorError:
-        if events:
-            yield STREAM_LOST
+        yield STREAM_LOST
+
+
+async def first_answer(call, tries: int = 2) -> tuple[dict, Optional[List[bytes]], Any]:
+    """The answer of the first of `tries` replica calls (`call()` starts one) whose replica lives to give it: its
+    head, and a plain answer's whole body (None for an event stream, whose rest the returned stream carries). A
+    replica that dies before a plain answer's last byte is retried: none of it went out, and a head alone would
+    reach the client as an empty 200."""
+    for attempt in range(tries):
+        stream = call()
+        try:
+            head = await stream.__anext__()
+            if dict(head["headers"]).get("content-type", "").startswith("text/event-stream"):
+                return head, None, stream
+            return head, [part async for part in stream], stream
+        except RayActorError:  # the replica died mid-answer: once more, on a live one
+            if attempt == tries - 1:
+                raise
+    raise ValueError("tries must be at least 1")
 
 
 # a stop polls the in-flight requests every 0.2 s (Ray's default 2 s adds ~2 s a deployment to every stop)
@@ -257,16 +276,11 @@ class Ingress:
         if path in ALL_MUST_ANSWER or (method != "GET" and path.startswith(BROADCAST)):
             return self._combined(path, await self._everywhere(method, path, query, headers, body))
         key = request_route_key(_json(body)) if method == "POST" and path in ROUTED else None
-        for attempt in (0, 1):
-            stream = self._call(method, path, query, headers, body, route_key=key)
-            try:
-                head = await stream.__anext__()
-            except RayActorError:  # the replica died before answering: once more, on a live one
-                if attempt:
-                    raise
-                continue
-            events = dict(head["headers"]).get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(answer_rest(stream, events), status_code=head["status"], headers=_headers(head))
+        call = functools.partial(self._call, method, path, query, headers, body, route_key=key)
+        head, whole, stream = await first_answer(call)
+        if whole is None:
+            return StreamingResponse(answer_rest(stream), status_code=head["status"], headers=_headers(head))
+        return Response(b"".join(whole), status_code=head["status"], headers=_headers(head))
 
     def _combined(self, path: str, answers: List[tuple[dict, List[bytes]]]) -> Response:
         """Every replica's answer to a broadcast as one: the first failure's if any replica failed, else the first
