@@ -43,13 +43,14 @@ def test_attend_segments_is_attention(dtype):
 def test_attend_segments_row_result_does_not_depend_on_its_call(dtype):
     """One row's queries over its keys, bit for bit: alone; among other rows; its keys left-padded, right-padded and
     scattered among masked ones; split into an empty shared segment and its own; its queries at other offsets of a
-    longer window (another place in the query tiles)."""
+    longer window (another place in the query tiles). Compiled, as the engine runs it: one program a shape."""
+    attend = jax.jit(attend_segments)
     s, n = KEY_CHUNK + 45, QUERY_TILE + 3
     q, k, v = _qkv(1, n, s, dtype=dtype, seed=1)
-    alone = np.asarray(attend_segments(q, [KeySegment(k, v)]))
+    alone = np.asarray(attend(q, [KeySegment(k, v)]))
 
     oq, ok, ov = _qkv(4, n, s, dtype=dtype, seed=2)  # other rows around it
-    batch = attend_segments(oq.at[2].set(q[0]), [KeySegment(ok.at[2].set(k[0]), ov.at[2].set(v[0]))])
+    batch = attend(oq.at[2].set(q[0]), [KeySegment(ok.at[2].set(k[0]), ov.at[2].set(v[0]))])
     np.testing.assert_array_equal(np.asarray(batch[2]), alone[0])
 
     # scattered among masked keys (any layout), a width of other chunks
@@ -58,16 +59,16 @@ def test_attend_segments_row_result_does_not_depend_on_its_call(dtype):
     big_k, big_v = (jnp.zeros((1, width) + a.shape[2:], dtype).at[:, where].set(a) for a in (k, v))
     big_k = big_k + jnp.asarray(np.isin(np.arange(width), where, invert=True)[None, :, None, None], dtype) * 7
     mask = jnp.asarray(np.isin(np.arange(width), where))[None]
-    np.testing.assert_array_equal(np.asarray(attend_segments(q, [KeySegment(big_k, big_v, mask)])), alone)
+    np.testing.assert_array_equal(np.asarray(attend(q, [KeySegment(big_k, big_v, mask)])), alone)
 
     # behind an empty segment (the engine's shared list of a row that shares nothing)
     empty = KeySegment(ok[:1, :40], ov[:1, :40], jnp.zeros((1, 40), bool))
-    np.testing.assert_array_equal(np.asarray(attend_segments(q, [empty, KeySegment(k, v)])), alone)
+    np.testing.assert_array_equal(np.asarray(attend(q, [empty, KeySegment(k, v)])), alone)
 
     # the same queries at an offset inside a longer window of other queries
     off = 5
     longer = jnp.concatenate([oq[:1, :off], q, oq[:1, : 2 * QUERY_TILE]], axis=1)
-    got = attend_segments(longer, [KeySegment(k, v)])[:, off : off + n]
+    got = attend(longer, [KeySegment(k, v)])[:, off : off + n]
     np.testing.assert_array_equal(np.asarray(got), alone)
 
 

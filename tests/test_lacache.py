@@ -52,14 +52,15 @@ def test_block_start_and_steps_equal_the_full_forward(name, models_fp32):
     rows = jnp.arange(x.shape[0])[:, None]
     idx = jnp.broadcast_to(bs + jnp.arange(4) - inp.shift, (x.shape[0], 4))
 
+    @jax.jit
     def full(x):
-        out = forward(m.params, m.config, x, inp.positions, key_mask=inp.key_mask, logits_at=idx)
-        return np.asarray(out.logits)
+        return forward(m.params, m.config, x, inp.positions, key_mask=inp.key_mask, logits_at=idx).logits
 
-    logits, memo = strat.block_start(m.params, m.config, inp, strat.init(m.params, m.config, inp, x), x, bs)
+    start = jax.jit(lambda x: strat.block_start(m.params, m.config, inp, strat.init(m.params, m.config, inp, x), x, bs))
+    logits, memo = start(x)
     np.testing.assert_allclose(np.asarray(logits), full(x), rtol=1e-4, atol=1e-4)
     x2 = x.at[rows, bs + jnp.array([0, 2])].set(jnp.array([7, 9]))  # two block tokens committed
-    logits, memo2 = strat.step(m.params, m.config, inp, memo, x2, bs)
+    logits, memo2 = jax.jit(lambda memo, x: strat.step(m.params, m.config, inp, memo, x, bs))(memo, x2)
     np.testing.assert_allclose(np.asarray(logits), full(x2), rtol=1e-4, atol=1e-4)
     # outside the block the memo is what the block start wrote
     out_cols = np.r_[0 : int(bs), int(bs) + 4 : x.shape[1]]
