@@ -714,4 +714,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m dllm_jax.cli`: the package's own module, whose UsageError is the one other modules raise (this file
+    # runs as __main__, a second copy with classes of its own)
+    from dllm_jax.cli import main as package_main
+
+    sys.exit(package_main())

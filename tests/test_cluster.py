@@ -109,6 +109,16 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
     try:
         ready = _wait_ready(url, 240)
         assert [r["status"] for r in ready["replicas"]] == ["ready", "ready"]
+        # a second server joining this Ray cluster (--address auto: the one this machine runs) is refused in one line
+        # before it deploys anything: under the same application name it would replace this one
+        second = subprocess.run(
+            [sys.executable, "-m", "dllm_jax.cli", "serve", "--replicas", "2", "--address", "auto", *FLAGS],
+            env=fixtures.subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2 and "already runs a dllm-jax server" in second.stderr, second.stderr[-2000:]
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
         def body(question: str, affix: str, max_tokens: int | None) -> dict:  # None: the model's default length

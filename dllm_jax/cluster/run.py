@@ -72,6 +72,14 @@ def run_cluster(args: argparse.Namespace) -> int:
     port = args.port or free_port(args.host)
     stop = threading.Event()
     ray.init(address=args.address, include_dashboard=False, log_to_driver=bool(args.verbose))
+    # a shared cluster may run this application already (another server's): deploying ours under its name would
+    # replace it, and stopping ours would then delete it
+    if args.address is not None and APP_NAME in serve.status().applications:
+        ray.shutdown()
+        raise cli.UsageError(
+            f"argument --address: the Ray cluster at {args.address} already runs a {APP_NAME} server (its own "
+            "application, which a second one would replace); stop it first, or start this one on another cluster"
+        )
     # after ray.init, which installs its own handlers: the first signal stops the cluster cleanly
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
