@@ -215,12 +215,12 @@ async def answer_rest(stream):
         yield STREAM_LOST
 
 
-async def first_answer(call, tries: int = 2) -> tuple[dict, Optional[List[bytes]], Any]:
-    """The answer of the first of `tries` replica calls (`call()` starts one) whose replica lives to give it: its
-    head, and a plain answer's whole body (None for an event stream, whose rest the returned stream carries). A
-    replica that dies before a plain answer's last byte is retried: none of it went out, and a head alone would
+async def first_answer(call) -> tuple[dict, Optional[List[bytes]], Any]:
+    """The answer of a replica call (`call()` starts one), made once more where its replica dies before giving it:
+    its head, and a plain answer's whole body (None for an event stream, whose rest the returned stream carries).
+    A replica that dies before a plain answer's last byte is retried: none of it went out, and a head alone would
     reach the client as an empty 200."""
-    for attempt in range(tries):
+    for attempt in (0, 1):
         stream = call()
         try:
             head = await stream.__anext__()
@@ -228,9 +228,8 @@ async def first_answer(call, tries: int = 2) -> tuple[dict, Optional[List[bytes]
                 return head, None, stream
             return head, [part async for part in stream], stream
         except RayActorError:  # the replica died mid-answer: once more, on a live one
-            if attempt == tries - 1:
+            if attempt:
                 raise
-    raise ValueError("tries must be at least 1")
 
 
 # a stop polls the in-flight requests every 0.2 s (Ray's default 2 s adds ~2 s a deployment to every stop)
