@@ -68,10 +68,11 @@ from tools import common  # noqa: E402  (imports no backend: the fresh-process s
 
 # package imports (re-point here when the package moves)
 from dllm_jax import cli  # noqa: E402
+from dllm_jax.compilation import enable_compile_cache  # noqa: E402
 from dllm_jax.decoding.caches.bicache import DEPTH_TABLES, depth_from_table  # noqa: E402
 from dllm_jax.decoding.config import GenerationConfig  # noqa: E402
 from dllm_jax.decoding.generate import generate  # noqa: E402
-from dllm_jax.engine import Engine, enable_compile_cache  # noqa: E402
+from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.engine.kv_pool import kv_bytes_per_token  # noqa: E402
 
 GIB = 1 << 30

@@ -28,7 +28,8 @@ import json, sys, time
 sys.path.insert(0, {tests!r})
 import fixtures
 from dllm_jax import load
-from dllm_jax.engine import Engine, EngineConfig, enable_compile_cache
+from dllm_jax.compilation import enable_compile_cache
+from dllm_jax.engine import Engine, EngineConfig
 enable_compile_cache(sys.argv[1])
 engine = Engine(load(sys.argv[2]), EngineConfig(max_batch=16, max_model_len=4096))
 t0 = time.perf_counter()

@@ -114,6 +114,17 @@ def compile_cache_dir(args: argparse.Namespace) -> Path | None:
     return path
 
 
+def compile_cache_flags(p: argparse.ArgumentParser, gain: str) -> None:
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help=f"jax's persistent compilation cache: {gain} (default: {default_compile_cache()})",
+    )
+    cache.add_argument("--no-compile-cache", action="store_true", help="compile every program, keeping nothing on disk")
+
+
 def shallow_depths(args: argparse.Namespace, mc: ModelConfig) -> tuple[int, ...]:
     """The BiCache depths the engine warms: --shallow-depths, else those the server's default implies
     (--shallow-depth, else every depth of the model's published table when --affix-technique is shallow or
@@ -231,10 +242,16 @@ def load_model(args: argparse.Namespace) -> Model:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    import jax
+
     from dllm_jax import answer_tokens, generate
+    from dllm_jax.compilation import enable_compile_cache
 
     check_attention(args)
+    cache = compile_cache_dir(args)
     model = load_model(args)
+    if cache is not None and (args.compile_cache is not None or not jax.config.jax_compilation_cache_dir):
+        enable_compile_cache(cache)  # the default gives way to a cache the process already has (jax's own setting)
     notice = model.path / "NOTICE.txt" if model.path else None
     if args.verbose and notice is not None and notice.is_file():
         print(f"note: {notice.read_text().strip()}", file=sys.stderr)
@@ -475,6 +492,9 @@ def build_parser() -> Parser:
         help="K/V cache: dual (Fast-dLLM, the default), prefix, first_layer (LaCache's exact memo) or none",
     )
     g.add_argument("--seed", type=int, default=0, help="random seed (matters only with --temperature > 0)")
+    compile_cache_flags(
+        g, "the next run with these shapes loads its programs instead of compiling them; jax's own, where set, stays"
+    )
     model_flags(
         g,
         attention="cuDNN + the Pallas kernel on a GPU, XLA elsewhere",
@@ -591,17 +611,7 @@ def build_parser() -> Parser:
         "the first is the default unless the model's is listed (default: the model's generation_config.json "
         "block_length, else 32)",
     )
-    cache = v.add_mutually_exclusive_group()
-    cache.add_argument(
-        "--compile-cache",
-        default=None,
-        metavar="DIR",
-        help=f"jax's persistent compilation cache: a restart loads the warm-up's programs from it (default: "
-        f"{default_compile_cache()})",
-    )
-    cache.add_argument(
-        "--no-compile-cache", action="store_true", help="compile every program at start, keeping nothing on disk"
-    )
+    compile_cache_flags(v, "a restart loads the warm-up's programs from it")
     v.add_argument(
         "--affix-technique",
         choices=["none", "naive", "anchors", "shallow"],

@@ -34,6 +34,28 @@ def test_readme_main_command_on_the_bundled_model(capsys):
     assert capsys.readouterr().out.strip() == "1 0 4"
 
 
+def test_generate_keeps_its_programs_in_the_compile_cache(tmp_path):
+    """`dllm-jax generate` in a new process stores its programs under the user's cache directory; the next run loads
+    them all (no file is written) and answers the same; --no-compile-cache writes nothing."""
+    import fixtures
+
+    env = dict(fixtures.subprocess_env(), HOME=str(tmp_path))
+    cache = tmp_path / ".cache" / "dllm-jax" / "xla"
+
+    def run(*flags: str) -> str:
+        argv = [sys.executable, "-m", "dllm_jax.cli", "generate", cli.DEMO_PROMPT, *flags]
+        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert run("--no-compile-cache") == "1 0 4" and not cache.exists()
+    assert run() == "1 0 4"
+    stored = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert stored
+    assert run() == "1 0 4"
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stored  # all loaded: none compiled, rewritten
+
+
 def test_flags_override_the_model_defaults(capsys):
     assert (
         cli.main(

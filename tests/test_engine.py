@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dllm_jax import GenerationConfig, answer_tokens, generate
+from dllm_jax.compilation import compile_totals
 from dllm_jax.decoding.caches import acache, bicache
 from dllm_jax.decoding.config import Shallow
 from dllm_jax.engine import Engine, EngineConfig, RequestError
@@ -22,7 +23,7 @@ from dllm_jax.engine import engine as engine_module
 from dllm_jax.engine.block_manager import pages_for
 from dllm_jax.engine.engine import KVBudgetError
 from dllm_jax.engine.request import Status
-from dllm_jax.engine.runner import Ladder, compile_totals
+from dllm_jax.engine.runner import Ladder
 from dllm_jax.engine.scheduler import QueueFull
 
 opts = GenerationConfig.from_options
@@ -355,7 +356,7 @@ def test_a_fresh_process_warms_from_the_persistent_cache(tmp_path, hf_dirs):
     script.write_text(
         "import json, sys\n"
         "import dllm_jax\n"
-        "from dllm_jax.engine import Engine, EngineConfig, enable_compile_cache\n"
+        "from dllm_jax.compilation import enable_compile_cache\nfrom dllm_jax.engine import Engine, EngineConfig\n"
         "enable_compile_cache(sys.argv[2])\n"
         "m = dllm_jax.load(sys.argv[1], dtype='float32')\n"
         "e = Engine(m, EngineConfig(max_batch=1, kv_budget_bytes=1 << 20, max_model_len=48, block_lengths=(4,)))\n"

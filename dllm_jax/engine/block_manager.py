@@ -76,25 +76,13 @@ class BlockManager:
         self._num_cached = 0  # pages of the unheld entries
         self._evicted: list[str] = []  # keys removed since the last evictions()
 
-    @property
-    def num_free_pages(self) -> int:  # on the free list
-        return len(self._free)
-
-    @property
-    def num_cached_pages(self) -> int:  # of unheld affix entries: cached for reuse, evictable on demand
-        return self._num_cached
-
-    @property
-    def num_used_pages(self) -> int:  # that cannot be taken now: private pages plus held entries' pages
-        return self.num_pages - len(self._free) - self._num_cached
-
-    @property
-    def num_shared_pages(self) -> int:  # of affix entries with at least one holder
-        return self.num_used_pages - len(self._owners)
-
-    @property
-    def num_available_pages(self) -> int:  # an admission may take now: free plus evictable
-        return len(self._free) + self._num_cached
+    # pages: on the free list; of unheld affix entries (cached for reuse, evictable on demand); that cannot be taken
+    # now (private pages and held entries' pages); of entries with at least one holder; an admission may take now
+    num_free_pages = property(lambda self: len(self._free))
+    num_cached_pages = property(lambda self: self._num_cached)
+    num_used_pages = property(lambda self: self.num_pages - len(self._free) - self._num_cached)
+    num_shared_pages = property(lambda self: self.num_used_pages - len(self._owners))
+    num_available_pages = property(lambda self: len(self._free) + self._num_cached)
 
     def plan_admission(self, private_pages: int, affix_tokens: Sequence[int] | None = None) -> bool:
         """Whether `admit(private_pages, affix_tokens)` would succeed now. No side effects. The affix's own pages

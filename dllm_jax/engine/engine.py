@@ -21,13 +21,13 @@ import itertools
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from dllm_jax.compilation import compile_totals
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
@@ -40,7 +40,7 @@ from dllm_jax.engine.block_manager import BlockManager, pages_for
 from dllm_jax.engine.intake import AffixHandle, Intake, RequestError
 from dllm_jax.engine.kv_pool import kv_bytes_per_token
 from dllm_jax.engine.request import BlockOutput, Request, Status
-from dllm_jax.engine.runner import STRATEGY, Ladder, ModelRunner, compile_totals
+from dllm_jax.engine.runner import STRATEGY, Ladder, ModelRunner
 from dllm_jax.engine.scheduler import Scheduler
 from dllm_jax.io.loading import generation_defaults
 from dllm_jax.transformer import KernelChoice, Kernels
@@ -449,12 +449,3 @@ class Engine:
 def seed_key(seed: int) -> np.ndarray:
     """The key data `jax.random.key(seed)` holds: the request's random stream starts where generate's does."""
     return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
-
-
-def enable_compile_cache(path: str | os.PathLike) -> None:
-    """Turn on jax's persistent compilation cache at `path` (created if missing): a restart with the same settings
-    loads the engine's programs instead of compiling them. Every program is cached, however fast it compiled."""
-    Path(path).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -50,29 +50,6 @@ STEP_FLOOR_TOKENS = 192
 SPLIT_GAIN = 0.8  # split a call only where the estimate saves a fifth (it is an estimate)
 
 
-_compiles = [0, 0.0, 0]  # programs jax compiled or loaded from its persistent cache (anyone's), their seconds, loads
-
-
-@functools.cache
-def _listen() -> None:
-    def on_duration(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
-            _compiles[:2] = _compiles[0] + 1, _compiles[1] + duration
-
-    def on_event(event: str, **kwargs) -> None:
-        _compiles[2] += event == "/jax/compilation_cache/cache_hits"
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    jax.monitoring.register_event_listener(on_event)
-
-
-def compile_totals() -> tuple[int, float, int]:
-    """(programs compiled or loaded from the persistent cache in this process, the seconds that took, how many were
-    loaded), counted from the first call on: the counts that must not move while a warmed-up engine serves."""
-    _listen()
-    return tuple(_compiles)
-
-
 def round_up(n: int, multiple: int = 16) -> int:
     return -(-n // multiple) * multiple
 
@@ -209,8 +186,9 @@ class ModelRunner:
     def programs(self, runners: Sequence[BlockRunner]) -> list[Program]:
         """Every program the engine can run with these block runners (a function of the settings only)."""
         out = [Program("affix")] + [Program("block", b, r) for r in runners for b in self.ladder.batch_sizes]
-        if any(not isinstance(r.strategy, ShallowReuse) for r in runners):
-            out += [Program("probe", b) for b in self.probe_batches()]
+        if any(not isinstance(r.strategy, ShallowReuse) for r in runners):  # probes of 1..probe_rows requests: a
+            new = range(1, min(Ladder.probe_rows, self.ladder.batch_sizes[-1]) + 1)  # lone one not with 3 empty rows
+            out += [Program("probe", b) for b in sorted({self.ladder.batch(n) for n in new})]
         if any(isinstance(r.strategy, ShallowReuse) for r in runners):
             depths = sorted({r.strategy.depth for r in runners if isinstance(r.strategy, ShallowReuse)})
             out += [Program("hidden", depth=d) for d in depths] + [Program("place")]
@@ -358,11 +336,6 @@ class ModelRunner:
             return None
         blk, steps, keys, self.k, self.v = self._run_block(*args, **static)
         return np.asarray(blk), np.asarray(steps), np.asarray(keys)
-
-    def probe_batches(self) -> list[int]:
-        """The probe program's batch sizes: the ladder's for 1..probe_rows requests (a lone arrival is not probed
-        with 3 empty rows: every row of a chunked forward costs its tokens)."""
-        return sorted({self.ladder.batch(n) for n in range(1, min(Ladder.probe_rows, self.ladder.batch_sizes[-1]) + 1)})
 
     def _static(self, b: int) -> dict:
         return dict(config=self.config, kernels=self.kernels, chunk=self.ladder.chunk(b))

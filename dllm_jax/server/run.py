@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from dllm_jax.audit import AuditConfig, CalibrationConfig
-from dllm_jax.engine import enable_compile_cache
+from dllm_jax.compilation import enable_compile_cache
 from dllm_jax.engine.engine import Engine, EngineConfig
 from dllm_jax.server import logs
 from dllm_jax.server.app import create_app

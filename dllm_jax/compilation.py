@@ -1,0 +1,41 @@
+"""jax's compilation, process-wide: its persistent cache (a restart loads programs instead of compiling them; `serve`
+and `generate` turn it on) and a count of what was compiled (what must not move while a warmed-up engine serves)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+
+_compiles = [0, 0.0, 0]  # programs jax compiled or loaded from its persistent cache (anyone's), their seconds, loads
+
+
+@functools.cache
+def _listen() -> None:
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from the persistent cache
+            _compiles[:2] = _compiles[0] + 1, _compiles[1] + duration
+
+    def on_event(event: str, **kwargs) -> None:
+        _compiles[2] += event == "/jax/compilation_cache/cache_hits"
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+
+
+def compile_totals() -> tuple[int, float, int]:
+    """(programs compiled or loaded from the persistent cache in this process, the seconds that took, how many were
+    loaded), counted from the first call on."""
+    _listen()
+    return tuple(_compiles)
+
+
+def enable_compile_cache(path: str | os.PathLike) -> None:
+    """Turn on jax's persistent compilation cache at `path` (created if missing): a restart with the same settings
+    loads the programs instead of compiling them. Every program is cached, however fast it compiled."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
