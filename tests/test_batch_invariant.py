@@ -13,7 +13,14 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.engine import Engine, EngineConfig
 from dllm_jax.io.loading import Model
 from dllm_jax.transformer import KernelChoice, Kernels, forward, init_params
-from dllm_jax.transformer.attention import KEY_CHUNK, QUERY_TILE, KeySegment, attend_reference, attend_segments
+from dllm_jax.transformer.attention import (
+    KEY_CHUNK,
+    QUERY_TILE,
+    KeySegment,
+    attend_reference,
+    attend_segments,
+    attend_slots,
+)
 
 RNG = np.random.default_rng(0)
 
@@ -39,12 +46,30 @@ def test_attend_segments_is_attention(dtype):
     assert not np.asarray(got[2]).any()
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_attend_segments_row_result_does_not_depend_on_its_call(dtype):
+def _through_slots(q: jax.Array, segments: list[KeySegment]) -> jax.Array:
+    """`attend_slots` (the interpreted slot kernel) over KeySegments: each one's K/V as a pool of its rows' keys and
+    a read table listing each row's valid keys in order, as the engine's pool and `attend` give it."""
+    parts = []
+    for k, v, valid in segments:
+        b, s = k.shape[:2]
+        valid = jnp.ones((b, s), bool) if valid is None else valid
+        table = jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32) + jnp.arange(b, dtype=jnp.int32)[:, None] * s
+        pools = (a.reshape(b * s, *a.shape[2:]) for a in (k, v))
+        parts.append((q, *pools, table, valid.sum(axis=1).astype(jnp.int32)))
+    return attend_slots(parts, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "dtype,backend",
+    [(jnp.float32, "invariant"), (jnp.bfloat16, "invariant"), (jnp.float32, "invariant_slot")],
+)
+def test_attend_segments_row_result_does_not_depend_on_its_call(dtype, backend):
     """One row's queries over its keys, bit for bit: alone; among other rows; its keys left-padded, right-padded and
     scattered among masked ones; split into an empty shared segment and its own; its queries at other offsets of a
-    longer window (another place in the query tiles). Compiled, as the engine runs it: one program a shape."""
-    attend = jax.jit(attend_segments)
+    longer window (another place in the query tiles). Compiled, as the engine runs it: one program a shape. Both
+    backends of the mode: XLA's key chunks, and the slot kernel at its fixed tiles (interpreted here; compiled on a
+    GPU, where this file runs as it is)."""
+    attend = jax.jit(attend_segments if backend == "invariant" else _through_slots)
     s, n = KEY_CHUNK + 45, QUERY_TILE + 3
     q, k, v = _qkv(1, n, s, dtype=dtype, seed=1)
     alone = np.asarray(attend(q, [KeySegment(k, v)]))
@@ -114,7 +139,7 @@ def _near_tie_model(dtype: str, eps: float):
     return Model(config, {**params, "lm_head": jnp.asarray(w, config.jnp_dtype)})
 
 
-def _requests(config, n: int, seed: int, affix: list[int] | None = None) -> list[tuple]:
+def _requests(config, n: int, seed: int, affix: list[int] | None = None, attention: str = "auto") -> list[tuple]:
     """(prompt, config, seed, span): prompts of 3-70 tokens, alternating two settings (greedy at a fixed 4 steps a
     block and 8 tokens; temperature 0.7 with a confidence threshold and 4 tokens; the solo references compile one
     program each: the prompt region is one bucket); with an affix, ACache at ratio 0.2 around it (prefix, infix or
@@ -130,18 +155,18 @@ def _requests(config, n: int, seed: int, affix: list[int] | None = None) -> list
             own, span, technique = own[:cut] + affix + own[cut:], (cut, cut + len(affix)), dict(affix="anchors")
         gc = GenerationConfig.from_options(
             gen_length=gen, block_length=4, steps=steps, cache="dual", stop_at_eos=False, batch_invariant=True,
-            prompt_bucket=112, **sampling, **technique,
+            prompt_bucket=112, attention=attention, **sampling, **technique,
         )  # fmt: skip
         items.append((own, gc, int(rng.integers(1000)), span))
     return items
 
 
-def _serve(model, items, max_batch: int = 4) -> list[list[int]]:
+def _serve(model, items, max_batch: int = 4, attention: str = "auto") -> list[list[int]]:
     engine = Engine(
         model,
         EngineConfig(
             max_batch=max_batch, max_model_len=128, block_lengths=(4,), batch_invariant=True, kv_budget_bytes=1 << 25,
-            window_chunk=32, min_affix_tokens=8,
+            window_chunk=32, min_affix_tokens=8, attention=attention,
         ),
     )  # fmt: skip
     ids = [engine.add_request(p, gc, affix=span, seed=seed) for p, gc, seed, span in items]
@@ -150,14 +175,19 @@ def _serve(model, items, max_batch: int = 4) -> list[list[int]]:
     return [engine.request(i).answer(()) for i in ids]
 
 
-@pytest.mark.parametrize("dtype,eps", [("float32", 1e-7), ("bfloat16", 1e-3)])
-def test_engine_answers_equal_solo_generate_bit_for_bit(dtype, eps):
+@pytest.mark.parametrize(
+    "dtype,eps,attention,n",
+    [("float32", 1e-7, "auto", 12), ("bfloat16", 1e-3, "auto", 12), ("float32", 1e-7, "pallas", 6)],
+)
+def test_engine_answers_equal_solo_generate_bit_for_bit(dtype, eps, attention, n):
     """Mixed requests decoded together in a batch-invariant engine (rows of other lengths, temperatures, samplers
     and step counts beside them, batches of 1 to 4) answer exactly what solo `generate` does on each (its prompt
-    left-padded to another width), on a model where the last bit of a logit decides answers."""
+    left-padded to another width), on a model where the last bit of a logit decides answers. "auto": the mode's
+    attention of this machine (XLA's on the CPU, the slot kernel on a GPU); "pallas": the slot kernel, interpreted
+    off the GPU."""
     model = _near_tie_model(dtype, eps)
-    items = _requests(model.config, 12, seed=3)
-    served = _serve(model, items)
+    items = _requests(model.config, n, seed=3, attention=attention)
+    served = _serve(model, items, attention=attention)
     for (prompt, gc, seed, _), answer in zip(items, served):
         solo = answer_tokens(generate(model, [prompt], gc, seed=seed).tokens, model.config, gc)[0]
         assert answer == solo, (len(prompt), gc.sampler, gc.schedule)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.transformer.attention import KeySegment, attend_reference, attend_segments
+from dllm_jax.transformer.attention import KeySegment, attend_reference, attend_segments, attend_slots
 from dllm_jax.transformer.kv_cache import CacheWrite
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
@@ -88,6 +88,10 @@ class PagedKV:
             if kernels.attention == "invariant":  # the batch-invariant mode: key chunks in order
                 return attend_segments(q, [shared, mine])
             return attend_reference(q, *(jnp.concatenate(p, axis=1) for p in zip(shared[:3], mine[:3])))
+        if kernels.attention == "invariant_slot":  # the batch-invariant mode's slot kernel: the two lists in order
+            shared = [(self._rotated(q, -self.shared_delta), self.k[i], self.v[i], self.shared_slots, self.shared_len)]
+            own = (q, self.k[i], self.v[i], self.own_slots, self.own_len)
+            return attend_slots([*shared, own] if self.shared_slots.shape[1] else [own], kernels.interpret)
         # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
         # as an online-softmax state, continued over the own list
         b, n = q.shape[:2]

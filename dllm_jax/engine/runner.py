@@ -426,7 +426,7 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
     queries = (gather_rows(d["x"], d["window"]) == config.mask_token_id) & d["writes"]
     if not probe:
         hook = None
-    elif kernels.attention in ("xla", "invariant"):
+    elif kernels.attention in ("xla", "invariant", "invariant_slot"):
         hook = row_importance_probe(kv.shared_mask(), queries)
     else:  # the slot kernels score each row's own list, never the list's padded width
 

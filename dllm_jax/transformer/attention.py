@@ -13,6 +13,8 @@ program by `Kernels.resolve`):
   its call (other rows, other queries, padding keys, where its keys sit): queries QUERY_TILE at a time, each row's
   valid keys packed in order and reduced KEY_CHUNK at a time by an online softmax, so every reduction has one
   shape and one order wherever the query comes from (a full forward, a block step, the engine's paged pool).
+- "invariant_slot": the same guarantee through the slot kernel (`attend_slots`, the mode's GPU path): one program
+  per row, query tile and head, its tiles fixed by the model's heads alone and the keys in one KV split, in order.
 
 Grouped-query attention has one helper pair here (`grouped_scores`, `grouped_values`): every jnp path of the
 package (the reference attention, ACache's probe, LaCache's online-softmax state) goes through it.
@@ -30,7 +32,7 @@ from pallas_kernels import slot_attention as sa
 from pallas_kernels.slot_attention import AttentionState, merge_states
 
 Array = jax.Array
-BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas", "invariant")
+BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas", "invariant", "invariant_slot")
 SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel ...
 PALLAS_MAX_ROWS = 256  # ... when batch x kv heads is at most this
 QUERY_TILE = 16  # "invariant": queries of a row attended at once (a block step's or a window chunk's)
@@ -41,6 +43,7 @@ __all__ = [
     "KeySegment",
     "attend",
     "attend_segments",
+    "attend_slots",
     "attend_reference",
     "grouped_scores",
     "grouped_values",
@@ -236,6 +239,27 @@ def attend_segments(q: Array, segments: Sequence[KeySegment]) -> Array:
     return out[: b * tiles].reshape(b, tiles * QUERY_TILE, hq, d)[:, :n]
 
 
+def invariant_tiles(q_heads: int, kv_heads: int) -> sa.BlockSizes:
+    """The slot kernel's tiling in the batch-invariant mode: a block step's (32 query rows for MHA, 64 for GQA) for
+    every call, whatever its batch, query count or key count, and one KV split (the heuristic's split count is what
+    depends on the batch)."""
+    return sa.BlockSizes(sa.default_block_q(32, q_heads, kv_heads), 64, num_warps=4, num_stages=2, kv_splits=1)
+
+
+def attend_slots(segments: Sequence[tuple[Array, ...]], interpret: bool = False) -> Array:
+    """The "invariant_slot" attention: each segment (q [B, n, Hq, D], a K and a V pool [P, Hkv, D], a read table
+    [B, S] listing each row's keys in order, and their count [B]) through the slot kernel at `invariant_tiles`, its
+    state returned; the states merged in order and normalised by XLA, the same ops in every caller (an empty
+    segment's state is merge_states' identity, exactly), so a query's result does not depend on its call."""
+    state = None
+    for q, k, v, table, lens in segments:
+        tiles = invariant_tiles(q.shape[2], k.shape[1])
+        q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+        s = sa.slot_attention(q, k, v, table, q_lens, lens, return_state=True, block_sizes=tiles, interpret=interpret)
+        state = s if state is None else merge_states(state, s)
+    return finish_state(state, segments[0][0].dtype)
+
+
 def attend(
     q: Array, k: Array, v: Array, key_mask: Array | None, backend: str = "xla", interpret: bool = False
 ) -> Array:
@@ -252,4 +276,12 @@ def attend(
         return _attend_pallas(q, k, v, key_mask, interpret)
     if backend == "invariant":
         return attend_segments(q, [KeySegment(k, v, key_mask)])
+    if backend == "invariant_slot":  # each row's valid keys first, in order (always sorted: one program shape)
+        b, s, hkv, d = k.shape
+        valid = jnp.ones((b, s), bool) if key_mask is None else key_mask
+        table = (
+            jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32) + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
+        )
+        pools = (a.reshape(b * s, hkv, d) for a in (k, v))
+        return attend_slots([(q, *pools, table, valid.sum(axis=1).astype(jnp.int32))], interpret)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

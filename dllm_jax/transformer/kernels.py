@@ -31,8 +31,9 @@ class KernelChoice:
     runtime then never copies a loop predicate to the host between steps), else a while loop; "while" always the
     while loop (same tokens and NFEs). batch_invariant: a request's answer is bit-identical whatever shares its
     batch and wherever its keys sit (the engine's pool, a padded batch, solo `generate`): linear layers run
-    `layers.TOKEN_TILE` tokens at a time and attention is `attention.attend_segments`; it overrides attention and
-    rope_write, and costs speed (bench/PERFORMANCE.md)."""
+    `layers.TOKEN_TILE` tokens at a time and attention is the slot kernel at fixed tiles (`attention.attend_slots`;
+    "auto" on a GPU, or a Pallas or cuDNN choice, interpreted off the GPU) or else XLA's `attend_segments`; it
+    overrides rope_write, and costs speed (bench/PERFORMANCE.md)."""
 
     attention: AttentionChoice = "auto"
     rope_write: RopeWriteChoice = "auto"
@@ -64,14 +65,17 @@ class Kernels:
     rope_write: bool = False  # the fused RoPE + K/V write kernel at block-step windows (per-layer caches)
     fp8: str = "xla"  # the FP8 FFN: "pallas" (GPU kernels) or "xla" (reference)
     interpret: bool = True  # Pallas kernels interpreted (off the GPU)
-    batch_invariant: bool = False  # token-tiled linear layers (attention is then "invariant")
+    batch_invariant: bool = False  # token-tiled linear layers (attention is then "invariant" or "invariant_slot")
 
     @classmethod
     def resolve(cls, choice: KernelChoice, config: ModelConfig, params: Params, padded: bool = False) -> "Kernels":
         gpu = jax.default_backend() == "gpu"
         attention = choice.attention
         if choice.batch_invariant:  # its own attention and linear layers, every other kernel as usual
-            return cls("invariant", False, "pallas" if gpu and mesh_of(params) is None else "xla", not gpu, True)
+            single = mesh_of(params) is None  # tensor parallel: XLA's ops only
+            slot = single and (attention in ("pallas", "cudnn_pallas", "cudnn") or (attention == "auto" and gpu))
+            fp8 = "pallas" if gpu and single else "xla"
+            return cls("invariant_slot" if slot else "invariant", False, fp8, not gpu, True)
         if mesh_of(params) is not None:  # tensor parallel: XLA partitions its own ops, not the Pallas/cuDNN calls
             if attention not in ("auto", "xla") or choice.rope_write == "pallas":
                 raise ValueError(f"attention={attention!r}: tensor-parallel params run XLA's kernels (attention='xla')")
