@@ -248,7 +248,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from dllm_jax.compilation import enable_compile_cache
 
     check_attention(args)
-    cache = compile_cache_dir(args)
+    try:
+        cache = compile_cache_dir(args)
+    except UsageError:
+        if args.compile_cache is not None:
+            raise
+        cache = None  # the default directory cannot be written here (a read-only home): answer without a cache
     model = load_model(args)
     if cache is not None and (args.compile_cache is not None or not jax.config.jax_compilation_cache_dir):
         enable_compile_cache(cache)  # the default gives way to a cache the process already has (jax's own setting)

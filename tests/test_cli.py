@@ -36,7 +36,8 @@ def test_readme_main_command_on_the_bundled_model(capsys):
 
 def test_generate_keeps_its_programs_in_the_compile_cache(tmp_path):
     """`dllm-jax generate` in a new process stores its programs under the user's cache directory; the next run loads
-    them all (no file is written) and answers the same; --no-compile-cache writes nothing."""
+        them all (no file is written) and answers the same; --no-compile-cache writes nothing; where the default directory
+    cannot be made, it answers without one."""
     import fixtures
 
     env = dict(fixtures.subprocess_env(), HOME=str(tmp_path))
@@ -54,6 +55,9 @@ def test_generate_keeps_its_programs_in_the_compile_cache(tmp_path):
     assert stored
     assert run() == "1 0 4"
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stored  # all loaded: none compiled, rewritten
+    (tmp_path / "file").write_text("")
+    env["HOME"] = str(tmp_path / "file")  # a home where no cache can be made: the answer all the same
+    assert run() == "1 0 4"
 
 
 def test_flags_override_the_model_defaults(capsys):
