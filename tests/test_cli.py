@@ -36,8 +36,8 @@ def test_readme_main_command_on_the_bundled_model(capsys):
 
 def test_generate_keeps_its_programs_in_the_compile_cache(tmp_path):
     """`dllm-jax generate` in a new process stores its programs under the user's cache directory; the next run loads
-        them all (no file is written) and answers the same; --no-compile-cache writes nothing; where the default directory
-    cannot be made, it answers without one."""
+    them all (no file is written) and answers the same; --no-compile-cache writes nothing; where the default
+    directory cannot be made, it answers without one."""
     import fixtures
 
     env = dict(fixtures.subprocess_env(), HOME=str(tmp_path))
