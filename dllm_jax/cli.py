@@ -125,6 +125,30 @@ def compile_cache_flags(p: argparse.ArgumentParser, gain: str) -> None:
     cache.add_argument("--no-compile-cache", action="store_true", help="compile every program, keeping nothing on disk")
 
 
+def use_compile_cache(args: argparse.Namespace) -> None:
+    """generate's persistent compilation cache: --compile-cache DIR (one line where it cannot be used); by default
+    the user's directory, unless the process has a cache already (jax's own setting) or none can be made there (a
+    read-only home: the answer comes without one); --no-compile-cache: none at all."""
+    import jax
+
+    from dllm_jax.compilation import enable_compile_cache
+
+    explicit = args.compile_cache is not None
+    if args.no_compile_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    if not explicit and jax.config.jax_compilation_cache_dir:
+        return
+    try:
+        enable_compile_cache(compile_cache_dir(args))
+    except UsageError:
+        if explicit:
+            raise
+    except OSError as e:  # checked, yet not made (a dangling link on its path, a race)
+        if explicit:
+            raise UsageError(f"argument --compile-cache: cannot use {args.compile_cache}: {e.strerror or e}") from None
+
+
 def shallow_depths(args: argparse.Namespace, mc: ModelConfig) -> tuple[int, ...]:
     """The BiCache depths the engine warms: --shallow-depths, else those the server's default implies
     (--shallow-depth, else every depth of the model's published table when --affix-technique is shallow or
@@ -242,21 +266,11 @@ def load_model(args: argparse.Namespace) -> Model:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import jax
-
     from dllm_jax import answer_tokens, generate
-    from dllm_jax.compilation import enable_compile_cache
 
     check_attention(args)
-    try:
-        cache = compile_cache_dir(args)
-    except UsageError:
-        if args.compile_cache is not None:
-            raise
-        cache = None  # the default directory cannot be written here (a read-only home): answer without a cache
+    use_compile_cache(args)
     model = load_model(args)
-    if cache is not None and (args.compile_cache is not None or not jax.config.jax_compilation_cache_dir):
-        enable_compile_cache(cache)  # the default gives way to a cache the process already has (jax's own setting)
     notice = model.path / "NOTICE.txt" if model.path else None
     if args.verbose and notice is not None and notice.is_file():
         print(f"note: {notice.read_text().strip()}", file=sys.stderr)

@@ -17,6 +17,7 @@ from dllm_jax.transformer.attention import (
     KEY_CHUNK,
     QUERY_TILE,
     KeySegment,
+    attend,
     attend_reference,
     attend_segments,
     attend_slots,
@@ -56,12 +57,43 @@ def _through_slots(q: jax.Array, segments: list[KeySegment]) -> jax.Array:
         table = jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32) + jnp.arange(b, dtype=jnp.int32)[:, None] * s
         pools = (a.reshape(b * s, *a.shape[2:]) for a in (k, v))
         parts.append((q, *pools, table, valid.sum(axis=1).astype(jnp.int32)))
-    return attend_slots(parts, interpret=True)
+    return attend_slots(parts, interpret=jax.default_backend() != "gpu")
+
+
+def test_attend_slots_is_attention_over_its_segments_in_order():
+    """The slot path computes attention (close to the reference, another order) over two segments read one after
+    the other, one of them empty for some rows, and `attend` packs a masked contiguous cache into it."""
+    q, k, v = _qkv(3, 21, 150, dtype=jnp.float32, seed=7)
+    first = jnp.asarray(RNG.random((3, 150)) < 0.3).at[1].set(False)  # row 1: an empty first segment
+    second = jnp.asarray(RNG.random((3, 150)) < 0.6) & ~first
+    got = _through_slots(q, [KeySegment(k, v, first), KeySegment(k, v, second)])
+    want = attend_reference(q, k, v, first | second)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    packed = attend(q, k, v, second, "invariant_slot", interpret=jax.default_backend() != "gpu")
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(attend_reference(q, k, v, second)), atol=1e-5, rtol=1e-5)
+
+
+def test_the_mode_runs_the_slot_kernel_where_asked_and_on_gpus():
+    """Which attention the mode resolves to: the slot kernel for a Pallas choice (and on a GPU in bf16 by default),
+    XLA's key chunks otherwise; tensor-parallel params always XLA's."""
+    config, params = _model("bfloat16")
+    gpu = jax.default_backend() == "gpu"
+    resolve = lambda attention: Kernels.resolve(KernelChoice(attention, batch_invariant=True), config, params)  # noqa: E731
+    assert resolve("pallas").attention == resolve("invariant_slot").attention == "invariant_slot"
+    assert resolve("xla").attention == "invariant"
+    assert resolve("auto").attention == ("invariant_slot" if gpu else "invariant")
+    fp32 = Kernels.resolve(KernelChoice(batch_invariant=True), *_model("float32"))
+    assert fp32.attention == "invariant"  # the kernel's dots would run fp32 as TF32
 
 
 @pytest.mark.parametrize(
     "dtype,backend",
-    [(jnp.float32, "invariant"), (jnp.bfloat16, "invariant"), (jnp.float32, "invariant_slot")],
+    [
+        (jnp.float32, "invariant"),
+        (jnp.bfloat16, "invariant"),
+        (jnp.float32, "invariant_slot"),
+        (jnp.bfloat16, "invariant_slot"),
+    ],
 )
 def test_attend_segments_row_result_does_not_depend_on_its_call(dtype, backend):
     """One row's queries over its keys, bit for bit: alone; among other rows; its keys left-padded, right-padded and
@@ -193,15 +225,16 @@ def test_engine_answers_equal_solo_generate_bit_for_bit(dtype, eps, attention, n
         assert answer == solo, (len(prompt), gc.sampler, gc.schedule)
 
 
-def test_shared_affix_answers_do_not_depend_on_their_batch():
+@pytest.mark.parametrize("attention", ["auto", "pallas"])
+def test_shared_affix_answers_do_not_depend_on_their_batch(attention):
     """ACache requests (one shared copy of the affix, anchors from the probe) answer the same among other requests
-    as alone in the engine."""
+    as alone in the engine; "pallas": through the slot kernel's two lists (the query rotated back by the placement)."""
     model = _near_tie_model("float32", 1e-7)
     affix = np.random.default_rng(4).integers(0, 290, 24).tolist()
-    shared = _requests(model.config, 3, seed=5, affix=affix)  # prefix, infix, suffix
-    others = _requests(model.config, 3, seed=6)
-    together = _serve(model, [x for pair in zip(shared, others) for x in pair])[::2]
-    alone = [_serve(model, [item])[0] for item in shared]
+    shared = _requests(model.config, 3, seed=5, affix=affix, attention=attention)  # prefix, infix, suffix
+    others = _requests(model.config, 3, seed=6, attention=attention)
+    together = _serve(model, [x for pair in zip(shared, others) for x in pair], attention=attention)[::2]
+    alone = [_serve(model, [item], attention=attention)[0] for item in shared]
     assert together == alone
 
 

@@ -22,8 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_readme_main_command_on_the_bundled_model(capsys):
     """No flags: the model's generation_config.json sets gen_length 8; only the answer on stdout, nothing on
-    stderr unless --verbose."""
+    stderr unless --verbose. The process's own compilation cache (the suite's) stays: the default gives way to it."""
+    import jax
+
+    cache = jax.config.jax_compilation_cache_dir
     assert cli.main(["generate", cli.DEMO_PROMPT]) == 0
+    assert jax.config.jax_compilation_cache_dir == cache
     out, err = capsys.readouterr()
     assert out.strip() == "1 0 4"  # 9 - digit, learned from the examples in the prompt
     assert err == ""
@@ -41,6 +45,7 @@ def test_generate_keeps_its_programs_in_the_compile_cache(tmp_path):
     import fixtures
 
     env = dict(fixtures.subprocess_env(), HOME=str(tmp_path))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # jax's own setting, which the default gives way to
     cache = tmp_path / ".cache" / "dllm-jax" / "xla"
 
     def run(*flags: str) -> str:
@@ -123,6 +128,7 @@ def broken_models(tmp_path_factory):
         (["--tensor-parallel", "2", "--attention", "pallas"], "argument --attention: --tensor-parallel runs XLA's"),
         (["--batch-invariant", "--cache", "first_layer"], "argument --batch-invariant: not with --cache first_layer"),
         (["--fp8-first-layer"], "argument --weights: fp8_first_layer quantises layer 1 beside FP8 weights"),
+        (["--compile-cache", "/dev/null/xla"], "argument --compile-cache: /dev/null is not a directory"),
     ],
 )
 def test_bad_flags(argv, message, capsys):

@@ -14,7 +14,7 @@ program by `Kernels.resolve`):
   valid keys packed in order and reduced KEY_CHUNK at a time by an online softmax, so every reduction has one
   shape and one order wherever the query comes from (a full forward, a block step, the engine's paged pool).
 - "invariant_slot": the same guarantee through the slot kernel (`attend_slots`, the mode's GPU path): one program
-  per row, query tile and head, its tiles fixed by the model's heads alone and the keys in one KV split, in order.
+  per row, query tile and KV head, its tiles fixed by the model's heads alone and the keys in one KV split, in order.
 
 Grouped-query attention has one helper pair here (`grouped_scores`, `grouped_values`): every jnp path of the
 package (the reference attention, ACache's probe, LaCache's online-softmax state) goes through it.

@@ -31,9 +31,9 @@ class KernelChoice:
     runtime then never copies a loop predicate to the host between steps), else a while loop; "while" always the
     while loop (same tokens and NFEs). batch_invariant: a request's answer is bit-identical whatever shares its
     batch and wherever its keys sit (the engine's pool, a padded batch, solo `generate`): linear layers run
-    `layers.TOKEN_TILE` tokens at a time and attention is the slot kernel at fixed tiles (`attention.attend_slots`;
-    "auto" on a GPU, or a Pallas or cuDNN choice, interpreted off the GPU) or else XLA's `attend_segments`; it
-    overrides rope_write, and costs speed (bench/PERFORMANCE.md)."""
+    `layers.TOKEN_TILE` tokens at a time and attention is the slot kernel at fixed tiles (`attention.attend_slots`:
+    "auto" on a GPU in bf16, a GPU kernel choice, or "pallas", interpreted off the GPU) or else XLA's
+    `attend_segments`; it overrides rope_write, and costs speed (bench/PERFORMANCE.md)."""
 
     attention: AttentionChoice = "auto"
     rope_write: RopeWriteChoice = "auto"
@@ -73,7 +73,9 @@ class Kernels:
         attention = choice.attention
         if choice.batch_invariant:  # its own attention and linear layers, every other kernel as usual
             single = mesh_of(params) is None  # tensor parallel: XLA's ops only
-            slot = single and (attention in ("pallas", "cudnn_pallas", "cudnn") or (attention == "auto" and gpu))
+            # the slot kernel where asked for, and by default on a GPU in bf16 (its dots would run fp32 as TF32)
+            named = attention in ("pallas", "cudnn_pallas", "cudnn", "invariant_slot")
+            slot = single and (named or (attention == "auto" and gpu and config.dtype == "bfloat16"))
             fp8 = "pallas" if gpu and single else "xla"
             return cls("invariant_slot" if slot else "invariant", False, fp8, not gpu, True)
         if mesh_of(params) is not None:  # tensor parallel: XLA partitions its own ops, not the Pallas/cuDNN calls
