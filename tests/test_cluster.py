@@ -119,6 +119,20 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
             timeout=120,
         )
         assert second.returncode == 2 and "already runs a dllm-jax server" in second.stderr, second.stderr[-2000:]
+        # on a cluster whose Serve runs already, the proxy keeps its address: a server joining it reports that one
+        joined = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import ray\nfrom dllm_jax.cluster.run import serve_address\n"
+                "ray.init(address='auto', log_to_driver=False)\nprint(*serve_address('127.0.0.1', 1))\nray.shutdown()",
+            ],
+            env=fixtures.subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert joined.stdout.split()[-2:] == ["127.0.0.1", url.rsplit(":", 1)[1]], joined.stderr[-2000:]
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
         def body(question: str, affix: str, max_tokens: int | None) -> dict:  # None: the model's default length

@@ -29,6 +29,22 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def serve_address(host: str, port: int) -> tuple[str, int]:
+    """Start Ray Serve's HTTP proxy at host:port, or join the one the cluster runs already: Serve keeps the options
+    it was first started with (one proxy serves every application of a cluster) and ignores others. Returns where
+    the proxy listens."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    try:  # Ray 2.60 has no public getter of the running proxy's options; should this one move, ours are assumed
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        return http.host, int(http.port)
+    except Exception:  # noqa: BLE001
+        return host, port
+
+
 def refusal(ready: dict) -> str | None:
     """The flag refusal a replica reports in the ingress's GET /ready body (`ReplicaServer.refused`), if any."""
     for replica in ready.get("replicas") or ():
@@ -87,7 +103,15 @@ def run_cluster(args: argparse.Namespace) -> int:
         gpus = args.gpus_per_replica
         if gpus is None:  # a tensor-parallel replica is a group of GPUs
             gpus = float(args.tensor_parallel) if ray.cluster_resources().get("GPU", 0) else 0.0
-        serve.start(http_options={"host": args.host, "port": port})
+        requested = (args.host, port)
+        host, port = serve_address(*requested)
+        if (host, port) != requested:
+            print(
+                f"dllm-jax serve: Ray Serve on this cluster listens at {host}:{port} already (the options it started "
+                "with, shared by its applications): serving there",
+                file=sys.stderr,
+                flush=True,
+            )
         app = build_app(
             args,
             args.replicas,
@@ -97,7 +121,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             affinity=not args.no_affinity,
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://{args.host}:{port}"
+        url = f"http://{host}:{port}"
         print(
             f"dllm-jax serve: {args.replicas} replicas on Ray Serve at {url}/v1, warming up (GET /ready: 200 once "
             "every replica is; Ctrl-C or SIGTERM: stop)",
