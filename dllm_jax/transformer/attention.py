@@ -132,18 +132,22 @@ def _attend_pallas(
     init_state: AttentionState | None = None,
     return_state: bool = False,
 ) -> Array | AttentionState:
-    b, s, hkv, d = k.shape
-    t = q.shape[1]
-    q_lens = jnp.full((b,), t, jnp.int32)
+    b, s = k.shape[:2]
+    q_lens = jnp.full((b,), q.shape[1], jnp.int32)
     state = dict(init_state=init_state, return_state=return_state, interpret=interpret)
     if key_mask is None:  # the contiguous fast path: slots computed in-kernel, no table
-        kv_lens = jnp.full((b,), s, jnp.int32)
-        return sa.slot_attention(q, k, v, None, q_lens, kv_lens, **state)
-    # Valid keys first: a stable argsort of ~mask lists each row's valid slots in order; kv_len = their count.
+        return sa.slot_attention(q, k, v, None, q_lens, jnp.full((b,), s, jnp.int32), **state)
+    k_pool, v_pool, table, kv_lens = packed_slots(k, v, key_mask)  # valid keys first, in order
+    return sa.slot_attention(q, k_pool, v_pool, table, q_lens, kv_lens, **state)
+
+
+def packed_slots(k: Array, v: Array, key_mask: Array) -> tuple[Array, Array, Array, Array]:
+    """Contiguous k/v [B, S, Hkv, D] as the slot kernel's pool [B * S, Hkv, D] (K and V), with a read table [B, S]
+    listing each row's valid keys first, in order (a stable argsort of ~mask), and their count [B]."""
+    b, s, hkv, d = k.shape
     order = jnp.argsort(~key_mask, axis=1, stable=True).astype(jnp.int32)
     table = order + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
-    kv_lens = key_mask.sum(axis=1).astype(jnp.int32)
-    return sa.slot_attention(q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, q_lens, kv_lens, **state)
+    return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, key_mask.sum(axis=1).astype(jnp.int32)
 
 
 def attend_state(
@@ -276,12 +280,7 @@ def attend(
         return _attend_pallas(q, k, v, key_mask, interpret)
     if backend == "invariant":
         return attend_segments(q, [KeySegment(k, v, key_mask)])
-    if backend == "invariant_slot":  # each row's valid keys first, in order (always sorted: one program shape)
-        b, s, hkv, d = k.shape
-        valid = jnp.ones((b, s), bool) if key_mask is None else key_mask
-        table = (
-            jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32) + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
-        )
-        pools = (a.reshape(b * s, hkv, d) for a in (k, v))
-        return attend_slots([(q, *pools, table, valid.sum(axis=1).astype(jnp.int32))], interpret)
+    if backend == "invariant_slot":  # always through the table, even unmasked: one program shape
+        valid = jnp.ones(k.shape[:2], bool) if key_mask is None else key_mask
+        return attend_slots([(q, *packed_slots(k, v, valid))], interpret)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
