@@ -281,6 +281,7 @@ def start_server(*flags: str, optimized: bool = False):
     if found is None:
         proc.kill()
         raise AssertionError(f"dllm-jax serve did not start: {seen[-2000:]}{proc.stderr.read()[-2000:]}")
+    proc.start_line = line  # what it printed with the URL (a cluster's also names its Ray cluster's address)
     return proc, found.group(1)
 
 

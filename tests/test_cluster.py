@@ -5,6 +5,7 @@ mid-run loses no request; registrations reach every replica; SIGTERM stops the c
 The control (`--no-affinity`) stores every affix on every replica."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,11 +110,14 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
     try:
         ready = _wait_ready(url, 240)
         assert [r["status"] for r in ready["replicas"]] == ["ready", "ready"]
-        # a second server joining this Ray cluster (--address auto: the one this machine runs) is refused in one line
-        # before it deploys anything: under the same application name it would replace this one
+        # a second server joining this Ray cluster (the address the server names: under pytest-xdist another
+        # worker's cluster may be this machine's newest, which `auto` would pick) is refused in one line before it
+        # deploys anything: under the same application name it would replace this one
+        address = re.search(r"Ray cluster at (\S+?)\)", proc.start_line).group(1)
+        joining = {**fixtures.subprocess_env(), "RAY_AUTH_MODE": "token"}  # Ray 2.60: an explicit address needs it
         second = subprocess.run(
-            [sys.executable, "-m", "dllm_jax.cli", "serve", "--replicas", "2", "--address", "auto", *FLAGS],
-            env=fixtures.subprocess_env(),
+            [sys.executable, "-m", "dllm_jax.cli", "serve", "--replicas", "2", "--address", address, *FLAGS],
+            env=joining,
             capture_output=True,
             text=True,
             timeout=120,
@@ -125,9 +129,10 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
                 sys.executable,
                 "-c",
                 "import ray\nfrom dllm_jax.cluster.run import serve_address\n"
-                "ray.init(address='auto', log_to_driver=False)\nprint(*serve_address('127.0.0.1', 1))\nray.shutdown()",
+                f"ray.init(address={address!r}, log_to_driver=False)\n"
+                "print(*serve_address('127.0.0.1', 1))\nray.shutdown()",
             ],
-            env=fixtures.subprocess_env(),
+            env=joining,
             capture_output=True,
             text=True,
             timeout=120,

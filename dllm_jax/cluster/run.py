@@ -122,9 +122,12 @@ def run_cluster(args: argparse.Namespace) -> int:
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
+        # the cluster's address: other commands join this cluster with it (`--address auto` picks the newest one
+        # this machine started, which need not be this one)
         print(
-            f"dllm-jax serve: {args.replicas} replicas on Ray Serve at {url}/v1, warming up (GET /ready: 200 once "
-            "every replica is; Ctrl-C or SIGTERM: stop)",
+            f"dllm-jax serve: {args.replicas} replicas on Ray Serve at {url}/v1 (Ray cluster at "
+            f"{ray.get_runtime_context().gcs_address}), warming up (GET /ready: 200 once every replica is; Ctrl-C "
+            "or SIGTERM: stop)",
             file=sys.stderr,
             flush=True,
         )
