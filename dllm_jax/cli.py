@@ -705,8 +705,8 @@ def build_parser() -> Parser:
     c.add_argument(
         "--address",
         default=None,
-        help="a running Ray cluster to join, e.g. ray://head:10001 or auto (default: start one on this machine for "
-        "this server)",
+        help="a running Ray cluster to join, e.g. HOST:6379, ray://head:10001 or auto (default: start one on this "
+        "machine for this server, even where another runs)",
     )
     c.add_argument(
         "--gpus-per-replica",

@@ -247,12 +247,13 @@ def subprocess_env(optimized: bool = False, host_devices: int = 0) -> dict[str, 
     return env
 
 
-def start_server(*flags: str, optimized: bool = False):
+def start_server(*flags: str, optimized: bool = False, env: dict[str, str] | None = None):
     """`dllm-jax serve --port 0 FLAGS` in a subprocess (the installed package, not this checkout's PYTHONPATH):
     (the process, its base URL read from the line it prints at start). Unless FLAGS name one, the server uses the
     run's compilation cache (conftest), not the user's: servers with the same settings load each other's programs.
     optimized: XLA's CPU backend optimises its programs (conftest turns that off for the suite's compile-bound
-    tests; a server that runs hundreds of calls is faster with it: 20 s instead of 47 for the soak's)."""
+    tests; a server that runs hundreds of calls is faster with it: 20 s instead of 47 for the soak's). env: variables
+    added to its environment."""
     import re
     import subprocess
     import sys
@@ -262,7 +263,7 @@ def start_server(*flags: str, optimized: bool = False):
     if not any(f in ("--compile-cache", "--no-compile-cache") for f in flags) and jax.config.jax_compilation_cache_dir:
         flags = (*flags, "--compile-cache", jax.config.jax_compilation_cache_dir)
 
-    env = subprocess_env(optimized)
+    env = {**subprocess_env(optimized), **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dllm_jax.cli", "serve", "--port", "0", *flags],
         cwd=Path(__file__).resolve().parents[1],

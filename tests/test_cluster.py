@@ -18,6 +18,7 @@ import jax
 import pytest
 
 from dllm_jax.cli import DEMO_PROMPT
+from dllm_jax.cluster.run import free_port
 
 pytest.importorskip("ray.serve", reason="the cluster runs on Ray Serve (pip install 'dllm-jax[cluster]')")
 
@@ -322,8 +323,11 @@ def test_round_robin_control_stores_every_affix_on_every_replica():
     kind of traffic, three affixes of four requests one after another, stores the affixes on both replicas (each
     replica builds each affix it serves once), where affix routing stores each once in the cluster. Ray's queue
     lengths, which the control reads, lag the replicas: an affix's requests may all meet on one replica now and
-    then (seen at two requests an affix), so most affixes, not all, are asserted on both."""
-    proc, url = fixtures.start_server("--replicas", "2", "--no-affinity", *FLAGS, *EXACT)
+    then (seen at two requests an affix), so most affixes, not all, are asserted on both. Without --address the
+    server starts a Ray instance of its own, whatever cluster the environment names (RAY_ADDRESS, here one where
+    nothing listens; `ray start` leaves one the same way): joining it, stopping would shut down its Serve."""
+    nowhere = {"RAY_ADDRESS": f"127.0.0.1:{free_port('127.0.0.1')}"}
+    proc, url = fixtures.start_server("--replicas", "2", "--no-affinity", *FLAGS, *EXACT, env=nowhere)
     stderr = fixtures.drain_stderr(proc)
     try:
         _wait_ready(url, 240)

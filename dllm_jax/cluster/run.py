@@ -87,7 +87,9 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     port = args.port or free_port(args.host)
     stop = threading.Event()
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=bool(args.verbose))
+    # without --address, a Ray instance of this server's own: Ray's default would join a cluster this machine runs
+    # (`ray start`, RAY_ADDRESS) and stopping would then shut down that cluster's Serve and its other applications
+    ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=bool(args.verbose))
     # a shared cluster may run this application already (another server's): deploying ours under its name would
     # replace it, and stopping ours would then delete it
     if args.address is not None and APP_NAME in serve.status().applications:
