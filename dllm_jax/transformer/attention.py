@@ -141,13 +141,18 @@ def _attend_pallas(
     return sa.slot_attention(q, k_pool, v_pool, table, q_lens, kv_lens, **state)
 
 
-def packed_slots(k: Array, v: Array, key_mask: Array) -> tuple[Array, Array, Array, Array]:
+def packed_slots(k: Array, v: Array, key_mask: Array | None) -> tuple[Array, Array, Array, Array]:
     """Contiguous k/v [B, S, Hkv, D] as the slot kernel's pool [B * S, Hkv, D] (K and V), with a read table [B, S]
-    listing each row's valid keys first, in order (a stable argsort of ~mask), and their count [B]."""
+    listing each row's valid keys first, in order (a stable argsort of ~mask; every key where there is no mask),
+    and their count [B]."""
     b, s, hkv, d = k.shape
-    order = jnp.argsort(~key_mask, axis=1, stable=True).astype(jnp.int32)
+    if key_mask is None:
+        order, lens = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), jnp.full((b,), s, jnp.int32)
+    else:
+        order = jnp.argsort(~key_mask, axis=1, stable=True).astype(jnp.int32)
+        lens = key_mask.sum(axis=1).astype(jnp.int32)
     table = order + (jnp.arange(b, dtype=jnp.int32) * s)[:, None]
-    return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, key_mask.sum(axis=1).astype(jnp.int32)
+    return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), table, lens
 
 
 def attend_state(
@@ -281,6 +286,5 @@ def attend(
     if backend == "invariant":
         return attend_segments(q, [KeySegment(k, v, key_mask)])
     if backend == "invariant_slot":  # always through the table, even unmasked: one program shape
-        valid = jnp.ones(k.shape[:2], bool) if key_mask is None else key_mask
-        return attend_slots([(q, *packed_slots(k, v, valid))], interpret)
+        return attend_slots([(q, *packed_slots(k, v, key_mask))], interpret)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
