@@ -232,6 +232,21 @@ def decode_inputs(model, gc, prompts, spans=None):
     return jnp.asarray(x), DecodeInputs(*masks, p, gc.schedule.block_length, shift, XLA)
 
 
+def solo_text(model, prompt_ids, config, affix_tokens=None, build=None, max_tokens=None) -> str:
+    """The answer text of one request decoded alone by `generate` (the server's answers must equal it); affix_tokens:
+    shared through `build` (ACache's `build_shared_affix` by default) where they sit in the prompt."""
+    from dllm_jax import answer_tokens, generate
+    from dllm_jax.decoding.caches import acache
+
+    shared = spans = None
+    if affix_tokens is not None:
+        shared = (build or acache.build_shared_affix)(model.params, model.config, affix_tokens)
+        at = next(i for i in range(len(prompt_ids)) if prompt_ids[i : i + len(affix_tokens)] == affix_tokens)
+        spans = [(at, at + len(affix_tokens))]
+    out = generate(model, [prompt_ids], config, shared_affix=shared, affix_spans=spans)
+    return model.tokenizer.decode(answer_tokens(out.tokens, model.config, config)[0][:max_tokens])
+
+
 def subprocess_env(optimized: bool = False, host_devices: int = 0) -> dict[str, str]:
     """The environment of a command the tests start: this one's without PYTHONPATH (the installed package runs);
     optimized: with XLA's CPU optimisations back on (conftest turns them off for the suite's compile-bound tests;
