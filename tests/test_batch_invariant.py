@@ -68,9 +68,11 @@ def test_attend_slots_is_attention_over_its_segments_in_order():
     second = jnp.asarray(RNG.random((3, 150)) < 0.6) & ~first
     got = _through_slots(q, [KeySegment(k, v, first), KeySegment(k, v, second)])
     want = attend_reference(q, k, v, first | second)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # compiled, the kernel's fp32 dots run on TF32 tensor cores (H100: 3.1e-4 apart at most); interpreted, exact fp32
+    tol = 1e-5 if jax.default_backend() != "gpu" else 2e-3
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
     packed = attend(q, k, v, second, "invariant_slot", interpret=jax.default_backend() != "gpu")
-    np.testing.assert_allclose(np.asarray(packed), np.asarray(attend_reference(q, k, v, second)), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(attend_reference(q, k, v, second)), atol=tol, rtol=tol)
 
 
 def test_the_mode_runs_the_slot_kernel_where_asked_and_on_gpus():
