@@ -608,9 +608,9 @@ def build_parser() -> Parser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="tokens a row a window forward (block starts, probes, affix builds) runs at a time, halved at large "
-        "batches so that a chunk of all rows stays <= 2048 tokens (default: 256): fewer chunks wait less on the host, "
-        "smaller ones pad less",
+        help="tokens a row a window forward (block starts, probes, affix builds) runs at a time (default: 256), "
+        "halved so that a chunk of all rows stays <= 2048 tokens, and down to 128 while all rows keep >= 512 "
+        "(256, 128, 128 at batch 1, 4, 16): fewer chunks wait less on the host, smaller ones pad less",
     )
     v.add_argument(
         "--compiler-option",

@@ -191,7 +191,10 @@ def test_program_count_is_fixed_by_the_settings(models_fp32, warm_engines):
     assert engine_for(m, max_batch=16).program_count() == 3 + 2 + 1  # blocks of 1, 4, 16; probes of 1, 4; affix
     ladder = Ladder.for_settings(16, 2000)  # LLaDA-8B's serve defaults but a 2000-token max_model_len
     assert ladder.batch_sizes == (1, 4, 16) and (ladder.window_chunk, ladder.read_len) == (256, 2048)  # whole chunks
-    assert [ladder.chunk(b) for b in ladder.batch_sizes] == [256, 256, 128]  # <= 2048 tokens a chunk at 16 rows
+    # <= 2048 tokens a chunk of all rows, >= 512 where a row's chunk can shrink to 128 (4 rows); 32 at 64 rows
+    assert [ladder.chunk(b) for b in ladder.batch_sizes] == [256, 128, 128]
+    assert Ladder.for_settings(64, 2000).chunk(64) == 32
+    assert Ladder.for_settings(16, 2000, window_chunk=64).chunk(4) == 64  # never above window_chunk
     assert Ladder.for_settings(16, 2000, (2, 16)).batch_sizes == (2, 16)
     assert engine_for(m, batch_sizes=(2, 4)).program_count() == 2 + 2 + 1  # no BiCache depth served
 

@@ -42,6 +42,10 @@ from dllm_jax.transformer.sharding import kv_sharding, mesh_of
 Array = jax.Array
 STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowed refresh (all columns when unshared)
 CHUNK_TOKENS = 2048  # a block-start chunk of all rows at most this many tokens (see `Ladder.chunk`)
+# ... and, where a row's chunk exceeds ROW_CHUNK_MIN, halved while the halves keep COMPUTE_TOKENS: GEMMs of 512 rows
+# are compute-bound on an H100 / H200, and a smaller chunk pads a row's window less (ACache's probe of 4 requests:
+# 1536 tokens for 4 x 321 instead of 2048; closed16 on an H100: 15.5 ms a probed request against 17.8, s39)
+COMPUTE_TOKENS, ROW_CHUNK_MIN = 512, 128
 # A block step's cost floor in tokens of block-start work (`Ladder.calls`): a step streams every weight once however
 # few its rows, which costs what this many tokens' GEMMs cost at a GPU's FLOP-to-byte ratio (LLaDA-8B bf16 on the
 # H200: 4.81 ms a batch-1 step, 26.7 ms a batch-32 step of 1024 tokens, so ~185 tokens). On a CPU, where small
@@ -77,9 +81,11 @@ class Ladder:
 
     def chunk(self, b: int) -> int:
         """A row's block-start chunk at batch b: window_chunk, halved while a chunk of all b rows exceeds CHUNK_TOKENS
-        (a GEMM that size already runs near the H200's peak; a smaller chunk pads less). A divisor of read_len."""
+        (a GEMM that size already runs near the H200's peak; a smaller chunk pads less), or while its half stays at
+        least COMPUTE_TOKENS for all rows and ROW_CHUNK_MIN a row (fewer, longer chunk loops below that). A divisor
+        of read_len. LLaDA-8B's serve defaults: 256, 128, 128 at batch 1, 4, 16."""
         c = self.window_chunk
-        while c * b > CHUNK_TOKENS and c % 32 == 0:
+        while c % 32 == 0 and (c * b > CHUNK_TOKENS or (c > ROW_CHUNK_MIN and c * b // 2 >= COMPUTE_TOKENS)):
             c //= 2
         return c
 
