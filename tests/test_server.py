@@ -86,9 +86,6 @@ def server(model):
     s.close()
 
 
-solo = fixtures.solo_text
-
-
 def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model):
     c = server.client()
     chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DEMO_PROMPT}], temperature=0)
@@ -100,14 +97,14 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "1 0 4"
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.total_tokens == chat.usage.total_tokens
     ref = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")  # the model's defaults
-    assert solo(model, model.encode_chat(DEMO_PROMPT), ref) == "1 0 4"
+    assert fixtures.solo_text(model, model.encode_chat(DEMO_PROMPT), ref) == "1 0 4"
     # a completion over several blocks, streamed one event per block
     extra = dict(block_length=4, steps=16)
     plain = c.completions.create(model=NAME, prompt=DEMO_PROMPT, max_tokens=16, extra_body=extra)
     stream = list(c.completions.create(model=NAME, prompt=DEMO_PROMPT, max_tokens=16, stream=True, extra_body=extra))
     assert "".join(ch.choices[0].text for ch in stream) == plain.choices[0].text
     assert len(stream) >= 2 and stream[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-    want = solo(
+    want = fixtures.solo_text(
         model,
         model.tokenizer.encode(DEMO_PROMPT),
         GenerationConfig.from_options(gen_length=16, block_length=4, steps=16, cache="dual"),
@@ -130,7 +127,7 @@ def test_small_max_tokens_keep_the_block_and_cut_the_answer(server, model):
     block = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")
     for n, cut in cuts.items():
         assert cut.usage.completion_tokens <= n
-        assert cut.choices[0].text == solo(model, model.tokenizer.encode(prompt), block, max_tokens=n)
+        assert cut.choices[0].text == fixtures.solo_text(model, model.tokenizer.encode(prompt), block, max_tokens=n)
 
 
 def test_settings_resolve_from_the_model_and_the_served_block_lengths():
@@ -167,7 +164,7 @@ def test_stop_strings_and_shared_affix_fields(server, model):
         gen_length=8, block_length=8, steps=8, cache="dual", affix="shallow", shallow_depth=2
     )
     ids, doc = model.tokenizer.encode(prompt), model.tokenizer.encode(DOC)
-    assert shallow == solo(model, ids, ref, doc, bicache.build_shared_prefix)
+    assert shallow == fixtures.solo_text(model, ids, ref, doc, bicache.build_shared_prefix)
 
 
 def _post(server, path, body, **kw):
@@ -458,7 +455,7 @@ def test_a_failed_device_call_is_a_500_and_repeated_ones_fail_health(server, mod
         assert json.loads(events[-2])["error"]["code"] == "engine_fault" and events[-1] == "[DONE]"
         ok = _post(server, "/v1/completions", body)
         assert ok.status_code == 200
-        want = solo(
+        want = fixtures.solo_text(
             model,
             model.tokenizer.encode(DEMO_PROMPT),
             GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual"),
