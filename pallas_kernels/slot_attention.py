@@ -52,6 +52,7 @@ __all__ = [
     "BlockSizes",
     "slot_attention",
     "slot_attention_reference",
+    "slot_log_sum_exp",
     "finalize_state",
     "merge_states",
     "empty_state",
@@ -174,6 +175,7 @@ def _slot_attention_kernel(
     *refs,
     contiguous: bool,
     state_out: bool,
+    with_output: bool,
     group: int,
     group_pad: int,
     block_q: int,
@@ -225,7 +227,7 @@ def _slot_attention_kernel(
     kidx = jnp.arange(block_k, dtype=jnp.int32)
 
     def tile(j, carry, masked: bool):
-        o_prev, m_prev, l_prev = carry
+        o_prev, m_prev, l_prev = carry if with_output else (None, *carry)
         kpos = j * block_k + kidx
         kmask = kpos < kv_len if masked else None
         if contiguous:
@@ -247,6 +249,8 @@ def _slot_attention_kernel(
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(s - m_next[:, None])
         l_next = l_prev * alpha + p.sum(axis=-1)
+        if not with_output:  # the log-sum-exp only: no V tile, no P V
+            return m_next, l_next
         if masked:
             v = plgpu.load(v_ref.at[k_rows[:, None], cols], mask=kmask[:, None], other=0.0)
         else:
@@ -254,19 +258,22 @@ def _slot_attention_kernel(
         o_next = o_prev * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return o_next, m_next, l_next
 
-    o = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _M_INIT, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    carry = lax.fori_loop(start, end_full, functools.partial(tile, masked=False), (o, m, l))
-    o, m, l = lax.fori_loop(start_part, end, functools.partial(tile, masked=True), carry)
+    carry = ((jnp.zeros((rows, head_dim), jnp.float32),) if with_output else ()) + (m, l)
+    carry = lax.fori_loop(start, end_full, functools.partial(tile, masked=False), carry)
+    carry = lax.fori_loop(start_part, end, functools.partial(tile, masked=True), carry)
+    o, m, l = carry if with_output else (None, *carry)
 
     st_mask = in_bounds[:, None]
     if state_out:
-        o_ref, m_ref, l_ref = out_refs
+        if with_output:
+            o_ref, m_ref, l_ref = out_refs
+            o = jnp.where(row_ok[:, None], o, 0.0).astype(o_ref.dtype)
+            plgpu.store(o_ref.at[q_rows[:, None], cols], o, mask=st_mask)
+        else:
+            m_ref, l_ref = out_refs
         seen = row_ok & (l > 0.0)
-        plgpu.store(
-            o_ref.at[q_rows[:, None], cols], jnp.where(row_ok[:, None], o, 0.0).astype(o_ref.dtype), mask=st_mask
-        )
         # m and l in o's row order (t * Hq + h): merging the splits is then elementwise over one layout
         plgpu.store(m_ref.at[q_rows], jnp.where(seen, m * _LN2, -jnp.inf), mask=in_bounds)
         plgpu.store(l_ref.at[q_rows], jnp.where(row_ok, l, 0.0), mask=in_bounds)
@@ -426,10 +433,24 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
 # --------------------------------------------------------------------------------------------
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret", "with_output"))
 def _slot_attention_pallas(
-    q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale, return_state, block_sizes, interpret
+    q,
+    k_pool,
+    v_pool,
+    read_table,
+    q_lens,
+    kv_lens,
+    init_state,
+    *,
+    scale,
+    return_state,
+    block_sizes,
+    interpret,
+    with_output=True,
 ):
+    """The kernel's call; with_output=False: only the log-sum-exp [B, Hq, Tq] (natural log, -inf where no key),
+    v_pool never read."""
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
     contiguous = read_table is None
     group = Hq // Hkv
@@ -439,7 +460,7 @@ def _slot_attention_pallas(
         raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got {bs.block_q} * {group_pad}")
     nq = pl.cdiv(Tq, bs.block_q)
     splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
-    state_out = return_state or init_state is not None or splits > 1
+    state_out = return_state or init_state is not None or splits > 1 or not with_output
 
     q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
@@ -453,6 +474,7 @@ def _slot_attention_pallas(
         _slot_attention_kernel,
         contiguous=contiguous,
         state_out=state_out,
+        with_output=with_output,
         group=group,
         group_pad=group_pad,
         block_q=bs.block_q,
@@ -478,16 +500,12 @@ def _slot_attention_pallas(
     ]
     args += [q2, k2, v2]
     if state_out:
-        out_shape = [
-            jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)),
-            pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0)),
-            pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0)),
-        ]
+        row_stat = jax.ShapeDtypeStruct((splits, B, Tq * Hq), jnp.float32)
+        row_spec = pl.BlockSpec((None, None, Tq * Hq), lambda i, s, h, b: (s, b, 0))
+        out_shape, out_specs = [row_stat, row_stat], [row_spec, row_spec]
+        if with_output:
+            out_shape.insert(0, jax.ShapeDtypeStruct((splits, B, Tq * Hq, D), jnp.float32))
+            out_specs.insert(0, pl.BlockSpec((None, None, Tq * Hq, D), lambda i, s, h, b: (s, b, 0, 0)))
     else:
         out_shape = [jax.ShapeDtypeStruct((B, Tq * Hq, D), q.dtype)]
         out_specs = [pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0))]
@@ -505,6 +523,10 @@ def _slot_attention_pallas(
 
     if not state_out:
         return outs[0].reshape(B, Tq, Hq, D)
+    if not with_output:  # each split's m + log l, combined over the splits
+        m, l = (x.reshape(splits, B, Tq, Hq) for x in outs)
+        lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)
+        return jnp.swapaxes(jax.nn.logsumexp(lse, axis=0), 1, 2)  # all -inf stays -inf
     o, m, l = outs
     o = o.reshape(splits, B, Tq, Hq, D)
     m = m.reshape(splits, B, Tq, Hq)
@@ -624,4 +646,41 @@ def slot_attention(
         return_state=bool(return_state),
         block_sizes=block_sizes,
         interpret=bool(interpret),
+    )
+
+
+def slot_log_sum_exp(
+    q: jax.Array,
+    k_pool: jax.Array,
+    read_table: jax.Array | None,
+    q_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The log-sum-exp of q's scaled logits over the K slots listed in read_table: [B, Hq, Tq] float32 (natural
+    log; -inf at t >= q_lens[b] and in rows without keys), i.e. the state's m + log(l). The same kernel as
+    `slot_attention` without the V tiles and the P V dots (ACache's probe needs only the softmax's normaliser)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, k_pool, read_table, q_lens, kv_lens, None)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    return _slot_attention_pallas(
+        q,
+        k_pool,
+        k_pool,
+        read_table,
+        q_lens,
+        kv_lens,
+        None,
+        scale=float(scale),
+        return_state=True,
+        block_sizes=block_sizes,
+        interpret=bool(interpret),
+        with_output=False,
     )

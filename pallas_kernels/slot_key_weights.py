@@ -12,7 +12,7 @@ query t.  Keys at j >= kv_lens[b], and rows with kv_lens 0 or no masked query, g
 Layout (as `pallas_kernels.slot_attention`)
 -------------------------------------------
 * ``q``          [B, T, Hq, D]  (bf16; fp32 accepted; cast to the pool's dtype before the dot, as slot_attention)
-* ``k_pool``     [P, Hkv, D]    physical slots of one layer; ``v_pool`` likewise (read only by the first pass)
+* ``k_pool``     [P, Hkv, D]    physical slots of one layer (no values: the weights need only the keys)
 * ``read_table`` [B, S] int32   key j of row b lives in slot ``read_table[b, j]``; entries at j >= kv_lens[b]
   are never read (they may hold anything, out-of-range slots included).
 * ``q_mask``     [B, T] bool    the queries whose attention is summed.
@@ -23,10 +23,12 @@ Layout (as `pallas_kernels.slot_attention`)
 
 Two passes, no score array
 --------------------------
-1. The log-sum-exp of each (query, head) over the row's keys, from `slot_attention(..., return_state=True)`:
-   lse = m + log(l).  Its q_lens is one past the row's last masked query, so queries after it cost nothing.
+Each row's queries are first moved so that its first masked query is query 0 (a gather of q and the mask), so
+both passes run only the span from the first masked query to the last, not the queries before it.
+1. The log-sum-exp of each (query, head) over the row's keys, from `slot_attention.slot_log_sum_exp` (the slot
+   kernel without its V tiles and P V dots); its q_lens is the row's span.
 2. This module's kernel: one program per (key tile, kv head, batch row).  It gathers its block_k keys through the
-   table, then loops over the query tiles spanning the row's masked queries: s = k_tile @ q_tile^T in fp32,
+   table, then loops over the query tiles of the row's span: s = k_tile @ q_tile^T in fp32,
    p = exp(s - lse) with unmasked queries and keys >= kv_lens zeroed, summed over the query rows into a
    [block_k] vector.  A tile whose first key is >= kv_lens[b] runs no loop and writes zeros.  The [B, Hkv, S]
    partials are summed over kv heads by XLA.
@@ -47,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._util import check_attention_tiles, next_pow2
-from pallas_kernels.slot_attention import slot_attention
+from pallas_kernels.slot_attention import slot_log_sum_exp
 
 try:  # Triton lowering (deprecated since jax 0.11 but present in 0.11.2).
     from jax.experimental.pallas import triton as plgpu
@@ -160,15 +162,13 @@ def _shape_str(x):
     return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
 
 
-def _validate(q, k_pool, v_pool, read_table, q_mask, kv_lens):
+def _validate(q, k_pool, read_table, q_mask, kv_lens):
     if q.ndim != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point [B, T, Hq, D], got q {_shape_str(q)}")
     B, T, Hq, D = q.shape
     if k_pool.ndim != 3 or not jnp.issubdtype(k_pool.dtype, jnp.floating):
         raise ValueError(f"k_pool must be floating point [P, Hkv, D], got k_pool {_shape_str(k_pool)}")
     Hkv, Dk = k_pool.shape[1:]
-    if v_pool is not None and (v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype):
-        raise ValueError(f"v_pool must match k_pool: k_pool {_shape_str(k_pool)}, v_pool {_shape_str(v_pool)}")
     if Dk != D:
         raise ValueError(f"head_dim mismatch: q {_shape_str(q)}, k_pool {_shape_str(k_pool)}")
     if Hq % Hkv:
@@ -197,25 +197,29 @@ def _query_span(q_mask):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
-def _slot_key_weights_pallas(q, k_pool, v_pool, read_table, q_mask, kv_lens, *, scale, block_sizes, interpret):
-    B, T, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_mask, kv_lens)
+def _slot_key_weights_pallas(q, k_pool, read_table, q_mask, kv_lens, *, scale, block_sizes, interpret):
+    B, T, Hq, D, Hkv, S = _validate(q, k_pool, read_table, q_mask, kv_lens)
     bs = block_sizes
     group = Hq // Hkv
     group_pad = next_pow2(group)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
     q_first, q_end = _query_span(q_mask)
+    # each row's span moved to start at query 0: queries before the first masked one cost nothing in either pass
+    span = q_end - q_first
+    at = jnp.arange(T, dtype=jnp.int32)[None, :]
+    src = jnp.minimum(q_first[:, None] + at, T - 1)
+    q = jnp.take_along_axis(q, src[:, :, None, None], axis=1)
+    q_mask = jnp.take_along_axis(q_mask, src, axis=1) & (at < span[:, None])
 
     # Pass 1: per-(query, head) log-sum-exp over the row's keys, in base 2; +inf where no probability is wanted.
-    st = slot_attention(
-        q, k_pool, v_pool, read_table, q_end, kv_lens, scale=scale, return_state=True, interpret=interpret
-    )
-    ok = q_mask[:, None, :] & (st.l > 0.0)  # [B, Hq, T]
-    lse = jnp.where(ok, (st.m + jnp.log(jnp.where(ok, st.l, 1.0))) * _LOG2E, jnp.inf)
+    lse = slot_log_sum_exp(q, k_pool, read_table, span, kv_lens, scale=scale, interpret=interpret)
+    ok = q_mask[:, None, :] & jnp.isfinite(lse)  # [B, Hq, T]
+    lse = jnp.where(ok, lse * _LOG2E, jnp.inf)
     lse = jnp.swapaxes(lse, 1, 2).reshape(B, T * Hq)  # the kernel's row order t * Hq + h
 
     nk = pl.cdiv(S, bs.block_k)
     table = jnp.pad(read_table.astype(jnp.int32), ((0, 0), (0, nk * bs.block_k - S)))
-    lens = jnp.stack([kv_lens, q_first, q_end], axis=1)  # [B, 3]
+    lens = jnp.stack([kv_lens, jnp.zeros_like(span), span], axis=1)  # [B, 3]
     P = k_pool.shape[0]
 
     kernel = functools.partial(
@@ -253,7 +257,7 @@ def _slot_key_weights_pallas(q, k_pool, v_pool, read_table, q_mask, kv_lens, *, 
 # --------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale",))
 def _reference_impl(q, k_pool, read_table, q_mask, kv_lens, *, scale):
-    B, T, Hq, D, Hkv, S = _validate(q, k_pool, None, read_table, q_mask, kv_lens)
+    B, T, Hq, D, Hkv, S = _validate(q, k_pool, read_table, q_mask, kv_lens)
     kmask = jnp.arange(S)[None, :] < jnp.clip(kv_lens, 0, S)[:, None]  # [B, S]
     k = jnp.take(k_pool, jnp.where(kmask, read_table, 0), axis=0)  # [B, S, Hkv, D]; unread entries: slot 0
     qg = q.astype(k_pool.dtype).reshape(B, T, Hkv, Hq // Hkv, D)
@@ -288,7 +292,6 @@ def slot_key_weights_reference(
 def slot_key_weights(
     q: jax.Array,
     k_pool: jax.Array,
-    v_pool: jax.Array,
     read_table: jax.Array,
     q_mask: jax.Array,
     kv_lens: jax.Array,
@@ -300,14 +303,12 @@ def slot_key_weights(
     """The attention weight each key of a row gets from the row's masked queries, summed over queries and heads:
     [B, S] float32, zero at j >= kv_lens[b] (see the module docstring).  The Pallas kernels; interpret=True runs
     them on the CPU; `slot_key_weights_reference` is the pure-jnp version.
-
-    v_pool is read only by the first pass (slot_attention's state, whose log-sum-exp the kernel needs).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-    B, T, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_mask, kv_lens)
+    B, T, Hq, D, Hkv, S = _validate(q, k_pool, read_table, q_mask, kv_lens)
     if T == 0 or S == 0:
         return jnp.zeros((B, S), jnp.float32)
     # the default tiling is resolved here, not in the cached trace (as slot_attention)
@@ -321,7 +322,6 @@ def slot_key_weights(
     return _slot_key_weights_pallas(
         q,
         k_pool,
-        v_pool,
         read_table,
         q_mask,
         kv_lens,

@@ -145,6 +145,15 @@ def test_output_and_state_match_reference(case):
         np.asarray(sa.finalize_state(st, jnp.float32)), np.asarray(ref, np.float32), atol=OUT_TOL, rtol=OUT_TOL
     )
 
+    # The log-sum-exp alone (the same kernel without V) is the state's m + log l.
+    q, k, v, tbl, ql, kl = args
+    lse = np.asarray(sa.slot_log_sum_exp(q, k, tbl, ql, kl, block_sizes=bs, interpret=INTERPRET))
+    rm, rl = np.asarray(rst.m), np.asarray(rst.l)
+    want = np.where(rl > 0, rm + np.log(np.where(rl > 0, rl, 1.0)), -np.inf)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want))
+    assert np.isfinite(want).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(lse[np.isfinite(want)], want[np.isfinite(want)], atol=2e-3, rtol=1e-4)
+
 
 def test_chaining_through_state_equals_one_call():
     """Context split into two parts (shared affix first, the rest second) merged through the state."""

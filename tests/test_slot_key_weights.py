@@ -85,15 +85,12 @@ def _make_problem(seed, B, T, S, Hq, Hkv, D, kv_lens, masks, dtype=jnp.bfloat16)
         tail = np.arange(kv_lens[b], S)
         table[b, tail] = rng.choice([P - 1, P + 1000, -7, 2**30], size=tail.size)
     k = rng.standard_normal((P, Hkv, D)).astype(np.float32)
-    v = rng.standard_normal((P, Hkv, D)).astype(np.float32)
     k[~used] = np.nan
-    v[~used] = np.nan
     q = rng.standard_normal((B, T, Hq, D)).astype(np.float32)
     q_mask = np.stack([_mask_row(p, T, rng) for p in masks])
     return (
         jnp.asarray(q, dtype),
         jnp.asarray(k, dtype),
-        jnp.asarray(v, dtype),
         jnp.asarray(table),
         jnp.asarray(q_mask),
         jnp.asarray(kv_lens, jnp.int32),
@@ -130,9 +127,9 @@ def test_kernel_matches_reference(case, dtype):
         case.masks,
         dtype,
     )
-    q, k, v, tbl, qm, kl = args
+    q, k, tbl, qm, kl = args
     bs = None if case.block_q is None else skw.BlockSizes(block_q=case.block_q, block_k=case.block_k)
-    out = skw.slot_key_weights(*args, block_sizes=bs, interpret=INTERPRET)
+    out = skw.slot_key_weights(q, k, tbl, qm, kl, block_sizes=bs, interpret=INTERPRET)
     ref = skw.slot_key_weights_reference(q, k, tbl, qm, kl)
     _check(out, ref, q, qm, kl, dtype)
     assert np.asarray(out).max() > 0.1  # real weights, not zeros
@@ -140,7 +137,7 @@ def test_kernel_matches_reference(case, dtype):
     # Table entries past kv_lens are never read: pointing them at slot 0 changes nothing.
     tail = np.arange(case.kv_len)[None, :] >= np.asarray(kl)[:, None]
     clean = jnp.asarray(np.where(tail, 0, np.asarray(tbl)))
-    out_clean = skw.slot_key_weights(q, k, v, clean, qm, kl, block_sizes=bs, interpret=INTERPRET)
+    out_clean = skw.slot_key_weights(q, k, clean, qm, kl, block_sizes=bs, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(out_clean), np.asarray(out))
 
 
@@ -149,27 +146,26 @@ def test_table_permutation_of_slots_is_invisible():
     permutes that row's weights."""
     B, T, S, Hq, Hkv, D = 2, 16, 48, 4, 2, 64
     kv_lens = (48, 29)
-    q, k, v, tbl, qm, kl = _make_problem(5, B, T, S, Hq, Hkv, D, kv_lens, ("span", "all"), jnp.float32)
+    q, k, tbl, qm, kl = _make_problem(5, B, T, S, Hq, Hkv, D, kv_lens, ("span", "all"), jnp.float32)
     bs = skw.BlockSizes(block_q=8, block_k=16)
     jitted = jax.jit(functools.partial(skw.slot_key_weights, block_sizes=bs, interpret=INTERPRET))  # traceable
-    out = np.asarray(jitted(q, k, v, tbl, qm, kl))
+    out = np.asarray(jitted(q, k, tbl, qm, kl))
     rtol, atol = TOL["float32"]
 
     rng = np.random.default_rng(0)
     P = k.shape[0]
     perm = rng.permutation(P)  # new slot of old slot s: perm[s]
     k2 = jnp.zeros_like(k).at[perm].set(k)
-    v2 = jnp.zeros_like(v).at[perm].set(v)
     t_np = np.asarray(tbl)
     live = np.arange(S)[None, :] < np.asarray(kl)[:, None]
     tbl2 = jnp.asarray(np.where(live, perm[np.clip(t_np, 0, P - 1)], t_np).astype(np.int32))
-    out2 = np.asarray(skw.slot_key_weights(q, k2, v2, tbl2, qm, kl, block_sizes=bs, interpret=INTERPRET))
+    out2 = np.asarray(skw.slot_key_weights(q, k2, tbl2, qm, kl, block_sizes=bs, interpret=INTERPRET))
     np.testing.assert_allclose(out2, out, rtol=rtol, atol=atol)
 
     order = np.arange(S)
     order[: kv_lens[0]] = rng.permutation(kv_lens[0])  # row 0's live keys reordered (row 1's kept)
     tbl3 = jnp.asarray(np.where(np.arange(B)[:, None] == 0, t_np[:, order], t_np))
-    out3 = np.asarray(skw.slot_key_weights(q, k, v, tbl3, qm, kl, block_sizes=bs, interpret=INTERPRET))
+    out3 = np.asarray(skw.slot_key_weights(q, k, tbl3, qm, kl, block_sizes=bs, interpret=INTERPRET))
     np.testing.assert_allclose(out3[0], out[0, order], rtol=rtol, atol=atol)
     np.testing.assert_allclose(out3[1], out[1], rtol=rtol, atol=atol)
 
@@ -228,10 +224,10 @@ _PROP_SHAPE = (2, 12, 40, 4, 2, 64)  # B, T, S, Hq, Hkv, D: one shape, so every 
 )
 def test_property_random_lengths_and_masks(kv_lens, mask_bits, seed):
     B, T, S, Hq, Hkv, D = _PROP_SHAPE
-    q, k, v, tbl, _, kl = _make_problem(seed, B, T, S, Hq, Hkv, D, kv_lens, ("none", "none"), jnp.float32)
+    q, k, tbl, _, kl = _make_problem(seed, B, T, S, Hq, Hkv, D, kv_lens, ("none", "none"), jnp.float32)
     qm = jnp.asarray([[(bits >> t) & 1 == 1 for t in range(T)] for bits in mask_bits])
     bs = skw.BlockSizes(block_q=8, block_k=16)  # 12 queries: two query tiles
-    out = skw.slot_key_weights(q, k, v, tbl, qm, kl, block_sizes=bs, interpret=INTERPRET)
+    out = skw.slot_key_weights(q, k, tbl, qm, kl, block_sizes=bs, interpret=INTERPRET)
     _check(out, skw.slot_key_weights_reference(q, k, tbl, qm, kl), q, qm, kl, jnp.float32)
 
 
@@ -242,35 +238,33 @@ def test_validation_errors():
     qm = jnp.ones((2, 8), bool)
     ln = jnp.zeros((2,), jnp.int32)
     call = lambda *a, **kw: skw.slot_key_weights(*a, interpret=True, **kw)
-    assert call(q, kp, kp, jnp.zeros((2, 0), jnp.int32), qm, ln).shape == (2, 0)  # no keys: an empty result
+    assert call(q, kp, jnp.zeros((2, 0), jnp.int32), qm, ln).shape == (2, 0)  # no keys: an empty result
     with pytest.raises(ValueError, match="q must be"):
-        call(q[0], kp, kp, tbl, qm, ln)
+        call(q[0], kp, tbl, qm, ln)
     with pytest.raises(ValueError, match="q must be"):
-        call(q.astype(jnp.int32), kp, kp, tbl, qm, ln)
+        call(q.astype(jnp.int32), kp, tbl, qm, ln)
     with pytest.raises(ValueError, match="k_pool must be"):
-        call(q, kp[None], kp[None], tbl, qm, ln)
-    with pytest.raises(ValueError, match="v_pool must match"):
-        call(q, kp, kp.astype(jnp.float32), tbl, qm, ln)
+        call(q, kp[None], tbl, qm, ln)
     with pytest.raises(ValueError, match="head_dim"):
         k128 = jnp.zeros((32, 2, 128), jnp.bfloat16)
-        call(q, k128, k128, tbl, qm, ln)
+        call(q, k128, tbl, qm, ln)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         k3 = jnp.zeros((32, 3, 64), jnp.bfloat16)
-        call(q, k3, k3, tbl, qm, ln)
+        call(q, k3, tbl, qm, ln)
     with pytest.raises(ValueError, match="read_table"):
-        call(q, kp, kp, jnp.zeros((3, 16), jnp.int32), qm, ln)
+        call(q, kp, jnp.zeros((3, 16), jnp.int32), qm, ln)
     with pytest.raises(ValueError, match="read_table"):
-        call(q, kp, kp, tbl.astype(jnp.float32), qm, ln)
+        call(q, kp, tbl.astype(jnp.float32), qm, ln)
     with pytest.raises(ValueError, match="q_mask"):
-        call(q, kp, kp, tbl, qm.astype(jnp.int32), ln)
+        call(q, kp, tbl, qm.astype(jnp.int32), ln)
     with pytest.raises(ValueError, match="q_mask"):
-        call(q, kp, kp, tbl, qm[:, :4], ln)
+        call(q, kp, tbl, qm[:, :4], ln)
     with pytest.raises(ValueError, match="kv_lens"):
-        call(q, kp, kp, tbl, qm, jnp.zeros((3,), jnp.int32))
+        call(q, kp, tbl, qm, jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="block_sizes"):
-        call(q, kp, kp, tbl, qm, ln, block_sizes=skw.BlockSizes(block_q=4))  # 4 tokens x 2 heads: 8 rows
+        call(q, kp, tbl, qm, ln, block_sizes=skw.BlockSizes(block_q=4))  # 4 tokens x 2 heads: 8 rows
     with pytest.raises(ValueError, match="block_sizes must be"):
-        call(q, kp, kp, tbl, qm, ln, block_sizes=(16, 16))
+        call(q, kp, tbl, qm, ln, block_sizes=(16, 16))
     with pytest.raises(ValueError, match="block_k"):
         skw.BlockSizes(block_k=8)
     with pytest.raises(ValueError, match="block_q"):
