@@ -362,6 +362,7 @@ def generate_row(model, args, workload: str, placement: str, prompts) -> dict:
         technique="dual",
         ratio=None,
         transport="python",
+        weights=model.config.weights,
         tokens_per_s=len(prompts) * args.output_len / wall,
         seconds=wall,
         p50_s=float(np.percentile(lat, 50)),
