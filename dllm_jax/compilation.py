@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterable
 
 import jax
+from tqdm.auto import tqdm
 
 _compiles = [0, 0.0, 0]  # programs jax compiled or loaded from its persistent cache (anyone's), their seconds, loads
 
@@ -39,3 +42,18 @@ def enable_compile_cache(path: str | os.PathLike) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def compile_overlapped(lowerings: Iterable[jax.stages.Lowered], total: int, progress: bool = True) -> None:
+    """Compile programs as they are lowered: each is traced and lowered in this thread (Python, as `lowerings` yields
+    it) while the one before compiles, or loads from the persistent cache, in one worker thread (XLA, the GIL
+    released), so a start's tracing and compiling overlap. One worker: XLA's autotuner times kernels on the device,
+    and two compiles at once would time each other. A failed compile raises here."""
+    bar = tqdm(total=total, desc="compiling", unit="program", disable=not progress)
+    with bar, ThreadPoolExecutor(1, thread_name_prefix="compile") as pool:
+        jobs = []
+        for lowered in lowerings:
+            jobs.append(pool.submit(lowered.compile))
+            jobs[-1].add_done_callback(lambda _: bar.update())
+        for job in jobs:
+            job.result()

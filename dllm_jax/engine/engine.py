@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from dllm_jax.compilation import compile_totals
+from dllm_jax.compilation import compile_overlapped, compile_totals
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
@@ -415,7 +415,7 @@ class Engine:
         programs, the XLA compilations it took, those loaded from jax's persistent cache instead, and the seconds."""
         t0, (c0, _, loads0) = time.perf_counter(), compile_totals()
         seed_key(0)  # the tiny program that turns a seed into a key
-        self.runner.warm(self._programs, progress)
+        compile_overlapped(map(self.runner.lowered, self._programs), len(self._programs), progress)
         jax.block_until_ready(self.runner.k)
         seconds, (c1, _, loads1) = time.perf_counter() - t0, compile_totals()
         self.counters["warmup_seconds"] += seconds

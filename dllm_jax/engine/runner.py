@@ -18,7 +18,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decoding.caches.acache import (
@@ -200,24 +199,21 @@ class ModelRunner:
             out += [Program("hidden", depth=d) for d in depths] + [Program("place")]
         return out
 
-    def warm(self, programs: Sequence[Program], progress: bool = True) -> None:
-        """Compile every program ahead of time (nothing runs or is written; later calls of those shapes find it)."""
+    def lowered(self, p: Program) -> jax.stages.Lowered:
+        """Program p traced and lowered, to compile ahead of time (nothing runs; later calls of its shapes find it)."""
         cfg, f, end = self.config, self.ladder.read_len, self.num_slots
-        for p in tqdm(programs, desc="compiling", unit="program", disable=not progress):
-            lay = put(_windowed(self._empty(p.b)))
-            if p.kind in ("affix", "probe"):
-                static = dict(self._static(p.b), probe=p.kind == "probe")
-                self._run_window.lower(self.params, self.k, self.v, lay, **static).compile()
-            elif p.kind == "hidden":
-                _prefix_hidden.lower(self.params, self.k, self.v, lay, **self._static(1), depth=p.depth).compile()
-            elif p.kind == "place":
-                zeros, nowhere = put(np.zeros(f, np.int32)), put(np.full(f, end, np.int32))
-                _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta).compile()
-            else:
-                shallow = isinstance(p.runner.strategy, ShallowReuse)
-                hidden = [jnp.zeros((f, cfg.d_model), cfg.jnp_dtype)] * p.b if shallow else None
-                lay = self._empty(p.b, shallow=shallow)
-                self._call(lay, p.runner, hidden, compile_only=True)
+        lay = put(_windowed(self._empty(p.b)))
+        if p.kind in ("affix", "probe"):
+            static = dict(self._static(p.b), probe=p.kind == "probe")
+            return self._run_window.lower(self.params, self.k, self.v, lay, **static)
+        if p.kind == "hidden":
+            return _prefix_hidden.lower(self.params, self.k, self.v, lay, **self._static(1), depth=p.depth)
+        if p.kind == "place":
+            zeros, nowhere = put(np.zeros(f, np.int32)), put(np.full(f, end, np.int32))
+            return _place.lower(self.k, self.v, zeros, nowhere, put(np.int32(0)), theta=cfg.rope_theta)
+        shallow = isinstance(p.runner.strategy, ShallowReuse)
+        hidden = [jnp.zeros((f, cfg.d_model), cfg.jnp_dtype)] * p.b if shallow else None
+        return self._call(self._empty(p.b, shallow=shallow), p.runner, hidden, lower_only=True)
 
     def plan(self, r: Request, bm) -> RowPlan:
         """What does not change between a request's blocks (cached on the request until its anchors change: a request
@@ -328,18 +324,17 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - t1  # the call and the wait for its block's tokens
         return tuple(a[: len(reqs)] for a in out)
 
-    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, compile_only=False):
+    def _call(self, lay: dict, runner: BlockRunner, hidden: Sequence[Array] | None, lower_only=False):
         """One block call over `lay` (hidden: each BiCache row's prefix hidden state [A, d] at its depth);
-        compile_only: compile its program for these shapes, run nothing."""
+        lower_only: its program lowered for these shapes (jax.stages.Lowered), nothing run."""
         b = lay["x"].shape[0]
         inputs = jax.device_put(lay)
         if hidden is not None:  # the padding rows' prefix (they read and write nothing): any row's
             inputs["hidden"] = tuple(hidden) + (hidden[0],) * (b - len(hidden))
         args = (self.params, self.k, self.v, inputs)
         static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b))
-        if compile_only:
-            self._run_block.lower(*args, **static).compile()
-            return None
+        if lower_only:
+            return self._run_block.lower(*args, **static)
         blk, steps, keys, self.k, self.v = self._run_block(*args, **static)
         return np.asarray(blk), np.asarray(steps), np.asarray(keys)
 
