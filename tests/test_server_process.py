@@ -216,7 +216,7 @@ def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile
     """`dllm-jax serve` (max_batch 2, max_model_len 64: a short warm-up) answers /health at once and /ready once
     warmed; a request sent during the warm-up is answered; varied requests compile nothing after it, nor do the
     audit's shadow requests (--audit-fraction 1: the shared-affix request is decoded again exactly); a second
-    start on the same --compile-cache warms up clearly faster."""
+    start on the same --compile-cache loads every program (compiles none) and warms up faster."""
     flags = ("--dtype", "float32", "--max-batch", "2", "--max-model-len", "64", "--compile-cache", str(tmp_path))
     flags += ("--audit-fraction", "1")
     deadline = time.time() + 300
@@ -273,8 +273,9 @@ def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile
         proc, url = fixtures.start_server(*flags)
         stderr = fixtures.drain_stderr(proc)
         _wait_ready(url, deadline)
-        again = _metrics(url)["dllm_jax_warmup_seconds"]
-        assert 0 < again < 0.7 * first, (again, first)
+        again = _metrics(url)
+        assert 0 < again["dllm_jax_warmup_seconds"] < first, (again["dllm_jax_warmup_seconds"], first)
+        assert again["dllm_jax_compiles_total"] == 0  # every program loaded, none compiled
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"] == later["choices"]
         assert _metrics(url)["dllm_jax_compiles_after_warmup_total"] == 0
     finally:
