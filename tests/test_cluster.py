@@ -77,12 +77,6 @@ def _kill_if_running(proc) -> None:
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=60)
 
 
-def _start(*flags: str, env: dict[str, str] | None = None):
-    """`dllm-jax serve FLAGS` started: (the process, its URL, its stderr's lines as they come)."""
-    proc, url = fixtures.start_server(*flags, env=env)
-    return proc, url, fixtures.drain_stderr(proc)
-
-
 def _per_replica(url: str, name: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -106,20 +100,15 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
 
     from dllm_jax.cluster.replica import ReplicaServer
 
-    # one engine with the same settings, in this process, no Ray; it warms up while the cluster's Ray and Serve
-    # start (in a thread: `start_server` returns once the command prints its address, after Ray and Serve started
-    # and the replicas were created, some 10 s in), then the cluster waits for it: its replicas load its programs
-    # from the run's compilation cache instead of compiling them again side by side
+    # one engine with the same settings, in this process, no Ray; warmed first, so that the replicas load its
+    # programs from the run's compilation cache instead of compiling them again side by side
     single = ReplicaServer([*FLAGS, *EXACT, "--compile-cache", jax.config.jax_compilation_cache_dir])
-    pool = cf.ThreadPoolExecutor(1)
-    starting = pool.submit(_start, "--replicas", "2", "--spill-queue", "3", *FLAGS, *EXACT)
-    pool.shutdown(wait=False)
-    joiners: list[subprocess.Popen] = []
+    deadline = time.time() + 240
+    while not single.service.warmed and time.time() < deadline:
+        time.sleep(0.2)
+    proc, url = fixtures.start_server("--replicas", "2", "--spill-queue", "3", *FLAGS, *EXACT)
+    stderr = fixtures.drain_stderr(proc)
     try:
-        deadline = time.time() + 240
-        while not single.service.warmed and time.time() < deadline:
-            time.sleep(0.2)
-        proc, url, stderr = starting.result(timeout=300)
         ready = _wait_ready(url, 240)
         assert [r["status"] for r in ready["replicas"]] == ["ready", "ready"]
         # a second server joining this Ray cluster (the address the server names: under pytest-xdist another
@@ -127,12 +116,16 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         # deploys anything: under the same application name it would replace this one
         address = re.search(r"Ray cluster at (\S+?)\)", proc.start_line).group(1)
         joining = {**fixtures.subprocess_env(), "RAY_AUTH_MODE": "token"}  # Ray 2.60: an explicit address needs it
-        pipes = dict(env=joining, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        second = subprocess.Popen(
-            [sys.executable, "-m", "dllm_jax.cli", "serve", "--replicas", "2", "--address", address, *FLAGS], **pipes
+        second = subprocess.run(
+            [sys.executable, "-m", "dllm_jax.cli", "serve", "--replicas", "2", "--address", address, *FLAGS],
+            env=joining,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
+        assert second.returncode == 2 and "already runs a dllm-jax server" in second.stderr, second.stderr[-2000:]
         # on a cluster whose Serve runs already, the proxy keeps its address: a server joining it reports that one
-        joined = subprocess.Popen(
+        joined = subprocess.run(
             [
                 sys.executable,
                 "-c",
@@ -140,9 +133,12 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
                 f"ray.init(address={address!r}, log_to_driver=False)\n"
                 "print(*serve_address('127.0.0.1', 1))\nray.shutdown()",
             ],
-            **pipes,
+            env=joining,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
-        joiners += [second, joined]  # the two join at once, while the first questions below are answered
+        assert joined.stdout.split()[-2:] == ["127.0.0.1", url.rsplit(":", 1)[1]], joined.stderr[-2000:]
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
         def body(question: str, affix: str, max_tokens: int | None) -> dict:  # None: the model's default length
@@ -170,10 +166,6 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         question = "input : 8 9 5 what does the rule give ?"
         assert ask(question, RULES)[0] == alone(question, RULES) == "1 0 4"
         assert ask(question, RULES, stream=True)[0] == "1 0 4"
-        second_err = second.communicate(timeout=120)[1]
-        assert second.returncode == 2 and "already runs a dllm-jax server" in second_err, second_err[-2000:]
-        joined_out, joined_err = joined.communicate(timeout=120)
-        assert joined_out.split()[-2:] == ["127.0.0.1", url.rsplit(":", 1)[1]], joined_err[-2000:]
 
         # four affixes, one request after another (below the spill bound): each always on one replica, stored once
         affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(4)]
@@ -234,12 +226,7 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         _stop_and_check_nothing_left(proc)
     finally:
         single.stop()
-        for joiner in joiners:
-            if joiner.poll() is None:
-                joiner.kill()
-                joiner.wait()
-        if starting.exception(timeout=300) is None:  # it started (start_server kills one that did not)
-            _kill_if_running(starting.result()[0])
+        _kill_if_running(proc)
     assert not any("Traceback" in line for line in stderr), "".join(stderr)[-3000:]
 
 
