@@ -59,3 +59,28 @@ def models_fp32(hf_dirs):
     import dllm_jax
 
     return {name: dllm_jax.load(d, dtype="float32") for name, d in hf_dirs.items()}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep `--dist loadgroup` (pyproject's addopts) working: pytest-xdist sends the tests marked `xdist_group` to one
+    worker by suffixing their node ids with the group's name, on a worker, in this hook; from pytest 9.2 the node id
+    is a structured one and xdist's suffix (still written to the former `_nodeid`) no longer takes effect
+    (pytest-xdist issue 1386), so each such test was scheduled on its own: the two Ray cluster tests ran at once
+    on two workers (two clusters side by side; each one's no-Ray-process-left check also waited for the other's)
+    and each family's engine was warmed up on both workers. Written here where pytest keeps the id now, after xdist's
+    hook; a no-op where that one took effect (older pytest) or outside an xdist worker."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9.2: xdist's suffix works
+        return
+    for item in items:
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
+        }
+        nodeid = item.nodeid
+        if not names or nodeid.rfind("@") > nodeid.rfind("]") or not isinstance(getattr(item, "_id", None), NodeId):
+            continue  # no group, or the suffix is there already
+        item._id = NodeId.parse(f"{nodeid}@{'_'.join(sorted(names))}")
