@@ -604,6 +604,17 @@ def slot_attention_reference(
 # --------------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------------
+def _checked(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale, block_sizes):
+    """The public entry points' checks: the inputs validated, the scale and the tiling resolved (here, not in the
+    cached trace: a patched heuristic is a new program)."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    return (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale), block_sizes
+
+
 def slot_attention(
     q: jax.Array,
     k_pool: jax.Array,
@@ -624,16 +635,9 @@ def slot_attention(
     Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
     return_state=True.  See the module docstring for the layout.
     """
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
     if init_state is not None:
         init_state = AttentionState(*init_state)
-    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
-    # the default tiling is resolved here, not in the cached trace: a patched heuristic is a new program
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    scale, block_sizes = _checked(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale, block_sizes)
     return _slot_attention_pallas(
         q,
         k_pool,
@@ -663,13 +667,7 @@ def slot_log_sum_exp(
     """The log-sum-exp of q's scaled logits over the K slots listed in read_table: [B, Hq, Tq] float32 (natural
     log; -inf at t >= q_lens[b] and in rows without keys), i.e. the state's m + log(l). The same kernel as
     `slot_attention` without the V tiles and the P V dots (ACache's probe needs only the softmax's normaliser)."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-    B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, k_pool, read_table, q_lens, kv_lens, None)
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    scale, block_sizes = _checked(q, k_pool, k_pool, read_table, q_lens, kv_lens, None, scale, block_sizes)
     return _slot_attention_pallas(
         q,
         k_pool,
