@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "AttentionState",
+    "FirstList",
     "BlockSizes",
     "slot_attention",
     "slot_attention_reference",
@@ -73,6 +74,16 @@ SPLIT_BELOW_SMS = _NUM_SMS // 2
 # per layer of a block step (H200, per step in a loop: LLaDA-8B batch 1 4.585 vs 4.639 ms, Dream-7B batch 1 4.201
 # vs 4.217; batch 8 does not split).
 MERGE_BLOCK_ROWS = 8  # (token, head) rows per merge program: a block step's 1024 rows make 128 programs
+
+
+class FirstList(NamedTuple):
+    """Keys a call reads before its read_table's, in the same online softmax: attention over both lists without an
+    `AttentionState` between two calls (the serving pool's shared affix copy, then a row's own slots)."""
+
+    table: jax.Array  # [B, S1] int32: the slots, like read_table
+    lens: jax.Array  # [B] int32 <= S1: how many of them each row reads
+    q: jax.Array | None = None  # [B, Tq, Hq, D]: the queries to score them with (None: q; e.g. q rotated back by
+    # the list's RoPE placement)
 
 
 class AttentionState(NamedTuple):
@@ -174,6 +185,8 @@ def _slot_attention_kernel(
     lens_ref,
     *refs,
     contiguous: bool,
+    first_list: int,
+    skip_dead_blocks: bool,
     state_out: bool,
     with_output: bool,
     group: int,
@@ -187,9 +200,14 @@ def _slot_attention_kernel(
     kv_heads: int,
     qk_scale: float,
 ):
+    first_tbl_ref = first_q_ref = None
     if contiguous:
         tbl_ref = None
         q_ref, k_ref, v_ref, *out_refs = refs
+    elif first_list == 2:  # a first list read with its own queries
+        first_tbl_ref, first_q_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    elif first_list == 1:  # ... with q
+        first_tbl_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
     else:
         tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
     iq = pl.program_id(0)
@@ -201,6 +219,7 @@ def _slot_attention_kernel(
 
     q_len = lens_ref[0]
     kv_len = lens_ref[1]
+    first_len = lens_ref[2] if first_list else 0
 
     r = jnp.arange(rows, dtype=jnp.int32)
     t = iq * block_q + lax.div(r, jnp.int32(group_pad))  # token of each row
@@ -212,21 +231,23 @@ def _slot_attention_kernel(
     q_rows = jnp.where(in_bounds, t * q_heads + h, oob)  # row in the [Tq*Hq, D] view
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
 
-    q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0)
     kv_dtype = k_ref.dtype
-    q = q.astype(kv_dtype)
 
-    n_tiles = lax.div(kv_len + (block_k - 1), jnp.int32(block_k))
-    n_full = lax.div(kv_len, jnp.int32(block_k))
+    def load_q(ref):
+        return plgpu.load(ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0).astype(kv_dtype)
+
+    def tiles(length):
+        return lax.div(length + (block_k - 1), jnp.int32(block_k))
+
+    # the split's tiles in the index space of the first list's tiles, then the list's
+    n_first = tiles(first_len) if first_list else 0
     start = isplit * tiles_per_split
-    end = jnp.minimum(start + tiles_per_split, n_tiles)
+    end = jnp.minimum(start + tiles_per_split, n_first + tiles(kv_len))
     end = jnp.where(iq * block_q < q_len, end, start)  # whole q block empty: skip the work
-    end_full = jnp.minimum(end, n_full)
-    start_part = jnp.maximum(start, end_full)
 
     kidx = jnp.arange(block_k, dtype=jnp.int32)
 
-    def tile(j, carry, masked: bool):
+    def tile(j, carry, masked: bool, q, tbl_ref, kv_len, kv_len_max):
         o_prev, m_prev, l_prev = carry if with_output else (None, *carry)
         kpos = j * block_k + kidx
         kmask = kpos < kv_len if masked else None
@@ -258,11 +279,24 @@ def _slot_attention_kernel(
         o_next = o_prev * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return o_next, m_next, l_next
 
+    def run_list(carry, q, tbl_ref, kv_len, kv_len_max, lo, hi):
+        """Tiles lo..hi-1 of one list (of kv_len keys): the full ones unmasked, the last one masked."""
+        end_full = jnp.minimum(hi, lax.div(kv_len, jnp.int32(block_k)))
+        body = functools.partial(tile, q=q, tbl_ref=tbl_ref, kv_len=kv_len, kv_len_max=kv_len_max)
+        carry = lax.fori_loop(lo, end_full, functools.partial(body, masked=False), carry)
+        return lax.fori_loop(jnp.maximum(lo, end_full), hi, functools.partial(body, masked=True), carry)
+
     m = jnp.full((rows,), _M_INIT, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     carry = ((jnp.zeros((rows, head_dim), jnp.float32),) if with_output else ()) + (m, l)
-    carry = lax.fori_loop(start, end_full, functools.partial(tile, masked=False), carry)
-    carry = lax.fori_loop(start_part, end, functools.partial(tile, masked=True), carry)
+    q = None if first_list == 2 else load_q(q_ref)
+    if first_list:  # one online softmax over both lists: no state between them leaves the program
+        first_q = load_q(first_q_ref) if first_list == 2 else q
+        first_max = first_tbl_ref.shape[-1]
+        carry = run_list(carry, first_q, first_tbl_ref, first_len, first_max, start, jnp.minimum(end, n_first))
+        start, end = jnp.maximum(start, n_first) - n_first, jnp.maximum(end, n_first) - n_first
+        q = load_q(q_ref) if q is None else q
+    carry = run_list(carry, q, tbl_ref, kv_len, kv_len_max, start, end)
     o, m, l = carry if with_output else (None, *carry)
 
     st_mask = in_bounds[:, None]
@@ -281,6 +315,8 @@ def _slot_attention_kernel(
         (o_ref,) = out_refs
         ok = row_ok & (l > 0.0)
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+        if skip_dead_blocks:  # a q block wholly past q_len writes nothing
+            st_mask = st_mask & (iq * block_q < q_len)
         plgpu.store(o_ref.at[q_rows[:, None], cols], (o * inv[:, None]).astype(o_ref.dtype), mask=st_mask)
 
 
@@ -430,10 +466,28 @@ def _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state):
     return B, Tq, Hq, D, Hkv, S
 
 
+def _validate_first(first, q, read_table) -> None:
+    if first is None:
+        return
+    if not isinstance(first, FirstList):
+        raise ValueError(f"first must be a FirstList, got {type(first).__name__}")
+    if read_table is None:
+        raise ValueError("first needs a read_table: it lists pool slots, which a contiguous cache does not have")
+    b = q.shape[0]
+    if first.table.ndim != 2 or first.table.shape[0] != b or not jnp.issubdtype(first.table.dtype, jnp.integer):
+        raise ValueError(f"first.table must be int32 [B, S1] with B={b}, got {_shape_str(first.table)}")
+    if first.lens.shape != (b,) or not jnp.issubdtype(first.lens.dtype, jnp.integer):
+        raise ValueError(f"first.lens must be int32 [B]=[{b}], got {_shape_str(first.lens)}")
+    if first.q is not None and first.q.shape != q.shape:
+        raise ValueError(f"first.q must be shaped like q {_shape_str(q)}, got {_shape_str(first.q)}")
+
+
 # --------------------------------------------------------------------------------------------
 # Pallas wrapper
 # --------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret", "with_output"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "return_state", "block_sizes", "interpret", "with_output", "skip_dead_blocks")
+)
 def _slot_attention_pallas(
     q,
     k_pool,
@@ -442,29 +496,37 @@ def _slot_attention_pallas(
     q_lens,
     kv_lens,
     init_state,
+    first=None,
     *,
     scale,
     return_state,
     block_sizes,
     interpret,
     with_output=True,
+    skip_dead_blocks=False,
 ):
     """The kernel's call; with_output=False: only the log-sum-exp [B, Hq, Tq] (natural log, -inf where no key),
-    v_pool never read."""
+    v_pool never read. first: a `FirstList` read before read_table's keys. skip_dead_blocks: `slot_attention`'s
+    rows_past_q_len="any"."""
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
     contiguous = read_table is None
+    s_first = 0 if first is None else first.table.shape[1]
     group = Hq // Hkv
     group_pad = next_pow2(group)
-    bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+    kv_all = S + s_first  # the keys' index space: the first list's, then read_table's
+    bs = block_sizes or BlockSizes.get_default(batch=B, q_len=Tq, kv_len=kv_all, q_heads=Hq, kv_heads=Hkv, head_dim=D)
     if bs.block_q * group_pad < 16:
         raise ValueError(f"block_sizes.block_q * next_pow2(Hq/Hkv) must be >= 16, got {bs.block_q} * {group_pad}")
     nq = pl.cdiv(Tq, bs.block_q)
-    splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=S)
+    # a split's tiles count in both lists' tiles (the first list's last tile may be partial: one tile more)
+    tiles_kv = S if first is None else (pl.cdiv(s_first, bs.block_k) + pl.cdiv(S, bs.block_k)) * bs.block_k
+    splits, tps = _choose_splits(bs, batch=B, kv_heads=Hkv, num_q_blocks=nq, kv_len=tiles_kv)
     state_out = return_state or init_state is not None or splits > 1 or not with_output
 
     q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
-    lens = jnp.stack([q_lens, kv_lens], axis=1)  # [B, 2]
+    lens = [q_lens, kv_lens] + ([] if first is None else [jnp.clip(first.lens.astype(jnp.int32), 0, s_first)])
+    lens = jnp.stack(lens, axis=1)  # [B, 2 or 3]
     q2 = q.reshape(B, Tq * Hq, D)
     P = k_pool.shape[0] * (S if contiguous else 1)
     k2 = k_pool.reshape(P * Hkv, D)
@@ -473,6 +535,8 @@ def _slot_attention_pallas(
     kernel = functools.partial(
         _slot_attention_kernel,
         contiguous=contiguous,
+        first_list=0 if first is None else (1 if first.q is None else 2),
+        skip_dead_blocks=skip_dead_blocks and not state_out,
         state_out=state_out,
         with_output=with_output,
         group=group,
@@ -488,8 +552,14 @@ def _slot_attention_pallas(
     )
 
     grid = (nq, splits, Hkv, B)
-    in_specs = [pl.BlockSpec((None, 2), lambda i, s, h, b: (b, 0))]
+    in_specs = [pl.BlockSpec((None, lens.shape[1]), lambda i, s, h, b: (b, 0))]
     args = [lens]
+    if first is not None:
+        in_specs.append(pl.BlockSpec((None, s_first), lambda i, s, h, b: (b, 0)))
+        args.append(first.table.astype(jnp.int32))
+        if first.q is not None:
+            in_specs.append(pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0)))
+            args.append(first.q.astype(q.dtype).reshape(B, Tq * Hq, D))
     if not contiguous:
         in_specs.append(pl.BlockSpec((None, S), lambda i, s, h, b: (b, 0)))
         args.append(read_table.astype(jnp.int32))
@@ -557,8 +627,14 @@ def _gather_kv(k_pool, v_pool, read_table):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_state"))
-def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, *, scale, return_state):
+def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, first, *, scale, return_state):
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+    if first is not None:  # the first list's state, continued over read_table's keys
+        first_q = q if first.q is None else first.q
+        head = _reference_impl(
+            first_q, k_pool, v_pool, first.table, q_lens, first.lens, None, None, scale=scale, return_state=True
+        )
+        init_state = head if init_state is None else merge_states(init_state, head)
     G = Hq // Hkv
     k, v = _gather_kv(k_pool, v_pool, read_table)  # [B, S, Hkv, D]
     qg = q.reshape(B, Tq, Hkv, G, D)
@@ -589,28 +665,40 @@ def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, 
 
 
 def slot_attention_reference(
-    q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None, init_state=None, return_state=False
+    q, k_pool, v_pool, read_table, q_lens, kv_lens, *, scale=None, init_state=None, return_state=False, first=None
 ):
     """Pure-jnp reference with the same semantics as :func:`slot_attention` (fp32 math)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if init_state is not None:
         init_state = AttentionState(*init_state)
+    _validate_first(first, q, read_table)
     return _reference_impl(
-        q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale=float(scale), return_state=bool(return_state)
+        q,
+        k_pool,
+        v_pool,
+        read_table,
+        q_lens,
+        kv_lens,
+        init_state,
+        first,
+        scale=float(scale),
+        return_state=bool(return_state),
     )
 
 
 # --------------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------------
-def _checked(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale, block_sizes):
+def _checked(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale, block_sizes, first=None):
     """The public entry points' checks: the inputs validated, the scale and the tiling resolved (here, not in the
     cached trace: a patched heuristic is a new program)."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
+    _validate_first(first, q, read_table)
     if block_sizes is None:
+        S += 0 if first is None else first.table.shape[1]
         block_sizes = BlockSizes.get_default(batch=B, q_len=Tq, kv_len=S, q_heads=Hq, kv_heads=Hkv, head_dim=D)
     return (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale), block_sizes
 
@@ -628,16 +716,24 @@ def slot_attention(
     return_state: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    first: FirstList | None = None,
+    rows_past_q_len: str = "zeros",
 ) -> jax.Array | AttentionState:
     """Bidirectional attention of q over the K/V slots listed in read_table (the Pallas kernel; interpret=True
-    runs it on the CPU; `slot_attention_reference` is the pure-jnp version).
+    runs it on the CPU; `slot_attention_reference` is the pure-jnp version). first: a `FirstList` of slots read
+    before read_table's (scored by first.q when given) in the same programs: attention over both lists, as chaining
+    two calls through `init_state` computes it without the state between them. rows_past_q_len: "zeros", or
+    "any": q blocks wholly past q_lens[b] neither run nor write their part of a one-pass normalised output, leaving
+    those rows undefined, for a caller that reads only each row's first q_lens[b] (a window padded to a fixed width).
 
     Returns the normalised output [B, Tq, Hq, D] (q.dtype), or the AttentionState when
     return_state=True.  See the module docstring for the layout.
     """
     if init_state is not None:
         init_state = AttentionState(*init_state)
-    scale, block_sizes = _checked(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale, block_sizes)
+    if rows_past_q_len not in ("zeros", "any"):
+        raise ValueError(f"rows_past_q_len must be 'zeros' or 'any', got {rows_past_q_len!r}")
+    scale, block_sizes = _checked(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, scale, block_sizes, first)
     return _slot_attention_pallas(
         q,
         k_pool,
@@ -646,10 +742,12 @@ def slot_attention(
         q_lens,
         kv_lens,
         init_state,
+        first,
         scale=float(scale),
         return_state=bool(return_state),
         block_sizes=block_sizes,
         interpret=bool(interpret),
+        skip_dead_blocks=rows_past_q_len == "any",
     )
 
 

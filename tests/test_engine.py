@@ -3,6 +3,7 @@ request alone with the same settings, whatever shares its batch and whenever it 
 shared affix at any placement; a pool smaller than the demand drains; a warmed-up engine compiles nothing more; bad
 requests are refused at submit."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -566,20 +567,25 @@ def test_a_full_length_suffix_request_probed_at_ratio_one(models_fp32):
 
 def test_the_slot_kernels_probe_and_decode_as_xla_does(models_fp32):
     """The engine on the slot kernels (Pallas, interpreted here; what a GPU runs): ACache's probe scores each row's
-    shared list through `slot_key_weights`, and the anchors and answers are those of the XLA engine and of solo
-    generate, at every placement."""
+    shared list through `slot_key_weights`, a block start's chunks attend once a layer over both read lists, and
+    the anchors and answers are those of the XLA engine and of solo generate, at every placement; an unshared
+    request's block starts run two chunks (its window of 53 tokens, chunks of 32), one attention over both."""
     m = models_fp32["llada"]
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2, stop_at_eos=False)
     items = [(p, gc, span, 0) for p, span in PLACED[:3]]
+    plain = dataclasses.replace(gc, cache=dataclasses.replace(gc.cache, affix=None))
+    long = RNG.integers(0, 80, 45).tolist()
     anchors, answers = [], []
     for attention in ("pallas", "xla"):
         engine = engine_for(m, attention=attention)
         assert engine.runner.kernels.attention == attention
         ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED[:3]]
+        ids.append(engine.add_request(long, plain))
         engine.step()  # probes all three and decodes their first block
-        anchors.append([engine.request(i).anchors for i in ids])
+        anchors.append([engine.request(i).anchors for i in ids[:3]])
         while engine.has_unfinished():
             engine.step()
         answers.append([engine.request(i).answer(()) for i in ids])
     assert anchors[0] == anchors[1] and all(anchors[0])
-    assert answers[0] == answers[1] == [solo(m, p, gc, span) for p, gc, span, _ in items]
+    want = [solo(m, p, gc, span) for p, gc, span, _ in items] + [solo(m, long, plain)]
+    assert answers[0] == answers[1] == want

@@ -192,6 +192,61 @@ def test_chaining_through_state_equals_one_call():
     _check_out(ref_chain, full, q_lens, kv_lens)
 
 
+@pytest.mark.parametrize(
+    "splits, own_q, block_q", [(1, True, 16), (3, False, 16), (None, True, 32)], ids=["one", "split3", "default"]
+)
+def test_first_list_equals_chaining_two_calls(splits, own_q, block_q):
+    """A FirstList (the pool's shared copy, scored with its own queries) read in the same programs equals the two
+    calls chained through the state, and both equal the reference over the two lists as one table; ragged lengths
+    (an empty first list, an empty second list, a first list ending mid-tile), split-K over the two lists' tiles."""
+    B, Tq, S, Hq, Hkv, D = 3, 24, 96, 8, 2, 64
+    q_lens, kv_lens = (24, 11, 24), (96, 50, 70)
+    q, k, v, tbl, ql, kl = _make_problem(11, B, Tq, S, Hq, Hkv, D, q_lens, kv_lens, shared=32)
+    cut = np.array([40, 0, 70], np.int32)  # row 1 reads nothing first, row 2 only the first list
+    tbl_np = np.asarray(tbl)
+    first_tbl, rest = np.zeros((B, 72), np.int32), np.zeros((B, 64), np.int32)
+    for b in range(B):
+        first_tbl[b, : cut[b]] = tbl_np[b, : cut[b]]
+        tail = tbl_np[b, cut[b] : kv_lens[b]]
+        rest[b, : tail.size] = tail
+    first_lens = jnp.asarray(cut)
+    rest_lens = jnp.asarray(np.asarray(kv_lens) - cut, jnp.int32)
+    rng = np.random.default_rng(5)
+    q_first = jnp.asarray(rng.standard_normal(q.shape), q.dtype) if own_q else None
+    first = sa.FirstList(jnp.asarray(first_tbl), first_lens, q_first)
+    bs = sa.BlockSizes(block_q=block_q, block_k=32, kv_splits=splits)
+    rest_tbl = jnp.asarray(rest)
+    out = sa.slot_attention(q, k, v, rest_tbl, ql, rest_lens, first=first, block_sizes=bs, interpret=INTERPRET)
+    head = sa.slot_attention_reference(
+        q if q_first is None else q_first, k, v, first.table, ql, first_lens, return_state=True
+    )
+    chained = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, init_state=head)
+    _check_out(out, chained, q_lens, kv_lens)
+    ref = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, first=first)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(chained))
+    if q_first is None:  # one query for both lists: the two lists are one table
+        _check_out(out, sa.slot_attention_reference(q, k, v, tbl, ql, kl), q_lens, kv_lens)
+    else:  # the first list's own queries matter (the test would catch the kernel scoring it with q)
+        plain = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, first=first._replace(q=None))
+        assert np.abs(np.asarray(plain, np.float32) - np.asarray(ref, np.float32)).max() > 0.1
+    st = sa.slot_attention(
+        q, k, v, rest_tbl, ql, rest_lens, first=first, block_sizes=bs, interpret=INTERPRET, return_state=True
+    )
+    rst = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, first=first, return_state=True)
+    _check_state(st, rst, q_lens, kv_lens)
+    # rows_past_q_len="any": q blocks wholly past a row's q_len skip; the rows before it are unchanged
+    short = jnp.asarray([block_q + 3, 0, 24], jnp.int32)
+    some = sa.slot_attention(
+        q, k, v, rest_tbl, short, rest_lens, first=first, block_sizes=bs, interpret=INTERPRET, rows_past_q_len="any"
+    )
+    for b, n in enumerate(np.asarray(short)):
+        np.testing.assert_allclose(
+            np.asarray(some[b, :n], np.float32), np.asarray(ref[b, :n], np.float32), atol=OUT_TOL, rtol=OUT_TOL
+        )
+    with pytest.raises(ValueError, match="first.lens"):
+        sa.slot_attention(q, k, v, rest_tbl, ql, rest_lens, first=first._replace(lens=first_lens[:2]), interpret=True)
+
+
 def test_contiguous_cache():
     """read_table=None: contiguous per-row cache [B, S, Hkv, D], on the default tiling; the same as the table path."""
     B, Tq, S, Hq, Hkv, D = 2, 32, 64, 4, 1, 128

@@ -76,9 +76,15 @@ class PagedKV:
         """Layer i's shared keys [B, A, Hkv, D], rotated to each row's placement (what ACache's probe scores)."""
         return self._rotated(jnp.take(self.k[i], self.shared_slots, axis=0), self.shared_delta)
 
-    def attend(self, i: int, q: Array, key_mask: Array | None, kernels) -> Array:
+    def skips_queries(self, kernels) -> bool:
+        """Whether `attend` with a q_len costs only the queries before it (the slot kernel skips the rest): a chunked
+        window then attends once a layer, reading each row's keys once rather than once a chunk."""
+        return kernels.attention not in ("xla", "invariant", "invariant_slot")
+
+    def attend(self, i: int, q: Array, key_mask: Array | None, kernels, q_len: Array | None = None) -> Array:
         """Layer i's attention of q [B, n, Hq, D] over each row's two read lists. The pool defines the keys: a
-        caller's key mask (over buffer columns) has no meaning here and must be None."""
+        caller's key mask (over buffer columns) has no meaning here and must be None. q_len (int32): only queries
+        before it are needed (with `skips_queries`, the others' rows are undefined)."""
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
         if kernels.attention in ("xla", "invariant"):  # gathered: the shared list, then the own list
@@ -92,14 +98,20 @@ class PagedKV:
             shared = [(self._rotated(q, -self.shared_delta), self.k[i], self.v[i], self.shared_slots, self.shared_len)]
             own = (q, self.k[i], self.v[i], self.own_slots, self.own_len)
             return attend_slots([*shared, own] if self.shared_slots.shape[1] else [own], kernels.interpret)
-        # the slot kernel reads the pool through the tables: the shared list (query rotated back by the placement)
-        # as an online-softmax state, continued over the own list
+        # the slot kernel reads the pool through both tables in one online softmax: the shared list (scored by the
+        # query rotated back by the placement), then the own list
         b, n = q.shape[:2]
-        q_lens, kl, vl, state, interpret = jnp.full((b,), n, jnp.int32), self.k[i], self.v[i], None, kernels.interpret
+        q_lens = jnp.full((b,), n if q_len is None else q_len, jnp.int32)
+        first = None
         if self.shared_slots.shape[1]:  # something shared in this batch
-            shared, lens, qs = self.shared_slots, self.shared_len, self._rotated(q, -self.shared_delta)
-            state = sa.slot_attention(qs, kl, vl, shared, q_lens, lens, return_state=True, interpret=interpret)
-        return sa.slot_attention(q, kl, vl, self.own_slots, q_lens, self.own_len, init_state=state, interpret=interpret)
+            first = sa.FirstList(
+                self.shared_slots, self.shared_len, self._rotated(q, -self.shared_delta) if self.rotate else None
+            )
+        own, lens = self.own_slots, self.own_len
+        rest = "zeros" if q_len is None else "any"
+        return sa.slot_attention(
+            q, self.k[i], self.v[i], own, q_lens, lens, first=first, interpret=kernels.interpret, rows_past_q_len=rest
+        )
 
     def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
         """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its

@@ -74,6 +74,10 @@ class KVCache:
         """Layer i's keys [B, S, Hkv, D] (rows: of those rows only)."""
         return self.k[i] if rows is None else self.k[i][rows]
 
+    def skips_queries(self, kernels) -> bool:
+        """Whether `attend` takes a q_len and skips the queries past it (no: every query of the window runs)."""
+        return False
+
     def attend(self, i, q: Array, key_mask: Array | None, kernels) -> Array:
         """Layer i's attention of q [B, n, Hq, D] over the whole buffer (key_mask [B, S] masks keys)."""
         return attend(q, self.k[i], self.v[i], key_mask, kernels.attention, kernels.interpret)
