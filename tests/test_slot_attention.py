@@ -223,7 +223,7 @@ def test_first_list_equals_chaining_two_calls(splits, own_q, block_q):
     chained = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, init_state=head)
     _check_out(out, chained, q_lens, kv_lens)
     ref = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, first=first)
-    np.testing.assert_array_equal(np.asarray(ref), np.asarray(chained))
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(chained, np.float32), atol=1e-2, rtol=1e-2)
     if q_first is None:  # one query for both lists: the two lists are one table
         _check_out(out, sa.slot_attention_reference(q, k, v, tbl, ql, kl), q_lens, kv_lens)
     else:  # the first list's own queries matter (the test would catch the kernel scoring it with q)
