@@ -50,7 +50,6 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "AttentionState",
     "FirstList",
-    "rotate_rows",
     "BlockSizes",
     "slot_attention",
     "slot_attention_reference",
@@ -83,11 +82,8 @@ class FirstList(NamedTuple):
 
     table: jax.Array  # [B, S1] int32: the slots, like read_table
     lens: jax.Array  # [B] int32 <= S1: how many of them each row reads
-    # [B, 2, D] float32: a RoPE rotation of each row's queries for this list (cos, then sin, half-rotation layout,
-    # as `transformer.layers.rope_cos_sin` gives them), applied in the kernel in fp32 and rounded to q's dtype; None:
-    # q as it is. (The pool's shared copy is stored at positions 0..A-1: a row that places it at p scores it with q
-    # rotated back by p.)
-    rotation: jax.Array | None = None
+    q: jax.Array | None = None  # [B, Tq, Hq, D]: the queries to score them with (None: q; e.g. q rotated back by
+    # the list's RoPE placement)
 
 
 class AttentionState(NamedTuple):
@@ -204,12 +200,12 @@ def _slot_attention_kernel(
     kv_heads: int,
     qk_scale: float,
 ):
-    first_tbl_ref = rotation_ref = None
+    first_tbl_ref = first_q_ref = None
     if contiguous:
         tbl_ref = None
         q_ref, k_ref, v_ref, *out_refs = refs
-    elif first_list == 2:  # a first list read with q rotated
-        first_tbl_ref, rotation_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    elif first_list == 2:  # a first list read with its own queries
+        first_tbl_ref, first_q_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
     elif first_list == 1:  # ... with q
         first_tbl_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs = refs
     else:
@@ -239,17 +235,6 @@ def _slot_attention_kernel(
 
     def load_q(ref):
         return plgpu.load(ref.at[q_rows[:, None], cols], mask=row_ok[:, None], other=0.0).astype(kv_dtype)
-
-    def rotated_q(rot_ref):
-        """q x cos + rotate_half(q) x sin in fp32 (`layers.apply_rope`), rounded to q's dtype: rotate_half's column
-        c is -q[c + D/2] below D/2, q[c - D/2] above (a second load of q's rows through permuted columns)."""
-        half = head_dim // 2
-        mask = row_ok[:, None]
-        x = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=mask, other=0.0).astype(jnp.float32)
-        swapped = plgpu.load(q_ref.at[q_rows[:, None], lax.rem(cols + half, head_dim)], mask=mask, other=0.0)
-        sign = jnp.where(cols < half, -1.0, 1.0)
-        cos, sin = rot_ref[0, :][None, :], rot_ref[1, :][None, :]
-        return (x * cos + swapped.astype(jnp.float32) * sign * sin).astype(q_ref.dtype).astype(kv_dtype)
 
     def tiles(length):
         return lax.div(length + (block_k - 1), jnp.int32(block_k))
@@ -306,7 +291,7 @@ def _slot_attention_kernel(
     carry = ((jnp.zeros((rows, head_dim), jnp.float32),) if with_output else ()) + (m, l)
     q = None if first_list == 2 else load_q(q_ref)
     if first_list:  # one online softmax over both lists: no state between them leaves the program
-        first_q = rotated_q(rotation_ref) if first_list == 2 else q
+        first_q = load_q(first_q_ref) if first_list == 2 else q
         first_max = first_tbl_ref.shape[-1]
         carry = run_list(carry, first_q, first_tbl_ref, first_len, first_max, start, jnp.minimum(end, n_first))
         start, end = jnp.maximum(start, n_first) - n_first, jnp.maximum(end, n_first) - n_first
@@ -493,8 +478,8 @@ def _validate_first(first, q, read_table) -> None:
         raise ValueError(f"first.table must be int32 [B, S1] with B={b}, got {_shape_str(first.table)}")
     if first.lens.shape != (b,) or not jnp.issubdtype(first.lens.dtype, jnp.integer):
         raise ValueError(f"first.lens must be int32 [B]=[{b}], got {_shape_str(first.lens)}")
-    if first.rotation is not None and first.rotation.shape != (b, 2, q.shape[-1]):
-        raise ValueError(f"first.rotation must be [B, 2, D]=[{b}, 2, {q.shape[-1]}], got {_shape_str(first.rotation)}")
+    if first.q is not None and first.q.shape != q.shape:
+        raise ValueError(f"first.q must be shaped like q {_shape_str(q)}, got {_shape_str(first.q)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,7 +535,7 @@ def _slot_attention_pallas(
     kernel = functools.partial(
         _slot_attention_kernel,
         contiguous=contiguous,
-        first_list=0 if first is None else (1 if first.rotation is None else 2),
+        first_list=0 if first is None else (1 if first.q is None else 2),
         skip_dead_blocks=skip_dead_blocks and not state_out,
         state_out=state_out,
         with_output=with_output,
@@ -572,9 +557,9 @@ def _slot_attention_pallas(
     if first is not None:
         in_specs.append(pl.BlockSpec((None, s_first), lambda i, s, h, b: (b, 0)))
         args.append(first.table.astype(jnp.int32))
-        if first.rotation is not None:
-            in_specs.append(pl.BlockSpec((None, 2, D), lambda i, s, h, b: (b, 0, 0)))
-            args.append(first.rotation.astype(jnp.float32))
+        if first.q is not None:
+            in_specs.append(pl.BlockSpec((None, Tq * Hq, D), lambda i, s, h, b: (b, 0, 0)))
+            args.append(first.q.astype(q.dtype).reshape(B, Tq * Hq, D))
     if not contiguous:
         in_specs.append(pl.BlockSpec((None, S), lambda i, s, h, b: (b, 0)))
         args.append(read_table.astype(jnp.int32))
@@ -635,14 +620,6 @@ def contiguous_read_table(batch: int, seq: int) -> jax.Array:
     return jnp.arange(batch, dtype=jnp.int32)[:, None] * seq + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
 
-def rotate_rows(q: jax.Array, rotation: jax.Array) -> jax.Array:
-    """q [B, Tq, H, D] rotated per row by rotation [B, 2, D] (a `FirstList`'s: cos, sin) in fp32, in q's dtype."""
-    cos, sin = (rotation[:, i, None, None, :].astype(jnp.float32) for i in (0, 1))
-    x = q.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return (x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin).astype(q.dtype)
-
-
 def _gather_kv(k_pool, v_pool, read_table):
     if read_table is None:  # contiguous [B, S, Hkv, D]
         return k_pool, v_pool
@@ -653,7 +630,7 @@ def _gather_kv(k_pool, v_pool, read_table):
 def _reference_impl(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state, first, *, scale, return_state):
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
     if first is not None:  # the first list's state, continued over read_table's keys
-        first_q = q if first.rotation is None else rotate_rows(q, first.rotation)
+        first_q = q if first.q is None else first.q
         head = _reference_impl(
             first_q, k_pool, v_pool, first.table, q_lens, first.lens, None, None, scale=scale, return_state=True
         )
@@ -744,9 +721,8 @@ def slot_attention(
 ) -> jax.Array | AttentionState:
     """Bidirectional attention of q over the K/V slots listed in read_table (the Pallas kernel; interpret=True
     runs it on the CPU; `slot_attention_reference` is the pure-jnp version). first: a `FirstList` of slots read
-    before read_table's (scored by q rotated by first.rotation, when given) in the same programs: attention over
-    both lists, as chaining two calls through `init_state` computes it without the state between them.
-    rows_past_q_len: "zeros", or
+    before read_table's (scored by first.q when given) in the same programs: attention over both lists, as chaining
+    two calls through `init_state` computes it without the state between them. rows_past_q_len: "zeros", or
     "any": q blocks wholly past q_lens[b] neither run nor write their part of a one-pass normalised output, leaving
     those rows undefined, for a caller that reads only each row's first q_lens[b] (a window padded to a fixed width).
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -194,13 +193,12 @@ def test_chaining_through_state_equals_one_call():
 
 
 @pytest.mark.parametrize(
-    "splits, rotate, block_q", [(1, True, 16), (3, False, 16), (None, True, 32)], ids=["one", "split3", "default"]
+    "splits, own_q, block_q", [(1, True, 16), (3, False, 16), (None, True, 32)], ids=["one", "split3", "default"]
 )
-def test_first_list_equals_chaining_two_calls(splits, rotate, block_q):
-    """A FirstList (the pool's shared copy, scored with q rotated back by each row's placement) read in the same
-    programs equals the two calls chained through the state, and both equal the reference over the two lists as
-    one table; ragged lengths (an empty first list, an empty second list, a first list ending mid-tile), split-K
-    over the two lists' tiles; the kernel's rotation is `layers.apply_rope`'s."""
+def test_first_list_equals_chaining_two_calls(splits, own_q, block_q):
+    """A FirstList (the pool's shared copy, scored with its own queries) read in the same programs equals the two
+    calls chained through the state, and both equal the reference over the two lists as one table; ragged lengths
+    (an empty first list, an empty second list, a first list ending mid-tile), split-K over the two lists' tiles."""
     B, Tq, S, Hq, Hkv, D = 3, 24, 96, 8, 2, 64
     q_lens, kv_lens = (24, 11, 24), (96, 50, 70)
     q, k, v, tbl, ql, kl = _make_problem(11, B, Tq, S, Hq, Hkv, D, q_lens, kv_lens, shared=32)
@@ -213,13 +211,9 @@ def test_first_list_equals_chaining_two_calls(splits, rotate, block_q):
         rest[b, : tail.size] = tail
     first_lens = jnp.asarray(cut)
     rest_lens = jnp.asarray(np.asarray(kv_lens) - cut, jnp.int32)
-    delta = jnp.asarray([-37, 5, -1000], jnp.int32)  # each row's placement, rotated back
-    cos, sin = rope_cos_sin(delta[:, None], D, 10000.0)
-    rotation = jnp.concatenate([cos, sin], axis=1) if rotate else None
-    first = sa.FirstList(jnp.asarray(first_tbl), first_lens, rotation)
-    q_first = None if rotation is None else apply_rope(q, cos, sin, fp32=True)
-    if rotate:
-        np.testing.assert_array_equal(np.asarray(sa.rotate_rows(q, rotation)), np.asarray(q_first))
+    rng = np.random.default_rng(5)
+    q_first = jnp.asarray(rng.standard_normal(q.shape), q.dtype) if own_q else None
+    first = sa.FirstList(jnp.asarray(first_tbl), first_lens, q_first)
     bs = sa.BlockSizes(block_q=block_q, block_k=32, kv_splits=splits)
     rest_tbl = jnp.asarray(rest)
     out = sa.slot_attention(q, k, v, rest_tbl, ql, rest_lens, first=first, block_sizes=bs, interpret=INTERPRET)
@@ -232,8 +226,8 @@ def test_first_list_equals_chaining_two_calls(splits, rotate, block_q):
     np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(chained, np.float32), atol=1e-2, rtol=1e-2)
     if q_first is None:  # one query for both lists: the two lists are one table
         _check_out(out, sa.slot_attention_reference(q, k, v, tbl, ql, kl), q_lens, kv_lens)
-    else:  # the rotation matters (the test would catch the kernel scoring the first list with q)
-        plain = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, first=first._replace(rotation=None))
+    else:  # the first list's own queries matter (the test would catch the kernel scoring it with q)
+        plain = sa.slot_attention_reference(q, k, v, rest_tbl, ql, rest_lens, first=first._replace(q=None))
         assert np.abs(np.asarray(plain, np.float32) - np.asarray(ref, np.float32)).max() > 0.1
     st = sa.slot_attention(
         q, k, v, rest_tbl, ql, rest_lens, first=first, block_sizes=bs, interpret=INTERPRET, return_state=True

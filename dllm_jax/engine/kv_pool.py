@@ -103,10 +103,10 @@ class PagedKV:
         b, n = q.shape[:2]
         q_lens = jnp.full((b,), n if q_len is None else q_len, jnp.int32)
         first = None
-        if self.shared_slots.shape[1]:  # something shared in this batch: q rotated back by its placement, in the kernel
-            cos, sin = rope_cos_sin(-self.shared_delta[:, None], q.shape[-1], self.rope_theta)
-            rotation = jnp.concatenate([cos, sin], axis=1) if self.rotate else None  # [B, 2, D]
-            first = sa.FirstList(self.shared_slots, self.shared_len, rotation)
+        if self.shared_slots.shape[1]:  # something shared in this batch
+            first = sa.FirstList(
+                self.shared_slots, self.shared_len, self._rotated(q, -self.shared_delta) if self.rotate else None
+            )
         own, lens = self.own_slots, self.own_len
         rest = "zeros" if q_len is None else "any"
         return sa.slot_attention(
