@@ -102,16 +102,28 @@ class PagedKV:
         # query rotated back by the placement), then the own list
         b, n = q.shape[:2]
         q_lens = jnp.full((b,), n if q_len is None else q_len, jnp.int32)
-        first = None
-        if self.shared_slots.shape[1]:  # something shared in this batch
-            first = sa.FirstList(
-                self.shared_slots, self.shared_len, self._rotated(q, -self.shared_delta) if self.rotate else None
-            )
-        own, lens = self.own_slots, self.own_len
         rest = "zeros" if q_len is None else "any"
-        return sa.slot_attention(
-            q, self.k[i], self.v[i], own, q_lens, lens, first=first, interpret=kernels.interpret, rows_past_q_len=rest
-        )
+
+        def call(first):
+            own, lens, interpret = self.own_slots, self.own_len, kernels.interpret
+            return sa.slot_attention(
+                q, self.k[i], self.v[i], own, q_lens, lens, first=first, interpret=interpret, rows_past_q_len=rest
+            )
+
+        if not self.shared_slots.shape[1]:  # nothing shared in this batch
+            return call(None)
+        shared = sa.FirstList(self.shared_slots, self.shared_len)
+        if not self.rotate:
+            return call(shared)
+
+        def rotated():  # scored by q rotated back by each row's placement
+            return call(shared._replace(q=self._rotated(q, -self.shared_delta)))
+
+        if q_len is None:
+            return rotated()
+        # a whole window's rotation is a pass over its padded width (12 ms of a closed16 block call of 16 rows on an
+        # H100): only when some row places its affix past 0 (one predicate a layer: the call's other loops have theirs)
+        return jax.lax.cond(jnp.any(self.shared_delta != 0), rotated, lambda: call(shared))
 
     def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
         """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its
