@@ -1,16 +1,16 @@
 """The paged KV pool's view for one batched forward (`PagedKV`), and its size per token.
 
-The pool is, per layer, K and V of `num_pages * page_size` slots [S, Hkv, D]; `BlockManager` hands out the pages.
-`PagedKV` is a `transformer.forward` cache (`KVCache`'s write / attend / keys / length), so the techniques of
-`decoding/caches` run on the pool unchanged. Writes map buffer columns to private slots (`col_slots`; S: not written,
-e.g. pads and the shared affix). Reads go through two lists per row: the shared affix's slots, then the row's own.
-The shared copy's K are rotated at positions 0..A-1; placed at offset p they must read as rotated by p more. RoPE
-scores depend only on position differences, <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the kernel path rotates
-the query back by p (the jnp path rotates the gathered keys): one copy serves every placement (p = 0: no rotation)."""
+The pool is, per layer, K and V of `num_pages * page_size` slots [S, Hkv, D] (`BlockManager` hands out the pages).
+`PagedKV` is a `transformer.forward` cache (`KVCache`'s write / attend / keys / length): `decoding/caches` run on it
+unchanged. Writes map buffer columns to private slots (`col_slots`; S: none). Reads go through two lists a row: the
+shared affix's slots, then its own. The shared copy's K sit at positions 0..A-1; placed at p they read as rotated by
+p more: <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the kernel path rotates the query back by p (the jnp path
+the gathered keys): one copy serves every placement (p = 0: no rotation)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -77,14 +77,12 @@ class PagedKV:
         return self._rotated(jnp.take(self.k[i], self.shared_slots, axis=0), self.shared_delta)
 
     def skips_queries(self, kernels) -> bool:
-        """Whether `attend` with a q_len costs only the queries before it (the slot kernel skips the rest): a chunked
-        window then attends once a layer, reading each row's keys once rather than once a chunk."""
+        """Whether `attend` with a q_len costs only the queries before it (the slot kernel skips the rest)."""
         return kernels.attention not in ("xla", "invariant", "invariant_slot")
 
     def attend(self, i: int, q: Array, key_mask: Array | None, kernels, q_len: Array | None = None) -> Array:
-        """Layer i's attention of q [B, n, Hq, D] over each row's two read lists. The pool defines the keys: a
-        caller's key mask (over buffer columns) has no meaning here and must be None. q_len (int32): only queries
-        before it are needed (with `skips_queries`, the others' rows are undefined)."""
+        """Layer i's attention of q [B, n, Hq, D] over each row's two read lists (key_mask: must be None, the pool
+        defines the keys). q_len (int32): only queries before it are needed (`skips_queries`: the rest undefined)."""
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
         if kernels.attention in ("xla", "invariant"):  # gathered: the shared list, then the own list
@@ -98,32 +96,18 @@ class PagedKV:
             shared = [(self._rotated(q, -self.shared_delta), self.k[i], self.v[i], self.shared_slots, self.shared_len)]
             own = (q, self.k[i], self.v[i], self.own_slots, self.own_len)
             return attend_slots([*shared, own] if self.shared_slots.shape[1] else [own], kernels.interpret)
-        # the slot kernel reads the pool through both tables in one online softmax: the shared list (scored by the
-        # query rotated back by the placement), then the own list
-        b, n = q.shape[:2]
-        q_lens = jnp.full((b,), n if q_len is None else q_len, jnp.int32)
-        rest = "zeros" if q_len is None else "any"
-
-        def call(first):
-            own, lens, interpret = self.own_slots, self.own_len, kernels.interpret
-            return sa.slot_attention(
-                q, self.k[i], self.v[i], own, q_lens, lens, first=first, interpret=interpret, rows_past_q_len=rest
-            )
-
-        if not self.shared_slots.shape[1]:  # nothing shared in this batch
-            return call(None)
-        shared = sa.FirstList(self.shared_slots, self.shared_len)
-        if not self.rotate:
-            return call(shared)
-
-        def rotated():  # scored by q rotated back by each row's placement
-            return call(shared._replace(q=self._rotated(q, -self.shared_delta)))
-
+        # the slot kernel: both tables in one online softmax, the shared list scored by q rotated back by its placement
+        # (over a whole window, q_len given, a pass over the padded width: only where some row places its affix past 0)
+        q_lens = jnp.full(q.shape[:1], q.shape[1] if q_len is None else q_len, jnp.int32)
+        own = (self.k[i], self.v[i], self.own_slots, q_lens, self.own_len)
+        attend = functools.partial(sa.slot_attention, q, *own, interpret=kernels.interpret, rows_past_q_len="any")
+        shared = sa.FirstList(self.shared_slots, self.shared_len) if self.shared_slots.shape[1] else None
+        if shared is None or not self.rotate:
+            return attend(first=shared)
+        rotated = lambda s: attend(first=s._replace(q=self._rotated(q, -self.shared_delta)))  # noqa: E731
         if q_len is None:
-            return rotated()
-        # a whole window's rotation is a pass over its padded width (12 ms of a closed16 block call of 16 rows on an
-        # H100): only when some row places its affix past 0 (one predicate a layer: the call's other loops have theirs)
-        return jax.lax.cond(jnp.any(self.shared_delta != 0), rotated, lambda: call(shared))
+            return rotated(shared)
+        return jax.lax.cond(jnp.any(self.shared_delta), rotated, lambda s: attend(first=s), shared)
 
     def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
         """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its

@@ -64,20 +64,15 @@ class Request:
     technique = property(lambda self: self.config.cache.affix if self.affix_span is not None else None)  # in force
     affix_len = property(lambda self: 0 if self.affix_span is None else self.affix_span[1] - self.affix_span[0])
 
-    @property
-    def shares_affix(self) -> bool:
-        """Whether the affix's non-anchor tokens read the one stored copy (all techniques but BiCache, whose deeper
-        layers recompute the prefix with the request and so keep it privately)."""
-        return isinstance(self.technique, (NaiveReuse, Anchors))
+    # whether the affix's non-anchor tokens read the one stored copy (all techniques but BiCache, whose deeper layers
+    # recompute the prefix with the request and so keep it privately)
+    shares_affix = property(lambda self: isinstance(self.technique, (NaiveReuse, Anchors)))
 
     @property
     def anchor_count(self) -> int:
         return anchor_count(self.affix_len, t.ratio) if isinstance(t := self.technique, Anchors) else 0
 
-    @property
-    def needs_probe(self) -> bool:
-        """ACache: the anchors are not chosen yet (its next block call probes it first)."""
-        return self.anchor_count > 0 and not self.anchors
+    needs_probe = property(lambda self: self.anchor_count > 0 and not self.anchors)  # ACache: its next call probes it
 
     def probe_done(self, ranking) -> None:
         """ACache: its probe ran: its anchors are the first anchor_count of `ranking` (its affix tokens, the most

@@ -350,8 +350,7 @@ class ModelRunner:
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
-        gone = set(keys)
-        self.hidden = {k: h for k, h in self.hidden.items() if k[0] not in gone}
+        self.hidden = {k: h for k, h in self.hidden.items() if k[0] not in frozenset(keys)}
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
@@ -430,9 +429,7 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
     elif kernels.attention in ("xla", "invariant", "invariant_slot"):
         hook = row_importance_probe(kv.shared_mask(), queries)
     else:  # the slot kernels score each row's own list, never the list's padded width
-
-        def hook(q: Array, cache: PagedKV, i: int) -> Array:
-            return cache.key_weights(i, q, queries, kernels)
+        hook = lambda q, cache, i: cache.key_weights(i, q, queries, kernels)  # noqa: E731
 
     inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
     chunks = WindowChunks(chunk, d["live"])
