@@ -400,6 +400,8 @@ def run_closed(args) -> int:
     affix = rng.integers(0, hi, args.affix_len).tolist()
     own = [rng.integers(0, hi, args.question_len).tolist() for _ in range(args.requests)]
     rows, skipped = [], []
+    earlier = previous_rows(closed_path(args), args.run)  # this label's rows from earlier commands (`save_closed`)
+    meta = dict(serve_flags={}, model_config=dataclasses.asdict(cfg), earlier=earlier)
     depth = None
     if args.bicache:
         prompt_len = args.affix_len + args.question_len
@@ -414,7 +416,6 @@ def run_closed(args) -> int:
         plans[()] += [(workload, pl, r, "acache") for pl in args.placements for r in args.ratios]
         plans[(depth,)] += [(workload, pl, None, "bicache") for pl in args.placements if args.bicache]
     transports = ("python", "http") if args.http else ("python",)  # --http: each row, then the same through HTTP
-    meta = dict(serve_flags={}, model_config=dataclasses.asdict(cfg))
     for depths, plan in plans.items():
         if not plan:
             continue
@@ -491,7 +492,24 @@ def run_closed(args) -> int:
     return 0
 
 
+def closed_key(r: dict) -> tuple:
+    """What a closed16 row measured: another row of one --run label with this key is the same row re-measured."""
+    fields = ("workload", "sharing", "technique", "ratio", "placement", "depth", "weights", "transport")
+    return tuple(r.get(n) for n in fields) + (r.get("audit_fraction"), r.get("batch_invariant"))
+
+
+def closed_path(args) -> Path:
+    return Path(args.out) / ("serve_h200.json" if not common.SMOKE_ON_CPU else "serve_cpu_smoke.json")
+
+
 def save_closed(args, rows, skipped, meta) -> Path:
+    """This command's rows, after the rows its --run label got from earlier commands that it did not re-measure
+    (bf16 and fp8_all rows from two commands under one label), with every command in meta."""
+    earlier, meta = meta["earlier"], {k: v for k, v in meta.items() if k != "earlier"}
+    measured = {closed_key(r) for r in rows}
+    rows = [r for r in earlier if closed_key(r) not in measured] + rows
+    path = closed_path(args)
+    before = json.loads(path.read_text())["meta"].get("runs", {}).get(args.run, {}) if earlier else {}
     meta = common.meta(
         model=args.model,
         weights="random bf16",
@@ -508,8 +526,10 @@ def save_closed(args, rows, skipped, meta) -> Path:
         baseline="sharing off (dual cache, own copy) and per-call generate at batch 16, same run",
         **meta,
     )
-    name = "serve_h200.json" if not common.SMOKE_ON_CPU else "serve_cpu_smoke.json"
-    return common.write_results(name, meta, rows, args.out, args.run)
+    commands = before.get("commands") or ([before["command"]] if "command" in before else [])
+    if commands:  # (this command's rows are saved after each: it is last once it saved one)
+        meta["commands"] = commands + ([] if commands[-1] == meta["command"] else [meta["command"]])
+    return common.write_results(path.name, meta, rows, path.parent, args.run)
 
 
 # ---- mixed (issue 39) ------------------------------------------------------------------------------------------

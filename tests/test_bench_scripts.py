@@ -262,6 +262,33 @@ def test_bench_serve_rows_through_python_and_http(tmp_path):
     assert (tmp_path / "serve_cpu_smoke.png").stat().st_size > 0
 
 
+def test_bench_serve_closed_rows_of_one_label_merge_across_commands(tmp_path, monkeypatch):
+    """Two commands under one --run label (bf16, then fp8_all and a re-measured bf16 row): the second keeps the
+    first's rows it did not re-measure, replaces the one it did, and meta lists both commands."""
+    import argparse
+
+    bench = _load("bench_serve")
+    args = argparse.Namespace(out=str(tmp_path), run="two", model="tiny", affix_len=8, question_len=4, output_len=8)
+    args.__dict__.update(block_len=4, steps_per_block=4, requests=2, concurrency=2, kv_budget_gib=0.01)
+
+    def row(sharing, weights, tokens_per_s):
+        return dict(workload="closed16", sharing=sharing, technique="dual", ratio=None, placement="prefix",
+                    weights=weights, transport="python", tokens_per_s=tokens_per_s)  # fmt: skip
+
+    def command(argv, rows):
+        monkeypatch.setattr(sys, "argv", argv)
+        earlier = bench.previous_rows(bench.closed_path(args), "two")
+        for i in range(len(rows)):  # saved after each row, as the bench does
+            path = bench.save_closed(args, rows[: i + 1], [], dict(serve_flags={}, earlier=earlier))
+        return json.loads(path.read_text())
+
+    command(["bench_serve.py", "--run", "two"], [row("off", "bf16", 1.0), row("on", "bf16", 2.0)])
+    data = command(["bench_serve.py", "--weights", "fp8_all"], [row("off", "fp8_all", 3.0), row("off", "bf16", 4.0)])
+    got = sorted((r["sharing"], r["weights"], r["tokens_per_s"]) for r in data["rows"] if r["run"] == "two")
+    assert got == [("off", "bf16", 4.0), ("off", "fp8_all", 3.0), ("on", "bf16", 2.0)]
+    assert [c.split()[-1] for c in data["meta"]["runs"]["two"]["commands"]] == ["two", "fp8_all"]
+
+
 def test_bench_serve_mixed(tmp_path):
     """Issue 39's mixed workload at tiny sizes, run as on the GPU (a fresh interpreter; its starts in two more):
     six affixes at three placements, per-request max_tokens / temperature / steps in one engine per setting set
