@@ -350,7 +350,7 @@ class ModelRunner:
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop what is kept for these affix entries (evicted, or lost with the pool)."""
-        self.hidden = {k: h for k, h in self.hidden.items() if k[0] not in frozenset(keys)}
+        self.hidden = {k: h for k, h in self.hidden.items() if k[0] not in keys}  # (a few keys a step)
 
     def place(self, src: Sequence[int], dst: Sequence[int], offset: int) -> None:
         """Copy a stored affix's K/V (every layer) into a request's private slots, K rotated to its offset."""
