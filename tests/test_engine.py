@@ -569,12 +569,13 @@ def test_the_slot_kernels_probe_and_decode_as_xla_does(models_fp32):
     """The engine on the slot kernels (Pallas, interpreted here; what a GPU runs): ACache's probe scores each row's
     shared list through `slot_key_weights`, a block start's chunks attend once a layer over both read lists, and
     the anchors and answers are those of the XLA engine and of solo generate, at every placement; an unshared
-    request's block starts run two chunks (its window of 53 tokens, chunks of 32), one attention over both."""
+    request's block starts run a chunk and a half chunk (its window of 46 tokens, chunks of 32: 32 + 16), one
+    attention over both."""
     m = models_fp32["llada"]
     gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2, stop_at_eos=False)
     items = [(p, gc, span, 0) for p, span in PLACED[:3]]
     plain = dataclasses.replace(gc, cache=dataclasses.replace(gc.cache, affix=None))
-    long = RNG.integers(0, 80, 45).tolist()
+    long = RNG.integers(0, 80, 38).tolist()
     anchors, answers = [], []
     for attention in ("pallas", "xla"):
         engine = engine_for(m, attention=attention)

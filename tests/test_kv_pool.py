@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dllm_jax.decoding.caches.acache import row_importance_probe
 from dllm_jax.engine.kv_pool import PagedKV
 from dllm_jax.transformer.kernels import XLA, Kernels
 
@@ -49,3 +50,16 @@ def test_pool_attention_on_the_slot_kernel_equals_xla(delta):
     np.testing.assert_allclose(live, want[:, :5], atol=2e-5, rtol=2e-5)
     unrotated = dataclasses.replace(kv, rotate=False).attend(0, q, None, XLA)
     assert (np.abs(np.asarray(unrotated) - want).max() > 1e-3) == any(delta)  # the placement matters where it is set
+
+
+@pytest.mark.parametrize("delta", [(0, 3), (0, 0)], ids=["placed", "prefixes"])
+def test_probe_key_weights_on_the_slot_kernel_equal_the_xla_probe(delta):
+    """ACache's probe scores (`PagedKV.key_weights`, the query rotated back only when some row is placed past 0)
+    equal the XLA probe's over the shared keys rotated to each row's placement."""
+    kv, q = _pool(delta, seed=1)
+    queries = jnp.asarray(np.arange(N)[None] >= np.asarray([[2], [5]]))  # each row's [MASK] span
+    want = np.asarray(row_importance_probe(kv.shared_mask(), queries)(q, kv, 0))
+    got = np.asarray(kv.key_weights(0, q, queries, SLOT))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    unrotated = np.asarray(dataclasses.replace(kv, rotate=False).key_weights(0, q, queries, SLOT))
+    assert (np.abs(unrotated - want).max() > 1e-4) == any(delta)  # the placement matters where it is set

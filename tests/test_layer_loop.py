@@ -1,6 +1,8 @@
 """The layer layouts of the forward against each other: the unrolled layer loop over per-layer (fused) weights
 against the scan over stacked weights, loading in either layout, and the FP8 FFN in both."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,11 +127,13 @@ def test_chunked_window_equals_whole_window(name, unroll, models):
     params = unstack_layers(m.params) if unroll else m.params
     tokens, positions = _window(m.config, n=16, seed=3)
     cache = KVCache.for_params(params, m.config, 2, 24)
-    live = 12  # chunks of 4: 3 live, the last chunk padding
     slots = jnp.asarray(np.stack([np.random.default_rng(r).permutation(24)[:16] for r in range(2)]), jnp.int32)
-    writes = jnp.arange(16)[None] < jnp.asarray([[live], [9]])
-    at = jnp.asarray([[0, 5, 11], [1, 2, 8]], jnp.int32)
-    for write in (CacheWrite.scatter(slots, writes), CacheWrite.at(3, writes)):
+    at = jnp.asarray([[0, 5, 8], [1, 2, 8]], jnp.int32)
+    # chunks of 4: 3 live, the last chunk padding; 2 and a half chunk (unrolled: the tail as a half chunk of 2);
+    # 3, the last one partly live (more than half: a whole chunk)
+    for live, write in itertools.product((12, 10, 11), ("scatter", "at")):
+        writes = jnp.arange(16)[None] < jnp.asarray([[live], [9]])
+        write = CacheWrite.scatter(slots, writes) if write == "scatter" else CacheWrite.at(3, writes)
         kw = dict(cache=cache, write=write, logits_at=at)
         whole = forward(
             params, m.config, tokens[:, :live], positions[:, :live] + 3, **{**kw, "write": _cut(write, live)}

@@ -113,8 +113,9 @@ class PagedKV:
         """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its
         queries q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`
         computes the same with XLA, at the list's full width)."""
-        qs = self._rotated(q, -self.shared_delta)
-        return slot_key_weights(qs, self.k[i], self.shared_slots, queries, self.shared_len, interpret=kernels.interpret)
+        if self.rotate:  # a pass over the padded window: only where some row places its affix past 0
+            q = jax.lax.cond(jnp.any(self.shared_delta), lambda x: self._rotated(x, -self.shared_delta), lambda x: x, q)
+        return slot_key_weights(q, self.k[i], self.shared_slots, queries, self.shared_len, interpret=kernels.interpret)
 
     def _rotated(self, x: Array, delta: Array) -> Array:
         """x [B, n, H, D] rotated by delta [B] more: the shared keys to their placement, or a query back from it."""

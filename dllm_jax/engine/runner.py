@@ -89,11 +89,11 @@ class Ladder:
         return c
 
     def cost(self, windows: Sequence[int], steps: int, block_length: int) -> int:
-        """A block call's estimated work in tokens: its block start runs every padded row's chunks up to the longest
-        window; each step costs its rows' block tokens, at least STEP_FLOOR_TOKENS."""
+        """A block call's estimated work in tokens: its block start runs every row's window padded to the longest
+        one's chunks (a short tail: half a chunk); each step, its rows' block tokens, at least STEP_FLOOR_TOKENS."""
         b = self.batch(len(windows))
         c = self.chunk(b)
-        return b * c * -(-max(windows) // c) + steps * max(STEP_FLOOR_TOKENS, b * block_length)
+        return b * round_up(max(windows), c // 2) + steps * max(STEP_FLOOR_TOKENS, b * block_length)
 
     def calls(self, windows: Sequence[int], steps: Sequence[int], block_length: int) -> list[list[int]]:
         """How one program's rows (their block-start windows and steps a block) split into calls, as lists of row

@@ -40,7 +40,7 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Admit from the head of the queue while a batch slot and its pages are free (all or nothing per request:
         its affix entry first, then every private page it will ever write)."""
-        admitted = []
+        start = len(self.running)
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             try:
@@ -50,8 +50,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            admitted.append(req)
-        return admitted
+        return self.running[start:]
 
     def batches(self, key: Callable[[Request], Hashable]) -> list[list[Request]]:
         """The running requests (at most max_batch) grouped by `key`, what one program runs, in admission order."""

@@ -46,7 +46,8 @@ class WindowChunks:
     padded to one fixed width costs what its live part costs (the serving engine pads every block start to
     max_model_len, so one program serves every window length). In each layer every live chunk's K/V are written
     before any chunk attends, so the result is the unchunked forward's. Entries past the live chunks keep their
-    input hidden state (their outputs must not be read) and write nothing."""
+    input hidden state (their outputs must not be read) and write nothing. With per-layer (unrolled) weights a
+    live tail of at most half a chunk runs as a half chunk (`chunk_counts`)."""
 
     size: int = dataclasses.field(metadata=dict(static=True))
     live: Array | int = 0  # int32: window entries 0..live-1 carry work
@@ -62,6 +63,16 @@ def _chunk_write(write: CacheWrite, start: Array, size: int) -> CacheWrite:
     if write.slots is not None:
         return CacheWrite.scatter(_cols(write.slots, start, size), mask)
     return CacheWrite.at(jnp.asarray(write.offset, jnp.int32) + start, mask)
+
+
+def chunk_counts(chunks: WindowChunks) -> tuple[Array, Array]:
+    """(full, tail): the live window as `full` chunks of chunks.size, then `tail` (0 or 1) half chunk where the
+    rest fits in one (the unrolled forward's padding; the scanned one runs whole chunks)."""
+    c, live = chunks.size, jnp.asarray(chunks.live, jnp.int32)
+    h = c // 2 if c % 2 == 0 else 0
+    rest = live % c
+    tail = ((rest > 0) & (rest <= h)).astype(jnp.int32)
+    return live // c + ((rest > 0) & (tail == 0)).astype(jnp.int32), tail
 
 
 def layer_loop(fn, carry, layers, layer_ids: range):
@@ -220,40 +231,47 @@ def forward(
         chunk j's layer-i queries before writing its layer-(i + 1) ones). A cache that `skips_queries` attends once
         a layer, before the loop, over every live chunk: each row's keys are read once, not once a chunk (closed16's
         11 chunks on an H100: 66.2 -> 56.8 ms of block-start attention a call, with both read lists in one kernel),
-        for one more buffer the size of the query window."""
-        c = chunks.size
-        live_chunks = (jnp.asarray(chunks.live, jnp.int32) + c - 1) // c
+        for one more buffer the size of the query window. A live tail of at most half a chunk runs as a half chunk
+        (`chunk_counts`): a window pads c / 4 tokens less on average."""
+        c, h = chunks.size, chunks.size // 2
+        full, tail = chunk_counts(chunks)
+        q_len = full * c + tail * h
         whole = cache.skips_queries(kernels)
         layers = list(zip(layer_params, layer_ids))
 
-        def project(lp, i, j, x, cache, qs):
-            q, k, v = qkv(lp, i, *(_cols(a, j * c, c) for a in (x, positions, cos, sin)))
-            cache = cache.write(i, k, v, _chunk_write(write, j * c, c))
-            return cache, jax.lax.dynamic_update_slice_in_dim(qs, q.astype(qs.dtype), j * c, axis=1)
+        def project(lp, i, start, size, x, cache, qs):
+            q, k, v = qkv(lp, i, *(_cols(a, start, size) for a in (x, positions, cos, sin)))
+            cache = cache.write(i, k, v, _chunk_write(write, start, size))
+            return cache, jax.lax.dynamic_update_slice_in_dim(qs, q.astype(qs.dtype), start, axis=1)
+
+        def chunk_loop(body, state):
+            """body(start, size, state) over the full chunks, then the half tail (one predicate: a cond)."""
+            state = jax.lax.fori_loop(0, full, lambda j, s: body(j * c, c, s), state)
+            return jax.lax.cond(tail > 0, lambda s: body(full * c, h, s), lambda s: s, state) if h else state
 
         (lp0, i0) = layers[0]
         q_chunk = jax.eval_shape(lambda: qkv(lp0, i0, *(a[:, :c] for a in (x, positions, cos, sin)))[0])
         qs = jnp.zeros((b, n) + q_chunk.shape[2:], q_chunk.dtype)
-        cache, qs = jax.lax.fori_loop(0, live_chunks, lambda j, s: project(lp0, i0, j, x, *s), (cache, qs))
+        cache, qs = chunk_loop(lambda start, size, s: project(lp0, i0, start, size, x, *s), (cache, qs))
         for at, (lp, i) in enumerate(layers):
             if probe is not None:
                 probed = probed + probe(qs, cache, i)
             following = layers[at + 1] if at + 1 < len(layers) else None
-            attn = cache.attend(i, qs, key_mask, kernels, q_len=live_chunks * c) if whole else None
+            attn = cache.attend(i, qs, key_mask, kernels, q_len=q_len) if whole else None
 
-            def step(j, state, lp=lp, i=i, following=following, attn=attn):
+            def step(start, size, state, lp=lp, i=i, following=following, attn=attn):
                 x, cache, qs = state
                 if attn is None:
-                    a = cache.attend(i, _cols(qs, j * c, c), key_mask, kernels)
+                    a = cache.attend(i, _cols(qs, start, size), key_mask, kernels)
                 else:  # (its rows past the live chunks are undefined: never read)
-                    a = _cols(attn, j * c, c)
-                out = finish(lp, i, _cols(x, j * c, c), a)
-                x = jax.lax.dynamic_update_slice_in_dim(x, out.astype(x.dtype), j * c, axis=1)
+                    a = _cols(attn, start, size)
+                out = finish(lp, i, _cols(x, start, size), a)
+                x = jax.lax.dynamic_update_slice_in_dim(x, out.astype(x.dtype), start, axis=1)
                 if following is not None:
-                    cache, qs = project(*following, j, x, cache, qs)
+                    cache, qs = project(*following, start, size, x, cache, qs)
                 return x, cache, qs
 
-            x, cache, qs = jax.lax.fori_loop(0, live_chunks, step, (x, cache, qs))
+            x, cache, qs = chunk_loop(step, (x, cache, qs))
         return x, cache, probed
 
     probed0 = jnp.zeros((b, cache.length), jnp.float32) if probe is not None else None
