@@ -138,7 +138,7 @@ def test_chunked_window_equals_whole_window(name, unroll, models):
         whole = forward(
             params, m.config, tokens[:, :live], positions[:, :live] + 3, **{**kw, "write": _cut(write, live)}
         )
-        chunked = forward(params, m.config, tokens, positions + 3, chunks=WindowChunks(4, jnp.int32(live)), **kw)
+        chunked = forward(params, m.config, tokens, positions + 3, chunks=WindowChunks(4, jnp.int32(live), True), **kw)
         _close(chunked.logits, whole.logits)
         _close(chunked.cache.stacked().k, whole.cache.stacked().k)
         _close(chunked.cache.stacked().v, whole.cache.stacked().v)

@@ -47,8 +47,7 @@ class Scheduler:
                 req.pages, req.affix_entry, _ = self.bm.admit(*self.pages_needed(req), owner=req.request_id)
             except OutOfPages:  # which changed nothing: the head waits until it fits
                 break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
+            self.waiting.popleft().status = Status.RUNNING  # (req)
             self.running.append(req)
         return self.running[start:]
 

@@ -46,11 +46,13 @@ class WindowChunks:
     padded to one fixed width costs what its live part costs (the serving engine pads every block start to
     max_model_len, so one program serves every window length). In each layer every live chunk's K/V are written
     before any chunk attends, so the result is the unchunked forward's. Entries past the live chunks keep their
-    input hidden state (their outputs must not be read) and write nothing. With per-layer (unrolled) weights a
-    live tail of at most half a chunk runs as a half chunk (`chunk_counts`)."""
+    input hidden state (their outputs must not be read) and write nothing. half_tail (per-layer weights): a live
+    tail of at most half a chunk runs as a half chunk (`chunk_counts`), for a second copy of the layer in the
+    program (compile time)."""
 
     size: int = dataclasses.field(metadata=dict(static=True))
     live: Array | int = 0  # int32: window entries 0..live-1 carry work
+    half_tail: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def _cols(a: Array, start: Array, size: int) -> Array:
@@ -67,9 +69,9 @@ def _chunk_write(write: CacheWrite, start: Array, size: int) -> CacheWrite:
 
 def chunk_counts(chunks: WindowChunks) -> tuple[Array, Array]:
     """(full, tail): the live window as `full` chunks of chunks.size, then `tail` (0 or 1) half chunk where the
-    rest fits in one (the unrolled forward's padding; the scanned one runs whole chunks)."""
+    rest fits in one and chunks.half_tail (the unrolled forward's padding; the scanned one runs whole chunks)."""
     c, live = chunks.size, jnp.asarray(chunks.live, jnp.int32)
-    h = c // 2 if c % 2 == 0 else 0
+    h = c // 2 if c % 2 == 0 and chunks.half_tail else 0
     rest = live % c
     tail = ((rest > 0) & (rest <= h)).astype(jnp.int32)
     return live // c + ((rest > 0) & (tail == 0)).astype(jnp.int32), tail
@@ -231,9 +233,9 @@ def forward(
         chunk j's layer-i queries before writing its layer-(i + 1) ones). A cache that `skips_queries` attends once
         a layer, before the loop, over every live chunk: each row's keys are read once, not once a chunk (closed16's
         11 chunks on an H100: 66.2 -> 56.8 ms of block-start attention a call, with both read lists in one kernel),
-        for one more buffer the size of the query window. A live tail of at most half a chunk runs as a half chunk
-        (`chunk_counts`): a window pads c / 4 tokens less on average."""
-        c, h = chunks.size, chunks.size // 2
+        for one more buffer the size of the query window. With chunks.half_tail a window pads c / 4 tokens less on
+        average."""
+        c, h = chunks.size, chunks.size // 2 if chunks.half_tail else 0
         full, tail = chunk_counts(chunks)
         q_len = full * c + tail * h
         whole = cache.skips_queries(kernels)
