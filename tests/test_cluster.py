@@ -2,7 +2,8 @@
 model, driven by the `openai` client. Answers equal one engine's, plain and streamed; requests that share an affix
 meet on one replica and each affix is stored once; a hot affix spills to the other replica; a replica killed
 mid-run loses no request; registrations reach every replica; SIGTERM stops the cluster and leaves no replica.
-The control (`--no-affinity`) stores every affix on every replica."""
+(The control, `--no-affinity`, which stores every affix on every replica: `test_cluster_routing.py` and
+`bench/bench_cluster.py`.)"""
 
 import os
 import re
@@ -106,7 +107,11 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
     deadline = time.time() + 240
     while not single.service.warmed and time.time() < deadline:
         time.sleep(0.2)
-    proc, url = fixtures.start_server("--replicas", "2", "--spill-queue", "3", *FLAGS, *EXACT)
+    # without --address the server starts a Ray instance of its own, whatever cluster the environment names
+    # (RAY_ADDRESS, here one where nothing listens; `ray start` leaves one the same way): joining it, stopping would
+    # shut down its Serve
+    nowhere = {"RAY_ADDRESS": f"127.0.0.1:{free_port('127.0.0.1')}"}
+    proc, url = fixtures.start_server("--replicas", "2", "--spill-queue", "3", *FLAGS, *EXACT, env=nowhere)
     stderr = fixtures.drain_stderr(proc)
     try:
         ready = _wait_ready(url, 240)
@@ -315,38 +320,3 @@ def test_metrics_and_audits_of_the_replicas_merge_into_one():
     both = merge_audit([("r1", report), ("r2", {**report, "audited": 3, "groups": []})])
     assert both["audited"] == 5 and both["pending"] == 2 and both["fraction"] == 0.02
     assert both["groups"] == [{"affix": "a", "replica": "r1"}] and both["calibration"] == []
-
-
-@pytest.mark.xdist_group("ray-cluster")  # one Ray cluster at a time: each checks none is left
-def test_round_robin_control_stores_every_affix_on_every_replica():
-    """The control of the affix routing above (`--no-affinity`: least loaded, round robin among equals): the same
-    kind of traffic, three affixes of four requests one after another, stores the affixes on both replicas (each
-    replica builds each affix it serves once), where affix routing stores each once in the cluster. Ray's queue
-    lengths, which the control reads, lag the replicas: an affix's requests may all meet on one replica now and
-    then (seen at two requests an affix), so most affixes, not all, are asserted on both. Without --address the
-    server starts a Ray instance of its own, whatever cluster the environment names (RAY_ADDRESS, here one where
-    nothing listens; `ray start` leaves one the same way): joining it, stopping would shut down its Serve."""
-    nowhere = {"RAY_ADDRESS": f"127.0.0.1:{free_port('127.0.0.1')}"}
-    proc, url = fixtures.start_server("--replicas", "2", "--no-affinity", *FLAGS, *EXACT, env=nowhere)
-    stderr = fixtures.drain_stderr(proc)
-    try:
-        _wait_ready(url, 240)
-        before = _per_replica(url, "dllm_jax_affix_builds_total")
-        affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(3)]
-        served: dict[str, set] = {}  # replica -> the affixes it served
-        for affix in affixes:
-            for digits in ("1 2 3", "4 5 6", "7 8 9", "0 1 2"):
-                body = dict(model=NAME, max_tokens=8, affix={"text": affix})
-                body["messages"] = [{"role": "user", "content": f"{affix} input : {digits} what does the rule give ?"}]
-                r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-                assert r.status_code == 200, r.text
-                served.setdefault(r.headers["x-dllm-replica"], set()).add(affix)
-        after = _per_replica(url, "dllm_jax_affix_builds_total")
-        assert len(after) == 2 and set(served) == set(after), (served, after)
-        assert all(after[r] - before.get(r, 0) == len(served[r]) for r in after), (before, after, served)
-        on_both = [a for a in affixes if all(a in served[r] for r in served)]
-        assert len(on_both) >= 2, served  # copies stored: >= 5 of 3 affixes (affix routing: 3)
-        _stop_and_check_nothing_left(proc)
-    finally:
-        _kill_if_running(proc)
-    assert not any("Traceback" in line for line in stderr), "".join(stderr)[-3000:]

@@ -93,3 +93,16 @@ def test_request_bodies_are_keyed_without_a_tokenizer():
     assert request_route_key({"prompt": DOC + [1]}) == route_key(DOC)
     for bad in (None, [], "x", {"prompt": tokens, "affix": {"start": 3, "end": 999}}, {"messages": "x"}):
         assert request_route_key(bad) is None
+
+
+def test_affinity_stores_each_affix_once_where_the_control_stores_it_everywhere():
+    """The traffic of the cluster's control run, one request at a time on idle replicas (three affixes, four requests
+    each, the ingress's request counter as the turn): affix routing sends each affix to one replica, the control
+    (`--no-affinity`, what `serve --replicas --no-affinity` routes by) to both, so both would store its copy."""
+    replicas, idle = ["r1", "r2"], {"r1": 0, "r2": 0}
+    keys = [f"affix {i}" for i in range(3)]
+    for rule, copies in ((RoutingRule(), 1), (RoutingRule(affinity=False), 2)):
+        stored = collections.defaultdict(set)
+        for turn, key in enumerate(k for k in keys for _ in range(4)):
+            stored[key].add(rule.choose(key, idle, turn)[0])
+        assert [len(stored[k]) for k in keys] == [copies] * 3 and set().union(*stored.values()) <= set(replicas)
