@@ -144,6 +144,18 @@ def item(
 
 
 # ---- engines as `dllm-jax serve` builds them -------------------------------------------------------------------
+def row_start(start: dict | None, flags: str, info: dict, load_s: float | None) -> dict:
+    """How a mixed row's engine (`flags`, warmed here: `info`) started: the fresh-process starts of its --run label
+    where they ran these flags (not another --weights', say), else this process's warm-up (partly from the persistent
+    cache where earlier engines filled it)."""
+    if start is not None and start.get("serve_flags") == flags:
+        begin = {k: start[k] for k in ("start", "load_s", "warmup_s", "warmup_s_cached", "warmup")}
+        begin["load_s"] = begin["load_s"] if begin["load_s"] is not None else load_s  # starts on random weights
+    else:
+        begin = dict(start="this process", load_s=load_s, warmup_s=info["seconds"], warmup_s_cached=None, warmup=info)
+    return {**begin, "warmup_this_process": info}
+
+
 def serve_flags(args, depths: tuple[int, ...] = (), audit_fraction: float | None = None) -> list[str]:
     """The `dllm-jax serve` flags of the engine a row runs on (serve's defaults for everything else); the audit's
     fraction is the row's (else the first --audit-fraction): it is the server's, the engine does not depend on it."""
@@ -683,13 +695,7 @@ def run_mixed(args) -> int:
         meta["serve_flags"]["bicache" if depths else "serve"] = "dllm-jax serve " + " ".join(flags)
         engine = serve_engine(model, flags)
         info = warm(engine, "dllm-jax serve " + " ".join(flags))
-        if start is not None and not depths:  # the fresh-process starts of this engine's settings
-            begin = {k: start[k] for k in ("start", "load_s", "warmup_s", "warmup_s_cached", "warmup")}
-            begin["load_s"] = begin["load_s"] if begin["load_s"] is not None else load_s  # starts on random weights
-        else:  # this process's warm-up (partly from the persistent cache where earlier engines filled it)
-            begin = dict(start="this process", load_s=load_s, warmup_s=info["seconds"], warmup_s_cached=None)
-            begin["warmup"] = info
-        begin["warmup_this_process"] = info
+        begin = row_start(start, "dllm-jax serve " + " ".join(flags), info, load_s)
         # HTTP rows once per --audit-fraction, in the order given, on this warm engine (the audit is the server's)
         fractions = args.audit_fraction or [None]
         plan = [(a, n, "python", None) for a in args.arrivals for n in names]

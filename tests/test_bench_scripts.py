@@ -289,6 +289,25 @@ def test_bench_serve_closed_rows_of_one_label_merge_across_commands(tmp_path, mo
     assert [c.split()[-1] for c in data["meta"]["runs"]["two"]["commands"]] == ["two", "fp8_all"]
 
 
+def test_bench_serve_mixed_rows_take_the_starts_of_their_own_flags_only():
+    """A mixed row reports the fresh-process starts of its --run label only where they ran its engine's flags: an
+    fp8_all command after a bf16 one with --starts reports its own warm-up."""
+    bench = _load("bench_serve")
+    start = dict(start="fresh processes", load_s=None, warmup_s=71.0, warmup_s_cached=10.3, warmup={"compiles": 6})
+    start["serve_flags"] = "dllm-jax serve --max-batch 16"
+    info = {"seconds": 94.9, "compiles": 6}
+    same = bench.row_start(start, "dllm-jax serve --max-batch 16", info, 2.5)
+    assert (same["start"], same["warmup_s"], same["warmup_s_cached"], same["load_s"]) == (
+        "fresh processes",
+        71.0,
+        10.3,
+        2.5,
+    )
+    other = bench.row_start(start, "dllm-jax serve --max-batch 16 --weights fp8_all", info, 2.5)
+    assert (other["start"], other["warmup_s"], other["warmup_s_cached"]) == ("this process", 94.9, None)
+    assert same["warmup_this_process"] == other["warmup_this_process"] == info
+
+
 def test_bench_serve_mixed(tmp_path):
     """Issue 39's mixed workload at tiny sizes, run as on the GPU (a fresh interpreter; its starts in two more):
     six affixes at three placements, per-request max_tokens / temperature / steps in one engine per setting set
