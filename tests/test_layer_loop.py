@@ -1,6 +1,7 @@
 """The layer layouts of the forward against each other: the unrolled layer loop over per-layer (fused) weights
 against the scan over stacked weights, loading in either layout, and the FP8 FFN in both."""
 
+import functools
 import itertools
 
 import jax
@@ -129,19 +130,30 @@ def test_chunked_window_equals_whole_window(name, unroll, models):
     cache = KVCache.for_params(params, m.config, 2, 24)
     slots = jnp.asarray(np.stack([np.random.default_rng(r).permutation(24)[:16] for r in range(2)]), jnp.int32)
     at = jnp.asarray([[0, 5, 8], [1, 2, 8]], jnp.int32)
+
+    def write_of(writes, scatter: bool) -> CacheWrite:
+        return CacheWrite.scatter(slots, writes) if scatter else CacheWrite.at(3, writes)
+
+    @functools.partial(jax.jit, static_argnames="scatter")  # the live length as data: one program a write kind
+    def chunked(live, writes, scatter):
+        chunks = WindowChunks(4, live, half_tail=True)
+        return forward(params, m.config, tokens, positions + 3, cache=cache, write=write_of(writes, scatter),
+                       logits_at=at, chunks=chunks)  # fmt: skip
+
+    @functools.partial(jax.jit, static_argnames=("live", "scatter"))
+    def whole(writes, live, scatter):
+        write = _cut(write_of(writes, scatter), live)
+        return forward(params, m.config, tokens[:, :live], positions[:, :live] + 3, cache=cache, write=write,
+                       logits_at=at)  # fmt: skip
+
     # chunks of 4: 3 live, the last chunk padding; 2 and a half chunk (unrolled: the tail as a half chunk of 2);
     # 3, the last one partly live (more than half: a whole chunk)
-    for live, write in itertools.product((12, 10, 11), ("scatter", "at")):
+    for live, scatter in itertools.product((12, 10, 11), (True, False)):
         writes = jnp.arange(16)[None] < jnp.asarray([[live], [9]])
-        write = CacheWrite.scatter(slots, writes) if write == "scatter" else CacheWrite.at(3, writes)
-        kw = dict(cache=cache, write=write, logits_at=at)
-        whole = forward(
-            params, m.config, tokens[:, :live], positions[:, :live] + 3, **{**kw, "write": _cut(write, live)}
-        )
-        chunked = forward(params, m.config, tokens, positions + 3, chunks=WindowChunks(4, jnp.int32(live), True), **kw)
-        _close(chunked.logits, whole.logits)
-        _close(chunked.cache.stacked().k, whole.cache.stacked().k)
-        _close(chunked.cache.stacked().v, whole.cache.stacked().v)
+        want, got = whole(writes, live, scatter), chunked(jnp.int32(live), writes, scatter)
+        _close(got.logits, want.logits)
+        _close(got.cache.stacked().k, want.cache.stacked().k)
+        _close(got.cache.stacked().v, want.cache.stacked().v)
     with pytest.raises(ValueError, match="multiple of the chunk"):
         forward(params, m.config, tokens, positions, cache=cache, chunks=WindowChunks(5, 12))
 
