@@ -4,8 +4,9 @@ The pool is, per layer, K and V of `num_pages * page_size` slots [S, Hkv, D] (`B
 `PagedKV` is a `transformer.forward` cache (`KVCache`'s write / attend / keys / length): `decoding/caches` run on it
 unchanged. Writes map buffer columns to private slots (`col_slots`; S: none). Reads go through two lists a row: the
 shared affix's slots, then its own. The shared copy's K sit at positions 0..A-1; placed at p they read as rotated by
-p more: <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the kernel path rotates the query back by p (the jnp path
-the gathered keys): one copy serves every placement (p = 0: no rotation)."""
+p more: <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the query is rotated back by p (the batch-invariant jnp path
+rotates the gathered keys): one copy serves every placement (p = 0: no rotation). Off the GPU (attention "xla") the
+lists are read in chunks up to the longest row's (`attention.attend_slot_chunks`), never at the tables' width."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.transformer.attention import KeySegment, attend_reference, attend_segments, attend_slots
+from dllm_jax.transformer.attention import KeySegment, attend_segments, attend_slot_chunks, attend_slots
 from dllm_jax.transformer.kv_cache import CacheWrite
 from dllm_jax.transformer.layers import apply_rope, rope_cos_sin
 from pallas_kernels import slot_attention as sa
@@ -85,13 +86,17 @@ class PagedKV:
         defines the keys). q_len (int32): only queries before it are needed (`skips_queries`: the rest undefined)."""
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
-        if kernels.attention in ("xla", "invariant"):  # gathered: the shared list, then the own list
+        if kernels.attention == "xla":  # the two lists in chunks up to the longest row's (not the tables' width)
+            own = (q, self.k[i], self.v[i], self.own_slots, self.own_len)
+            if not self.shared_slots.shape[1]:
+                return attend_slot_chunks([own])
+            q_back = self._rotated(q, -self.shared_delta)  # the shared list's keys sit at 0: the query comes back
+            return attend_slot_chunks([(q_back, self.k[i], self.v[i], self.shared_slots, self.shared_len), own])
+        if kernels.attention == "invariant":  # gathered, the shared list then the own list, key chunks in order
             own = jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
             shared = KeySegment(self.keys(i), jnp.take(self.v[i], self.shared_slots, axis=0), self.shared_mask())
             mine = KeySegment(*(jnp.take(a, self.own_slots, axis=0) for a in (self.k[i], self.v[i])), own)
-            if kernels.attention == "invariant":  # the batch-invariant mode: key chunks in order
-                return attend_segments(q, [shared, mine])
-            return attend_reference(q, *(jnp.concatenate(p, axis=1) for p in zip(shared[:3], mine[:3])))
+            return attend_segments(q, [shared, mine])
         if kernels.attention == "invariant_slot":  # the batch-invariant mode's slot kernel: the two lists in order
             shared = [(self._rotated(q, -self.shared_delta), self.k[i], self.v[i], self.shared_slots, self.shared_len)]
             own = (q, self.k[i], self.v[i], self.own_slots, self.own_len)

@@ -3,7 +3,8 @@
 `attend` is what the model calls inside every layer (`kernels.attention` picks the backend, resolved once per
 program by `Kernels.resolve`):
 - "xla": the plain-jnp reference (fp32 scores and softmax; probabilities cast to the value dtype for the PV
-  product, as both the eager and the flash reference paths do). Runs everywhere.
+  product, as both the eager and the flash reference paths do). Runs everywhere. Over the engine's paged pool the same
+  math runs as an online softmax over key chunks, only as many as the longest read list needs (`attend_slot_chunks`).
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only, bf16).
 - "pallas": the slot-addressed Pallas kernel (`pallas_kernels.slot_attention`), GPU; interpreted on CPU in tests.
 - "cudnn_pallas": the Pallas kernel for short query windows (block steps) over at most PALLAS_MAX_ROWS K/V streams,
@@ -44,6 +45,7 @@ __all__ = [
     "attend",
     "attend_segments",
     "attend_slots",
+    "attend_slot_chunks",
     "attend_reference",
     "grouped_scores",
     "grouped_values",
@@ -267,6 +269,38 @@ def attend_slots(segments: Sequence[tuple[Array, ...]], interpret: bool = False)
         s = sa.slot_attention(q, k, v, table, q_lens, lens, return_state=True, block_sizes=tiles, interpret=interpret)
         state = s if state is None else merge_states(state, s)
     return finish_state(state, segments[0][0].dtype)
+
+
+def attend_slot_chunks(segments: Sequence[tuple[Array, ...]], key_chunk: int = KEY_CHUNK) -> Array:
+    """XLA's attention over pooled keys read through per-row tables: each segment (q [B, n, Hq, D], a K and a V pool
+    [P, Hkv, D], a read table [B, S] listing each row's keys, their count [B]) reduced key_chunk entries at a time by
+    an online softmax (`softmax_state`, `merge_states`), only as many chunks as the longest row's list needs (a loop
+    whose trip count is data): a call costs the keys its rows read, not the table's width (the engine's tables are
+    max_model_len wide whatever the traffic). Zeros where a query has no key."""
+    state = None
+    for segment in segments:
+        s = _slot_chunks_state(*segment, key_chunk)
+        state = s if state is None else merge_states(state, s)
+    return finish_state(state, segments[0][0].dtype)
+
+
+def _slot_chunks_state(q: Array, k: Array, v: Array, table: Array, lens: Array, key_chunk: int) -> AttentionState:
+    b, width = table.shape
+    table = jnp.pad(table, [(0, 0), (0, -width % key_chunk)])
+    at = jnp.arange(key_chunk, dtype=jnp.int32)[None, :]
+
+    def chunk(c: Array, state: AttentionState) -> AttentionState:
+        slots = jax.lax.dynamic_slice_in_dim(table, c * key_chunk, key_chunk, axis=1)
+        keys, values = jnp.take(k, slots, axis=0), jnp.take(v, slots, axis=0)
+        return merge_states(state, softmax_state(q, keys, values, c * key_chunk + at < lens[:, None]))
+
+    n, hq = q.shape[1], q.shape[2]
+    empty = AttentionState(
+        jnp.full((b, hq, n), -jnp.inf, jnp.float32),
+        jnp.zeros((b, hq, n), jnp.float32),
+        jnp.zeros((*q.shape[:3], v.shape[-1]), jnp.float32),
+    )
+    return jax.lax.fori_loop(0, -(-jnp.max(lens, initial=0) // key_chunk), chunk, empty)
 
 
 def attend(
