@@ -108,18 +108,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_tree(tree: Path, cache: Path, requests: int, bursts: int) -> tuple[list[dict], dict]:
-    """One tree's `dllm-jax serve` (run from the tree: its own code), driven, then stopped with SIGTERM."""
+def serve_tree(tree: Path, tmp: Path, requests: int, bursts: int) -> tuple[list[dict], dict]:
+    """One tree's `dllm-jax serve` (run from the tree: its own code; its log in tmp), driven, then stopped with
+    SIGTERM."""
     port = free_port()
     command = [sys.executable, "-c", "from dllm_jax.cli import main; raise SystemExit(main())"]
-    command += ["serve", "--host", "127.0.0.1", "--port", str(port), "--compile-cache", str(cache)]
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    server = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command += ["serve", "--host", "127.0.0.1", "--port", str(port), "--compile-cache", str(tmp / "xla")]
+    env, log = dict(os.environ, PYTHONPATH=str(tree)), tmp / "serve.log"
+    with log.open("w") as f:
+        server = subprocess.Popen(command, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT)
     url, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
     try:
         while time.perf_counter() - t0 < READY_TIMEOUT_S:
             if server.poll() is not None:
-                raise RuntimeError(f"serve exited with {server.returncode}: {server.stderr.read()[-2000:]}")
+                raise RuntimeError(f"serve exited with {server.returncode}: {log.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
                     break
@@ -129,7 +131,10 @@ def serve_tree(tree: Path, cache: Path, requests: int, bursts: int) -> tuple[lis
         else:
             raise TimeoutError(f"serve was not ready after {READY_TIMEOUT_S:.0f} s")
         ready_s = time.perf_counter() - t0
-        rows, info = asyncio.run(drive(url, requests, bursts))
+        try:
+            rows, info = asyncio.run(drive(url, requests, bursts))
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{type(e).__name__} {e}; the server's log ends: {log.read_text()[-2000:]}") from e
         return rows, dict(info, ready_s=ready_s)
     finally:
         server.send_signal(signal.SIGTERM)
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
                 ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
             ).stdout.strip()
             print(f"{tree} ({commit}):", flush=True)
-            tree_rows, info = serve_tree(tree.resolve(), Path(tmp) / f"cache{i}", args.requests, args.bursts)
+            (Path(tmp) / str(i)).mkdir()
+            tree_rows, info = serve_tree(tree.resolve(), Path(tmp) / str(i), args.requests, args.bursts)
             rows += [dict(r, tree=commit, path=str(tree), **info) for r in tree_rows]
             meta = common.meta(model="the bundled model", serve="dllm-jax serve (defaults)", trees=args.trees)
             path = common.write_results("serve_cpu.json", meta, rows, args.out, args.run)

@@ -9,7 +9,7 @@ import pytest
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate
 from dllm_jax.transformer import KernelChoice, Kernels
-from dllm_jax.transformer.attention import attend, attend_reference, attend_slot_chunks
+from dllm_jax.transformer.attention import attend, attend_slot_chunks
 
 INTERPRET = jax.default_backend() != "gpu"
 opts = GenerationConfig.from_options
@@ -29,31 +29,32 @@ def test_pallas_backend_matches_reference(masked):
 
 @pytest.mark.parametrize("key_chunk", [8, 128])
 def test_xla_slot_attention_reads_only_the_chunks_its_longest_list_needs(key_chunk):
-    """`attend_slot_chunks` (the engine's attention off the GPU) equals the reference over each row's gathered keys,
-    and never runs a chunk past the longest row's list: those table entries point at a NaN slot, which would poison
-    every output (0 x NaN) if a chunk holding them ran."""
+    """`attend_slot_chunks` (the engine's attention off the GPU) equals a softmax over each row's listed keys, each
+    list scored by its own queries, and never runs a chunk past a list's longest row: those table entries point at a
+    NaN slot, which would poison every output (0 x NaN) if a chunk holding them ran."""
     rng = np.random.default_rng(0)
-    pool, nan_slot = 64, 63
+    pool, nan_slot, width = 64, 63, 300
     k_pool, v_pool = (rng.normal(size=(pool, 2, 16)).astype(np.float32) for _ in range(2))
     k_pool[nan_slot] = v_pool[nan_slot] = np.nan
-    q = rng.normal(size=(4, 5, 4, 16)).astype(np.float32)  # two query heads a K/V head
-    lens = {"shared": np.array([130, 0, 7, 0]), "own": np.array([3, 20, 0, 0])}  # the last row reads nothing
-    tables = {}
-    for name, n in lens.items():
+    lens = [np.array([130, 0, 7, 0]), np.array([3, 20, 0, 0])]  # two lists a row; the last row reads nothing
+    lists = []
+    for n in lens:
         live = -(-n.max() // key_chunk) * key_chunk  # the chunks the loop runs: past them, only the NaN slot
-        t = np.full((4, 300), nan_slot, np.int32)
-        t[:, :live] = rng.integers(0, nan_slot, (4, live))
-        tables[name] = t
-    segs = [(q, k_pool, v_pool, tables[n], lens[n]) for n in ("shared", "own")]
-    out = jax.jit(lambda segs: attend_slot_chunks(segs, key_chunk))(jax.tree.map(jnp.asarray, segs))
-    keys = np.concatenate([k_pool[tables["shared"]], k_pool[tables["own"]]], axis=1)
-    values = np.concatenate([v_pool[tables["shared"]], v_pool[tables["own"]]], axis=1)
-    mask = np.concatenate([np.arange(300) < lens[n][:, None] for n in ("shared", "own")], axis=1)
-    keys, values = np.where(mask[..., None, None], keys, 0), np.where(mask[..., None, None], values, 0)
-    ref = attend_reference(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(mask))
-    assert np.isfinite(np.asarray(out)).all()
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(out)[3], 0)  # no key: zeros
+        table = np.full((4, width), nan_slot, np.int32)
+        table[:, :live] = rng.integers(0, nan_slot, (4, live))
+        lists.append((rng.normal(size=(4, 5, 4, 16)).astype(np.float32), table, n))  # 2 query heads a K/V head
+    run = jax.jit(lambda k, v, lists: attend_slot_chunks(k, v, lists, key_chunk))
+    out = np.asarray(run(k_pool, v_pool, jax.tree.map(jnp.asarray, lists)))
+    assert np.isfinite(out).all()
+    for b in range(4):
+        for h in range(4):
+            scores = np.concatenate([q[b, :, h] @ k_pool[t[b, : n[b]], h // 2].T for q, t, n in lists], axis=1) / 4
+            values = np.concatenate([v_pool[t[b, : n[b]], h // 2] for _, t, n in lists])
+            if not len(values):
+                np.testing.assert_array_equal(out[b, :, h], 0)  # no key: zeros
+                continue
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            np.testing.assert_allclose(out[b, :, h], p @ values / p.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
 
 
 def test_generate_with_pallas_attention(models_fp32):

@@ -87,11 +87,11 @@ class PagedKV:
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
         if kernels.attention == "xla":  # the two lists in chunks up to the longest row's (not the tables' width)
-            own = (q, self.k[i], self.v[i], self.own_slots, self.own_len)
+            own = (q, self.own_slots, self.own_len)
             if not self.shared_slots.shape[1]:
-                return attend_slot_chunks([own])
+                return attend_slot_chunks(self.k[i], self.v[i], [own])
             q_back = self._rotated(q, -self.shared_delta)  # the shared list's keys sit at 0: the query comes back
-            return attend_slot_chunks([(q_back, self.k[i], self.v[i], self.shared_slots, self.shared_len), own])
+            return attend_slot_chunks(self.k[i], self.v[i], [(q_back, self.shared_slots, self.shared_len), own])
         if kernels.attention == "invariant":  # gathered, the shared list then the own list, key chunks in order
             own = jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
             shared = KeySegment(self.keys(i), jnp.take(self.v[i], self.shared_slots, axis=0), self.shared_mask())

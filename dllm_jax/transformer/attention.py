@@ -27,6 +27,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dllm_jax.transformer.layers import matmul_precision, opaque_loop, stacked
 from pallas_kernels import slot_attention as sa
@@ -271,36 +272,38 @@ def attend_slots(segments: Sequence[tuple[Array, ...]], interpret: bool = False)
     return finish_state(state, segments[0][0].dtype)
 
 
-def attend_slot_chunks(segments: Sequence[tuple[Array, ...]], key_chunk: int = KEY_CHUNK) -> Array:
-    """XLA's attention over pooled keys read through per-row tables: each segment (q [B, n, Hq, D], a K and a V pool
-    [P, Hkv, D], a read table [B, S] listing each row's keys, their count [B]) reduced key_chunk entries at a time by
-    an online softmax (`softmax_state`, `merge_states`), only as many chunks as the longest row's list needs (a loop
-    whose trip count is data): a call costs the keys its rows read, not the table's width (the engine's tables are
-    max_model_len wide whatever the traffic). Zeros where a query has no key."""
-    state = None
-    for segment in segments:
-        s = _slot_chunks_state(*segment, key_chunk)
-        state = s if state is None else merge_states(state, s)
-    return finish_state(state, segments[0][0].dtype)
-
-
-def _slot_chunks_state(q: Array, k: Array, v: Array, table: Array, lens: Array, key_chunk: int) -> AttentionState:
-    b, width = table.shape
-    table = jnp.pad(table, [(0, 0), (0, -width % key_chunk)])
+def attend_slot_chunks(
+    k: Array, v: Array, lists: Sequence[tuple[Array, Array, Array]], key_chunk: int = KEY_CHUNK
+) -> Array:
+    """XLA's attention over a K and a V pool [P, Hkv, D] read through per-row tables: each of `lists` (q [B, n, Hq,
+    D], a read table [B, S] listing each row's keys, their count [B]) in turn, key_chunk entries at a time, by one
+    online softmax (`softmax_state`, `merge_states`) whose loop runs only the chunks each list's longest row needs
+    (the trip count is data): a call costs the keys its rows read, not the tables' width (the engine's tables are
+    max_model_len wide whatever the traffic). One loop for all lists: each costs compile time. Zeros where a query
+    has no key."""
+    q0 = lists[0][0]
+    b, n, hq, _ = q0.shape
+    qs = jnp.stack([q for q, _, _ in lists])
+    tables = [jnp.pad(t, [(0, 0), (0, -t.shape[1] % key_chunk)]) for _, t, _ in lists]
+    starts = np.cumsum([0] + [t.shape[1] // key_chunk for t in tables])[:-1]  # each list's first chunk in `table`
+    table, lens = jnp.concatenate(tables, axis=1), jnp.stack([ln for _, _, ln in lists])  # [B, sum S], [lists, B]
+    trips = -(-jnp.max(lens, axis=1, initial=0) // key_chunk)  # [lists] the chunks each list runs
+    ends = jnp.cumsum(trips)
     at = jnp.arange(key_chunk, dtype=jnp.int32)[None, :]
 
     def chunk(c: Array, state: AttentionState) -> AttentionState:
-        slots = jax.lax.dynamic_slice_in_dim(table, c * key_chunk, key_chunk, axis=1)
+        j = jnp.sum(c >= ends)  # the list this trip reads, and its chunk there
+        i = c - (ends[j] - trips[j])
+        slots = jax.lax.dynamic_slice_in_dim(table, (jnp.asarray(starts)[j] + i) * key_chunk, key_chunk, axis=1)
         keys, values = jnp.take(k, slots, axis=0), jnp.take(v, slots, axis=0)
-        return merge_states(state, softmax_state(q, keys, values, c * key_chunk + at < lens[:, None]))
+        return merge_states(state, softmax_state(qs[j], keys, values, i * key_chunk + at < lens[j][:, None]))
 
-    n, hq = q.shape[1], q.shape[2]
     empty = AttentionState(
         jnp.full((b, hq, n), -jnp.inf, jnp.float32),
         jnp.zeros((b, hq, n), jnp.float32),
-        jnp.zeros((*q.shape[:3], v.shape[-1]), jnp.float32),
+        jnp.zeros((b, n, hq, v.shape[-1]), jnp.float32),
     )
-    return jax.lax.fori_loop(0, -(-jnp.max(lens, initial=0) // key_chunk), chunk, empty)
+    return finish_state(jax.lax.fori_loop(0, ends[-1], chunk, empty), q0.dtype)
 
 
 def attend(
