@@ -9,7 +9,7 @@ import pytest
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate
 from dllm_jax.transformer import KernelChoice, Kernels
-from dllm_jax.transformer.attention import attend, attend_slot_chunks
+from dllm_jax.transformer.attention import LOOP_MIN_WIDTH, attend, attend_slot_chunks
 
 INTERPRET = jax.default_backend() != "gpu"
 opts = GenerationConfig.from_options
@@ -27,21 +27,22 @@ def test_pallas_backend_matches_reference(masked):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("key_chunk", [8, 128])
-def test_xla_slot_attention_reads_only_the_chunks_its_longest_list_needs(key_chunk):
+@pytest.mark.parametrize("key_chunk, width", [(8, 300), (128, 300), (128, LOOP_MIN_WIDTH)])
+def test_xla_slot_attention_reads_only_the_chunks_its_longest_list_needs(key_chunk, width):
     """`attend_slot_chunks` (the engine's attention off the GPU) equals a softmax over each row's listed keys, each
-    list scored by its own queries, and never runs a chunk past a list's longest row: those table entries point at a
-    NaN slot, which would poison every output (0 x NaN) if a chunk holding them ran."""
+    list scored by its own queries; a table wider than LOOP_MIN_WIDTH never runs a chunk past its longest row: those
+    entries point at a NaN slot, which would poison every output (0 x NaN) if a chunk holding them ran (a narrower
+    table is gathered whole: its entries past a row's count are finite, as the engine's are)."""
     rng = np.random.default_rng(0)
-    pool, nan_slot, width = 64, 63, 300
+    pool, nan_slot = 64, 63
     k_pool, v_pool = (rng.normal(size=(pool, 2, 16)).astype(np.float32) for _ in range(2))
     k_pool[nan_slot] = v_pool[nan_slot] = np.nan
     lens = [np.array([130, 0, 7, 0]), np.array([3, 20, 0, 0])]  # two lists a row; the last row reads nothing
     lists = []
     for n in lens:
-        live = -(-n.max() // key_chunk) * key_chunk  # the chunks the loop runs: past them, only the NaN slot
+        live = -(-n.max() // key_chunk) * key_chunk if width > LOOP_MIN_WIDTH else width  # past it: the NaN slot
         table = np.full((4, width), nan_slot, np.int32)
-        table[:, :live] = rng.integers(0, nan_slot, (4, live))
+        table[:, :live] = rng.integers(0, nan_slot, (4, min(live, width)))
         lists.append((rng.normal(size=(4, 5, 4, 16)).astype(np.float32), table, n))  # 2 query heads a K/V head
     run = jax.jit(lambda k, v, lists: attend_slot_chunks(k, v, lists, key_chunk))
     out = np.asarray(run(k_pool, v_pool, jax.tree.map(jnp.asarray, lists)))

@@ -26,6 +26,7 @@ from dllm_jax.engine.engine import KVBudgetError
 from dllm_jax.engine.request import Status
 from dllm_jax.engine.runner import Ladder
 from dllm_jax.engine.scheduler import QueueFull
+from dllm_jax.transformer.attention import LOOP_MIN_WIDTH
 
 opts = GenerationConfig.from_options
 RNG = np.random.default_rng(0)
@@ -223,6 +224,22 @@ def test_calls_partition_the_rows_and_never_cost_more_than_one_call(rows, max_ba
     assert sorted(i for c in calls for i in c) == list(range(len(rows))) and all(c == sorted(c) for c in calls)
     cost = sum(ladder.cost([windows[i] for i in c], max(steps[i] for i in c), 32) for c in calls)
     assert cost <= ladder.cost(windows, max(steps), 32)
+
+
+def test_wide_read_tables_run_in_chunks_and_every_answer_stays_solo(models_fp32):
+    """Read tables wider than LOOP_MIN_WIDTH (max_model_len 640) go through `attend_slot_chunks`' loop off the GPU,
+    only the chunks each call's longest list fills: a 300-token affix shared with ACache at an infix (its list 2
+    chunks), a 400-token unshared prompt (4 chunks) and a short one, every answer as solo `generate`."""
+    m = models_fp32["llada"]
+    wide = dataclasses.replace(m, config=dataclasses.replace(m.config, max_seq_len=640))
+    engine = engine_for(wide, max_model_len=640, window_chunk=128)
+    assert engine.runner.ladder.read_len > LOOP_MIN_WIDTH
+    affix, gc = RNG.integers(0, 80, 300).tolist(), opts(gen_length=8, block_length=4, steps=4, cache="dual")
+    shared = opts(gen_length=8, block_length=4, steps=4, cache="dual", affix="anchors", anchor_ratio=0.2)
+    items = [(OWN[1][:2] + affix + OWN[1][2:], shared, (2, 302), 1), (RNG.integers(0, 80, 400).tolist(), gc, None, 2)]
+    items.append((OWN[0], gc, None, 3))
+    got = serve(engine, items)
+    assert got == [solo(wide, p, c, span, seed, affix=affix) for p, c, span, seed in items]
 
 
 def test_a_long_window_runs_apart_and_every_answer_stays_solo(models_fp32):

@@ -38,7 +38,8 @@ BACKENDS = ("xla", "cudnn", "pallas", "cudnn_pallas", "invariant", "invariant_sl
 SHORT_QUERY = 64  # "cudnn_pallas": query windows up to this long go to the Pallas kernel ...
 PALLAS_MAX_ROWS = 256  # ... when batch x kv heads is at most this
 QUERY_TILE = 16  # "invariant": queries of a row attended at once (a block step's or a window chunk's)
-KEY_CHUNK = 128  # "invariant": keys reduced at once, in order
+KEY_CHUNK = 128  # "invariant": keys reduced at once, in order (and `attend_slot_chunks`' chunk)
+LOOP_MIN_WIDTH = 256  # `attend_slot_chunks` reads a wider table in a loop of chunks, a narrower one whole
 
 __all__ = [
     "AttentionState",
@@ -276,34 +277,56 @@ def attend_slot_chunks(
     k: Array, v: Array, lists: Sequence[tuple[Array, Array, Array]], key_chunk: int = KEY_CHUNK
 ) -> Array:
     """XLA's attention over a K and a V pool [P, Hkv, D] read through per-row tables: each of `lists` (q [B, n, Hq,
-    D], a read table [B, S] listing each row's keys, their count [B]) in turn, key_chunk entries at a time, by one
-    online softmax (`softmax_state`, `merge_states`) whose loop runs only the chunks each list's longest row needs
-    (the trip count is data): a call costs the keys its rows read, not the tables' width (the engine's tables are
-    max_model_len wide whatever the traffic). One loop for all lists: each costs compile time. Zeros where a query
-    has no key."""
-    q0 = lists[0][0]
-    b, n, hq, _ = q0.shape
+    D], a read table [B, S] listing each row's keys, their count [B]) scored by its own queries, one softmax over all
+    of them. A table wider than LOOP_MIN_WIDTH is read key_chunk entries at a time by an online softmax whose loop
+    runs only the chunks the longest row needs (the trip count is data; one loop for all such tables): a call costs
+    the keys its rows read, not the tables' width (the engine's tables are max_model_len wide whatever the traffic).
+    A narrower table is gathered whole (a loop costs compile time: ~35% more warm-up for a tiny engine). Zeros where
+    a query has no key."""
+    states = []
+    for q, table, lens in lists:
+        if table.shape[1] <= LOOP_MIN_WIDTH:
+            valid = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :] < lens[:, None]
+            states.append(softmax_state(q, jnp.take(k, table, axis=0), jnp.take(v, table, axis=0), valid))
+    wide = [x for x in lists if x[1].shape[1] > LOOP_MIN_WIDTH]
+    if wide:
+        states.append(_chunk_loop(k, v, wide, key_chunk))
+    state = states[0]
+    for other in states[1:]:
+        state = merge_states(state, other)
+    return finish_state(state, lists[0][0].dtype)
+
+
+def _chunk_loop(k: Array, v: Array, lists: Sequence[tuple[Array, Array, Array]], key_chunk: int) -> AttentionState:
+    """The online-softmax state of `attend_slot_chunks`' wide lists: one loop over each list's live chunks in turn."""
+    b, n, hq, d = lists[0][0].shape
+    hkv = k.shape[1]
     qs = jnp.stack([q for q, _, _ in lists])
     tables = [jnp.pad(t, [(0, 0), (0, -t.shape[1] % key_chunk)]) for _, t, _ in lists]
-    starts = np.cumsum([0] + [t.shape[1] // key_chunk for t in tables])[:-1]  # each list's first chunk in `table`
+    starts = jnp.asarray(np.cumsum([0] + [t.shape[1] // key_chunk for t in tables])[:-1], jnp.int32)
     table, lens = jnp.concatenate(tables, axis=1), jnp.stack([ln for _, _, ln in lists])  # [B, sum S], [lists, B]
     trips = -(-jnp.max(lens, axis=1, initial=0) // key_chunk)  # [lists] the chunks each list runs
     ends = jnp.cumsum(trips)
     at = jnp.arange(key_chunk, dtype=jnp.int32)[None, :]
 
-    def chunk(c: Array, state: AttentionState) -> AttentionState:
+    def chunk(c: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        m, l, o = state  # noqa: E741  [B, Hkv, G, T] x 2, [B, T, Hq, D]
         j = jnp.sum(c >= ends)  # the list this trip reads, and its chunk there
         i = c - (ends[j] - trips[j])
-        slots = jax.lax.dynamic_slice_in_dim(table, (jnp.asarray(starts)[j] + i) * key_chunk, key_chunk, axis=1)
+        slots = jax.lax.dynamic_slice_in_dim(table, (starts[j] + i) * key_chunk, key_chunk, axis=1)
         keys, values = jnp.take(k, slots, axis=0), jnp.take(v, slots, axis=0)
-        return merge_states(state, softmax_state(qs[j], keys, values, i * key_chunk + at < lens[j][:, None]))
+        scores = _masked(grouped_scores(qs[j], keys), i * key_chunk + at < lens[j][:, None])
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
+        p = jnp.exp(scores - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        by_heads = jnp.moveaxis(alpha, 3, 1).reshape(b, n, hq)[..., None]
+        return m_new, alpha * l + jnp.sum(p, axis=-1), by_heads * o + grouped_values(p, values)
 
-    empty = AttentionState(
-        jnp.full((b, hq, n), -jnp.inf, jnp.float32),
-        jnp.zeros((b, hq, n), jnp.float32),
-        jnp.zeros((b, n, hq, v.shape[-1]), jnp.float32),
-    )
-    return finish_state(jax.lax.fori_loop(0, ends[-1], chunk, empty), q0.dtype)
+    stats = jnp.full((b, hkv, hq // hkv, n), -jnp.inf, jnp.float32)
+    empty = (stats, jnp.zeros_like(stats), jnp.zeros((b, n, hq, d), jnp.float32))
+    m, l, o = jax.lax.fori_loop(0, ends[-1], chunk, empty)  # noqa: E741
+    return AttentionState(m.reshape(b, hq, n), l.reshape(b, hq, n), o)
 
 
 def attend(
