@@ -5,8 +5,7 @@ The pool is, per layer, K and V of `num_pages * page_size` slots [S, Hkv, D] (`B
 unchanged. Writes map buffer columns to private slots (`col_slots`; S: none). Reads go through two lists a row: the
 shared affix's slots, then its own. The shared copy's K sit at positions 0..A-1; placed at p they read as rotated by
 p more: <R(i) q, R(j + p) k> = <R(i - p) q, R(j) k>, so the query is rotated back by p (the batch-invariant jnp path
-rotates the gathered keys): one copy serves every placement (p = 0: no rotation). Off the GPU (attention "xla") the
-lists are read in chunks up to the longest row's (`attention.attend_slot_chunks`), never at the tables' width."""
+rotates the gathered keys): one copy serves every placement (p = 0: no rotation)."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ class PagedKV:
         if cols is None:
             cols = (jnp.asarray(where.offset, jnp.int32) + jnp.arange(k.shape[1], dtype=jnp.int32))[None]
         slots = jnp.take_along_axis(self.col_slots, jnp.broadcast_to(cols, k.shape[:2]), axis=1)
-        # XLA's scatters (a Pallas kernel writing both in place lost on the H200: bench_pool_kernels.py); an entry not
-        # written goes past the pool's end, each to its own index (written slots are each one column's)
+        # XLA's scatters (a Pallas kernel lost on the H200: bench_pool_kernels.py); unwritten entries go past the end
         p, rows = self.k[i].shape[0], (slots if where.mask is None else jnp.where(where.mask, slots, -1)).reshape(-1)
         rows = jnp.where((rows >= 0) & (rows < p), rows, p + jnp.arange(rows.shape[0]))
         new_k, new_v = (a.at[rows].set(b.reshape(-1, *b.shape[2:]).astype(a.dtype), mode="drop", unique_indices=True)
@@ -86,12 +84,10 @@ class PagedKV:
         defines the keys). q_len (int32): only queries before it are needed (`skips_queries`: the rest undefined)."""
         if key_mask is not None:
             raise ValueError("PagedKV reads its own key lists: decode with DecodeInputs.padded=False")
-        if kernels.attention == "xla":  # the two lists in chunks up to the longest row's (not the tables' width)
-            own = (q, self.own_slots, self.own_len)
-            if not self.shared_slots.shape[1]:
-                return attend_slot_chunks(self.k[i], self.v[i], [own])
-            q_back = self._rotated(q, -self.shared_delta)  # the shared list's keys sit at 0: the query comes back
-            return attend_slot_chunks(self.k[i], self.v[i], [(q_back, self.shared_slots, self.shared_len), own])
+        if kernels.attention == "xla":  # both lists in chunks up to the longest row's; the shared one's q rotated back
+            shared = [(self._rotated(q, -self.shared_delta), self.shared_slots, self.shared_len)]
+            lists = (shared if self.shared_slots.shape[1] else []) + [(q, self.own_slots, self.own_len)]
+            return attend_slot_chunks(self.k[i], self.v[i], lists)
         if kernels.attention == "invariant":  # gathered, the shared list then the own list, key chunks in order
             own = jnp.arange(self.own_slots.shape[1], dtype=jnp.int32)[None, :] < self.own_len[:, None]
             shared = KeySegment(self.keys(i), jnp.take(self.v[i], self.shared_slots, axis=0), self.shared_mask())
@@ -115,9 +111,8 @@ class PagedKV:
         return jax.lax.cond(jnp.any(self.shared_delta), rotated, lambda s: attend(first=s), shared)
 
     def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
-        """ACache's probe of layer i through the slot kernels: [B, A] the softmax over each row's shared list of its
-        queries q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`
-        computes the same with XLA, at the list's full width)."""
+        """ACache's probe of layer i on the slot kernels: [B, A] each row's softmax over its shared list of its queries
+        q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`'s)."""
         if self.rotate:  # a pass over the padded window: only where some row places its affix past 0
             q = jax.lax.cond(jnp.any(self.shared_delta), lambda x: self._rotated(x, -self.shared_delta), lambda x: x, q)
         return slot_key_weights(q, self.k[i], self.shared_slots, queries, self.shared_len, interpret=kernels.interpret)
