@@ -207,6 +207,23 @@ def _chunks(segment: KeySegment) -> tuple[Array, Array, Array]:
     return tuple(a.reshape(b, (s + pad) // KEY_CHUNK, KEY_CHUNK, *a.shape[2:]) for a in (k, v, valid))
 
 
+def _by_heads(a: Array) -> Array:
+    """[B, Hkv, G, T] -> [B, T, Hq, 1]: per-query statistics in grouped_values' layout."""
+    b, hkv, g, t = a.shape
+    return jnp.moveaxis(a, 3, 1).reshape(b, t, hkv * g)[..., None]
+
+
+def _online_step(state: tuple[Array, Array, Array], scores: Array, v: Array) -> tuple[Array, Array, Array]:
+    """One key chunk's masked scores [B, Hkv, G, T, S] and values [B, S, Hkv, D] into an online-softmax state (m, l
+    [B, Hkv, G, T], o [B, T, Hq, D] unnormalised): `attend_segments`' and `attend_slot_chunks`' loop body."""
+    m, l, o = state  # noqa: E741
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
+    p = jnp.exp(scores - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)  # exactly 1 when the chunk adds nothing, 0 before the first key
+    return m_new, alpha * l + jnp.sum(p, axis=-1), _by_heads(alpha) * o + grouped_values(p, v)
+
+
 def attend_segments(q: Array, segments: Sequence[KeySegment]) -> Array:
     """Attention of q [B, n, Hq, D] over the keys of `segments`, read one after another -> [B, n, Hq, D] in q.dtype
     (zeros where a query has no key). Batch invariant: every dot and reduction a query's result goes through has the
@@ -225,27 +242,18 @@ def attend_segments(q: Array, segments: Sequence[KeySegment]) -> Array:
     qt = jnp.pad(q, [(0, 0), (0, tiles * QUERY_TILE - n), (0, 0), (0, 0)])
     qt = stacked(qt.reshape(b * tiles, 1, QUERY_TILE, hq, d), b * tiles)
 
-    def by_heads(a: Array) -> Array:  # [1, Hkv, G, T] -> [1, T, Hq, 1] (grouped_values' layout)
-        return jnp.moveaxis(a, 3, 1).reshape(1, QUERY_TILE, hq)[..., None]
-
     def tile(i: Array, out: Array) -> Array:
         q_tile, row = jax.lax.dynamic_index_in_dim(qt, i, keepdims=False), i // tiles
         keys = [jax.lax.dynamic_index_in_dim(a, row, keepdims=False) for a in (ks, vs, valids)]
 
         def chunk(c, state):
-            m, l, o = state  # noqa: E741
             k, v, valid = (jax.lax.dynamic_index_in_dim(a, c, keepdims=True) for a in keys)
-            scores = _masked(grouped_scores(q_tile, k), valid)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
-            p = jnp.exp(scores - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)  # exactly 1 when the chunk adds nothing, 0 before the first key
-            return m_new, alpha * l + jnp.sum(p, axis=-1), by_heads(alpha) * o + grouped_values(p, v)
+            return _online_step(state, _masked(grouped_scores(q_tile, k), valid), v)
 
         stats = jnp.full((1, hkv, hq // hkv, QUERY_TILE), -jnp.inf, jnp.float32)
         state = (stats, jnp.zeros_like(stats), jnp.zeros((1, QUERY_TILE, hq, d), jnp.float32))
         _, l, o = opaque_loop(n_chunks, chunk, state)  # noqa: E741
-        l = by_heads(l)  # noqa: E741
+        l = _by_heads(l)  # noqa: E741
         return jax.lax.dynamic_update_index_in_dim(out, (o / jnp.where(l > 0, l, 1.0)).astype(q.dtype), i, 0)
 
     out = opaque_loop(b * tiles, tile, jnp.zeros(qt.shape, q.dtype))  # [B * tiles, 1, QUERY_TILE, Hq, D]
@@ -283,13 +291,12 @@ def attend_slot_chunks(
     the keys its rows read, not the tables' width (the engine's tables are max_model_len wide whatever the traffic).
     A narrower table is gathered whole (a loop costs compile time: ~35% more warm-up for a tiny engine). Zeros where
     a query has no key."""
-    states = []
-    for q, table, lens in lists:
-        if table.shape[1] <= LOOP_MIN_WIDTH:
-            valid = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :] < lens[:, None]
-            states.append(softmax_state(q, jnp.take(k, table, axis=0), jnp.take(v, table, axis=0), valid))
-    wide = [x for x in lists if x[1].shape[1] > LOOP_MIN_WIDTH]
-    if wide:
+    states = [
+        softmax_state(q, jnp.take(k, t, axis=0), jnp.take(v, t, axis=0), jnp.arange(t.shape[1]) < lens[:, None])
+        for q, t, lens in lists
+        if t.shape[1] <= LOOP_MIN_WIDTH
+    ]
+    if wide := [x for x in lists if x[1].shape[1] > LOOP_MIN_WIDTH]:
         states.append(_chunk_loop(k, v, wide, key_chunk))
     state = states[0]
     for other in states[1:]:
@@ -310,18 +317,11 @@ def _chunk_loop(k: Array, v: Array, lists: Sequence[tuple[Array, Array, Array]],
     at = jnp.arange(key_chunk, dtype=jnp.int32)[None, :]
 
     def chunk(c: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-        m, l, o = state  # noqa: E741  [B, Hkv, G, T] x 2, [B, T, Hq, D]
         j = jnp.sum(c >= ends)  # the list this trip reads, and its chunk there
         i = c - (ends[j] - trips[j])
         slots = jax.lax.dynamic_slice_in_dim(table, (starts[j] + i) * key_chunk, key_chunk, axis=1)
-        keys, values = jnp.take(k, slots, axis=0), jnp.take(v, slots, axis=0)
-        scores = _masked(grouped_scores(qs[j], keys), i * key_chunk + at < lens[j][:, None])
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
-        p = jnp.exp(scores - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        by_heads = jnp.moveaxis(alpha, 3, 1).reshape(b, n, hq)[..., None]
-        return m_new, alpha * l + jnp.sum(p, axis=-1), by_heads * o + grouped_values(p, values)
+        scores = _masked(grouped_scores(qs[j], jnp.take(k, slots, axis=0)), i * key_chunk + at < lens[j][:, None])
+        return _online_step(state, scores, jnp.take(v, slots, axis=0))
 
     stats = jnp.full((b, hkv, hq // hkv, n), -jnp.inf, jnp.float32)
     empty = (stats, jnp.zeros_like(stats), jnp.zeros((b, n, hq, d), jnp.float32))
