@@ -168,7 +168,7 @@ def test_bad_flags(argv, message, capsys):
         (["--block-lengths"], "argument --block-lengths: expected at least one argument"),
         (
             ["--block-lengths", "8", "64", "--max-model-len", "64"],
-            "argument --block-lengths: EngineConfig.block_lengths=(8, 64): a block must be shorter than max_model_len",
+            "argument --block-lengths: EngineConfig.block_lengths=(8, 64) must be < max_model_len=64",
         ),
         (["--shallow-depths", "-1"], "argument --shallow-depths: must be >= 0, got -1"),
         (["--shallow-depths", "2", "9"], "argument --shallow-depths: 9 exceeds the model's 6 layers"),

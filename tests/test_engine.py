@@ -298,6 +298,23 @@ def test_settings_outside_the_served_ones_are_refused(models_fp32, warm_engines)
     assert not engine.has_unfinished()
 
 
+def test_a_request_without_a_config_decodes_with_the_models_schedule(models_fp32, tmp_path):
+    """No config: the model's generation_config.json schedule (max_new_tokens, block_length, steps) at a block length
+    the engine serves, with its sampler: what `dllm-jax serve` resolves for a request without those fields, never
+    a library default the engine refuses (block 32 against the served 4)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(max_new_tokens=6, block_length=4, steps=4)))
+    m = dataclasses.replace(models_fp32["llada"], path=tmp_path)
+    base = {k: v for k, v in BASE.items() if k != "block_lengths"}
+    engine = Engine(m, EngineConfig(**base))
+    assert engine.block_lengths == (4,)
+    [answer] = engine.generate([OWN[1]], progress=False)  # 6 tokens round up to 2 blocks of 4, 2 steps a block
+    assert answer == solo(m, OWN[1], opts(gen_length=8, block_length=4, steps=4, cache="dual"))
+    # the model's block length not served: the first served one; steps that do not divide into its blocks: 1 a token
+    default = Engine(m, EngineConfig(**base, block_lengths=(2, 8))).intake.default
+    assert (default.schedule.gen_length, default.schedule.block_length, default.schedule.steps) == (6, 2, 6)
+    assert default.cache.mode == "dual" and default.sampler == engine.sampler
+
+
 @pytest.mark.xdist_group("engine-llada")
 def test_a_failed_device_call_fails_only_its_requests(models_fp32, warm_engines):
     """A call that raises fails its requests (finish reason "error", pages freed, counted) and the engine serves on;

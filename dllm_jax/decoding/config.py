@@ -10,7 +10,7 @@ All of them are static: a new value compiles a new program, the same value never
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decoding.samplers import Factor, FamilySampler, Sampler, Threshold
@@ -44,6 +44,16 @@ class Schedule:
     @property
     def steps_per_block(self) -> int:
         return self.steps // self.n_blocks
+
+    @classmethod
+    def from_defaults(cls, defaults: dict, block_lengths: Sequence[int]) -> "Schedule":
+        """A model's generation_config.json schedule (`io.loading.generation_defaults`; gen_length 128 where it has
+        none) at its block length if listed, else the first listed: gen_length rounded up to whole blocks; steps
+        one a token unless the model's divide into the blocks."""
+        block_length = d if (d := defaults.get("block_length")) in block_lengths else block_lengths[0]
+        gen = -(-defaults.get("gen_length", 128) // block_length) * block_length
+        steps = defaults.get("steps", gen)
+        return cls(gen, block_length, steps if steps <= gen and steps % (gen // block_length) == 0 else gen)
 
 
 @dataclasses.dataclass(frozen=True)

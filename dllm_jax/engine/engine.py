@@ -119,9 +119,10 @@ class Engine:
         self.block_manager = bm = BlockManager(num_pages, cfg.page_size)
         self.scheduler = Scheduler(bm, cfg.max_batch, cfg.max_queue)
         # what is served, resolved once: each is part of the programs' keys (everything else is data)
-        self.affixes = AffixIndex(min_tokens=cfg.min_affix_tokens, k=min(16, cfg.min_affix_tokens))
-        blocks = cfg.block_lengths or (generation_defaults(getattr(model, "path", None)).get("block_length", 32),)
-        self.intake = Intake(mc, self.max_len, blocks, cfg.sampler, cfg.shallow_depths, self.affixes, cfg.auto_affix)
+        self.affixes = affixes = AffixIndex(min_tokens=cfg.min_affix_tokens, k=min(16, cfg.min_affix_tokens))
+        gd = generation_defaults(getattr(model, "path", None))  # the model's generation_config.json
+        blocks = cfg.block_lengths or (gd.get("block_length", 32),)
+        self.intake = Intake(mc, self.max_len, blocks, cfg.sampler, cfg.shallow_depths, affixes, cfg.auto_affix, gd)
         self.block_lengths, self.sampler = self.intake.block_lengths, self.intake.sampler
         # the pool is per layer, so the layer loop is unrolled: stacked params (the CPU default) are unstacked once
         # fused q/k/v would not split by head; batch-invariant: generate's layout (another GEMM width, other rounding)
@@ -184,10 +185,11 @@ class Engine:
         arrival: float | None = None,
     ) -> str:
         """Queue a request; returns its id. config: its decoding settings (cache "dual"; its affix technique says how
-        a shared affix is reused). affix: "auto" (registered affixes, then a span repeated from earlier prompts), a
-        handle, a (start, end) span of the prompt, or None. timeout: seconds from its arrival (a server passes when
-        its handler got it; default now) after which it ends unfinished ("timeout") at the next step. Raises
-        RequestError for bad input and QueueFull when the queue is full, before any device work."""
+        a shared affix is reused; None: the model's generation_config.json schedule, `Intake.default`). affix:
+        "auto" (registered affixes, then a span repeated from earlier prompts), a handle, a (start, end) span of the
+        prompt, or None. timeout: seconds from its arrival (a server passes when its handler got it; default now)
+        after which it ends unfinished ("timeout") at the next step. Raises RequestError for bad input and QueueFull
+        when the queue is full, before any device work."""
         if timeout is not None and not timeout > 0:
             raise RequestError(f"timeout={timeout} must be a positive number of seconds")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -366,8 +368,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (waiting or running) and free its pages. False if it is unknown or already done."""
-        r = self._requests.get(request_id)
-        if r is None or r.status == Status.FINISHED:
+        if (r := self._requests.get(request_id)) is None or r.status == Status.FINISHED:
             return False
         self._end(r, "abort")
         return True
@@ -379,8 +380,7 @@ class Engine:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's record (the server does this once it has answered)."""
-        r = self._requests.get(request_id)
-        if r is not None and r.status == Status.FINISHED:
+        if (r := self._requests.get(request_id)) is not None and r.status == Status.FINISHED:
             del self._requests[request_id]
             self._finished.pop(request_id, None)
 

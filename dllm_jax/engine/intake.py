@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decoding.caches.bicache import batch_depth
-from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Shallow
+from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
 from dllm_jax.decoding.samplers import FamilySampler
 from dllm_jax.decoding.samplers.rows import RowValues, static_part
 from dllm_jax.engine.affix_index import AffixIndex, find_aligned
@@ -41,17 +41,17 @@ class Intake:
     shallow_depths: tuple[int, ...]
     affixes: AffixIndex
     auto_affix: bool = True
+    generation: dict = dataclasses.field(default_factory=dict)  # the model's generation_config.json defaults
 
     def __post_init__(self) -> None:
         mc = self.model_config
         if (deepest := max(self.shallow_depths, default=0)) > mc.n_layers:
             raise ValueError(f"EngineConfig.shallow_depths: {deepest} exceeds the model's {mc.n_layers} layers")
         if max(self.block_lengths) >= self.max_len:
-            raise ValueError(
-                f"EngineConfig.block_lengths={self.block_lengths}: a block must be shorter than max_model_len "
-                f"{self.max_len}"
-            )
+            raise ValueError(f"EngineConfig.block_lengths={self.block_lengths} must be < max_model_len={self.max_len}")
         self.sampler = static_part((self.sampler or FamilySampler()).resolve(mc.family))
+        schedule = Schedule.from_defaults(self.generation, self.block_lengths)  # what a request without a config gets
+        self.default = GenerationConfig(schedule, self.sampler, CacheConfig("dual"))
 
     def handle(self, tokens: Sequence[int]) -> AffixHandle:
         toks = tuple(int(t) for t in tokens)
@@ -63,7 +63,7 @@ class Intake:
     ) -> Request:
         """The checked request, its affix span resolved ("auto": found by the affix index, which remembers the
         prompt unless remember=False) and its settings turned into what its rows carry."""
-        gc = config or GenerationConfig(cache=CacheConfig("dual"))
+        gc = config or self.default
         prompt = [int(t) for t in prompt]
         self._check_config(gc)
         self._check_tokens(prompt, "prompt")
