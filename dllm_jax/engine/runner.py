@@ -43,7 +43,7 @@ STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowe
 CHUNK_TOKENS = 2048  # a block-start chunk of all rows at most this many tokens (see `Ladder.chunk`), halved where the
 # halves keep COMPUTE_TOKENS (GEMMs of 512 rows are compute-bound on an H100 / H200) and ROW_CHUNK_MIN a row: a smaller
 # chunk pads a row's window less (closed16's probe, H100: 15.5 ms a request at 128 against 17.8 at 256, s39). The
-# largest batch's block calls and the probes run a short tail as a half chunk (`WindowChunks.half_tail`: s42, s44)
+# largest batch's block calls run a short tail as a half chunk (`WindowChunks.half_tail`; not the probes: s44)
 COMPUTE_TOKENS, ROW_CHUNK_MIN = 512, 128
 # A block step's cost floor in tokens of block-start work (`Ladder.calls`): a step streams every weight once however
 # few its rows, which costs what this many tokens' GEMMs cost at a GPU's FLOP-to-byte ratio (LLaDA-8B bf16 on the
@@ -432,7 +432,7 @@ def _window_call(params, k, v, d: dict, *, config: ModelConfig, kernels: Kernels
         hook = lambda q, cache, i: cache.key_weights(i, q, queries, kernels)  # noqa: E731
 
     inp, none = _inputs(config, d["positions"], 1, kernels), jnp.zeros((b, 1), jnp.int32)
-    chunks = WindowChunks(chunk, d["live"], half_tail=probe)  # a probe's short tail as a half chunk (closed16: 2.5)
+    chunks = WindowChunks(chunk, d["live"])
     out = forward_window(params, config, inp, kv, d["x"], d["window"], d["writes"], none, hook, chunks)
     return out.cache.k, out.cache.v, rank_anchors(out.probe, kv.shared_mask(), a) if probe else None
 
