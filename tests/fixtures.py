@@ -256,7 +256,8 @@ def subprocess_env(optimized: bool = False, host_devices: int = 0) -> dict[str, 
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if optimized:
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+        off = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in off)
     if host_devices:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}"
     return env
