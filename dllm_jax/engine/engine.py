@@ -257,7 +257,7 @@ class Engine:
                 except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
                     outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
-            probing = [r for r in group if r.needs_probe][: Ladder.probe_rows]  # the rest: by the next calls
+            probing = [r for r in group if r.needs_probe]  # every new one: a burst starts together, as when unshared
             outputs += self._run_calls([r for r in group if not r.needs_probe] + probing)
         return outputs
 

@@ -65,7 +65,7 @@ class Ladder:
     batch_sizes: tuple[int, ...]  # powers of 4 up to max_batch, and max_batch
     read_len: int  # the one width of the read lists and windows (of block starts, probes, affixes)
     window_chunk: int = 256  # a row's block-start chunk at small batches (`chunk`)
-    probe_rows: int = 4  # new ACache requests a probe call takes at most (the rest: the next steps')
+    probe_rows: int = 4  # new ACache requests a probe call takes at most (more: several calls)
 
     @classmethod
     def for_settings(cls, max_batch: int, max_len: int, batch_sizes: Sequence[int] | None = None, window_chunk=256):
@@ -297,20 +297,23 @@ class ModelRunner:
         lay = self._affix_layout(tokens, slots, True)
         self.k, self.v, _ = self._run_window(self.params, self.k, self.v, lay, **self._static(1), probe=False)
 
-    def probe(self, reqs: Sequence[Request], bm) -> np.ndarray:
-        """ACache's probe of newly admitted requests (at most `Ladder.probe_rows`, each at block 0 with no anchors
-        yet): their window against the whole shared affix, then `acache.rank_anchors`. Returns each one's affix
-        indices [A], the most important first, once computed (the block call that follows decodes with the anchors
-        `Request.probe_done` takes from them)."""
-        t0, b = time.perf_counter(), self.ladder.batch(len(reqs))
-        lay = self.layout(reqs, bm, b=b)
+    def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
+        """ACache's probe of newly admitted requests (each at block 0 with no anchors yet), in calls of at most
+        `Ladder.probe_rows`, all dispatched before the first ranking is awaited: their window against the whole shared
+        affix, then `acache.rank_anchors`. Returns each one's affix indices [A], the most important first (the block
+        call that follows decodes with the anchors `Request.probe_done` takes from them)."""
+        t0, calls = time.perf_counter(), []
+        for i in range(0, len(reqs), Ladder.probe_rows):
+            part = reqs[i : i + Ladder.probe_rows]
+            b = self.ladder.batch(len(part))
+            lay = put(_windowed(self.layout(part, bm, b=b)))
+            self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, lay, **self._static(b), probe=True)
+            calls.append((ranks, len(part)))
         t1 = time.perf_counter()
-        static = dict(self._static(b), probe=True)
-        self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, put(_windowed(lay)), **static)
-        ranks = np.asarray(ranks)
-        self.host_seconds += t1 - t0
+        out = [row for ranks, n in calls for row in np.asarray(ranks)[:n]]
+        self.host_seconds += t1 - t0  # the layouts (the dispatches are asynchronous)
         self.probe_seconds += time.perf_counter() - t1
-        return ranks[: len(reqs)]
+        return out
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
         """One block of every request: its [block_length] tokens, the step that committed each, its new key data."""
