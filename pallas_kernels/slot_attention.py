@@ -186,6 +186,7 @@ def _slot_attention_kernel(
     *refs,
     contiguous: bool,
     first_list: int,
+    has_q_start: bool,
     skip_dead_blocks: bool,
     state_out: bool,
     with_output: bool,
@@ -220,13 +221,14 @@ def _slot_attention_kernel(
     q_len = lens_ref[0]
     kv_len = lens_ref[1]
     first_len = lens_ref[2] if first_list else 0
+    q_start = lens_ref[lens_ref.shape[0] - 1] if has_q_start else 0  # rows t < q_start: as rows t >= q_len
 
     r = jnp.arange(rows, dtype=jnp.int32)
     t = iq * block_q + lax.div(r, jnp.int32(group_pad))  # token of each row
     g = lax.rem(r, jnp.int32(group_pad))  # head within the group
     h = kvh * group + g  # query head
     in_bounds = (t < q_len_max) & (g < group)
-    row_ok = in_bounds & (t < q_len)
+    row_ok = in_bounds & (t < q_len) & (t >= q_start)
     oob = q_len_max * q_heads  # out-of-range row: never touched
     q_rows = jnp.where(in_bounds, t * q_heads + h, oob)  # row in the [Tq*Hq, D] view
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
@@ -243,7 +245,8 @@ def _slot_attention_kernel(
     n_first = tiles(first_len) if first_list else 0
     start = isplit * tiles_per_split
     end = jnp.minimum(start + tiles_per_split, n_first + tiles(kv_len))
-    end = jnp.where(iq * block_q < q_len, end, start)  # whole q block empty: skip the work
+    live = (iq * block_q < q_len) & ((iq + 1) * block_q > q_start)
+    end = jnp.where(live, end, start)  # whole q block empty: skip the work
 
     kidx = jnp.arange(block_k, dtype=jnp.int32)
 
@@ -504,10 +507,12 @@ def _slot_attention_pallas(
     interpret,
     with_output=True,
     skip_dead_blocks=False,
+    q_starts=None,
 ):
     """The kernel's call; with_output=False: only the log-sum-exp [B, Hq, Tq] (natural log, -inf where no key),
     v_pool never read. first: a `FirstList` read before read_table's keys. skip_dead_blocks: `slot_attention`'s
-    rows_past_q_len="any"."""
+    rows_past_q_len="any". q_starts: [B] rows t < q_starts[b] are treated as rows past q_lens (their q blocks do
+    no work)."""
     B, Tq, Hq, D, Hkv, S = _validate(q, k_pool, v_pool, read_table, q_lens, kv_lens, init_state)
     contiguous = read_table is None
     s_first = 0 if first is None else first.table.shape[1]
@@ -526,7 +531,8 @@ def _slot_attention_pallas(
     q_lens = jnp.minimum(q_lens.astype(jnp.int32), Tq)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
     lens = [q_lens, kv_lens] + ([] if first is None else [jnp.clip(first.lens.astype(jnp.int32), 0, s_first)])
-    lens = jnp.stack(lens, axis=1)  # [B, 2 or 3]
+    lens += [] if q_starts is None else [jnp.clip(q_starts.astype(jnp.int32), 0, Tq)]
+    lens = jnp.stack(lens, axis=1)  # [B, 2 to 4]
     q2 = q.reshape(B, Tq * Hq, D)
     P = k_pool.shape[0] * (S if contiguous else 1)
     k2 = k_pool.reshape(P * Hkv, D)
@@ -536,6 +542,7 @@ def _slot_attention_pallas(
         _slot_attention_kernel,
         contiguous=contiguous,
         first_list=0 if first is None else (1 if first.q is None else 2),
+        has_q_start=q_starts is not None,
         skip_dead_blocks=skip_dead_blocks and not state_out,
         state_out=state_out,
         with_output=with_output,
@@ -758,14 +765,19 @@ def slot_log_sum_exp(
     q_lens: jax.Array,
     kv_lens: jax.Array,
     *,
+    q_starts: jax.Array | None = None,
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The log-sum-exp of q's scaled logits over the K slots listed in read_table: [B, Hq, Tq] float32 (natural
-    log; -inf at t >= q_lens[b] and in rows without keys), i.e. the state's m + log(l). The same kernel as
-    `slot_attention` without the V tiles and the P V dots (ACache's probe needs only the softmax's normaliser)."""
+    log; -inf at t >= q_lens[b], at t < q_starts[b] and in rows without keys), i.e. the state's m + log(l). The
+    same kernel as `slot_attention` without the V tiles and the P V dots (ACache's probe needs only the softmax's
+    normaliser). q_starts [B] (default 0): the query blocks wholly before a row's start do no work, so a row's
+    live span needs no gather to query 0."""
     scale, block_sizes = _checked(q, k_pool, k_pool, read_table, q_lens, kv_lens, None, scale, block_sizes)
+    if q_starts is not None and (q_starts.shape != q_lens.shape or not jnp.issubdtype(q_starts.dtype, jnp.integer)):
+        raise ValueError(f"q_starts must be int32 {tuple(q_lens.shape)} as q_lens, got {_shape_str(q_starts)}")
     return _slot_attention_pallas(
         q,
         k_pool,
@@ -779,4 +791,5 @@ def slot_log_sum_exp(
         block_sizes=block_sizes,
         interpret=bool(interpret),
         with_output=False,
+        q_starts=q_starts,
     )

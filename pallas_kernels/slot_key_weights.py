@@ -23,10 +23,9 @@ Layout (as `pallas_kernels.slot_attention`)
 
 Two passes, no score array
 --------------------------
-Each row's queries are first moved so that its first masked query is query 0 (a gather of q and the mask), so
-both passes run only the span from the first masked query to the last, not the queries before it.
+Both passes run only the query blocks from the row's first masked query's to its last's, in place (no copy of q).
 1. The log-sum-exp of each (query, head) over the row's keys, from `slot_attention.slot_log_sum_exp` (the slot
-   kernel without its V tiles and P V dots); its q_lens is the row's span.
+   kernel without its V tiles and P V dots), its q_starts the first masked query and its q_lens one past the last.
 2. This module's kernel: one program per (key tile, kv head, batch row).  It gathers its block_k keys through the
    table, then loops over the query tiles of the row's span: s = k_tile @ q_tile^T in fp32,
    p = exp(s - lse) with unmasked queries and keys >= kv_lens zeroed, summed over the query rows into a
@@ -204,22 +203,17 @@ def _slot_key_weights_pallas(q, k_pool, read_table, q_mask, kv_lens, *, scale, b
     group_pad = next_pow2(group)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, S)
     q_first, q_end = _query_span(q_mask)
-    # each row's span moved to start at query 0: queries before the first masked one cost nothing in either pass
-    span = q_end - q_first
-    at = jnp.arange(T, dtype=jnp.int32)[None, :]
-    src = jnp.minimum(q_first[:, None] + at, T - 1)
-    q = jnp.take_along_axis(q, src[:, :, None, None], axis=1)
-    q_mask = jnp.take_along_axis(q_mask, src, axis=1) & (at < span[:, None])
-
     # Pass 1: per-(query, head) log-sum-exp over the row's keys, in base 2; +inf where no probability is wanted.
-    lse = slot_log_sum_exp(q, k_pool, read_table, span, kv_lens, scale=scale, interpret=interpret)
+    # Both passes start at the row's first masked query (its query block): the queries before it cost nothing and
+    # are not moved (a gather to query 0 would copy the whole [B, T] query buffer every layer).
+    lse = slot_log_sum_exp(q, k_pool, read_table, q_end, kv_lens, q_starts=q_first, scale=scale, interpret=interpret)
     ok = q_mask[:, None, :] & jnp.isfinite(lse)  # [B, Hq, T]
     lse = jnp.where(ok, lse * _LOG2E, jnp.inf)
     lse = jnp.swapaxes(lse, 1, 2).reshape(B, T * Hq)  # the kernel's row order t * Hq + h
 
     nk = pl.cdiv(S, bs.block_k)
     table = jnp.pad(read_table.astype(jnp.int32), ((0, 0), (0, nk * bs.block_k - S)))
-    lens = jnp.stack([kv_lens, jnp.zeros_like(span), span], axis=1)  # [B, 3]
+    lens = jnp.stack([kv_lens, q_first, q_end], axis=1)  # [B, 3]
     P = k_pool.shape[0]
 
     kernel = functools.partial(

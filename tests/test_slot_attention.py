@@ -153,6 +153,18 @@ def test_output_and_state_match_reference(case):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want))
     assert np.isfinite(want).any() and not np.isnan(lse).any()
     np.testing.assert_allclose(lse[np.isfinite(want)], want[np.isfinite(want)], atol=2e-3, rtol=1e-4)
+    # A per-row query start (ACache's probe: its masked span in place): the rows before it -inf, the rest unchanged,
+    # starts inside a query block, at a block edge and past q_len included.
+    B, Tq = q.shape[:2]
+    starts = np.array([(3 * b + bs.block_q + 1) % (Tq + 2) for b in range(B)], np.int32)
+    starts[0] = min(bs.block_q, Tq)
+    lse_s = np.asarray(
+        sa.slot_log_sum_exp(q, k, tbl, ql, kl, q_starts=jnp.asarray(starts), block_sizes=bs, interpret=INTERPRET)
+    )
+    before = np.arange(Tq)[None, None, :] < starts[:, None, None]  # [B, 1, Tq] against [B, Hq, Tq]
+    want_s = np.where(before, -np.inf, want)
+    np.testing.assert_array_equal(np.isneginf(lse_s), np.isneginf(want_s))
+    np.testing.assert_allclose(lse_s[np.isfinite(want_s)], want_s[np.isfinite(want_s)], atol=2e-3, rtol=1e-4)
 
 
 def test_chaining_through_state_equals_one_call():
