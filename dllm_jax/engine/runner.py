@@ -302,17 +302,18 @@ class ModelRunner:
         `Ladder.probe_rows`, all dispatched before the first ranking is awaited: their window against the whole shared
         affix, then `acache.rank_anchors`. Returns each one's affix indices [A], the most important first (the block
         call that follows decodes with the anchors `Request.probe_done` takes from them)."""
-        t0, calls = time.perf_counter(), []
+        t0, host, calls = time.perf_counter(), 0.0, []
         for i in range(0, len(reqs), Ladder.probe_rows):
+            t = time.perf_counter()
             part = reqs[i : i + Ladder.probe_rows]
             b = self.ladder.batch(len(part))
             lay = put(_windowed(self.layout(part, bm, b=b)))
+            host += time.perf_counter() - t
             self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, lay, **self._static(b), probe=True)
             calls.append((ranks, len(part)))
-        t1 = time.perf_counter()
         out = [row for ranks, n in calls for row in np.asarray(ranks)[:n]]
-        self.host_seconds += t1 - t0  # the layouts (the dispatches are asynchronous)
-        self.probe_seconds += time.perf_counter() - t1
+        self.host_seconds += host  # the layouts; the calls and the wait for their rankings are the probe's
+        self.probe_seconds += time.perf_counter() - t0 - host
         return out
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
