@@ -4,7 +4,7 @@ closed16 sharing off runs at 0.8x generate at batch 16.)
 The closed16 workload's requests (one --affix-len affix as a prefix, --question-len tokens of each request's own,
 --output-len tokens, block 32, 8 steps a block) on the engine `dllm-jax serve` builds (bench_serve.serve_engine),
 16 in flight: once every row is decoding, `engine.step()` (one block call of the whole batch) runs under the
-profiler (ACache rows: also the call before, which probes the last 4 rows; `wall_ms` is a call of all 16 rows
+profiler (ACache rows: also the call before, where 4 requests arrive beside 12 decoding and are probed; `wall_ms` is a call of all 16 rows
 decoding since run s50, a probing call before); then `generate` at batch 16 over the same prompts, whose time is
 divided by its blocks. Both are summed by kernel kind (bench/tools/trace.py). Writes
 bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
@@ -69,10 +69,11 @@ def main(argv=None) -> int:
     for row in args.rows:
         ratio = None if row == "off" else float(row.split("_", 1)[1])
         items = [bench_serve.gen_item(item_args, p, s, ratio, "acache", None, i) for i, (p, s) in enumerate(prompts)]
-        ids = [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items]
-        for _ in range(3):  # admission, probes, first blocks (ACache probes 4 rows a call: 4, 8, 12 rows)
+        ids = [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items[:12]]
+        for _ in range(3):  # admission, probes and first blocks of 12 rows, then 2 blocks of them
             engine.step()
-        # the 4th call: ACache's last probes (12 rows decoding, 4 probed), under the profiler
+        ids += [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items[12:]]
+        # the 4th call: 12 rows decoding, 4 new ones (ACache: probed by one call first), under the profiler
         probe_call = kernel_breakdown(engine.step, calls=1) if ratio is not None else None
         t0 = time.perf_counter()  # then every call is one block of all 16 rows
         engine.step()
