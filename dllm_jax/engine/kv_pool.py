@@ -113,9 +113,17 @@ class PagedKV:
     def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
         """ACache's probe of layer i on the slot kernels: [B, A] each row's softmax over its shared list of its queries
         q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`'s)."""
-        if self.rotate:  # a pass over the padded window: only where some row places its affix past 0
-            q = jax.lax.cond(jnp.any(self.shared_delta), lambda x: self._rotated(x, -self.shared_delta), lambda x: x, q)
-        return slot_key_weights(q, self.k[i], self.shared_slots, queries, self.shared_len, interpret=kernels.interpret)
+
+        def weights(q: Array) -> Array:
+            k, interpret = self.k[i], kernels.interpret
+            return slot_key_weights(q, k, self.shared_slots, queries, self.shared_len, interpret=interpret)
+
+        if not self.rotate:
+            return weights(q)
+        # a pass over the padded window only where some row places its affix past 0; the branches return the [B, A]
+        # weights, not q (a conditional's q would be a copy of the whole window's queries every layer)
+        rotated = lambda x: weights(self._rotated(x, -self.shared_delta))  # noqa: E731
+        return jax.lax.cond(jnp.any(self.shared_delta), rotated, weights, q)
 
     def _rotated(self, x: Array, delta: Array) -> Array:
         """x [B, n, H, D] rotated by delta [B] more: the shared keys to their placement, or a query back from it."""
