@@ -257,8 +257,7 @@ class Engine:
                 except Exception as e:  # noqa: BLE001  a failed device call fails its request, not the engine
                     outputs += self._fault([r], e)
         for group in self.scheduler.batches(self._program):
-            probing = [r for r in group if r.needs_probe]  # every new one: a burst starts together, as when unshared
-            outputs += self._run_calls([r for r in group if not r.needs_probe] + probing)
+            outputs += self._run_calls(sorted(group, key=lambda r: r.needs_probe))  # new ones last, all probed first
         return outputs
 
     def _run_calls(self, group: list[Request]) -> list[BlockOutput]:
@@ -384,15 +383,8 @@ class Engine:
             del self._requests[request_id]
             self._finished.pop(request_id, None)
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        config: GenerationConfig | None = None,
-        *,
-        affix: Any = "auto",
-        seeds: Sequence[int] | None = None,
-        progress: bool = True,
-    ) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *, affix: Any = "auto",
+                 seeds: Sequence[int] | None = None, progress: bool = True) -> list[list[int]]:  # fmt: skip
         """Serve a list of prompts to the end (a progress bar over blocks); returns each one's answer tokens."""
         ids = [self.add_request(p, config, affix=affix, seed=seeds[i] if seeds else 0) for i, p in enumerate(prompts)]
         records = [self._requests[i] for i in ids]

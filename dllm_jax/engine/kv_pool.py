@@ -112,16 +112,13 @@ class PagedKV:
 
     def key_weights(self, i: int, q: Array, queries: Array, kernels) -> Array:
         """ACache's probe of layer i on the slot kernels: [B, A] each row's softmax over its shared list of its queries
-        q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`'s)."""
+        q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`'s). The
+        conditional's branches return the weights: returning q would copy the whole window's queries every layer."""
 
-        def weights(q: Array) -> Array:
-            k, interpret = self.k[i], kernels.interpret
-            return slot_key_weights(q, k, self.shared_slots, queries, self.shared_len, interpret=interpret)
-
-        if not self.rotate:
+        weights = functools.partial(slot_key_weights, k_pool=self.k[i], read_table=self.shared_slots, q_mask=queries,
+                                    kv_lens=self.shared_len, interpret=kernels.interpret)  # fmt: skip
+        if not self.rotate:  # (else a pass over the padded window only where some row places its affix past 0)
             return weights(q)
-        # a pass over the padded window only where some row places its affix past 0; the branches return the [B, A]
-        # weights, not q (a conditional's q would be a copy of the whole window's queries every layer)
         rotated = lambda x: weights(self._rotated(x, -self.shared_delta))  # noqa: E731
         return jax.lax.cond(jnp.any(self.shared_delta), rotated, weights, q)
 
