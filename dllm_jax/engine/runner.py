@@ -43,8 +43,8 @@ STRATEGY = AnchoredRefresh(DualCache())  # every engine block start is a windowe
 CHUNK_TOKENS = 2048  # a block-start chunk of all rows at most this many tokens (see `Ladder.chunk`), halved where the
 # halves keep COMPUTE_TOKENS (GEMMs of 512 rows are compute-bound on an H100 / H200) and ROW_CHUNK_MIN a row: a smaller
 # chunk pads a row's window less (closed16's probe, H100: 15.5 ms a request at 128 against 17.8 at 256, s39). The
-# largest batch's block calls run a window's tail as TAILS pieces at most (`WindowChunks.tails`; not the probes: s44)
-COMPUTE_TOKENS, ROW_CHUNK_MIN, TAILS = 512, 128, 4
+# largest batch's block calls run a short tail as a half chunk (`WindowChunks.half_tail`; not the probes: s44)
+COMPUTE_TOKENS, ROW_CHUNK_MIN = 512, 128
 # A block step's cost floor in tokens of block-start work (`Ladder.calls`): a step streams every weight once however
 # few its rows, which costs what this many tokens' GEMMs cost at a GPU's FLOP-to-byte ratio (LLaDA-8B bf16 on the
 # H200: 4.81 ms a batch-1 step, 26.7 ms a batch-32 step of 1024 tokens, so ~185 tokens). On a CPU, where small
@@ -92,7 +92,7 @@ class Ladder:
         """A block call's estimated work in tokens: every row's window padded as the longest one's chunks pad it
         (`WindowChunks`), and each step's rows' block tokens, at least STEP_FLOOR_TOKENS."""
         b = self.batch(len(windows))
-        pad = self.chunk(b) // (TAILS if b == self.batch_sizes[-1] else 1)
+        pad = self.chunk(b) // (2 if b == self.batch_sizes[-1] else 1)
         return b * round_up(max(windows), pad) + steps * max(STEP_FLOOR_TOKENS, b * block_length)
 
     def calls(self, windows: Sequence[int], steps: Sequence[int], block_length: int) -> list[list[int]]:
@@ -332,7 +332,7 @@ class ModelRunner:
         if hidden is not None:  # the padding rows' prefix (they read and write nothing): any row's
             inputs["hidden"] = tuple(hidden) + (hidden[0],) * (b - len(hidden))
         args, top = (self.params, self.k, self.v, inputs), self.ladder.batch_sizes[-1]
-        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b), tails=TAILS if b == top else 1)
+        static = dict(runner=runner, kernels=self.kernels, chunk=self.ladder.chunk(b), half_tail=b == top)
         if lower_only:
             return self._run_block.lower(*args, **static)
         blk, steps, keys, self.k, self.v = self._run_block(*args, **static)
@@ -386,11 +386,11 @@ def _block_program(options: tuple = ()):
         except Exception as e:  # noqa: BLE001  XLA says which option, in its own words
             raise ValueError(f"EngineConfig.compiler_options={dict(options)}: {str(e).splitlines()[0]}") from None
     jit = functools.partial(jax.jit, donate_argnames=("k", "v"), compiler_options=dict(options) or None)
-    block = jit(_block_call, static_argnames=("runner", "kernels", "chunk", "tails"))
+    block = jit(_block_call, static_argnames=("runner", "kernels", "chunk", "half_tail"))
     return block, jit(_window_call, static_argnames=("config", "kernels", "chunk", "probe"))
 
 
-def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int, tails: int):
+def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chunk: int, half_tail: bool):
     """One block of every row from its block start: the tokens, the new key data and the pool.
     `inputs`: `ModelRunner.layout` on device, plus "hidden" for BiCache rows."""
     config, d = runner.config, dict(inputs)
@@ -400,7 +400,7 @@ def _block_call(params, k, v, inputs: dict, *, runner: BlockRunner, kernels, chu
     # one program serves every placement (BiCache rows read their affix from their own, placed copy)
     kv = PagedKV(k=k, v=v, **{n: d[n] for n in _PAGED}, rope_theta=config.rope_theta, rotate=not shallow)
     common = {n: d[n] for n in ("window", "writes", "block_col", "block_index")}
-    common.update(kv=kv, chunks=WindowChunks(chunk, d["live"], tails))
+    common.update(kv=kv, chunks=WindowChunks(chunk, d["live"], half_tail))
     if shallow:  # each row's prefix hidden states, placed at its prefix in the deep window
         hidden, (b, f) = jnp.stack(d["hidden"]), d["deep"].shape
         at = d["prefix_at"][:, None] + jnp.arange(hidden.shape[1])[None]

@@ -46,13 +46,13 @@ class WindowChunks:
     padded to one fixed width costs what its live part costs (the serving engine pads every block start to
     max_model_len, so one program serves every window length). In each layer every live chunk's K/V are written
     before any chunk attends, so the result is the unchunked forward's. Entries past the live chunks keep their
-    input hidden state (their outputs must not be read) and write nothing. tails (per-layer weights; a divisor of
-    size): the live tail runs as the fewest pieces of size / tails that hold it (`chunk_counts`: tails 2, a half
-    chunk; 4, one to three quarters), for tails - 1 more copies of the layer in the program (compile time)."""
+    input hidden state (their outputs must not be read) and write nothing. half_tail (per-layer weights): a live
+    tail of at most half a chunk runs as a half chunk (`chunk_counts`), for a second copy of the layer in the
+    program (compile time)."""
 
     size: int = dataclasses.field(metadata=dict(static=True))
     live: Array | int = 0  # int32: window entries 0..live-1 carry work
-    tails: int = dataclasses.field(default=1, metadata=dict(static=True))
+    half_tail: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def _cols(a: Array, start: Array, size: int) -> Array:
@@ -68,14 +68,13 @@ def _chunk_write(write: CacheWrite, start: Array, size: int) -> CacheWrite:
 
 
 def chunk_counts(chunks: WindowChunks) -> tuple[Array, Array]:
-    """(full, tail): the live window as `full` chunks of chunks.size, then a tail of `tail` (0 .. tails - 1)
-    pieces of size / tails, where the rest fits in fewer than tails of them (the unrolled forward's padding; the
-    scanned one runs whole chunks)."""
+    """(full, tail): the live window as `full` chunks of chunks.size, then `tail` (0 or 1) half chunk where the
+    rest fits in one and chunks.half_tail (the unrolled forward's padding; the scanned one runs whole chunks)."""
     c, live = chunks.size, jnp.asarray(chunks.live, jnp.int32)
-    t = c // chunks.tails
-    pieces = -(-(live % c) // t)  # 0 .. tails
-    tail = jnp.where(pieces < chunks.tails, pieces, 0)
-    return live // c + (pieces == chunks.tails).astype(jnp.int32), tail
+    h = c // 2 if c % 2 == 0 and chunks.half_tail else 0
+    rest = live % c
+    tail = ((rest > 0) & (rest <= h)).astype(jnp.int32)
+    return live // c + ((rest > 0) & (tail == 0)).astype(jnp.int32), tail
 
 
 def layer_loop(fn, carry, layers, layer_ids: range):
@@ -135,8 +134,6 @@ def forward(
         raise ValueError("probe needs a cache (it reads each layer's K buffer)")
     if chunks is not None and (cache is None or n % chunks.size):
         raise ValueError(f"chunks need a cache and a window ({n}) that is a multiple of the chunk ({chunks.size})")
-    if chunks is not None and (chunks.tails < 1 or chunks.size % chunks.tails):
-        raise ValueError(f"WindowChunks.tails ({chunks.tails}) must divide the chunk ({chunks.size})")
     block = block_for(params, config, kernels)
     inputs = jnp.asarray(inputs)
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta)
@@ -236,11 +233,11 @@ def forward(
         chunk j's layer-i queries before writing its layer-(i + 1) ones). A cache that `skips_queries` attends once
         a layer, before the loop, over every live chunk: each row's keys are read once, not once a chunk (closed16's
         11 chunks on an H100: 66.2 -> 56.8 ms of block-start attention a call, with both read lists in one kernel),
-        for one more buffer the size of the query window. With chunks.tails a window pads c / 2 - c / (2 tails)
-        tokens less on average."""
-        c, t = chunks.size, chunks.size // chunks.tails
+        for one more buffer the size of the query window. With chunks.half_tail a window pads c / 4 tokens less on
+        average."""
+        c, h = chunks.size, chunks.size // 2 if chunks.half_tail else 0
         full, tail = chunk_counts(chunks)
-        q_len = full * c + tail * t
+        q_len = full * c + tail * h
         whole = cache.skips_queries(kernels)
         layers = list(zip(layer_params, layer_ids))
 
@@ -250,13 +247,9 @@ def forward(
             return cache, jax.lax.dynamic_update_slice_in_dim(qs, q.astype(qs.dtype), start, axis=1)
 
         def chunk_loop(body, state):
-            """body(start, size, state) over the full chunks, then the tail as one piece of `tail` quarters (halves,
-            ...): one predicate, a switch over the tail's sizes."""
+            """body(start, size, state) over the full chunks, then the half tail (one predicate: a cond)."""
             state = jax.lax.fori_loop(0, full, lambda j, s: body(j * c, c, s), state)
-            if chunks.tails == 1:
-                return state
-            sizes = [lambda s, n=n: body(full * c, n * t, s) for n in range(1, chunks.tails)]
-            return jax.lax.switch(tail, [lambda s: s, *sizes], state)
+            return jax.lax.cond(tail > 0, lambda s: body(full * c, h, s), lambda s: s, state) if h else state
 
         (lp0, i0) = layers[0]
         q_chunk = jax.eval_shape(lambda: qkv(lp0, i0, *(a[:, :c] for a in (x, positions, cos, sin)))[0])
