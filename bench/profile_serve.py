@@ -4,9 +4,9 @@ closed16 sharing off runs at 0.8x generate at batch 16.)
 The closed16 workload's requests (one --affix-len affix as a prefix, --question-len tokens of each request's own,
 --output-len tokens, block 32, 8 steps a block) on the engine `dllm-jax serve` builds (bench_serve.serve_engine),
 16 in flight: once every row is decoding, `engine.step()` (one block call of the whole batch) runs under the
-profiler (ACache rows: also the call before, where 4 requests arrive beside 12 decoding and are probed; `wall_ms` is a call of all 16 rows
-decoding since run s50, a probing call before); then `generate` at batch 16 over the same prompts, whose time is
-divided by its blocks. Both are summed by kernel kind (bench/tools/trace.py). Writes
+profiler (ACache rows: also the call before, where 4 requests arrive beside 12 decoding and are probed; `wall_ms`
+is a call of all 16 rows decoding since run s50, a probing call before); then `generate` at batch 16 over the same
+prompts, whose time is divided by its blocks. Both are summed by kernel kind (bench/tools/trace.py). Writes
 bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
 
     PYTHONPATH=. python bench/profile_serve.py --rows off acache_0.2 --run NAME
