@@ -221,7 +221,7 @@ def _slot_attention_kernel(
     q_len = lens_ref[0]
     kv_len = lens_ref[1]
     first_len = lens_ref[2] if first_list else 0
-    q_start = lens_ref[lens_ref.shape[0] - 1] if has_q_start else 0  # rows t < q_start: as rows t >= q_len
+    q_start = lens_ref[3 if first_list else 2] if has_q_start else 0  # rows t < q_start: as rows t >= q_len
 
     r = jnp.arange(rows, dtype=jnp.int32)
     t = iq * block_q + lax.div(r, jnp.int32(group_pad))  # token of each row

@@ -114,7 +114,6 @@ class PagedKV:
         """ACache's probe of layer i on the slot kernels: [B, A] each row's softmax over its shared list of its queries
         q [B, n, Hq, D] where `queries` [B, n], summed over them and the heads (`acache.row_importance_probe`'s). The
         conditional's branches return the weights: returning q would copy the whole window's queries every layer."""
-
         weights = functools.partial(slot_key_weights, k_pool=self.k[i], read_table=self.shared_slots, q_mask=queries,
                                     kv_lens=self.shared_len, interpret=kernels.interpret)  # fmt: skip
         if not self.rotate:  # (else a pass over the padded window only where some row places its affix past 0)

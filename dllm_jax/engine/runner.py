@@ -302,9 +302,11 @@ class ModelRunner:
         dispatched before a ranking is awaited: their window against the whole shared affix, then `acache.rank_anchors`.
         Each one's affix indices [A], the most important first (the block call after decodes with their anchors)."""
         t0, host, calls = time.perf_counter(), 0.0, []
-        for part in (reqs[i : i + Ladder.probe_rows] for i in range(0, len(reqs), Ladder.probe_rows)):
-            t, b = time.perf_counter(), self.ladder.batch(len(part))
-            lay, host = put(_windowed(self.layout(part, bm, b=b))), host + time.perf_counter() - t
+        for i in range(0, len(reqs), Ladder.probe_rows):
+            t, part = time.perf_counter(), reqs[i : i + Ladder.probe_rows]
+            b = self.ladder.batch(len(part))
+            lay = put(_windowed(self.layout(part, bm, b=b)))
+            host += time.perf_counter() - t
             self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, lay, **self._static(b), probe=True)
             calls.append((ranks, len(part)))
         out = [row for ranks, n in calls for row in np.asarray(ranks)[:n]]
