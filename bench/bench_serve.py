@@ -186,7 +186,9 @@ def serve_engine(model, flags: list[str]) -> Engine:
     """The engine `dllm-jax serve FLAGS` builds: its parser, its EngineConfig builder, its compilation cache."""
     sargs = cli.build_parser().parse_args(["serve", *flags])
     config = cli.engine_config(sargs, cli.shallow_depths(sargs, model.config))
-    enable_compile_cache(cli.compile_cache_dir(sargs))
+    cache = cli.compile_cache_dir(sargs)
+    if cache is not None:  # FLAGS with --no-compile-cache: serve runs without one
+        enable_compile_cache(cache)
     return Engine(model, config)
 
 

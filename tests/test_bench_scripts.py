@@ -289,6 +289,22 @@ def test_bench_serve_closed_rows_of_one_label_merge_across_commands(tmp_path, mo
     assert [c.split()[-1] for c in data["meta"]["runs"]["two"]["commands"]] == ["two", "fp8_all"]
 
 
+def test_serve_engine_with_no_compile_cache_leaves_the_cache_off(models_fp32):
+    """bench_serve builds the engine `dllm-jax serve FLAGS` builds; with --no-compile-cache that is one without jax's
+    persistent cache (it used to pass None on as the cache's directory and fail)."""
+    import jax
+
+    bench = _load("bench_serve")
+    run_cache = jax.config.jax_compilation_cache_dir  # the suite's (conftest), put back below
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        flags = ["--max-batch", "2", "--max-model-len", "64", "--kv-budget-gib", "0.01", "--no-compile-cache"]
+        engine = bench.serve_engine(models_fp32["llada"], flags)
+        assert engine.config.max_batch == 2 and jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", run_cache)
+
+
 def test_bench_serve_mixed_rows_take_the_starts_of_their_own_flags_only():
     """A mixed row reports the fresh-process starts of its --run label only where they ran its engine's flags: an
     fp8_all command after a bf16 one with --starts reports its own warm-up."""
