@@ -45,12 +45,18 @@ class Schedule:
     def steps_per_block(self) -> int:
         return self.steps // self.n_blocks
 
+    @staticmethod
+    def served_block_length(defaults: dict, block_lengths: Sequence[int]) -> int:
+        """The model's block length (generation_config.json) where it is listed, else the first listed: a default
+        never names a program the engine lacks."""
+        return d if (d := defaults.get("block_length")) in block_lengths else block_lengths[0]
+
     @classmethod
     def from_defaults(cls, defaults: dict, block_lengths: Sequence[int]) -> "Schedule":
         """A model's generation_config.json schedule (`io.loading.generation_defaults`; this class's gen_length where
         it has none) at its block length if listed, else the first listed: gen_length rounded up to whole blocks;
         steps one a token unless the model's divide into the blocks."""
-        block_length = d if (d := defaults.get("block_length")) in block_lengths else block_lengths[0]
+        block_length = cls.served_block_length(defaults, block_lengths)
         gen = -(-defaults.get("gen_length", cls.gen_length) // block_length) * block_length
         steps = defaults.get("steps", gen)
         return cls(gen, block_length, steps if steps <= gen and steps % (gen // block_length) == 0 else gen)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from dllm_jax.decoding.config import Schedule
+
 FALLBACK_TOKENS = 32  # max_tokens when neither the server nor the model's generation_config.json sets one
 ADMISSION_WAIT = 0.1  # the fraction of a block call the next one may be held for arrivals (service.EngineService)
 
@@ -28,13 +30,12 @@ class ServeSettings:
 
     def resolve(self, generation: dict, block_lengths: Sequence[int]) -> "ServeSettings":
         """Every default concrete, once: generation is the model's generation_config.json values
-        (`io.loading.generation_defaults`), block_lengths the engine's served ones. The block length: the model's
-        if served, else the first served (a default never names a program the engine lacks)."""
+        (`io.loading.generation_defaults`), block_lengths the engine's served ones (the block length:
+        `Schedule.served_block_length`)."""
         gen_length, steps = generation.get("gen_length"), generation.get("steps")
         block = self.block_length
         if block is None:
-            block = generation.get("block_length")
-            block = block if block in block_lengths else block_lengths[0]
+            block = Schedule.served_block_length(generation, block_lengths)
         return dataclasses.replace(
             self,
             max_tokens=self.max_tokens or gen_length or FALLBACK_TOKENS,
