@@ -617,8 +617,9 @@ def build_parser() -> Parser:
         type=compiler_option,
         action="append",
         metavar="NAME=VALUE",
-        help="an XLA option the block programs are compiled with (repeatable; e.g. "
-        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE); checked at start",
+        help="an XLA option the block programs are compiled with, over the engine's own (on a GPU: "
+        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL); repeatable; "
+        "checked at start",
     )
     v.add_argument(
         "--block-lengths",

@@ -516,6 +516,20 @@ def test_compiler_options_reach_the_block_programs(models_fp32, tmp_path):
         engine_for(m, compiler_options=(("xla_no_such_option", 1),))
 
 
+def test_the_engines_xla_options_are_its_defaults_under_the_users(models_fp32, monkeypatch):
+    """On a GPU the block programs keep their loops and conditionals in command buffers (XLA's default kinds plus
+    WHILE and CONDITIONAL); EngineConfig.compiler_options go over the engine's own, option by option."""
+    from dllm_jax.compilation import loop_compiler_options
+
+    kinds = dict(loop_compiler_options("gpu"))["xla_gpu_enable_command_buffer"].split(",")
+    assert {"FUSION", "CUBLAS", "CUSTOM_CALL", "WHILE", "CONDITIONAL"} <= set(kinds)
+    assert loop_compiler_options("cpu") == ()
+    defaults = (("xla_cpu_enable_fast_math", False), ("xla_dump_hlo_as_text", False))
+    monkeypatch.setattr(engine_module, "loop_compiler_options", lambda: defaults)
+    engine = engine_for(models_fp32["llada"], compiler_options=(("xla_dump_hlo_as_text", True),))
+    assert engine.compiler_options == (("xla_cpu_enable_fast_math", False), ("xla_dump_hlo_as_text", True))
+
+
 def test_finished_records_are_bounded_without_release(models_fp32, monkeypatch):
     """A caller that never releases its finished requests does not grow the engine without end: the latest
     FINISHED_KEPT stay readable, older ones are dropped (aborts: finished without any device work)."""

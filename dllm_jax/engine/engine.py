@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from dllm_jax.compilation import compile_overlapped, compile_totals
+from dllm_jax.compilation import compile_overlapped, compile_totals, loop_compiler_options
 from dllm_jax.decoding.caches.bicache import ShallowReuse
 from dllm_jax.decoding.caches.dual import DualCache
 from dllm_jax.decoding.config import CacheConfig, GenerationConfig, Schedule, Shallow
@@ -81,7 +81,7 @@ class EngineConfig:
     block_lengths: tuple[int, ...] | None = None  # None: the model's generation_config.json block_length, else 32
     sampler: FamilySampler | None = None  # the sampler's static part (None: the family's default; the rest is data)
     shallow_depths: tuple[int, ...] = ()  # the BiCache depths served (none by default: BiCache requests are refused)
-    compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()  # XLA's (name, value) for block calls
+    compiler_options: tuple[tuple[str, str | bool | int | float], ...] = ()  # XLA's (name, value), over the engine's
     batch_invariant: bool = False  # answers bit-identical whatever shares a batch (`KernelChoice.batch_invariant`)
 
     def __post_init__(self) -> None:
@@ -131,9 +131,11 @@ class Engine:
         kernels = Kernels.resolve(choice, mc, params)
         ladder = Ladder.for_settings(cfg.max_batch, self.max_len, cfg.batch_sizes, cfg.window_chunk)
         slots, rows = num_pages * cfg.page_size, RowSampler(self.sampler)
-        # FP8: generate's options where every block call of the engine would get them (its smallest batch's)
-        options = cfg.compiler_options or fp8_compiler_options(mc, ladder.batch_sizes[0] * min(self.block_lengths))
-        self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, options)
+        # XLA options: loops in command buffers; FP8: generate's where every block call would get them (its smallest
+        # batch's); the user's win by name
+        fp8 = fp8_compiler_options(mc, ladder.batch_sizes[0] * min(self.block_lengths))
+        self.compiler_options = tuple((dict(loop_compiler_options()) | dict(fp8) | dict(cfg.compiler_options)).items())
+        self.runner = ModelRunner(params, mc, slots, self.max_len, ladder, kernels, self.compiler_options)
         gcs = {bl: GenerationConfig(Schedule(bl, bl, bl), rows, CacheConfig("dual")) for bl in self.block_lengths}
         depths = {d: STRATEGY if d is None else ShallowReuse(DualCache(), d) for d in (None, *cfg.shallow_depths)}
         self._runners = {(bl, d): BlockRunner(mc, gc, st, rows) for bl, gc in gcs.items() for d, st in depths.items()}
