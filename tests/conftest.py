@@ -15,6 +15,7 @@ if int(os.environ.get("NPROC") or 0) < 8:  # an inherited NPROC=2 would hang tho
 # (the first cuts about 30% of the suite's time, the second ~15% of a compile-bound test's: the warmed engines 67 ->
 # 57 s, the FP8 kernel's references 55 -> 47 s); what they check (paths against references compiled the same way,
 # goldens within tolerance; no fast math either way) does not depend on them. Subprocesses the tests start inherit it.
+# (XLA's FAST_COMPILE CPU preset, alone or beside these, was slower: README, s47.)
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
