@@ -446,6 +446,31 @@ def test_one_stored_copy_at_every_placement(models_fp32):
     check_block_manager(bm)
 
 
+def test_probe_calls_take_the_new_requests_longest_window_first(models_fp32):
+    """Every row of a probe call runs the chunks of its longest window, so the new requests of a step are probed
+    longest window first, in calls of 4: the short one left over does not run a long one's chunks. Each ranking
+    still reaches its own request: every answer equals solo `generate`."""
+    m = models_fp32["llada"]
+    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", affix="anchors", anchor_ratio=0.2, stop_at_eos=False)
+    engine = engine_for(m, max_batch=8)
+    run_window, calls = engine.runner._run_window, []
+
+    def spy(params, k, v, lay, **static):
+        if static["probe"]:
+            calls.append((int(lay["live"]), lay["x"].shape[0]))
+        return run_window(params, k, v, lay, **static)
+
+    engine.runner._run_window = spy
+    ids = [engine.add_request(p, gc, affix=span) for p, span in PLACED]
+    # windows: own tokens, the generation region (8) and, for the suffix, P - 1 (in the affix): 13, 17, 12, 14, 16;
+    # in PLACED's order the call of 4 would hold the two longest and leave the 16 to the second call
+    while engine.has_unfinished():
+        engine.step()
+    assert calls == [(17, 4), (12, 1)]
+    for i, (prompt, span) in zip(ids, PLACED):
+        assert engine.request(i).answer(()) == solo(m, prompt, gc, span)
+
+
 def test_affixes_found_without_registration_and_by_handle(models_fp32):
     """ "auto": a span repeated from an earlier prompt is shared (a second request reuses the first one's copy);
     a registered handle is located in the prompt; both decode as with the explicit span."""

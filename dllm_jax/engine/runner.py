@@ -298,21 +298,22 @@ class ModelRunner:
         self.k, self.v, _ = self._run_window(self.params, self.k, self.v, lay, **self._static(1), probe=False)
 
     def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
-        """ACache's probe of new requests (at block 0, no anchors yet) in calls of at most `Ladder.probe_rows`, all
-        dispatched before a ranking is awaited: their window against the whole shared affix, then `acache.rank_anchors`.
-        Each one's affix indices [A], the most important first (the block call after decodes with their anchors)."""
+        """ACache's probe of new requests (block 0, no anchors yet) in calls of at most `Ladder.probe_rows`, longest
+        window first (a call's rows run its longest one's chunks), dispatched before a ranking is awaited: the window
+        against the whole shared affix, then `acache.rank_anchors`. Returns each one's affix indices, ranked."""
         t0, host, calls = time.perf_counter(), 0.0, []
+        order = sorted(range(len(reqs)), key=lambda i: -len(self.plan(reqs[i], bm).window))
         for i in range(0, len(reqs), Ladder.probe_rows):
-            t, part = time.perf_counter(), reqs[i : i + Ladder.probe_rows]
+            t, part = time.perf_counter(), [reqs[j] for j in order[i : i + Ladder.probe_rows]]
             b = self.ladder.batch(len(part))
             lay = put(_windowed(self.layout(part, bm, b=b)))
             host += time.perf_counter() - t
             self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, lay, **self._static(b), probe=True)
             calls.append((ranks, len(part)))
-        out = [row for ranks, n in calls for row in np.asarray(ranks)[:n]]
+        ranked = dict(zip(order, (row for ranks, n in calls for row in np.asarray(ranks)[:n])))
         self.host_seconds += host  # the layouts; the calls and the wait for their rankings are the probe's
         self.probe_seconds += time.perf_counter() - t0 - host
-        return out
+        return [ranked[i] for i in range(len(reqs))]  # in the order asked
 
     def run_block(self, reqs: Sequence[Request], bm, runner: BlockRunner) -> tuple:
         """One block of every request: its [block_length] tokens, the step that committed each, its new key data."""
