@@ -298,11 +298,11 @@ class ModelRunner:
         self.k, self.v, _ = self._run_window(self.params, self.k, self.v, lay, **self._static(1), probe=False)
 
     def probe(self, reqs: Sequence[Request], bm) -> list[np.ndarray]:
-        """ACache's probe of new requests (block 0, no anchors yet) in calls of at most `Ladder.probe_rows`, longest
-        window first (a call's rows run its longest one's chunks), dispatched before a ranking is awaited: the window
-        against the whole shared affix, then `acache.rank_anchors`. Returns each one's affix indices, ranked."""
-        t0, host, calls = time.perf_counter(), 0.0, []
-        order = sorted(range(len(reqs)), key=lambda i: -len(self.plan(reqs[i], bm).window))
+        """ACache's probe of new requests (block 0, no anchors) against their whole shared affix: calls of at most
+        `Ladder.probe_rows`, longest window first (a row runs its call's longest), all dispatched before a wait."""
+        t0, calls = time.perf_counter(), []
+        order = sorted(range(len(reqs)), key=lambda i: -len(self.plan(reqs[i], bm).window))  # (cached for the layouts)
+        host = time.perf_counter() - t0  # the plans: host work, as the layouts
         for i in range(0, len(reqs), Ladder.probe_rows):
             t, part = time.perf_counter(), [reqs[j] for j in order[i : i + Ladder.probe_rows]]
             b = self.ladder.batch(len(part))
@@ -311,7 +311,7 @@ class ModelRunner:
             self.k, self.v, ranks = self._run_window(self.params, self.k, self.v, lay, **self._static(b), probe=True)
             calls.append((ranks, len(part)))
         ranked = dict(zip(order, (row for ranks, n in calls for row in np.asarray(ranks)[:n])))
-        self.host_seconds += host  # the layouts; the calls and the wait for their rankings are the probe's
+        self.host_seconds += host  # the plans and layouts; the calls and the wait for their rankings: the probe's
         self.probe_seconds += time.perf_counter() - t0 - host
         return [ranked[i] for i in range(len(reqs))]  # in the order asked
 
