@@ -795,7 +795,8 @@ def plot_mixed(rows: list[dict], path: Path) -> None:
 
     def kind(r: dict) -> str:
         name = {"off": "off (own copy)", "bicache": f"BiCache depth {r.get('depth')}"}.get(r["row"])
-        return (name or f"ACache r{r['ratio']:g}") + (" http" if r["transport"] == "http" else "")
+        weights = "" if r.get("weights", "bf16") == "bf16" else f" {r['weights']}"
+        return (name or f"ACache r{r['ratio']:g}") + weights + (" http" if r["transport"] == "http" else "")
 
     arrivals = list(dict.fromkeys(r["arrival"] for r in rows))
     kinds = list(dict.fromkeys(kind(r) for r in rows))
