@@ -4,12 +4,15 @@ closed16 sharing off runs at 0.8x generate at batch 16.)
 The closed16 workload's requests (one --affix-len affix as a prefix, --question-len tokens of each request's own,
 --output-len tokens, block 32, 8 steps a block) on the engine `dllm-jax serve` builds (bench_serve.serve_engine),
 16 in flight: once every row is decoding, `engine.step()` (one block call of the whole batch) runs under the
-profiler (ACache rows: also the call before, where 4 requests arrive beside 12 decoding and are probed; `wall_ms`
-is a call of all 16 rows decoding since run s50, a probing call before); then `generate` at batch 16 over the same
-prompts, whose time is divided by its blocks. Both are summed by kernel kind (bench/tools/trace.py). Writes
-bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
+profiler (ACache rows: also the call before, where --new-requests (4) arrive beside the others decoding and are
+probed: 1 profiles the 1-row probe program of lone arrivals; `wall_ms` is a call of all 16 rows decoding since run
+s50, a probing call before); then `generate` at batch 16 over the same prompts, whose time is divided by its blocks.
+Both are summed by kernel kind (bench/tools/trace.py). A probing row also gives the probe's device time a request
+(issue 39's measure; the probe calls carry only probe tokens): what the probing step's kernels take over an ordinary
+step's, busy and span, per new request. Writes bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
 
     PYTHONPATH=. python bench/profile_serve.py --rows off acache_0.2 --run NAME
+    PYTHONPATH=. python bench/profile_serve.py --rows acache_0.2 --no-generate --calls 2 --new-requests 1 --run NAME
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--calls", type=int, default=3, help="block calls profiled")
+    ap.add_argument("--new-requests", type=int, default=4, choices=range(1, 5), help="probed in the profiled step")
     ap.add_argument("--kv-budget-gib", type=float, default=16.0)
     ap.add_argument("--max-model-len", type=int, default=None, help="serve's default: the model's, at most 4096")
     ap.add_argument("--compile-cache", default=bench_serve.DEFAULT_CACHE)
@@ -69,11 +73,12 @@ def main(argv=None) -> int:
     for row in args.rows:
         ratio = None if row == "off" else float(row.split("_", 1)[1])
         items = [bench_serve.gen_item(item_args, p, s, ratio, "acache", None, i) for i, (p, s) in enumerate(prompts)]
-        ids = [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items[:12]]
-        for _ in range(3):  # admission, probes and first blocks of 12 rows, then 2 blocks of them
+        first = 16 - args.new_requests
+        ids = [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items[:first]]
+        for _ in range(3):  # admission, probes and first blocks of the first rows, then 2 blocks of them
             engine.step()
-        ids += [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items[12:]]
-        # the 4th call: 12 rows decoding, 4 new ones (ACache: probed by one call first), under the profiler
+        ids += [engine.add_request(it.prompt, it.config, affix=it.span, seed=it.seed) for it in items[first:]]
+        # the 4th call: the first rows decoding, the new ones (ACache: probed by a call first), under the profiler
         probe_call = kernel_breakdown(engine.step, calls=1) if ratio is not None else None
         t0 = time.perf_counter()  # then every call is one block of all 16 rows
         engine.step()
@@ -86,8 +91,17 @@ def main(argv=None) -> int:
         rows.append(dict(row=row, what="engine block call", wall_ms=wall_ms, requests=len(ids), **breakdown))
         print(f"{row}: block call {wall_ms:.1f} ms wall, {breakdown['busy_ms']:.1f} ms busy {breakdown['by_kind_ms']}")
         if probe_call is not None:
-            rows.append(dict(row=row, what="engine block call probing 4 of 16 rows", requests=len(ids), **probe_call))
-            print(f"{row}: probing call {probe_call['busy_ms']:.1f} ms busy, span {probe_call['span_ms']:.1f} ms")
+            n, what = args.new_requests, f"engine block call probing {args.new_requests} of 16 rows"
+            per = {  # None where the profiler wrote no trace
+                f"probe_{k}_per_request": (probe_call[k] - breakdown[k]) / n
+                if k in probe_call and k in breakdown
+                else None
+                for k in ("busy_ms", "span_ms")
+            }
+            rows.append(dict(row=row, what=what, requests=len(ids), new_requests=n, **per, **probe_call))
+            print(
+                f"{row}: probing call {probe_call.get('busy_ms')} ms busy, span {probe_call.get('span_ms')} ms; {per}"
+            )
         save()
     if not args.no_generate:
         gc = bench_serve.gen_item(item_args, prompts[0][0], None, None, "acache", None, 0).config

@@ -214,15 +214,18 @@ def test_profile_bicache_smoke(tmp_path):
 
 
 def test_profile_serve_smoke(tmp_path):
-    """profile_serve at tiny shapes: an engine block call of a full batch (the CPU has no device plane: the kernel
-    tables are empty there)."""
-    args = ["--model", "tiny", "--rows", "off", "--no-generate", "--affix-len", "48", "--question-len", "8"]
+    """profile_serve at tiny shapes: an engine block call of a full batch, and the step before it, where one new
+    ACache request is probed alone (the CPU has no device plane: the kernel tables are empty there)."""
+    args = ["--model", "tiny", "--rows", "acache_0.2", "--no-generate", "--affix-len", "48", "--question-len", "8"]
     args += ["--output-len", "128", "--calls", "1", "--kv-budget-gib", "0.05", "--max-model-len", "192"]
-    args += ["--compile-cache", str(tmp_path / "xla")]
+    args += ["--new-requests", "1", "--compile-cache", str(tmp_path / "xla")]
     _run("profile_serve", *args, "--out", str(tmp_path), "--run", "smoke")
     data = json.loads(next(tmp_path.glob("serve_profile_*.json")).read_text())
-    rows = {r["row"]: r for r in data["rows"]}
-    assert set(rows) == {"off"} and rows["off"]["wall_ms"] > 0 and rows["off"]["requests"] == 16
+    block, probing = data["rows"]
+    assert block["row"] == probing["row"] == "acache_0.2" and block["wall_ms"] > 0 and block["requests"] == 16
+    assert probing["what"] == "engine block call probing 1 of 16 rows" and probing["new_requests"] == 1
+    assert probing["probe_busy_ms_per_request"] == probing["busy_ms"] - block["busy_ms"]
+    assert probing["probe_span_ms_per_request"] == probing["span_ms"] - block["span_ms"]
     assert data["meta"]["runs"]["smoke"]["serve_flags"][:2] == ["--max-batch", "16"]
 
 
