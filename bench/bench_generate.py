@@ -29,6 +29,7 @@ a tokens/s plot beside it. On the CPU: --models tiny (a smoke test of the same c
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -175,14 +176,23 @@ def parse_twin(arg: str) -> tuple[str, object]:
     return field, {"true": True, "false": False, "none": None}.get(low, value)
 
 
-def newest_rows(rows: list[dict], steps: int = 64) -> dict:
-    """{(model, mode, batch): the newest row (by date) of the fixed-`steps` schedule}, comparison twins left out."""
+def plotted_gpu(rows: list[dict], gpus: dict[str, str]) -> str | None:
+    """The GPU most of the rows ran on (gpus: each run label's, from meta.runs): one chart never mixes cards."""
+    counts = collections.Counter(gpus.get(r.get("run")) for r in rows if gpus.get(r.get("run")))
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def newest_rows(rows: list[dict], steps: int = 64, gpus: dict[str, str] | None = None) -> dict:
+    """{(model, mode, batch): the newest row (by date) of the fixed-`steps` schedule}, comparison twins left out;
+    with gpus (each run label's GPU), no row of another GPU than `plotted_gpu`'s."""
+    gpu = plotted_gpu(rows, gpus) if gpus else None
     sel = [r for r in rows if r["steps"] == steps and not r.get("comparison")]
+    sel = [r for r in sel if gpu is None or gpus.get(r.get("run")) in (gpu, None)]  # older rows name no GPU
     return {(r["model"], r["mode"], r["batch"]): r for r in sorted(sel, key=lambda r: r.get("date") or "")}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    latest = newest_rows(rows)
+def plot(rows: list[dict], path: Path, gpus: dict[str, str] | None = None) -> None:
+    latest, gpu = newest_rows(rows, gpus=gpus), plotted_gpu(rows, gpus or {})
     keys = sorted({(m, b) for m, _, b in latest})
     series = [
         (mode, [latest[(m, mode, b)]["tokens_per_s"] if (m, mode, b) in latest else 0 for m, b in keys])
@@ -193,7 +203,7 @@ def plot(rows: list[dict], path: Path) -> None:
         [f"{m}\nbatch {b}" for m, b in keys],
         series,
         "tokens / s",
-        "generate: prompt 256, gen 256, block 32, 64 steps (newest row per bar)",
+        f"generate{' on ' + gpu if gpu else ''}: prompt 256, gen 256, block 32, 64 steps (newest row per bar)",
         ref=(113, "Fast-dLLM PyTorch, dual, batch 1"),
         log=True,
     )
@@ -321,7 +331,8 @@ def main() -> None:
                         common.write_results(name_json, {**meta, "skipped": skipped}, rows, args.out, args.run)
         del model, bf16, params
     path = common.write_results(name_json, {**meta, "skipped": skipped}, rows, args.out, args.run)
-    plot(json.loads(path.read_text())["rows"], path.with_suffix(".png"))
+    data = json.loads(path.read_text())
+    plot(data["rows"], path.with_suffix(".png"), {k: v.get("gpu") for k, v in data["meta"]["runs"].items()})
     print(f"wrote {path} and its plot")
 
 

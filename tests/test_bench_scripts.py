@@ -94,6 +94,16 @@ def test_bench_generate_helpers():
         dict(base, date="2026-12-03", steps=256),
     ]
     assert bg.newest_rows(rows) == {("m", "dual", 1): rows[1]}
+    # one chart, one card: the rows of the GPU most rows ran on, whatever is newer elsewhere
+    runs = [dict(base, date=f"2026-12-0{i}", run=run, comparison=None) for i, run in enumerate("aab", 1)]
+    gpus = {"a": "NVIDIA H200", "b": "NVIDIA H100 80GB HBM3"}
+    assert bg.plotted_gpu(runs, gpus) == "NVIDIA H200"
+    assert (
+        bg.newest_rows(runs, gpus=gpus) == {("m", "dual", 1): runs[1]}
+        and bg.newest_rows(runs)[("m", "dual", 1)] == runs[2]
+    )
+    unnamed = dict(base, model="n", date="2026-12-09", comparison=None)  # an older row: its run names no GPU
+    assert bg.newest_rows([*runs, unnamed], gpus=gpus)[("n", "dual", 1)] == unnamed
 
 
 def test_results_merge_by_run_and_kernel_kinds(tmp_path):
