@@ -92,15 +92,10 @@ def main(argv=None) -> int:
         print(f"{row}: block call {wall_ms:.1f} ms wall, {breakdown['busy_ms']:.1f} ms busy {breakdown['by_kind_ms']}")
         if probe_call is not None:
             n, what = args.new_requests, f"engine block call probing {args.new_requests} of 16 rows"
-            per = {  # None where the profiler wrote no trace
-                f"probe_{k}_per_request": (probe_call[k] - breakdown[k]) / n
-                if k in probe_call and k in breakdown
-                else None
-                for k in ("busy_ms", "span_ms")
-            }
+            per = {f"probe_{k}_per_request": (probe_call[k] - breakdown[k]) / n for k in ("busy_ms", "span_ms")}
             rows.append(dict(row=row, what=what, requests=len(ids), new_requests=n, **per, **probe_call))
             print(
-                f"{row}: probing call {probe_call.get('busy_ms')} ms busy, span {probe_call.get('span_ms')} ms; {per}"
+                f"{row}: probing call {probe_call['busy_ms']:.1f} ms busy, span {probe_call['span_ms']:.1f} ms; {per}"
             )
         save()
     if not args.no_generate:
