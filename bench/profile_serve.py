@@ -10,7 +10,8 @@ s50, a probing call before); then `generate` at batch 16 over the same prompts, 
 Both are summed by kernel kind (bench/tools/trace.py). A probing row also gives the probe's device time a request
 (issue 39's measure; the probe calls carry only probe tokens): what the probing step's kernels take over an ordinary
 step's, busy and span, per new request (on a GPU the engine's loops run in XLA's command buffers, whose kernels the
-profiler does not see one by one: busy counts only the kernels outside them, so span is the measure there). Writes bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
+profiler does not see one by one: busy counts only the kernels outside them, so span is the measure there).
+Writes bench/results/serve_profile_<h200|platform>.json (rows merged by --run).
 
     PYTHONPATH=. python bench/profile_serve.py --rows off acache_0.2 --run NAME
     PYTHONPATH=. python bench/profile_serve.py --rows acache_0.2 --no-generate --calls 2 --new-requests 1 --run NAME
