@@ -90,8 +90,7 @@ def bench_row(model: Model, kind: str, value, batch: int, prompts, shared, reps:
     sec = float(np.median(secs))
     ms_start, depth = block_start_ms(model, gc, prompts, kw.get("shared_affix"))
     a_len = len(shared["anchors"])
-    # generate rounds the window's own prompt part up to prompt_bucket (at most the prompt region)
-    own = min(-(-(len(prompts[0]) - a_len) // gc.prompt_bucket) * gc.prompt_bucket, out.prompt_len) + GEN
+    own = len(prompts[0]) - a_len + GEN
     window = {
         "dual": out.prompt_len + GEN,
         "anchors": (acache.anchor_count(a_len, value or 0.0) + own),

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.compilation import compile_totals
 from dllm_jax.decoding.caches import acache
 from dllm_jax.decoding.config import GenerationConfig
 from dllm_jax.decoding.generate import generate
@@ -44,12 +43,6 @@ def test_anchor_inputs_layout():
     s = acache.anchor_inputs([(2, 5)], np.array([0]), prompt_len=5, total_len=7, ratio=0.0)
     assert np.asarray(s.request).tolist() == [[0, 1, 4, 5, 6]]
     assert np.asarray(s.request_writes).tolist() == [[True, True, False, True, True]]
-    # a bucket rounds the own part up with more unwritten fillers in front, never past the prompt region
-    b = acache.anchor_inputs([(0, 2), (1, 3), None], pads, prompt_len=5, total_len=8, ratio=0.5, bucket=4)
-    assert np.asarray(b.request).tolist() == [[5] + r for r in req.tolist()]
-    assert np.asarray(b.request_writes).tolist() == [[False] + r for r in w.tolist()]
-    wide = acache.anchor_inputs([(0, 2), (1, 3), None], pads, prompt_len=5, total_len=8, ratio=0.5, bucket=64)
-    assert np.asarray(wide.request).shape == (3, 8)  # the 5 prompt positions and 3 generated
 
 
 def probe_reference(q, k, affix_keys, mask_queries):
@@ -260,21 +253,6 @@ def test_generate_with_a_shared_affix(affix, models_fp32):
         m, SHARED_PROMPTS + [[50, 51]], gc, shared_affix=shared, affix_spans=[(0, 6), (1, 7), (3, 9), None]
     )
     np.testing.assert_array_equal(mixed.tokens[:3], per_row.tokens)
-
-
-def test_own_parts_of_one_bucket_share_a_program(models_fp32):
-    """generate's affix window rounds each batch's own tokens up to `prompt_bucket`: a request whose own part is a few
-    tokens longer runs the same program (no compile) and still decodes as when it computes the affix itself."""
-    m = models_fp32["llada"]
-    gc = opts(gen_length=8, block_length=4, steps=8, cache="dual", stop_at_eos=False, affix="anchors")
-    shared = acache.build_shared_affix(m.params, m.config, AFFIX)
-    generate(m, [AFFIX + [7]], gc, shared_affix=shared)
-    longer = [3, 4] + AFFIX + [7, 8, 9]
-    before = compile_totals()[0]
-    out = generate(m, [longer], gc, shared_affix=shared)
-    assert compile_totals()[0] == before
-    per_row = generate(m, [longer], gc, affix_spans=[(2, 2 + len(AFFIX))])
-    np.testing.assert_array_equal(out.tokens, per_row.tokens)
 
 
 def test_bad_shared_affix(models_fp32):

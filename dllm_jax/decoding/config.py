@@ -137,8 +137,7 @@ class GenerationConfig:
     """Decoding settings. sampler None: the model family's own (LLaDA: LowConfidence, Dream: MaskGitPlus);
     Threshold / Factor without a base wrap that default. cfg_scale: LLaDA's classifier-free guidance (cache
     "none"). stop_at_eos: a row whose answer ended is filled with EOS; when every row has ended the loop stops.
-    prompt_bucket: the prompt region, and an affix cache's window of each request's own tokens, are rounded up to a
-    multiple of this (fewer compiled shapes)."""
+    prompt_bucket: the prompt region is rounded up to a multiple of this (fewer compiled shapes)."""
 
     schedule: Schedule = Schedule()
     sampler: Sampler | None = None

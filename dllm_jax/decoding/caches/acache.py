@@ -77,12 +77,7 @@ class AnchoredState:
 
 
 def anchor_inputs(
-    spans: Sequence[tuple[int, int] | None],
-    pads: np.ndarray,
-    prompt_len: int,
-    total_len: int,
-    ratio: float,
-    bucket: int = 1,
+    spans: Sequence[tuple[int, int] | None], pads: np.ndarray, prompt_len: int, total_len: int, ratio: float
 ) -> AnchorInputs:
     """Host-side layout of the affix cache for a batch laid out as [left pad][prompt][generation].
 
@@ -90,8 +85,7 @@ def anchor_inputs(
     The request part of each row lists its real prompt positions outside the affix in order, and always the
     prompt's last position P - 1 (Dream predicts the first generated token from there; when it is affix it is
     forwarded but not written, so its shared K/V stay), then the generation region P..T-1, which therefore sits
-    at the same offset of every row's window. Its prompt part is rounded up to a multiple of `bucket` (at most P)
-    with the rows' unwritten fillers, so requests whose own parts differ by a few tokens share one program.
+    at the same offset of every row's window.
     """
     b = len(spans)
     affix = np.zeros((b, total_len), bool)
@@ -105,7 +99,6 @@ def anchor_inputs(
         writes.append([not affix[i, j] for j in own])
         counts.append(anchor_count(int(affix[i].sum()), ratio))
     width = max(len(p) for p in prompt_parts)
-    width = min(-(-width // bucket) * bucket, prompt_len)  # (width <= P: never narrower)
     gen = list(range(prompt_len, total_len))
     # fillers go first and repeat slot P (the first generation position, present in every row) unwritten
     request = np.array([[prompt_len] * (width - len(p)) + p + gen for p in prompt_parts], np.int32)

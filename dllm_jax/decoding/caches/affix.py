@@ -93,7 +93,7 @@ def affix_inputs(
     technique = gc.cache.affix
     if isinstance(technique, (Anchors, Shallow)):
         ratio = technique.ratio if isinstance(technique, Anchors) else 0.0  # shallow: the request's positions only
-        window = acache.anchor_inputs(spans, pads, prompt_len, total_len, ratio, bucket=gc.prompt_bucket)
+        window = acache.anchor_inputs(spans, pads, prompt_len, total_len, ratio)
     if isinstance(technique, Shallow):
         depth = bicache.batch_depth(
             config,
