@@ -206,7 +206,7 @@ def generation_config(args: argparse.Namespace, defaults: dict):
     if gen_length % block:
         raise UsageError(f"argument --gen-length: {gen_length} is not a multiple of the block length {block}")
     n_blocks = gen_length // block
-    if args.threshold is None and (steps % n_blocks or steps > gen_length):
+    if args.threshold is None and args.factor is None and (steps % n_blocks or steps > gen_length):
         raise UsageError(
             f"argument --steps: {steps} must be a multiple of the number of blocks ({n_blocks}) and at "
             f"most --gen-length {gen_length}"
@@ -216,7 +216,10 @@ def generation_config(args: argparse.Namespace, defaults: dict):
         block_length=block,
         steps=steps,
         threshold=args.threshold,
+        factor=args.factor,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         cache=args.cache,
         attention=args.attention,
         batch_invariant=args.batch_invariant,
@@ -491,12 +494,20 @@ def build_parser() -> Parser:
         help="denoising steps over the whole answer (default: the model's generation_config.json, else "
         "--gen-length: one token per step)",
     )
-    g.add_argument(
+    parallel = g.add_mutually_exclusive_group()
+    parallel.add_argument(
         "--threshold",
         type=probability,
         default=None,
         help="Fast-dLLM parallel decoding: commit every token whose confidence is at least this, e.g. 0.9 "
         "(--steps is then ignored)",
+    )
+    parallel.add_argument(
+        "--factor",
+        type=positive,
+        default=None,
+        help="Fast-dLLM's factor rule instead: commit the n most confident tokens while the n-th is above "
+        "1 - factor / (n + 1), e.g. 1.0 (--steps is then ignored)",
     )
     g.add_argument(
         "--temperature",
@@ -504,6 +515,8 @@ def build_parser() -> Parser:
         default=0.0,
         help="sampling temperature of the model family's sampler (0: greedy, the default)",
     )
+    g.add_argument("--top-p", type=probability, default=None, help="nucleus filter (Dream's sampler; not LLaDA's)")
+    g.add_argument("--top-k", type=positive_int, default=None, help="top-k filter (Dream's sampler; not LLaDA's)")
     g.add_argument(
         "--cache",
         choices=["none", "first_layer", "prefix", "dual"],

@@ -4,6 +4,7 @@ traceback, before any device work."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,9 @@ def test_flags_override_the_model_defaults(capsys):
     assert cli.main(["generate", cli.DEMO_PROMPT, "--threshold", "0.9", "--verbose"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == "1 0 4" and "NFE" in err
+    assert cli.main(["generate", cli.DEMO_PROMPT, "--factor", "1", "--top-p", "1", "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "1 0 4" and int(re.search(r"NFE (\d+)", err).group(1)) < 8  # parallel: < a step a token
 
 
 def test_model_generation_defaults(tmp_path):
@@ -129,6 +133,11 @@ def broken_models(tmp_path_factory):
         (["--batch-invariant", "--cache", "first_layer"], "argument --batch-invariant: not with --cache first_layer"),
         (["--fp8-first-layer"], "argument --weights: fp8_first_layer quantises layer 1 beside FP8 weights"),
         (["--compile-cache", "/dev/null/xla"], "argument --compile-cache: /dev/null is not a directory"),
+        (["--threshold", "0.9", "--factor", "1"], "argument --factor: not allowed with argument --threshold"),
+        (["--factor", "0"], "argument --factor: must be positive, got 0.0"),
+        (["--top-k", "0"], "argument --top-k: must be a positive integer, got 0"),
+        # the bundled model is a LLaDA: its remasking sampler has no top-p / top-k filter to apply them to
+        (["--top-p", "0.9"], "top_p=0.9 would be ignored: this request decodes with LLaDA's remasking sampler"),
     ],
 )
 def test_bad_flags(argv, message, capsys):

@@ -126,8 +126,10 @@ CONFIGS = [
     (dict(affix="anchors", anchor_ratio=1.0), dict(), 8, 4),
     (dict(affix="naive"), dict(factor=1.0), 8, 4),
     (dict(affix="shallow", shallow_depth=1), dict(temperature=0.7), 8, 2),
-    (dict(affix="anchors", anchor_ratio=0.2), dict(temperature=0.7, top_p=0.9), 4, 2),
+    (dict(affix="anchors", anchor_ratio=0.2), dict(temperature=0.7), 4, 2),
 ]
+# Dream's sampler filters, per-row data in the engine (LLaDA's remasking has none: refused there)
+DREAM_FILTERS = (dict(affix="anchors", anchor_ratio=0.2), dict(temperature=0.7, top_p=0.9, top_k=5), 4, 2)
 
 
 def random_stream(n: int, seed: int, max_len: int = 64, configs: list[tuple] = CONFIGS) -> list[tuple]:
@@ -160,12 +162,13 @@ def random_stream(n: int, seed: int, max_len: int = 64, configs: list[tuple] = C
 )
 def test_warmed_engine_compiles_nothing_and_equals_solo_generate(name, models_fp32, warm_engines):
     """After a warm-up with no samples, a random stream (affix lengths and placements, question lengths, max_tokens,
-    temperatures, thresholds and factors, step counts, techniques, EOS stops, random arrivals, up to max_model_len)
-    compiles nothing (XLA's own compile events), and each answer is the request's solo `generate` answer."""
+    temperatures, thresholds and factors, Dream's top-p / top-k, step counts, techniques, EOS stops, random arrivals,
+    up to max_model_len) compiles nothing (XLA's own compile events), and each answer is the request's solo
+    `generate` answer."""
     m, engine = models_fp32[name], warm_engines[name]
     # LLaDA: each config once; Dream (its own sampler): the ones that sample, threshold or share differently (each
     # solo reference is a compile: the suite's time)
-    configs = CONFIGS if name == "llada" else [CONFIGS[i] for i in (1, 2, 5, 6)]
+    configs = CONFIGS if name == "llada" else [CONFIGS[i] for i in (1, 2, 5)] + [DREAM_FILTERS]
     items = random_stream(len(configs), seed={"llada": 1, "dream": 2}[name], configs=configs)
     before, steps, solo_steps = compile_totals()[0], [], []
     got = serve(engine, [(p, gc, span, seed) for p, gc, span, seed, _ in items], arrival_seed=3, commit_steps=steps)
@@ -295,7 +298,16 @@ def test_settings_outside_the_served_ones_are_refused(models_fp32, warm_engines)
         engine.add_request(AFFIX + [1, 2], shallow2, affix=(0, 20))
     with pytest.raises(RequestError, match="sampler .* is not served"):
         engine.add_request([1, 2, 3], opts(gen_length=4, block_length=4, cache="dual", remasking="random"))
-    assert not engine.has_unfinished()
+    # Dream's filters on LLaDA's sampler would be ignored: refused, naming the setting (top_p 1 filters nothing)
+    for setting in (dict(top_p=0.9), dict(top_k=5), dict(alg="entropy")):
+        name = next(iter(setting))
+        with pytest.raises(RequestError, match=rf"^{name}=.* would be ignored: .* LLaDA's remasking sampler"):
+            engine.add_request([1, 2, 3], opts(gen_length=4, block_length=4, cache="dual", **setting))
+    rid = engine.add_request([1, 2, 3], opts(gen_length=4, block_length=4, cache="dual", top_p=1.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.request(rid).finish_reason in ("length", "stop")
+    engine.release(rid)
 
 
 def test_a_request_without_a_config_decodes_with_the_models_schedule(models_fp32, tmp_path):
@@ -633,7 +645,7 @@ def test_a_full_length_suffix_request_probed_at_ratio_one(models_fp32):
     rid = engine.add_request(prompt, gc, affix=span)
     while engine.has_unfinished():
         engine.step()
-    assert engine.request(rid).finish_reason == "length"
+    assert engine.request(rid).finish_reason in ("length", "stop")
     assert engine.request(rid).generated == solo(m, prompt, gc, span)
 
 

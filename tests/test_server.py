@@ -116,6 +116,40 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
 
 
+def test_factor_and_the_dream_filters_are_request_fields(server, model, hf_dirs):
+    """Fast-dLLM's factor rule and Dream's top_p / top_k travel as request fields, each answer equal to solo
+    `generate` with the same settings; top_p 1 filters nothing, so a LLaDA model takes it (test_bad_requests: below
+    1 it is refused there)."""
+    prompt = f"{DOC} question : what is the code of wizard ? reply with the digits ."
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "top_p": 1, "factor": 1.0, "return_commit_steps": True}
+    factor = _post(server, "/v1/completions", body).json()
+    gc = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual", factor=1.0)
+    ids = model.tokenizer.encode(prompt)
+    assert factor["choices"][0]["text"] == fixtures.solo_text(model, ids, gc)
+    steps = factor["dllm"]["blocks"][0]["commit_steps"]
+    assert steps == generate(model, [ids], gc).commit_steps[0, : len(steps)].tolist()
+    assert len(set(steps)) < len(steps)  # several tokens a step: the factor rule, not the schedule's one a step
+    dream = dllm_jax.load(hf_dirs["dream"], dtype="float32")
+    s = Server(dream, max_batch=1, block_lengths=(4,))
+    try:
+        sampled = dict(temperature=0.9, top_p=0.9, top_k=3)
+        got = s.client().completions.create(
+            model=NAME,
+            prompt=[5, 17, 42, 8, 33, 60],
+            max_tokens=8,
+            seed=0,
+            temperature=0.9,
+            top_p=0.9,
+            extra_body={"top_k": 3, "steps": 8, "block_length": 4},
+        )
+        gc = GenerationConfig.from_options(gen_length=8, block_length=4, steps=8, cache="dual", **sampled)
+        assert got.choices[0].text == fixtures.solo_text(dream, [5, 17, 42, 8, 33, 60], gc)
+        unfiltered = GenerationConfig.from_options(gen_length=8, block_length=4, steps=8, cache="dual", temperature=0.9)
+        assert fixtures.solo_text(dream, [5, 17, 42, 8, 33, 60], unfiltered) != got.choices[0].text
+    finally:
+        s.close()
+
+
 def test_small_max_tokens_keep_the_block_and_cut_the_answer(server, model):
     """max_tokens under the block length decodes the whole block (no program of its own) and cuts the answer."""
     c = server.client()
@@ -361,6 +395,12 @@ def _settings(gen, block, steps):
             None,
         ),
         ({"model": NAME, "prompt": "x", "max_tokens": 16, "block_length": 16}, 400, "block_length", None),
+        # LLaDA's remasking sampler has no top-p / top-k filter: refused, not ignored
+        ({"model": NAME, "prompt": "x", "top_p": 0.9}, 400, "top_p", None),
+        ({"model": NAME, "prompt": "x", "top_k": 5}, 400, "top_k", None),
+        ({"model": NAME, "prompt": "x", "top_k": 0}, 400, "top_k", None),
+        ({"model": NAME, "prompt": "x", "factor": 0}, 400, "factor", None),
+        ({"model": NAME, "prompt": "x", "threshold": 0.9, "factor": 1.0}, 400, "threshold", None),
     ],
 )
 def test_bad_requests(server, body, status, param, code):
@@ -565,9 +605,9 @@ JSON = st.recursive(
     max_leaves=6,
 )
 FIELDS = [
-    "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
-    "n", "steps", "block_length", "threshold", "affix_technique", "anchor_ratio", "shallow_depth", "affix", "timeout",
-    "logprobs", "echo", "user", "best_of",
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed",
+    "stream", "n", "steps", "block_length", "threshold", "factor", "affix_technique", "anchor_ratio", "shallow_depth",
+    "affix", "timeout", "logprobs", "echo", "user", "best_of",
 ]  # fmt: skip
 VALID = {
     "/v1/completions": {"model": NAME, "prompt": "input : 1 2 3 what does the rule give ?", "max_tokens": 4},

@@ -242,7 +242,7 @@ def test_serve_warms_up_serves_what_came_meanwhile_and_restarts_from_its_compile
             {"max_tokens": 3},
             {"max_tokens": 13, "steps": 4},
             {"max_tokens": 16, "steps": 16, "temperature": 0.7, "seed": 1},
-            {"max_tokens": 5, "temperature": 1.0, "top_p": 0.9, "threshold": 0.9},
+            {"max_tokens": 5, "temperature": 1.0, "threshold": 0.9},
         ]
 
         async def all_at_once():  # two at a time fill the batch: every batch size runs

@@ -259,7 +259,16 @@ class GenerationConfig:
         return self.schedule.block_length if self.parallel else self.schedule.steps_per_block
 
     def check_model(self, config: ModelConfig) -> None:
-        """The checks that need the model: BiCache's depth within its layers, Dream's block-start rule."""
+        """The checks that need the model: BiCache's depth within its layers, sampler settings the model family's
+        sampler would ignore (top_p on LLaDA), Dream's block-start rule."""
+        base = self.sampler.base if isinstance(self.sampler, (Threshold, Factor)) else self.sampler
+        if isinstance(base, FamilySampler) and (ignored := base.ignored(config.family)):
+            (name, value), family = next(iter(ignored.items())), base.family or config.family
+            names = {"llada": "LLaDA's remasking sampler", "dream": "Dream's sampler"}
+            raise ValueError(
+                f"{name}={value!r} would be ignored: this request decodes with {names[family]}, which has no {name} "
+                f"(a setting of {names['dream' if family == 'llada' else 'llada']}): leave it out"
+            )
         affix = self.cache.affix
         if isinstance(affix, Shallow):
             depths = ([affix.depth] if affix.depth is not None else []) + [b for _, b in affix.table or ()]

@@ -499,7 +499,7 @@ def _refused(e: RequestError) -> APIError:
     """The 400 of a request the engine refuses, naming the field where the message does."""
     text = str(e)
     code = "context_length_exceeded" if "maximum length" in text else None
-    param = next((p for p in ("block_length", "shallow_depth") if p in text), None)
+    param = next((p for p in ("block_length", "shallow_depth", "top_p", "top_k") if text.startswith(p)), None)
     return APIError(400, text, param=param, code=code)
 
 
@@ -544,15 +544,17 @@ def _config(
             block_length=block,
             steps=steps,
             threshold=req.threshold,
+            factor=req.factor,
             cache="dual",
             affix=technique,
             anchor_ratio=1.0 if auto else _given(req.anchor_ratio, s.anchor_ratio),
             **({"shallow_depth": depth} if technique == "shallow" else {}),
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
         )
     except ValueError as e:
-        fields = ("steps", "block_length", "threshold", "temperature", "shallow_depth")
+        fields = ("steps", "block_length", "threshold", "factor", "temperature", "top_p", "top_k", "shallow_depth")
         param = next((f for f in fields if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
     return config, max_tokens

@@ -5,6 +5,9 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   block_length     semi-autoregressive block, one the server serves (`--block-lengths`; default: the model's
                    generation_config.json if served, else the first served); max_tokens is cut from whole blocks
   threshold        Fast-dLLM parallel decoding: commit every token at least this confident (then steps is ignored)
+  factor           Fast-dLLM's factor rule instead: commit the n most confident while the n-th is above
+                   1 - factor / (n + 1) (then steps is ignored; not with threshold)
+  top_k            sample among the k likeliest tokens (Dream's sampler, as top_p; LLaDA's has neither: a 400)
   affix_technique  "none" (exact: the dual cache), "naive", "anchors" (ACache) or "shallow" (BiCache): how a
                    shared affix is reused
   anchor_ratio     ACache's share of the affix recomputed per request (0 = naive reuse, 1 = exact), or "auto": the
@@ -27,6 +30,8 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
 OpenAI fields this engine has no use for are accepted at their neutral values (logprobs null, echo false,
 penalties 0, ...) and refused otherwise; unknown fields are refused, naming them (a typo never passes silently).
 `temperature` defaults to 0 (greedy, as LLaDA's and Dream's own generate), not the API's 1: set it to sample.
+`top_p` and `top_k` filter Dream's sampler; LLaDA's remasking sampler has no such filter, so on a LLaDA model a
+`top_p` below 1 or any `top_k` is a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -176,6 +181,8 @@ class Diffusion(BaseModel):
     steps: Int | None = Field(None, ge=1)
     block_length: Int | None = Field(None, ge=1)
     threshold: Float | None = Field(None, gt=0, le=1)
+    factor: Float | None = Field(None, gt=0)
+    top_k: Int | None = Field(None, ge=1)
     affix_technique: Literal["none", "naive", "anchors", "shallow"] | None = None
     anchor_ratio: Annotated[Float, Field(ge=0, le=1)] | Literal["auto"] | None = None
     shallow_depth: Annotated[Int, Field(ge=0)] | Literal["auto"] | None = None

@@ -38,6 +38,19 @@ class FamilySampler:
             raise ValueError(f"sampler family={self.family!r}; expected llada or dream")
         self.resolve("llada"), self.resolve("dream")  # each family's own checks (temperature, top_p, ...)
 
+    def ignored(self, family: str) -> dict[str, object]:
+        """The settings set away from their neutral values that the sampler `resolve(family)` gives has no use for
+        (LLaDA's remasking has no top-p, top-k or Dream algorithm; Dream's algorithms no remasking rule)."""
+        if (self.family or family) == "llada":
+            neutral = dict(alg="maskgit_plus", alg_temp=None, top_p=(None, 1.0), top_k=None, eps=1e-3)
+        else:
+            neutral = dict(remasking="low_confidence")
+        return {
+            name: getattr(self, name)
+            for name, value in neutral.items()
+            if getattr(self, name) not in (value if isinstance(value, tuple) else (value,))
+        }
+
     def resolve(self, family: str) -> Sampler:
         if (self.family or family) == "llada":
             return LLADA_REMASKING[self.remasking](temperature=self.temperature)
