@@ -51,7 +51,9 @@ def body(kind: str, i: int) -> dict:
         out.update(temperature=r.choice([0.0, 0.7]), max_tokens=r.choice([8, 16, 32]))
         technique = r.choice(["none", "anchors", "naive", None])
         if technique is not None:
-            out.update(affix=dict(text=EXAMPLES), affix_technique=technique, anchor_ratio=r.choice([0.0, 0.2]))
+            out.update(affix=dict(text=EXAMPLES), affix_technique=technique)
+            if technique == "anchors":
+                out.update(anchor_ratio=r.choice([0.0, 0.2]))
     return out
 
 

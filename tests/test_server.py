@@ -347,7 +347,7 @@ def test_the_audit_through_the_server_never_reaches_a_client(server, model):
         assert calibration[0]["affix"] == doc_id and calibration[0]["samples"]["0"]["n"] == 1
         assert audited.metric(f'dllm_jax_audit_auto_ratio{{affix="{doc_id}"}}') == calibration[0]["ratio"]
         # shallow_depth "auto": the same over BiCache's served depths (this server serves 2; 0 is exact)
-        deep = {**auto, "affix_technique": "shallow", "shallow_depth": "auto"}
+        deep = {**bodies[0], "affix_technique": "shallow", "shallow_depth": "auto"}
         assert _post(audited, "/v1/completions", deep).json()["choices"][0]["text"] == exact
         while len(calibration := httpx.get(f"{audited.url}/v1/audit", timeout=10).json()["calibration"]) < 2:
             assert time.time() < deadline
@@ -397,6 +397,9 @@ def _settings(gen, block, steps):
         ({"model": NAME, "prompt": "x", "max_tokens": 16, "block_length": 16}, 400, "block_length", None),
         # LLaDA's remasking sampler has no top-p / top-k filter: refused, not ignored
         ({"model": NAME, "prompt": "x", "top_p": 0.9}, 400, "top_p", None),
+        # a technique's level for another technique (here the server's default, none) would be ignored: refused
+        ({"model": NAME, "prompt": "x", "anchor_ratio": 0.5}, 400, "anchor_ratio", None),
+        ({"model": NAME, "prompt": "x", "affix_technique": "anchors", "shallow_depth": 2}, 400, "shallow_depth", None),
         ({"model": NAME, "prompt": "x", "top_k": 5}, 400, "top_k", None),
         ({"model": NAME, "prompt": "x", "top_k": 0}, 400, "top_k", None),
         ({"model": NAME, "prompt": "x", "factor": 0}, 400, "factor", None),

@@ -515,6 +515,15 @@ def _config(
     n_blocks = gen_length // block
     steps = req.steps or max(n_blocks, round(gen_length * s.steps_per_token / n_blocks) * n_blocks)
     technique = req.affix_technique or s.affix_technique
+    for field, owner in (("anchor_ratio", "anchors"), ("shallow_depth", "shallow")):  # set for another technique
+        if getattr(req, field) is not None and technique != owner:
+            default = " (the server's default)" if req.affix_technique is None else ""
+            raise APIError(
+                400,
+                f"{field} sets how affix_technique {owner!r} reuses the affix, and this request decodes with "
+                f"affix_technique {technique!r}{default}: send affix_technique {owner!r} with it, or leave it out",
+                field,
+            )
     depth = s.shallow_depth if req.shallow_depth is None else req.shallow_depth
     auto = _auto(req, s)
     if auto == "shallow" and not any(served_depths):

@@ -16,6 +16,7 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   shallow_depth    BiCache's depth: the affix's stored K/V serve the layers below it (0 = exact); default: the
                    published table for LLaDA-8B / Dream-7B shapes (other models must set it); or "auto": the
                    deepest served depth whose answers agree with the exact ones at the target, per affix
+                   (anchor_ratio / shallow_depth with another affix_technique than theirs: a 400, not ignored)
   timeout          seconds after which the request ends unfinished with a 504 (default: --request-timeout)
   affix            which part of the prompt is the shared affix: "auto" (found by the engine: registered or
                    repeated across requests), "none", {"text": "..."} (completions: a part of the prompt),
