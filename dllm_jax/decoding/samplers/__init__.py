@@ -39,17 +39,12 @@ class FamilySampler:
         self.resolve("llada"), self.resolve("dream")  # each family's own checks (temperature, top_p, ...)
 
     def ignored(self, family: str) -> dict[str, object]:
-        """The settings set away from their neutral values that the sampler `resolve(family)` gives has no use for
-        (LLaDA's remasking has no top-p, top-k or Dream algorithm; Dream's algorithms no remasking rule)."""
-        if (self.family or family) == "llada":
-            neutral = dict(alg="maskgit_plus", alg_temp=None, top_p=(None, 1.0), top_k=None, eps=1e-3)
-        else:
-            neutral = dict(remasking="low_confidence")
-        return {
-            name: getattr(self, name)
-            for name, value in neutral.items()
-            if getattr(self, name) not in (value if isinstance(value, tuple) else (value,))
-        }
+        """The settings away from their defaults that the sampler `resolve(family)` gives has no use for (LLaDA's
+        remasking has no top-p, top-k or Dream algorithm; Dream's algorithms no remasking rule). top_p 1 filters
+        nothing."""
+        unused = ("alg", "alg_temp", "top_p", "top_k", "eps") if (self.family or family) == "llada" else ("remasking",)
+        neutral = {f.name: (f.default,) for f in dataclasses.fields(self)} | {"top_p": (None, 1.0)}
+        return {n: getattr(self, n) for n in unused if getattr(self, n) not in neutral[n]}
 
     def resolve(self, family: str) -> Sampler:
         if (self.family or family) == "llada":
