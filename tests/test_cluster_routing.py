@@ -81,6 +81,13 @@ def test_request_bodies_are_keyed_without_a_tokenizer():
     assert request_route_key(chat("a?")) != request_route_key({"messages": [{"role": "user", "content": system}]})
     assert request_route_key({"prompt": system + "x"}) == request_route_key({"prompt": [system + "y"]})
     assert request_route_key({"prompt": "short"}) is None
+    # text parts read as the replica reads them (joined by newlines); a batch of prompts by its first
+    parts = {"messages": [{"role": "system", "content": [{"type": "text", "text": t} for t in system.split(". ")]}]}
+    assert request_route_key(parts) == request_route_key(
+        {"messages": [{"role": "system", "content": system.replace(". ", "\n")}]}
+    )
+    assert request_route_key({"prompt": [system + "x", "another"]}) == request_route_key({"prompt": system + "y"})
+    assert request_route_key({"prompt": [DOC + [1], [2, 3]]}) == route_key(DOC)
     # explicit affixes, wherever they sit in the prompt
     text = {"text": "rule examples : 7 4 0 -> 2 5 9 ;"}
     assert request_route_key({"prompt": "a b", "affix": text}) == request_route_key({"prompt": "c", "affix": text})

@@ -367,7 +367,17 @@ def _settings(gen, block, steps):
     "body,status,param,code",
     [
         ({"model": NAME, "prompt": "x", "steps": 0}, 400, "steps", None),
-        ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
+        ({"model": NAME, "prompt": "x", "n": 65}, 400, "n", None),
+        ({"model": NAME, "prompt": ["x"] * 8, "n": 9}, 400, "n", None),  # 72 choices: over 64
+        ({"model": NAME, "prompt": ["x", "y"], "return_commit_steps": True}, 400, "return_commit_steps", None),
+        ({"model": NAME, "prompt": ["x", ""]}, 400, "prompt", None),
+        ({"model": NAME, "prompt": [[1, 2], "x"]}, 400, "prompt", None),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages.0.content",
+            None,
+        ),
         ({"model": NAME, "prompt": "x", "stepz": 4}, 400, None, None),
         ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature", None),
         ({"model": NAME, "prompt": "x", "return_commit_steps": 1}, 400, "return_commit_steps", None),  # no 1 for true
@@ -454,6 +464,72 @@ def test_queue_full_and_draining(model):
         assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}  # draining, but alive
     finally:
         s.close()
+
+
+def test_several_choices_each_equal_their_request_alone(server, model):
+    """`n` and a batch of prompts (completions: strings or token id lists): prompt i's j-th choice (index i * n + j)
+    is prompt i's request alone with seed + j, plain and streamed (a chunk is one choice's; usage in a last chunk
+    of no choices); usage counts each prompt once and every choice's tokens; a chat message's text parts read as
+    their string joined by newlines."""
+    rules = "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ;"
+    prompts = [f"{rules} input : 8 9 5 what does the rule give ?", "the code of"]
+    base = {"model": NAME, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    both = _post(server, "/v1/completions", {**base, "prompt": prompts, "n": 2}).json()
+    alone = [
+        _post(server, "/v1/completions", {**base, "prompt": p, "seed": 11 + j}).json() for p in prompts for j in (0, 1)
+    ]
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    assert [(c["text"], c["finish_reason"]) for c in both["choices"]] == [
+        (a["choices"][0]["text"], a["choices"][0]["finish_reason"]) for a in alone
+    ]
+    assert both["choices"][2]["text"] != both["choices"][3]["text"]  # the unknown prompt's two samples differ
+    use = both["usage"]
+    assert use["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"] + alone[2]["usage"]["prompt_tokens"]
+    assert use["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    chunks, texts = _sse(server, "/v1/completions", {**base, "prompt": prompts, "n": 2}), ["", "", "", ""]
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in both["choices"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == use
+    # the openai client: prompts as token id lists; chat with n and a message in text parts
+    c = server.client()
+    ids = c.completions.create(
+        model=NAME, prompt=[model.tokenizer.encode(p) for p in prompts], max_tokens=8, temperature=1.0, seed=11
+    )
+    assert [ch.text for ch in ids.choices] == [both["choices"][0]["text"], both["choices"][2]["text"]]
+    question = "input : 8 9 5 what does the rule give ?"
+    parts = [{"type": "text", "text": rules}, {"type": "text", "text": question}]
+    joined = [{"role": "user", "content": f"{rules}\n{question}"}]
+    split = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": parts}], n=3)
+    assert [ch.message.content for ch in split.choices] == ["1 0 4"] * 3
+    assert split.usage == c.chat.completions.create(model=NAME, messages=joined, n=3).usage
+
+
+def test_several_choices_end_together_and_free_their_pages(server):
+    """A choice past its timeout ends the whole request with its 504 (a stream: the error event, then [DONE]); a
+    client leaving a stream of several choices aborts every one still decoding; the pages all come back."""
+    body = {"model": NAME, "prompt": [DEMO_PROMPT, "the code of"], "n": 2, "max_tokens": 64, "block_length": 8}
+    body["steps"] = 64
+    r = _post(server, "/v1/completions", {**body, "timeout": 0.001})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True, "timeout": 0.001}) as st:
+        events = [ln[len("data: ") :] for ln in st.iter_lines() if ln.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == "request_timeout" and events[-1] == "[DONE]"
+    before = server.metric("dllm_jax_requests_aborted_total")
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as st:
+        for line in st.iter_lines():
+            if line.startswith("data:"):
+                break  # a first block arrived: every choice holds pages now; leave
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if server.metric("dllm_jax_requests_aborted_total") >= before + 4 and not server.metric(
+            "dllm_jax_kv_pages_used"
+        ):
+            break
+        time.sleep(0.1)
+    assert server.metric("dllm_jax_requests_aborted_total") == before + 4
+    assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
 
 
 def test_disconnect_mid_stream_frees_the_pages(server):

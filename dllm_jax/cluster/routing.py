@@ -23,6 +23,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from dllm_jax.audit import affix_id
 from dllm_jax.engine.block_manager import affix_key, token_bytes
+from dllm_jax.server.protocol import message_text
 
 LEAD_TOKENS = 64  # the leading prompt tokens that key a request without an explicit affix (four 16-token pages)
 LEAD_CHARS = 256  # the same for a text prompt (about as many tokens of English)
@@ -55,12 +56,13 @@ def request_route_key(body: Any, lead_tokens: int = LEAD_TOKENS, lead_chars: int
     """The routing key of a completion or chat request's JSON body, read without a tokenizer (the ingress loads
     no model): a registered affix's id; an explicit affix's text (or the message it names) hashed; a token prompt
     by `route_key`; else the first `lead_chars` characters of the prompt (a chat's messages as role: content
-    lines), hashed; None for a shorter prompt or a body that is not a request (the replica answers its 400).
+    lines; a batch of prompts: its first), hashed; None for a shorter prompt or a body that is not a request (the
+    replica answers its 400).
     A key only has to be the same for requests that share an affix: it need not be the engine's own."""
     if not isinstance(body, dict):
         return None
     affix, prompt, messages = body.get("affix"), body.get("prompt"), body.get("messages")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch: keyed by its first
         prompt = prompt[0]
     tokens = prompt if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
     if isinstance(affix, dict):
@@ -86,7 +88,12 @@ def request_route_key(body: Any, lead_tokens: int = LEAD_TOKENS, lead_chars: int
 
 
 def _content(message: Any) -> Any:
-    return message.get("content") if isinstance(message, dict) else None
+    """A message's text as the replica reads it (text parts joined: `message_text`); else its content as sent."""
+    content = message.get("content") if isinstance(message, dict) else None
+    try:
+        return message_text(content) if isinstance(content, list) else content
+    except ValueError:  # not text: the replica answers its 400
+        return content
 
 
 def _text_key(kind: str, text: str) -> str:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API on the engine (FastAPI; run by uvicorn, see `dllm-jax serve`).
 
 POST /v1/completions, POST /v1/chat/completions (stream: one server-sent event per committed block, then [DONE];
-usage in the last chunk and in the plain body), GET /v1/models, GET /health (liveness: 200 while the engine thread
+usage in the last chunk and in the plain body; several choices, `n` or a list of prompts: each an engine request,
+a chunk per block of one of them, usage in a last chunk of no choices), GET /v1/models, GET /health (liveness: 200 while the engine thread
 can serve, warming and draining included), GET /ready (readiness: 200 once warmed up and not draining, else 503
 with the status), GET /metrics (Prometheus). Requests sent during the warm-up wait for it.
 Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}}: 400 for a bad field, an unknown
@@ -39,6 +40,7 @@ from dllm_jax.io.loading import DEFAULT_MODEL_DIR, generation_defaults
 from dllm_jax.server import logs, openapi
 from dllm_jax.server.metrics import ServerMetrics
 from dllm_jax.server.protocol import (
+    MAX_CHOICES,
     Affix,
     AffixCreate,
     AffixID,
@@ -271,11 +273,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     )
     async def completions(request: Request):
         req = parse(CompletionRequest, await _json(request, settings.body_timeout))
-        if isinstance(req.prompt, list):
-            prompt = [int(t) for t in req.prompt]
-        else:
-            prompt = model.tokenizer.encode(req.prompt)
-        return await _serve(request, req, prompt, chat=False)
+        texts = req.prompts()
+        prompts = [[int(t) for t in p] if isinstance(p, list) else model.tokenizer.encode(p) for p in texts]
+        return await _serve(request, req, prompts, chat=False, texts=texts)
 
     @app.post(
         "/v1/chat/completions",
@@ -291,9 +291,11 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         prompt = model.encode_chat(messages)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
-        return await _serve(request, req, prompt, chat=True)
+        return await _serve(request, req, [prompt], chat=True)
 
-    async def _serve(request: Request, req: Diffusion, prompt: list[int], chat: bool):
+    async def _serve(request: Request, req: Diffusion, prompts: list[list[int]], chat: bool, texts=(None,)):
+        """Answer the request: one choice (the path below), or several (`_serve_choices`): texts are the prompts as
+        sent (a string, or token ids)."""
         if req.model != settings.model_name:
             raise APIError(
                 400,
@@ -304,7 +306,15 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
         config, max_tokens = _config(req, settings, service.engine.model.config, service.engine.config.shallow_depths)
-        affix = _affix(req, prompt, model.tokenizer, affixes)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceed {MAX_CHOICES} choices a request", "n")
+        if len(prompts) * req.n > 1 and (req.return_commit_steps or req.return_anchors):
+            field = "return_commit_steps" if req.return_commit_steps else "return_anchors"
+            raise APIError(400, f"{field} traces one answer: send one prompt with n 1", param=field)
+        found = [_affix(req, p, model.tokenizer, affixes, text) for p, text in zip(prompts, texts)]
+        if len(prompts) * req.n > 1:
+            return await _serve_choices(request, req, prompts, found, config, max_tokens, chat)
+        prompt, affix = prompts[0], found[0]
         service.open_answers += 1  # until its answer is handed to the server (a cut shutdown waits for it)
         try:
             rid, stream = await _submit(request, req, prompt, config, affix)
@@ -331,6 +341,106 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             return body
         return JSONResponse(body, background=_sent())
 
+    async def _serve_choices(request, req, prompts, found, config, max_tokens: int, chat: bool):
+        """Several choices: prompt i's j-th (index i * n + j) is an engine request of its own with seed + j (so it
+        equals that request sent alone), all queued at once. Answered together, or streamed as their blocks come
+        (a chunk is one choice's; usage in a last chunk of no choices). One that fails ends them all."""
+        service.open_answers += 1
+        submits = [
+            _submit(request, req, prompts[k // req.n], config, found[k // req.n], sample=k % req.n, choice=k)
+            for k in range(len(prompts) * req.n)
+        ]  # handed over together: the engine takes them in at one step
+        done = await asyncio.gather(*submits, return_exceptions=True)
+        if failed := next((d for d in done if isinstance(d, BaseException)), None):
+            for d in done:
+                if not isinstance(d, BaseException):
+                    service.abort(d[0])
+            service.open_answers -= 1
+            raise failed
+        subs: list[tuple[str, asyncio.Queue]] = list(done)
+        t0 = time.perf_counter()
+        answers = [Answer(model.tokenizer, req.stop, max_tokens, False, t0) for _ in subs]
+        owners = [prompts[k // req.n] for k in range(len(subs))]
+        cid, n_prompt = new_id("chatcmpl" if chat else "cmpl"), sum(map(len, prompts))
+        if req.stream:
+            events = _choice_events(subs, answers, owners, cid, req, chat, request.state.request_id, t0, n_prompt)
+            return EventSourceResponse(events, ping=15, sep="\n")
+        tasks = [
+            asyncio.ensure_future(_collect(request, rid, stream, answer, cid, req, owner, chat))
+            for (rid, stream), answer, owner in zip(subs, answers, owners)
+        ]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in pending:
+                t.cancel()  # each aborts its engine request
+            await asyncio.gather(*pending, return_exceptions=True)
+            errors = [t.exception() for t in tasks if not t.cancelled() and t.exception()]  # (each one retrieved)
+            if errors:
+                raise errors[0]
+        except APIError as e:
+            for k, answer in enumerate(answers):
+                _logged(f"{request.state.request_id}.{k}", e.status, len(owners[k]), answer, t0, e.code)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers, background=_sent())
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            service.open_answers -= 1
+            raise
+        bodies = [t.result() for t in tasks]
+        left = next((b for b in bodies if isinstance(b, Response)), None)
+        if left is not None:  # the client left: every choice was aborted
+            left.background = _sent()
+            return left
+        for k, answer in enumerate(answers):
+            _logged(f"{request.state.request_id}.{k}", 200, len(owners[k]), answer, t0)
+        body = completion_body(cid, req.model, "", None, usage(n_prompt, sum(len(a.ids) for a in answers)), chat)
+        body["choices"] = [{**b["choices"][0], "index": k} for k, b in enumerate(bodies)]
+        return JSONResponse(body, background=_sent())
+
+    async def _choice_events(subs, answers, owners, cid, req, chat, request_id, t0, n_prompt):
+        """The stream of several choices: each choice's blocks as they come, a chunk each (its `index`)."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, rid: str, stream: asyncio.Queue, answer: Answer) -> None:
+            try:
+                while answer.finish is None:
+                    delta = await _next(stream, rid, answer)
+                    merged.put_nowait((k, delta, answer.finish, None))
+            except APIError as e:
+                merged.put_nowait((k, "", None, e))
+            except Exception as e:  # noqa: BLE001  told to the client, never a stream left waiting
+                merged.put_nowait((k, "", None, APIError(500, f"choice {k} failed: {e!r}")))
+
+        pumps = [asyncio.ensure_future(pump(k, *sub, a)) for k, (sub, a) in enumerate(zip(subs, answers))]
+        first, left, status, code = [True] * len(subs), len(subs), 200, None
+        try:
+            while left:
+                k, delta, finish, error = await merged.get()
+                if error is not None:  # an error event, then the end of the stream
+                    status, code = error.status, error.code
+                    yield json.dumps(error.body())
+                    break
+                if delta or finish or first[k]:
+                    yield json.dumps(
+                        completion_body(cid, req.model, delta, finish, None, chat, chunk=True, first=first[k], index=k)
+                    )
+                    first[k] = False
+                left -= finish is not None
+            if not left:
+                last = completion_body(cid, req.model, "", None, None, chat, chunk=True)
+                last["choices"], last["usage"] = [], usage(n_prompt, sum(len(a.ids) for a in answers))
+                yield json.dumps(last)
+            yield "[DONE]"
+        finally:
+            for p in pumps:
+                p.cancel()
+            for k, ((rid, _), answer) in enumerate(zip(subs, answers)):
+                done = answer.finish is not None
+                _logged(f"{request_id}.{k}", status if done or code else 499, len(owners[k]), answer, t0, code, True)
+                if not done:  # the client went away, or a choice failed: free its pages
+                    service.abort(rid)
+            service.open_answers -= 1
+
     def _sent() -> BackgroundTask:
         """Runs once an answer is sent: one open answer fewer."""
 
@@ -339,17 +449,21 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
         return BackgroundTask(one_fewer)
 
-    async def _submit(request: Request, req: Diffusion, prompt, config, affix) -> tuple[str, asyncio.Queue]:
-        """Hand the request to the engine thread; its refusals as OpenAI errors."""
+    async def _submit(
+        request: Request, req: Diffusion, prompt, config, affix, sample: int = 0, choice: int | None = None
+    ) -> tuple[str, asyncio.Queue]:
+        """Hand the request to the engine thread (sample: the seed's offset; choice: its index among several);
+        its refusals as OpenAI errors."""
         try:
             timeout = req.timeout or settings.request_timeout
+            rid = request.state.request_id
             return await service.submit(
                 prompt,
                 config,
                 affix,
-                req.seed or 0,
+                (req.seed or 0) + sample,
                 timeout,
-                request_id=request.state.request_id,
+                request_id=rid if choice is None else f"{rid}.{choice}",
                 auto=_auto(req, settings),
             )
         except QueueFull as e:
@@ -586,9 +700,9 @@ def _auto(req: Diffusion, s: ServeSettings) -> str | None:
     return None
 
 
-def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, AffixHandle]) -> Any:
-    """The engine's affix argument: "auto", None, a registered handle, or the (start, end) token span the request
-    names."""
+def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, AffixHandle], sent=None) -> Any:
+    """The engine's affix argument for one of its prompts (sent: that prompt as sent, a string or token ids; None
+    for a chat): "auto", None, a registered handle, or the (start, end) token span the request names."""
     if req.affix == "auto":
         return "auto"
     if req.affix == "none":
@@ -609,7 +723,7 @@ def _affix(req: Diffusion, prompt: list[int], tokenizer, registered: dict[str, A
     else:
         assert isinstance(req.affix, AffixText)
         text = req.affix.text
-        if isinstance(getattr(req, "prompt", None), str) and text not in req.prompt:
+        if isinstance(sent, str) and text not in sent:
             raise APIError(400, "affix.text is not part of the prompt", param="affix.text")
         messages = getattr(req, "messages", None)
         if messages is not None and not any(text in (m.content or "") for m in messages):

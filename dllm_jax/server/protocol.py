@@ -28,6 +28,9 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
   return_anchors   true: the prompt's tokens, the shared affix's span in them and the prompt positions ACache's
                    probe chose as anchors (`dllm.prompt_tokens`, `dllm.affix_span`, `dllm.anchors`; streamed: in
                    the first block's chunk)
+`n` choices per prompt and (completions) a list of prompts, at most MAX_CHOICES choices a request: prompt i's j-th
+choice, index i * n + j, is decoded with seed + j (the server's `_serve_choices`). A chat message's content is a
+string or a list of text parts, read joined by newlines.
 OpenAI fields this engine has no use for are accepted at their neutral values (logprobs null, echo false,
 penalties 0, ...) and refused otherwise; unknown fields are refused, naming them (a typo never passes silently).
 `temperature` defaults to 0 (greedy, as LLaDA's and Dream's own generate), not the API's 1: set it to sample.
@@ -41,7 +44,17 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 # OpenAI fields accepted at these values only (anything else is a 400 naming the field)
 NEUTRAL = {
@@ -63,6 +76,8 @@ NEUTRAL = {
     "tools": (None, []),
 }
 
+
+MAX_CHOICES = 64  # choices a request may ask for (prompts x n): each is a request to the engine
 
 # JSON types as the schema states them: no true for 1, no 3.0 for 3, no "0.5" for 0.5 (pydantic's lax mode would
 # take them)
@@ -178,7 +193,12 @@ class Diffusion(BaseModel):
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = Field(None, validate_default=True)
     seed: Int | None = None
     stream: StrictBool = False
-    n: Int = Field(1, ge=1, le=1, description="one choice per request")
+    n: Int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="choices per prompt: the j-th decoded with seed + j (all equal at temperature 0)",
+    )
     steps: Int | None = Field(None, ge=1)
     block_length: Int | None = Field(None, ge=1)
     threshold: Float | None = Field(None, gt=0, le=1)
@@ -233,26 +253,85 @@ def _same(value, neutral) -> bool:
 class CompletionRequest(Diffusion):
     prompt: (
         NonEmpty
-        | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+        | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)]
         | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
     )
 
     @field_validator("prompt", mode="before")  # before the types: these messages rather than a union's
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (send several requests: they are batched)")
+    def _prompts(cls, v):
+        if v == "" or v == [] or (isinstance(v, list) and any(p == "" or p == [] for p in v)):
+            raise ValueError("a prompt is empty")
+        token_ids = lambda p: isinstance(p, list) and all(type(t) is int for t in p)  # noqa: E731
+        if not (
+            isinstance(v, str)
+            or token_ids(v)
+            or (isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(token_ids(p) for p in v)))
+        ):
+            raise ValueError("prompt takes a string, a list of strings, token ids, or a list of token id lists")
+        if isinstance(v, list) and isinstance(v[0], str | list) and len(v) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts a request")
+        if any(
+            t < 0 for p in (v if isinstance(v, list) and isinstance(v[0], list) else [v]) if token_ids(p) for t in p
+        ):
+            raise ValueError("token ids are >= 0")
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
             v = v[0]
-        if v == "" or v == []:
-            raise ValueError("the prompt is empty")
         return v
+
+    def prompts(self) -> list:
+        """The prompts, each a string or a list of token ids."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return list(self.prompt) if batch else [self.prompt]
+
+
+def message_text(content: str | list) -> str:
+    """A message's content as one string: text parts joined by newlines (as vLLM joins them); other parts (images,
+    audio, files) are refused by name (ValueError): the model reads text only."""
+    if isinstance(content, str):
+        return content
+    if not content:
+        raise ValueError("a content list needs at least one text part")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content part {i} is of type {kind!r}: this model reads text only")
+        if kind != "text" or set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise ValueError(f'content part {i} is not a text part {{"type": "text", "text": "..."}}')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# a message's content as the API takes it (held as one string: `Message._text_parts`)
+CONTENT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "required": ["type", "text"],
+                "additionalProperties": False,
+            },
+        },
+    ],
+    "description": 'a string, or text parts ({"type": "text", "text": ...}), read joined by newlines',
+}
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: Annotated[str, WithJsonSchema(CONTENT_SCHEMA)]
+
+    @field_validator("content", mode="before")  # before the types: these messages rather than a union's
+    @classmethod
+    def _text_parts(cls, v):
+        return message_text(v) if isinstance(v, list) else v
 
 
 class ChatRequest(Diffusion):
@@ -408,7 +487,8 @@ def parse(model_cls: type[BaseModel], body: Any) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix to our validators' own messages
+        raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(":")[-1].strip().split("=")[0]) from None
     return req
@@ -435,22 +515,23 @@ def completion_body(
     chat: bool,
     chunk: bool = False,
     first: bool = False,
+    index: int = 0,
 ) -> dict:
-    """A response or a stream chunk of either endpoint."""
+    """A response or a stream chunk of either endpoint (index: its choice's)."""
     if chat:
         if chunk:
             delta = {"content": text} if not first else {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": finish,
             }
         obj = "chat.completion.chunk" if chunk else "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     if use is not None:
