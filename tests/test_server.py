@@ -20,7 +20,7 @@ import pytest
 import schemathesis
 import uvicorn
 from hypothesis import strategies as st
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 
 import dllm_jax
 from dllm_jax import GenerationConfig, generate
@@ -111,7 +111,15 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     )
     assert plain.choices[0].text == want
     models = c.models.list()
-    assert [m.id for m in models.data] == [NAME]
+    assert [m.id for m in models.data] == [NAME] and c.models.retrieve(NAME) == models.data[0]
+    # an unknown model, path or method: OpenAI's error shape (the client raises its typed errors on them)
+    with pytest.raises(NotFoundError) as e:
+        c.models.retrieve("gpt-5")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    for method, path, status in (("GET", "/v1/embeddings", 404), ("PUT", "/v1/completions", 405)):
+        r = httpx.request(method, f"{server.url}{path}", timeout=10)
+        assert r.status_code == status and protocol.ErrorResponse.model_validate(r.json())
+        assert f"{method} {path}" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
 

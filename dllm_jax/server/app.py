@@ -2,13 +2,15 @@
 
 POST /v1/completions, POST /v1/chat/completions (stream: one server-sent event per committed block, then [DONE];
 usage in the last chunk and in the plain body; several choices, `n` or a list of prompts: each an engine request,
-a chunk per block of one of them, usage in a last chunk of no choices), GET /v1/models, GET /health (liveness: 200 while the engine thread
-can serve, warming and draining included), GET /ready (readiness: 200 once warmed up and not draining, else 503
-with the status), GET /metrics (Prometheus). Requests sent during the warm-up wait for it.
-Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}}: 400 for a bad field, an unknown
-model, a request too long or a block length / BiCache depth the server does not serve; 401 without the API key;
-429 when the queue is full; 500 for the requests of a device call that failed; 503 while draining or when the
-engine cannot serve. GET /openapi.json documents every body and response (`openapi.py`), /docs browses it.
+a chunk per block of one of them, usage in a last chunk of no choices), GET /v1/models (and /v1/models/{id}),
+GET /health (liveness: 200 while the engine thread can serve, warming and draining included), GET /ready
+(readiness: 200 once warmed up and not draining, else 503 with the status), GET /metrics (Prometheus). Requests
+sent during the warm-up wait for it.
+Errors have the OpenAI shape {"error": {"message", "type", "param", "code"}} (the router's 404 / 405 too): 400 for
+a bad field, an unknown model, a request too long or a block length / BiCache depth the server does not serve;
+401 without the API key; 429 when the queue is full; 500 for the requests of a device call that failed; 503 while
+draining or when the engine cannot serve. GET /openapi.json documents every body and response (`openapi.py`),
+/docs browses it.
 GET / is the playground (`playground/`: one static page, no build step): a request's blocks replayed in the order
 their tokens were committed, its shared affix and ACache's anchors marked, the server's counters.
 """
@@ -28,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from dllm_jax import __version__
 from dllm_jax.audit import affix_id
@@ -55,6 +58,7 @@ from dllm_jax.server.protocol import (
     CompletionRequest,
     Diffusion,
     Health,
+    ModelCard,
     ModelList,
     Readiness,
     completion_body,
@@ -134,6 +138,12 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)  # the router's own (no such path, a method it lacks): OpenAI's shape too
+    async def http_error(request: Request, e: HTTPException):
+        what = {404: "no such endpoint", 405: "method not allowed"}.get(e.status_code, str(e.detail))
+        message = f"{what}: {request.method} {request.url.path} (the endpoints: GET /docs)"
+        return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code, headers=e.headers)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -224,12 +234,22 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     async def playground():
         return page
 
+    card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}
+
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401))
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=openapi.errors(401, 404))
+    async def model_card(model_id: str):
+        if model_id != settings.model_name:
+            raise APIError(
+                404,
+                f"unknown model {model_id!r}: this server serves {settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return card
 
     @app.get(
         "/health",
