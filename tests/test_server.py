@@ -96,6 +96,16 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "1 0 4"
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.total_tokens == chat.usage.total_tokens
+    asked = list(
+        c.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": DEMO_PROMPT}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # OpenAI's way: the usage in a chunk of no choices after the text's
+    assert asked[-1].choices == [] and asked[-1].usage == chat.usage and all(ch.usage is None for ch in asked[:-1])
+    assert "".join(ch.choices[0].delta.content or "" for ch in asked[:-1]) == "1 0 4"
     ref = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")  # the model's defaults
     assert fixtures.solo_text(model, model.encode_chat(DEMO_PROMPT), ref) == "1 0 4"
     # a completion over several blocks, streamed one event per block
@@ -379,6 +389,12 @@ def _settings(gen, block, steps):
         ({"model": NAME, "prompt": ["x"] * 8, "n": 9}, 400, "n", None),  # 72 choices: over 64
         ({"model": NAME, "prompt": ["x", "y"], "return_commit_steps": True}, 400, "return_commit_steps", None),
         ({"model": NAME, "prompt": ["x", ""]}, 400, "prompt", None),
+        (
+            {"model": NAME, "prompt": "x", "stream_options": {"include_usage": 1}},
+            400,
+            "stream_options.include_usage",
+            None,
+        ),
         ({"model": NAME, "prompt": [[1, 2], "x"]}, 400, "prompt", None),
         (
             {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -476,9 +492,10 @@ def test_queue_full_and_draining(model):
 
 def test_several_choices_each_equal_their_request_alone(server, model):
     """`n` and a batch of prompts (completions: strings or token id lists): prompt i's j-th choice (index i * n + j)
-    is prompt i's request alone with seed + j, plain and streamed (a chunk is one choice's; usage in a last chunk
-    of no choices); usage counts each prompt once and every choice's tokens; a chat message's text parts read as
-    their string joined by newlines."""
+    is prompt i's request alone with seed + j, plain and streamed (a chunk is one choice's, the last one carries the
+    usage; with stream_options.include_usage a chunk of no choices after it does, every other's null); usage counts
+    each prompt once and every choice's tokens; a chat message's text parts read as their string joined by
+    newlines."""
     rules = "rule examples : 7 4 0 -> 2 5 9 ; 3 6 8 -> 6 3 1 ; 6 5 2 -> 3 4 7 ;"
     prompts = [f"{rules} input : 8 9 5 what does the rule give ?", "the code of"]
     base = {"model": NAME, "max_tokens": 8, "temperature": 1.0, "seed": 11}
@@ -494,12 +511,18 @@ def test_several_choices_each_equal_their_request_alone(server, model):
     use = both["usage"]
     assert use["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"] + alone[2]["usage"]["prompt_tokens"]
     assert use["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
-    chunks, texts = _sse(server, "/v1/completions", {**base, "prompt": prompts, "n": 2}), ["", "", "", ""]
-    for chunk in chunks[:-1]:
-        [choice] = chunk["choices"]
-        texts[choice["index"]] += choice["text"]
-    assert texts == [c["text"] for c in both["choices"]]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == use
+    for asked in (False, True):
+        body = {**base, "prompt": prompts, "n": 2, "stream_options": {"include_usage": asked}}
+        chunks, texts = _sse(server, "/v1/completions", body), ["", "", "", ""]
+        for chunk in chunks[:-1] if asked else chunks:
+            [choice] = chunk["choices"]
+            texts[choice["index"]] += choice["text"]
+        assert texts == [c["text"] for c in both["choices"]]
+        if asked:
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == use
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+        else:
+            assert chunks[-1]["usage"] == use and all("usage" not in c for c in chunks[:-1])
     # the openai client: prompts as token id lists; chat with n and a message in text parts
     c = server.client()
     ids = c.completions.create(

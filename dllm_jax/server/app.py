@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API on the engine (FastAPI; run by uvicorn, see `dllm-jax serve`).
 
 POST /v1/completions, POST /v1/chat/completions (stream: one server-sent event per committed block, then [DONE];
-usage in the last chunk and in the plain body; several choices, `n` or a list of prompts: each an engine request,
-a chunk per block of one of them, usage in a last chunk of no choices), GET /v1/models (and /v1/models/{id}),
+usage in the last chunk, or with stream_options.include_usage in a chunk of no choices after it, and in the plain
+body; several choices, `n` or a list of prompts: each an engine request, a chunk per block of one of them), GET
+/v1/models (and /v1/models/{id}),
 GET /health (liveness: 200 while the engine thread can serve, warming and draining included), GET /ready
 (readiness: 200 once warmed up and not draining, else 503 with the status), GET /metrics (Prometheus). Requests
 sent during the warm-up wait for it.
@@ -364,7 +365,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     async def _serve_choices(request, req, prompts, found, config, max_tokens: int, chat: bool):
         """Several choices: prompt i's j-th (index i * n + j) is an engine request of its own with seed + j (so it
         equals that request sent alone), all queued at once. Answered together, or streamed as their blocks come
-        (a chunk is one choice's; usage in a last chunk of no choices). One that fails ends them all."""
+        (a chunk is one choice's). One that fails ends them all."""
         service.open_answers += 1
         submits = [
             _submit(request, req, prompts[k // req.n], config, found[k // req.n], sample=k % req.n, choice=k)
@@ -440,16 +441,16 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                     status, code = error.status, error.code
                     yield json.dumps(error.body())
                     break
-                if delta or finish or first[k]:
-                    yield json.dumps(
-                        completion_body(cid, req.model, delta, finish, None, chat, chunk=True, first=first[k], index=k)
-                    )
-                    first[k] = False
                 left -= finish is not None
-            if not left:
-                last = completion_body(cid, req.model, "", None, None, chat, chunk=True)
-                last["choices"], last["usage"] = [], usage(n_prompt, sum(len(a.ids) for a in answers))
-                yield json.dumps(last)
+                if delta or finish or first[k]:
+                    use = None if left else usage(n_prompt, sum(len(a.ids) for a in answers))  # the last: usage
+                    chunk = completion_body(
+                        cid, req.model, delta, finish, use, chat, chunk=True, first=first[k], index=k
+                    )
+                    yield json.dumps(_usage_asked(req, chunk))
+                    first[k] = False
+            if not left and (last := _usage_chunk(req, cid, chat, use)) is not None:
+                yield last
             yield "[DONE]"
         finally:
             for p in pumps:
@@ -558,7 +559,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                     if trace := _trace(req, answer, prompt, answer.blocks[blocks:], first):
                         body["dllm"] = trace
                     first = False
-                    yield json.dumps(body)
+                    yield json.dumps(_usage_asked(req, body))
+            if (last := _usage_chunk(req, cid, chat, usage(n_prompt, len(answer.ids)))) is not None:
+                yield last
             yield "[DONE]"
         except APIError as e:  # an error event, then the end of the stream
             status, code = e.status, e.code
@@ -571,6 +574,23 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                 service.abort(rid)
 
     return app
+
+
+def _usage_asked(req: Diffusion, chunk: dict) -> dict:
+    """A stream chunk as sent: with stream_options.include_usage its usage is null (it comes in a chunk of its own,
+    `_usage_chunk`); else the last chunk carries it."""
+    if req.stream_options is not None and req.stream_options.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def _usage_chunk(req: Diffusion, cid: str, chat: bool, use: dict) -> str | None:
+    """With stream_options.include_usage, the stream's usage in a last chunk of no choices (OpenAI's)."""
+    if req.stream_options is None or not req.stream_options.include_usage:
+        return None
+    last = completion_body(cid, req.model, "", None, use, chat, chunk=True)
+    last["choices"] = []
+    return json.dumps(last)
 
 
 def _logged(rid: str, status: int, n_prompt: int, answer: Answer, t0: float, code=None, stream=False) -> None:

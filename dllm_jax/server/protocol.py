@@ -29,8 +29,9 @@ Extra fields (what `extra_body` of the official client sends), each optional wit
                    probe chose as anchors (`dllm.prompt_tokens`, `dllm.affix_span`, `dllm.anchors`; streamed: in
                    the first block's chunk)
 `n` choices per prompt and (completions) a list of prompts, at most MAX_CHOICES choices a request: prompt i's j-th
-choice, index i * n + j, is decoded with seed + j (the server's `_serve_choices`). A chat message's content is a
-string or a list of text parts, read joined by newlines.
+choice, index i * n + j, is decoded with seed + j (the server's `_serve_choices`). A stream's usage comes in its
+last chunk, or with stream_options {"include_usage": true} in a chunk of no choices after it (OpenAI's). A chat
+message's content is a string or a list of text parts, read joined by newlines.
 OpenAI fields this engine has no use for are accepted at their neutral values (logprobs null, echo false,
 penalties 0, ...) and refused otherwise; unknown fields are refused, naming them (a typo never passes silently).
 `temperature` defaults to 0 (greedy, as LLaDA's and Dream's own generate), not the API's 1: set it to sample.
@@ -67,7 +68,6 @@ NEUTRAL = {
     "logit_bias": (None, {}),
     "suffix": (None,),
     "user": "any",
-    "stream_options": "any",
     "service_tier": "any",
     "store": "any",
     "metadata": "any",
@@ -174,6 +174,13 @@ class AuditReport(BaseModel):
     calibration: list[Calibration]
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI's later options: taken, nothing to do with them here
+    include_usage: StrictBool = Field(
+        False, description="usage in a last chunk of no choices (every other chunk's usage null), as OpenAI sends it"
+    )
+
+
 class AffixSpan(BaseModel):
     """Token positions [start, end) of the prompt (for prompts sent as token ids)."""
 
@@ -193,6 +200,7 @@ class Diffusion(BaseModel):
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = Field(None, validate_default=True)
     seed: Int | None = None
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     n: Int = Field(
         1,
         ge=1,
