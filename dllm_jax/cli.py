@@ -538,7 +538,9 @@ def build_parser() -> Parser:
     v.add_argument("--model-name", default=None, help="the name clients send as `model` (default: the directory's)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     v.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
-    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    v.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/, /tokenize and /detokenize"
+    )
     v.add_argument(
         "--max-batch",
         type=positive_int,

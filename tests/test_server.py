@@ -463,6 +463,7 @@ def test_api_key(model):
         ok = s.client("sekret").completions.create(model=NAME, prompt=DEMO_PROMPT)
         assert ok.choices[0].text
         assert httpx.get(f"{s.url}/health").status_code == 200  # health and metrics need no key
+        assert _post(s, "/tokenize", {"prompt": "the code"}).status_code == 401  # the tokenizer needs it
     finally:
         s.close()
 
@@ -535,6 +536,37 @@ def test_several_choices_each_equal_their_request_alone(server, model):
     split = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": parts}], n=3)
     assert [ch.message.content for ch in split.choices] == ["1 0 4"] * 3
     assert split.usage == c.chat.completions.create(model=NAME, messages=joined, n=3).usage
+
+
+def test_tokenize_reads_a_prompt_as_requests_are_read(server, model):
+    """POST /tokenize gives a prompt's token ids (a chat's as its template renders it: a chat request's prompt
+    tokens); a span found in them names an affix by position; POST /detokenize turns ids back into the text."""
+    prompt = f"{DOC} question : what is the code of wizard ? reply with the digits ."
+    got = _post(server, "/tokenize", {"model": NAME, "prompt": prompt}).json()
+    assert got["tokens"] == model.tokenizer.encode(prompt) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 128  # the module's server
+    assert _post(server, "/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": prompt}]
+    chat = _post(server, "/tokenize", {"messages": messages}).json()
+    answer = _post(server, "/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": 8}).json()
+    assert chat["tokens"] == model.encode_chat(messages) and chat["count"] == answer["usage"]["prompt_tokens"]
+    # the document's span in the tokens names it as the shared affix: the answer is the one naming it as text
+    doc = _post(server, "/tokenize", {"prompt": DOC}).json()["tokens"]
+    start = next(i for i in range(len(got["tokens"])) if got["tokens"][i : i + len(doc)] == doc)
+    body = {"model": NAME, "prompt": got["tokens"], "max_tokens": 8, "affix_technique": "naive", "return_anchors": True}
+    by_span = _post(server, "/v1/completions", {**body, "affix": {"start": start, "end": start + len(doc)}}).json()
+    by_text = _post(server, "/v1/completions", {**body, "prompt": prompt, "affix": {"text": DOC}}).json()
+    assert by_span["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert by_span["dllm"]["affix_span"] == by_text["dllm"]["affix_span"] == [start, start + len(doc)]
+    for path, bad, param in (
+        ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"model": "gpt-5", "prompt": "x"}, "model"),
+        ("/detokenize", {"tokens": [model.config.vocab_size]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ):
+        r = _post(server, path, bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, bad, r.text)
 
 
 def test_several_choices_end_together_and_free_their_pages(server):
@@ -787,7 +819,7 @@ def test_schemathesis_finds_no_fault_in_any_endpoint(server):
         post = op.method.upper() == "POST"
         modes = list(schemathesis.GenerationMode) if post else [schemathesis.GenerationMode.POSITIVE]
         for mode in modes:
-            examples = 40 if post else 3
+            examples = 15 if op.path in ("/tokenize", "/detokenize") else 40 if post else 3  # (no device work there)
             settings = hypothesis.settings(
                 max_examples=examples,
                 deadline=None,

@@ -3,7 +3,7 @@
 POST /v1/completions, POST /v1/chat/completions (stream: one server-sent event per committed block, then [DONE];
 usage in the last chunk, or with stream_options.include_usage in a chunk of no choices after it, and in the plain
 body; several choices, `n` or a list of prompts: each an engine request, a chunk per block of one of them), GET
-/v1/models (and /v1/models/{id}),
+/v1/models (and /v1/models/{id}), POST /tokenize and /detokenize (vLLM's),
 GET /health (liveness: 200 while the engine thread can serve, warming and draining included), GET /ready
 (readiness: 200 once warmed up and not draining, else 503 with the status), GET /metrics (Prometheus). Requests
 sent during the warm-up wait for it.
@@ -57,11 +57,15 @@ from dllm_jax.server.protocol import (
     ChatRequest,
     Completion,
     CompletionRequest,
+    Detokenized,
+    DetokenizeRequest,
     Diffusion,
     Health,
     ModelCard,
     ModelList,
     Readiness,
+    Tokenized,
+    TokenizeRequest,
     completion_body,
     new_id,
     parse,
@@ -148,7 +152,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1/"):
+        if settings.api_key and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
             header = request.headers.get("authorization", "")
             if header != f"Bearer {settings.api_key}":
                 e = APIError(
@@ -236,6 +240,47 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         return page
 
     card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}
+
+    def _this_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(
+                400,
+                f"unknown model {name!r}: this server serves {settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.post(
+        "/tokenize",
+        response_model=Tokenized,
+        openapi_extra=openapi.body(TokenizeRequest),
+        responses=openapi.errors(400, 401, 408, 413),
+    )
+    async def tokenize(request: Request):
+        """A prompt's (or a chat's, as its template renders it) token ids, as a request's prompt is read."""
+        req = parse(TokenizeRequest, await _json(request, settings.body_timeout))
+        _this_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
+        if req.prompt is not None:
+            tokens = model.tokenizer.encode(req.prompt)
+        else:
+            chat = [{"role": m.role, "content": m.content} for m in req.messages]
+            tokens = model.encode_chat(chat, req.add_generation_prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": service.engine.max_len}
+
+    @app.post(
+        "/detokenize",
+        response_model=Detokenized,
+        openapi_extra=openapi.body(DetokenizeRequest),
+        responses=openapi.errors(400, 401, 408, 413),
+    )
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await _json(request, settings.body_timeout))
+        _this_model(req.model)
+        if any(t >= model.config.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids are below the vocabulary's {model.config.vocab_size}", param="tokens")
+        return {"prompt": model.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401))
     async def models():

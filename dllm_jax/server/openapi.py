@@ -11,17 +11,25 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from dllm_jax.server.protocol import NEUTRAL, AffixCreate, ChatRequest, CompletionRequest, ErrorResponse
+from dllm_jax.server.protocol import (
+    NEUTRAL,
+    AffixCreate,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
 
 REF = "#/components/schemas/{model}"
 BODIES = (CompletionRequest, ChatRequest)  # the generation bodies: their JSON schemas join the document's components
-OTHER_BODIES = (AffixCreate,)  # and these
+OTHER_BODIES = (AffixCreate, TokenizeRequest, DetokenizeRequest)  # and these
 
 ERRORS = {
     400: "A bad field (`param` names it), an unknown model, a request longer than the server's maximum length, or "
     "a block length / BiCache depth the server does not serve",
     401: "A missing or wrong API key (servers started with --api-key)",
-    404: "No such affix is registered (`code`: affix_not_found)",
+    404: "No such affix is registered (`code`: affix_not_found), or model (`code`: model_not_found)",
     408: "The request body took too long to arrive",
     413: "The request body is too large (over 4 MiB)",
     429: "Too many requests waiting: retry later",
@@ -89,6 +97,7 @@ def install(app: FastAPI, model_name: str, vocab_size: int) -> None:
             for alt in defs["$defs"]["AffixCreate"]["properties"]["tokens"]["anyOf"]:
                 if alt.get("type") == "array":
                     alt["items"]["maximum"] = vocab_size - 1
+            defs["$defs"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             app.openapi_schema = schema
         return app.openapi_schema

@@ -347,6 +347,35 @@ class ChatRequest(Diffusion):
     max_completion_tokens: Int | None = Field(None, ge=1)
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt's or a chat's token ids, as the server reads them; e.g. to name an
+    affix by its token span ({"affix": {"start": s, "end": e}})."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = Field(None, description="a prompt, or messages")
+    messages: list[Message] | None = Field(None, min_length=1, description="a chat, or a prompt")
+    add_generation_prompt: StrictBool = Field(True, description="chat: end with the assistant's turn, as served")
+
+
+class Tokenized(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int = Field(description="the longest prompt + answer the server takes")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids back to text (special tokens kept)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
 class APIError(Exception):
     """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
