@@ -105,6 +105,8 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
         )
     )  # OpenAI's way: the usage in a chunk of no choices after the text's
     assert asked[-1].choices == [] and asked[-1].usage == chat.usage and all(ch.usage is None for ch in asked[:-1])
+    raw = _sse(server, "/v1/completions", {"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}})
+    assert all("usage" in ch and ch["usage"] is None for ch in raw[:-1]) and raw[-1]["usage"]["prompt_tokens"]
     assert "".join(ch.choices[0].delta.content or "" for ch in asked[:-1]) == "1 0 4"
     ref = GenerationConfig.from_options(gen_length=8, block_length=8, steps=8, cache="dual")  # the model's defaults
     assert fixtures.solo_text(model, model.encode_chat(DEMO_PROMPT), ref) == "1 0 4"
@@ -389,6 +391,7 @@ def _settings(gen, block, steps):
         ({"model": NAME, "prompt": ["x"] * 8, "n": 9}, 400, "n", None),  # 72 choices: over 64
         ({"model": NAME, "prompt": ["x", "y"], "return_commit_steps": True}, 400, "return_commit_steps", None),
         ({"model": NAME, "prompt": ["x", ""]}, 400, "prompt", None),
+        ({"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
         (
             {"model": NAME, "prompt": "x", "stream_options": {"include_usage": 1}},
             400,
@@ -579,19 +582,17 @@ def test_several_choices_end_together_and_free_their_pages(server):
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True, "timeout": 0.001}) as st:
         events = [ln[len("data: ") :] for ln in st.iter_lines() if ln.startswith("data: ")]
     assert json.loads(events[-2])["error"]["code"] == "request_timeout" and events[-1] == "[DONE]"
-    before = server.metric("dllm_jax_requests_aborted_total")
+    ended = lambda: sum(server.metric(f"dllm_jax_requests_{n}_total") for n in ("aborted", "finished"))  # noqa: E731
+    aborted, before = server.metric("dllm_jax_requests_aborted_total"), ended()
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as st:
         for line in st.iter_lines():
             if line.startswith("data:"):
-                break  # a first block arrived: every choice holds pages now; leave
+                break  # a first block arrived: the choices hold pages now; leave
     deadline = time.time() + 30
-    while time.time() < deadline:
-        if server.metric("dllm_jax_requests_aborted_total") >= before + 4 and not server.metric(
-            "dllm_jax_kv_pages_used"
-        ):
-            break
+    while (ended() < before + 4 or server.metric("dllm_jax_kv_pages_used")) and time.time() < deadline:
         time.sleep(0.1)
-    assert server.metric("dllm_jax_requests_aborted_total") == before + 4
+    # each choice ended: aborted, unless it finished (an EOS) before the client left
+    assert ended() == before + 4 and server.metric("dllm_jax_requests_aborted_total") > aborted
     assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
 
 

@@ -61,6 +61,7 @@ from dllm_jax.server.protocol import (
     DetokenizeRequest,
     Diffusion,
     Health,
+    Message,
     ModelCard,
     ModelList,
     Readiness,
@@ -152,7 +153,8 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+        path = request.url.path
+        if settings.api_key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
             header = request.headers.get("authorization", "")
             if header != f"Bearer {settings.api_key}":
                 e = APIError(
@@ -241,14 +243,18 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dllm-jax"}
 
-    def _this_model(name: str | None) -> None:
+    def _this_model(name: str | None, status: int = 400) -> None:
         if name is not None and name != settings.model_name:
             raise APIError(
-                400,
+                status,
                 f"unknown model {name!r}: this server serves {settings.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
+
+    def _has_tokenizer() -> None:
+        if model.tokenizer is None:
+            raise APIError(400, f"the model at {model.path} has no tokenizer files: send token ids")
 
     @app.post(
         "/tokenize",
@@ -260,13 +266,13 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         """A prompt's (or a chat's, as its template renders it) token ids, as a request's prompt is read."""
         req = parse(TokenizeRequest, await _json(request, settings.body_timeout))
         _this_model(req.model)
+        _has_tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
         if req.prompt is not None:
             tokens = model.tokenizer.encode(req.prompt)
         else:
-            chat = [{"role": m.role, "content": m.content} for m in req.messages]
-            tokens = model.encode_chat(chat, req.add_generation_prompt)
+            tokens = model.encode_chat(_chat(req.messages), req.add_generation_prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": service.engine.max_len}
 
     @app.post(
@@ -276,8 +282,10 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         responses=openapi.errors(400, 401, 408, 413),
     )
     async def detokenize(request: Request):
+        """Token ids back to text, special tokens kept."""
         req = parse(DetokenizeRequest, await _json(request, settings.body_timeout))
         _this_model(req.model)
+        _has_tokenizer()
         if any(t >= model.config.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids are below the vocabulary's {model.config.vocab_size}", param="tokens")
         return {"prompt": model.tokenizer.decode(req.tokens, skip_special_tokens=False)}
@@ -288,13 +296,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=openapi.errors(401, 404))
     async def model_card(model_id: str):
-        if model_id != settings.model_name:
-            raise APIError(
-                404,
-                f"unknown model {model_id!r}: this server serves {settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        _this_model(model_id, status=404)
         return card
 
     @app.get(
@@ -353,8 +355,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     )
     async def chat(request: Request):
         req = parse(ChatRequest, await _json(request, settings.body_timeout))
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        prompt = model.encode_chat(messages)
+        prompt = model.encode_chat(_chat(req.messages))
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
         return await _serve(request, req, [prompt], chat=True)
@@ -362,16 +363,12 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     async def _serve(request: Request, req: Diffusion, prompts: list[list[int]], chat: bool, texts=(None,)):
         """Answer the request: one choice (the path below), or several (`_serve_choices`): texts are the prompts as
         sent (a string, or token ids)."""
-        if req.model != settings.model_name:
-            raise APIError(
-                400,
-                f"unknown model {req.model!r}: this server serves {settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        _this_model(req.model)
         if service.draining:
             raise APIError(503, "the server is shutting down: it finishes its requests and accepts no new ones")
         config, max_tokens = _config(req, settings, service.engine.model.config, service.engine.config.shallow_depths)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options only goes with stream: true", param="stream_options")
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceed {MAX_CHOICES} choices a request", "n")
         if len(prompts) * req.n > 1 and (req.return_commit_steps or req.return_anchors):
@@ -407,23 +404,34 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             return body
         return JSONResponse(body, background=_sent())
 
-    async def _serve_choices(request, req, prompts, found, config, max_tokens: int, chat: bool):
+    async def _serve_choices(
+        request: Request,
+        req: Diffusion,
+        prompts: list[list[int]],
+        found: list[Any],
+        config: GenerationConfig,
+        max_tokens: int,
+        chat: bool,
+    ) -> Response:
         """Several choices: prompt i's j-th (index i * n + j) is an engine request of its own with seed + j (so it
         equals that request sent alone), all queued at once. Answered together, or streamed as their blocks come
         (a chunk is one choice's). One that fails ends them all."""
         service.open_answers += 1
         submits = [
-            _submit(request, req, prompts[k // req.n], config, found[k // req.n], sample=k % req.n, choice=k)
+            asyncio.ensure_future(
+                _submit(request, req, prompts[k // req.n], config, found[k // req.n], sample=k % req.n, choice=k)
+            )
             for k in range(len(prompts) * req.n)
         ]  # handed over together: the engine takes them in at one step
-        done = await asyncio.gather(*submits, return_exceptions=True)
-        if failed := next((d for d in done if isinstance(d, BaseException)), None):
-            for d in done:
-                if not isinstance(d, BaseException):
-                    service.abort(d[0])
+        try:
+            subs: list[tuple[str, asyncio.Queue]] = list(await asyncio.gather(*submits))
+        except BaseException:  # one refused (or the client left): what was queued is aborted
+            await asyncio.gather(*submits, return_exceptions=True)
+            for t in submits:
+                if not t.cancelled() and t.exception() is None:
+                    service.abort(t.result()[0])
             service.open_answers -= 1
-            raise failed
-        subs: list[tuple[str, asyncio.Queue]] = list(done)
+            raise
         t0 = time.perf_counter()
         answers = [Answer(model.tokenizer, req.stop, max_tokens, False, t0) for _ in subs]
         owners = [prompts[k // req.n] for k in range(len(subs))]
@@ -445,7 +453,8 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                 raise errors[0]
         except APIError as e:
             for k, answer in enumerate(answers):
-                _logged(f"{request.state.request_id}.{k}", e.status, len(owners[k]), answer, t0, e.code)
+                status, code = (200, None) if answer.finish else (e.status, e.code)
+                _logged(f"{request.state.request_id}.{k}", status, len(owners[k]), answer, t0, code)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers, background=_sent())
         except BaseException:
             for t in tasks:
@@ -621,17 +630,26 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     return app
 
 
+def _chat(messages: list[Message]) -> list[dict]:
+    """The messages as the chat template reads them (their text parts joined already)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def _include_usage(req: Diffusion) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
 def _usage_asked(req: Diffusion, chunk: dict) -> dict:
     """A stream chunk as sent: with stream_options.include_usage its usage is null (it comes in a chunk of its own,
     `_usage_chunk`); else the last chunk carries it."""
-    if req.stream_options is not None and req.stream_options.include_usage:
+    if _include_usage(req):
         chunk["usage"] = None
     return chunk
 
 
 def _usage_chunk(req: Diffusion, cid: str, chat: bool, use: dict) -> str | None:
     """With stream_options.include_usage, the stream's usage in a last chunk of no choices (OpenAI's)."""
-    if req.stream_options is None or not req.stream_options.include_usage:
+    if not _include_usage(req):
         return None
     last = completion_body(cid, req.model, "", None, use, chat, chunk=True)
     last["choices"] = []

@@ -397,6 +397,7 @@ class APIError(Exception):
             408: "timeout_error",
             413: "invalid_request_error",
             404: "not_found_error",
+            405: "invalid_request_error",
             429: "rate_limit_error",
             503: "service_unavailable",
             504: "timeout_error",
