@@ -286,6 +286,23 @@ def test_different_settings_share_one_device_call(models_fp32, warm_engines):
         engine.release(rid)
 
 
+@pytest.mark.xdist_group("engine-dream")
+def test_settings_past_the_row_arrays_range_are_served_as_generate_serves_them(models_fp32, warm_engines):
+    """A top_k past int32 and a factor past float32 (the server bounds neither): served as `generate` serves them (a
+    top-k past the vocabulary filters nothing, such a factor commits a block at once) beside a plain request, with
+    nothing compiled. Before, the int32 cast raised in the call's layout and failed every row of the call."""
+    m, engine = models_fp32["dream"], warm_engines["dream"]
+    items = [
+        (PLACED[0][0], opts(gen_length=4, block_length=4, steps=4, cache="dual", temperature=0.7, top_k=2**40)),
+        (PLACED[1][0], opts(gen_length=4, block_length=4, cache="dual", factor=1e300)),
+        (PLACED[2][0], opts(gen_length=4, block_length=4, steps=4, cache="dual")),
+    ]
+    before = compile_totals()[0]
+    got = serve(engine, [(p, gc, None, 3) for p, gc in items])
+    assert compile_totals()[0] == before
+    assert got == [solo(m, p, gc, seed=3) for p, gc in items] and all(got)
+
+
 @pytest.mark.xdist_group("engine-llada")
 def test_settings_outside_the_served_ones_are_refused(models_fp32, warm_engines):
     """Block length, BiCache depth and the sampler's static part are programs' keys: outside the served list, a

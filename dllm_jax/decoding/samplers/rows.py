@@ -57,12 +57,14 @@ class RowValues:
         elif isinstance(sampler, Factor):
             rule, value, base = FACTOR, sampler.factor, sampler.base
         top_p = getattr(base, "top_p", None)
+        # saturated to the arrays' types: a top-k past the vocabulary filters nothing, a factor past float32's
+        # range commits as one at its maximum does (a value that overflowed would fail every row of its call)
         return cls(
             temperature=float(base.temperature),
             top_p=1.0 if top_p is None else float(top_p),
-            top_k=int(getattr(base, "top_k", None) or 0),
+            top_k=min(int(getattr(base, "top_k", None) or 0), np.iinfo(np.int32).max),
             rule=rule,
-            value=float(value),
+            value=min(float(value), float(np.finfo(np.float32).max)),
             steps=steps_per_block if rule == SCHEDULE else block_length,
         )
 
