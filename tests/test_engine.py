@@ -614,6 +614,8 @@ def test_finished_records_are_bounded_without_release(models_fp32, monkeypatch):
         (dict(config=GenerationConfig.from_options(cache="prefix")), "dual cache"),
         (dict(config=GenerationConfig.from_options(cache="dual", refresh="step")), "refresh='block'"),
         (dict(request_id="taken"), "already in use"),
+        (dict(seed=2**64), r"seed=18446744073709551616 must be an integer in \[-2\*\*63, 2\*\*63\)"),
+        (dict(seed=1.5), "seed=1.5 must be an integer"),
     ],
 )
 def test_bad_requests_are_refused_at_submit(kw, msg, models_fp32):

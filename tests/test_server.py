@@ -391,6 +391,9 @@ def _settings(gen, block, steps):
         ({"model": NAME, "prompt": ["x"] * 8, "n": 9}, 400, "n", None),  # 72 choices: over 64
         ({"model": NAME, "prompt": ["x", "y"], "return_commit_steps": True}, 400, "return_commit_steps", None),
         ({"model": NAME, "prompt": ["x", ""]}, 400, "prompt", None),
+        ({"model": NAME, "prompt": "x", "seed": 2**64}, 400, "seed", None),  # a key takes 64 bits
+        ({"model": NAME, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed", None),
+        ({"model": NAME, "prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", None),  # the second choice's
         ({"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
         (
             {"model": NAME, "prompt": "x", "stream_options": {"include_usage": 1}},

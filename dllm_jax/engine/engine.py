@@ -162,11 +162,8 @@ class Engine:
                 f"a KV budget of {budget / 2**30:.2f} GiB is more than the {free / 2**30:.2f} GiB free on "
                 f"{device.device_kind}: lower kv_budget_bytes (dllm-jax serve --kv-budget-gib)"
             )
-        page_bytes = kv_bytes_per_token(self.model.config) * self.config.page_size
-        if budget < page_bytes:
-            raise KVBudgetError(
-                f"a KV budget of {budget} bytes holds no page of {self.config.page_size} tokens ({page_bytes} bytes)"
-            )
+        if budget < (page_bytes := kv_bytes_per_token(self.model.config) * self.config.page_size):
+            raise KVBudgetError(f"a KV budget of {budget} bytes holds no page ({page_bytes} bytes a page)")
         return int(budget // page_bytes)
 
     def register_affix(self, tokens: Sequence[int]) -> AffixHandle:
@@ -197,8 +194,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        key = seed_key(seed)  # checked before affix discovery records the prompt
         req = self.plan_request(prompt, config, affix, rid)
-        req.on_block, req.key = on_block, seed_key(seed)
+        req.on_block, req.key = on_block, key
         if arrival is not None:
             req.arrival = arrival
         req.deadline = None if timeout is None else req.arrival + timeout
@@ -442,4 +440,6 @@ class Engine:
 
 def seed_key(seed: int) -> np.ndarray:
     """The key data `jax.random.key(seed)` holds: the request's random stream starts where generate's does."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not -(2**63) <= seed < 2**63:
+        raise RequestError(f"seed={seed!r} must be an integer in [-2**63, 2**63)")  # what a key takes
     return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)

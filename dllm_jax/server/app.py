@@ -716,7 +716,7 @@ def _refused(e: RequestError) -> APIError:
     """The 400 of a request the engine refuses, naming the field where the message does."""
     text = str(e)
     code = "context_length_exceeded" if "maximum length" in text else None
-    param = next((p for p in ("block_length", "shallow_depth", "top_p", "top_k") if text.startswith(p)), None)
+    param = next((p for p in ("block_length", "shallow_depth", "top_p", "top_k", "seed") if text.startswith(p)), None)
     return APIError(400, text, param=param, code=code)
 
 

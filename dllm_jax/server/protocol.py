@@ -198,7 +198,7 @@ class Diffusion(BaseModel):
     temperature: Float | None = Field(None, ge=0, le=2)
     top_p: Float | None = Field(None, gt=0, le=1)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = Field(None, validate_default=True)
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Int = Field(
