@@ -128,6 +128,11 @@ def test_completions_and_chat_streamed_equal_plain_equal_generate(server, model)
     with pytest.raises(NotFoundError) as e:
         c.models.retrieve("gpt-5")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.MonkeyPatch.context() as patch:  # a fault of the server's own: a 500 in the same shape
+        patch.setattr(server.service, "submit", lambda *a, **k: 1 / 0)
+        r = _post(server, "/v1/completions", {"model": NAME, "prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+    assert "ZeroDivisionError" in r.json()["error"]["message"]
     for method, path, status in (("GET", "/v1/embeddings", 404), ("PUT", "/v1/completions", 405)):
         r = httpx.request(method, f"{server.url}{path}", timeout=10)
         assert r.status_code == status and protocol.ErrorResponse.model_validate(r.json())

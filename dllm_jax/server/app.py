@@ -145,6 +145,11 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(Exception)  # a fault of ours: still OpenAI's shape (uvicorn logs its traceback)
+    async def internal_error(request: Request, e: Exception):
+        body = APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error").body()
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(HTTPException)  # the router's own (no such path, a method it lacks): OpenAI's shape too
     async def http_error(request: Request, e: HTTPException):
         what = {404: "no such endpoint", 405: "method not allowed"}.get(e.status_code, str(e.detail))
