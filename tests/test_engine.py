@@ -287,6 +287,7 @@ def test_different_settings_share_one_device_call(models_fp32, warm_engines):
 
 
 @pytest.mark.xdist_group("engine-dream")
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # generate's own (the reference)
 def test_settings_past_the_row_arrays_range_are_served_as_generate_serves_them(models_fp32, warm_engines):
     """A top_k past int32 and a factor past float32 (the server bounds neither): served as `generate` serves them (a
     top-k past the vocabulary filters nothing, such a factor commits a block at once) beside a plain request, with
