@@ -257,9 +257,13 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
                 code="model_not_found",
             )
 
-    def _has_tokenizer() -> None:
+    async def _tokenizer_body(request: Request, model_cls: type) -> Any:
+        """The body of a tokenizer endpoint, for this model, which has tokenizer files."""
+        req = parse(model_cls, await _json(request, settings.body_timeout))
+        _this_model(req.model)
         if model.tokenizer is None:
             raise APIError(400, f"the model at {model.path} has no tokenizer files: send token ids")
+        return req
 
     @app.post(
         "/tokenize",
@@ -269,9 +273,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     )
     async def tokenize(request: Request):
         """A prompt's (or a chat's, as its template renders it) token ids, as a request's prompt is read."""
-        req = parse(TokenizeRequest, await _json(request, settings.body_timeout))
-        _this_model(req.model)
-        _has_tokenizer()
+        req = await _tokenizer_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
         if req.prompt is not None:
@@ -288,9 +290,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     )
     async def detokenize(request: Request):
         """Token ids back to text, special tokens kept."""
-        req = parse(DetokenizeRequest, await _json(request, settings.body_timeout))
-        _this_model(req.model)
-        _has_tokenizer()
+        req = await _tokenizer_body(request, DetokenizeRequest)
         if any(t >= model.config.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids are below the vocabulary's {model.config.vocab_size}", param="tokens")
         return {"prompt": model.tokenizer.decode(req.tokens, skip_special_tokens=False)}

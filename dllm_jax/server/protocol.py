@@ -198,7 +198,7 @@ class Diffusion(BaseModel):
     temperature: Float | None = Field(None, ge=0, le=2)
     top_p: Float | None = Field(None, gt=0, le=1)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = Field(None, validate_default=True)
-    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Int | None = Field(None, description="an integer in [-2**63, 2**63) (the engine checks it: `seed_key`)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Int = Field(
