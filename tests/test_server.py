@@ -4,6 +4,7 @@ in this process, driven by the official `openai` client and httpx. Streamed text
 admission holds. (The server as a process, its soak, drain and start-up: test_server_process.py.)"""
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -618,6 +619,67 @@ def test_disconnect_mid_stream_frees_the_pages(server):
         time.sleep(0.1)
     assert server.metric("dllm_jax_requests_aborted_total") == before + 1
     assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
+
+
+def test_a_client_that_leaves_before_its_request_runs_leaves_nothing_behind(server):
+    """A stream whose client leaves before the first event (the response is cancelled before its generator starts,
+    so the generator's cleanup never runs): its request is aborted, its pages freed, its answer no longer open, its
+    log line written; one plain and one of several choices alike. A handler that leaves while its request waits to be
+    taken in (the engine thread busy): the request never runs."""
+    service, engine = server.service, server.service.engine
+    body = {"model": NAME, "prompt": DEMO_PROMPT, "max_tokens": 64, "block_length": 8, "steps": 64, "stream": True}
+
+    async def leave_at_once(payload: dict, k: int) -> None:
+        data, asked = json.dumps(payload).encode(), []
+
+        async def receive():
+            asked.append(1)
+            if len(asked) == 1:
+                return {"type": "http.request", "body": data, "more_body": False}
+            return {"type": "http.disconnect"}  # read by the response's listener while its head is being sent
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(2)  # the disconnect cancels the response here, before its first event
+
+        headers = [(b"content-type", b"application/json"), (b"host", b"127.0.0.1")]
+        scope = dict(type="http", asgi={"version": "3.0"}, http_version="1.1", method="POST", scheme="http")
+        scope.update(path="/v1/completions", raw_path=b"/v1/completions", query_string=b"", headers=headers)
+        scope.update(client=("127.0.0.1", 1), server=("127.0.0.1", 80), state={"request_id": f"left-{k}"})
+        # the router, past the middlewares (which hand the response's head on at once, so the generator starts);
+        # the exit stack FastAPI's own outer middleware would give it
+        async with contextlib.AsyncExitStack() as stack:
+            scope["fastapi_middleware_astack"] = stack
+            await asyncio.wait_for(server.app.router(scope, receive, send), 60)
+
+    for k, (payload, n) in enumerate(((body, 1), ({**body, "n": 3}, 3))):
+        aborted, opened = server.metric("dllm_jax_requests_aborted_total"), service.open_answers
+        asyncio.run(leave_at_once(payload, k))
+        assert service.open_answers == opened  # the answer is closed by the response's background task
+        deadline = time.time() + 30
+        while server.metric("dllm_jax_kv_pages_used") and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.metric("dllm_jax_requests_aborted_total") == aborted + n, payload
+        assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
+
+    gate = threading.Event()
+
+    async def leave_while_queued() -> int:
+        busy = asyncio.ensure_future(service.call(lambda e: gate.wait(30)))  # the engine thread blocks in it
+        await asyncio.sleep(0.05)
+        before = engine.counters["requests"]
+        prompt = server.service.engine.model.tokenizer.encode(DEMO_PROMPT)
+        config = GenerationConfig.from_options(gen_length=64, block_length=8, steps=64, cache="dual")
+        handler = asyncio.ensure_future(service.submit(prompt, config, None, 0))
+        await asyncio.sleep(0.05)
+        assert service.submitted_waiting() == 1
+        handler.cancel()  # its client left while it waited to be taken in
+        gate.set()
+        await busy
+        await service.call(lambda e: None)  # after the submission in the thread's order: it was handled
+        return engine.counters["requests"] - before
+
+    assert asyncio.run(leave_while_queued()) == 0 and not engine.has_unfinished()
 
 
 def test_a_failed_device_call_is_a_500_and_repeated_ones_fail_health(server, model):

@@ -19,11 +19,12 @@ their tokens were committed, its shared affix and ACache's anchors marked, the s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -393,8 +394,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         answer = Answer(model.tokenizer, req.stop, max_tokens, req.return_commit_steps, t0)
         cid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            events = _events(rid, stream, answer, cid, req, prompt, chat, request.state.request_id, t0)
-            return EventSourceResponse(events, ping=15, sep="\n")
+            ended = _once(functools.partial(_stream_ended, rid, answer, request.state.request_id, len(prompt), t0))
+            events = _events(rid, stream, answer, cid, req, prompt, chat, t0, ended)
+            return EventSourceResponse(events, ping=15, sep="\n", background=BackgroundTask(ended))
         try:
             body = await _collect(request, rid, stream, answer, cid, req, prompt, chat)
         except APIError as e:
@@ -442,8 +444,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         owners = [prompts[k // req.n] for k in range(len(subs))]
         cid, n_prompt = new_id("chatcmpl" if chat else "cmpl"), sum(map(len, prompts))
         if req.stream:
-            events = _choice_events(subs, answers, owners, cid, req, chat, request.state.request_id, t0, n_prompt)
-            return EventSourceResponse(events, ping=15, sep="\n")
+            ended = _once(functools.partial(_choices_ended, subs, answers, owners, request.state.request_id, t0))
+            events = _choice_events(subs, answers, cid, req, chat, n_prompt, ended)
+            return EventSourceResponse(events, ping=15, sep="\n", background=BackgroundTask(ended))
         tasks = [
             asyncio.ensure_future(_collect(request, rid, stream, answer, cid, req, owner, chat))
             for (rid, stream), answer, owner in zip(subs, answers, owners)
@@ -477,8 +480,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         body["choices"] = [{**b["choices"][0], "index": k} for k, b in enumerate(bodies)]
         return JSONResponse(body, background=_sent())
 
-    async def _choice_events(subs, answers, owners, cid, req, chat, request_id, t0, n_prompt):
-        """The stream of several choices: each choice's blocks as they come, a chunk each (its `index`)."""
+    async def _choice_events(subs, answers, cid, req, chat, n_prompt, ended):
+        """The stream of several choices: each choice's blocks as they come, a chunk each (its `index`); then
+        ended(status, code)."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(k: int, rid: str, stream: asyncio.Queue, answer: Answer) -> None:
@@ -514,12 +518,16 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         finally:
             for p in pumps:
                 p.cancel()
-            for k, ((rid, _), answer) in enumerate(zip(subs, answers)):
-                done = answer.finish is not None
-                _logged(f"{request_id}.{k}", status if done or code else 499, len(owners[k]), answer, t0, code, True)
-                if not done:  # the client went away, or a choice failed: free its pages
-                    service.abort(rid)
-            service.open_answers -= 1
+            ended(status, code)
+
+    def _choices_ended(subs, answers, owners, request_id, t0, status=200, code=None) -> None:
+        """A stream of several choices ended (or never started): logged, the unfinished aborted, one answer fewer."""
+        for k, ((rid, _), answer) in enumerate(zip(subs, answers)):
+            done = answer.finish is not None
+            _logged(f"{request_id}.{k}", status if done or code else 499, len(owners[k]), answer, t0, code, True)
+            if not done:  # the client went away, or a choice failed: free its pages
+                service.abort(rid)
+        service.open_answers -= 1
 
     def _sent() -> BackgroundTask:
         """Runs once an answer is sent: one open answer fewer."""
@@ -605,7 +613,9 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             body["dllm"] = trace
         return body
 
-    async def _events(rid, stream, answer, cid, req, prompt, chat, request_id, t0):
+    async def _events(rid, stream, answer, cid, req, prompt, chat, t0, ended):
+        """One choice's stream: a chunk per block that adds text (each with the trace asked for); then
+        ended(status, code)."""
         first, status, code, n_prompt = True, 200, None, len(prompt)
         try:
             while answer.finish is None:
@@ -627,12 +637,31 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
             yield json.dumps(e.body())
             yield "[DONE]"
         finally:
-            _logged(request_id, status if answer.finish or code else 499, n_prompt, answer, t0, code, stream=True)
-            service.open_answers -= 1
-            if answer.finish is None:  # the client went away (or the server stopped it): free its pages
-                service.abort(rid)
+            ended(status, code)
+
+    def _stream_ended(rid, answer, request_id, n_prompt, t0, status=200, code=None) -> None:
+        """A stream ended (or never started): logged, one answer fewer, the request aborted if unfinished."""
+        _logged(request_id, status if answer.finish or code else 499, n_prompt, answer, t0, code, stream=True)
+        service.open_answers -= 1
+        if answer.finish is None:  # the client went away (or the server stopped it): free its pages
+            service.abort(rid)
 
     return app
+
+
+def _once(fn: Callable[..., None]) -> Callable[..., None]:
+    """fn, run by the first call only. An event stream's bookkeeping is called by its generator's `finally` and by
+    its response's background task (which Starlette runs whether or not the client stayed): a client that leaves
+    before the first event cancels the response before the generator starts, and its `finally` never runs."""
+    done = False
+
+    def first(*args) -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn(*args)
+
+    return first
 
 
 def _chat(messages: list[Message]) -> list[dict]:

@@ -231,6 +231,8 @@ class EngineService:
             loop.call_soon_threadsafe(_settle, done, None, ServiceUnavailable("the server is shutting down"))
             return
         _, (prompt, config, affix, seed, timeout, request_id, arrival, auto), loop, done, stream = item
+        if done.cancelled():  # its handler left (the client went away) while it waited here: nobody would read it
+            return
         if request_id in self._streams:  # a client reusing an id while its first request runs
             request_id = None
         calibrate = None
@@ -255,7 +257,14 @@ class EngineService:
             return
         self._streams[rid] = (loop, stream)
         self.auditor.consider(self.engine.request(rid), seed, calibrate=calibrate, auto=auto is not None)
-        loop.call_soon_threadsafe(_settle, done, rid, None)
+        loop.call_soon_threadsafe(self._accepted, done, rid)
+
+    def _accepted(self, done: asyncio.Future, rid: str) -> None:
+        """On the handler's event loop: its request was taken in as `rid`; aborted if the handler left meanwhile."""
+        if done.cancelled():
+            self.abort(rid)
+        else:
+            _settle(done, rid, None)
 
     def _run(self) -> None:
         try:
