@@ -171,6 +171,10 @@ def test_replicas_answer_as_one_engine_route_by_affix_spill_survive_a_kill_and_s
         question = "input : 8 9 5 what does the rule give ?"
         assert ask(question, RULES)[0] == alone(question, RULES) == "1 0 4"
         assert ask(question, RULES, stream=True)[0] == "1 0 4"
+        # a method no endpoint has: the replicas' 405 in OpenAI's error shape, also where the ingress broadcasts
+        for path in ("/v1/completions", "/v1/affixes"):
+            refused = httpx.put(f"{url}{path}", json={}, timeout=60)
+            assert refused.status_code == 405 and refused.json()["error"]["type"] == "invalid_request_error", path
 
         # four affixes, one request after another (below the spill bound): each always on one replica, stored once
         affixes = [f"rule examples : {i} 4 0 -> {9 - i} 5 9 ; 3 6 {i} -> 6 3 {9 - i} ;" for i in range(4)]

@@ -252,7 +252,8 @@ class Ingress:
             await _answer(self._call(method, path, query, headers, body, replica_index=i)) for i in range(self.count)
         ]
 
-    @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    # every method the replicas may answer (theirs: GET, POST, DELETE; a 405 in OpenAI's shape for the others)
+    @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"], include_in_schema=False)
     async def forward(self, request: Request, path: str) -> Response:
         method, path, query = request.method, request.url.path, request.url.query
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
