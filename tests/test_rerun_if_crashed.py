@@ -23,7 +23,7 @@ def test_a_worker_crash_reruns_the_suite_once(tmp_path):
     (tmp_path / "test_flaky.py").write_text(
         "import os, signal\nfrom pathlib import Path\n"
         "def test_passes():\n    pass\n"
-        "def test_crashes_once():\n"
+        "def test_crashes_once_in_a_test_whose_name_is_longer_than_the_summary_line_that_names_it_when_cut():\n"
         "    flag = Path(__file__).with_name('crashed')\n"
         "    if not flag.exists():\n"
         "        flag.touch()\n"
@@ -33,18 +33,25 @@ def test_a_worker_crash_reruns_the_suite_once(tmp_path):
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     r = _run(sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-n", "1", "test_flaky.py", cwd=tmp_path, env=env)
     assert r.returncode == 0 and r.stdout.count(RERUN) == 1, r.stdout[-3000:]
-    assert "crashed while running 'test_flaky.py::test_crashes_once'" in r.stdout and "2 passed" in r.stdout
+    assert "crashed while running 'test_flaky.py::test_crashes_once_in_a" in r.stdout and "2 passed" in r.stdout
 
 
-def test_a_failing_test_or_a_crash_that_comes_back_fails(tmp_path):
-    """Commands that print what pytest prints: a failing test beside a crash is not rerun; a crash in both runs
-    fails after one rerun; the exit status is the command's."""
-    crash = "FAILED test_a.py::test_x - worker 'gw0' crashed while running 'test_a.py::test_x'"
+def test_a_failing_test_a_hang_or_a_crash_that_comes_back_fails(tmp_path):
+    """Commands that print what pytest and xdist print: a failing test beside a crash is not rerun, nor a worker
+    ended by pytest-timeout (no fatal error); a crash in both runs fails after one rerun; the exit status is the
+    command's."""
+    fatal = "Fatal Python error: Segmentation fault"
+    crash = ("worker 'gw0' crashed while running 'test_a.py::test_x'", "FAILED test_a.py::test_x")
     fail = "FAILED test_a.py::test_y - assert 1 == 2"
-    failing = _run("sh", "-c", f'echo "{crash}"; echo "{fail}"; exit 1', cwd=tmp_path)
-    assert failing.returncode == 1 and RERUN not in failing.stdout
-    plain = _run("sh", "-c", f'echo "{fail}"; exit 3', cwd=tmp_path)
-    assert plain.returncode == 3 and RERUN not in plain.stdout
-    again = _run("sh", "-c", f'echo "{crash}"; exit 1', cwd=tmp_path)
-    assert again.returncode == 1 and again.stdout.count(RERUN) == 1 and again.stdout.count(crash) == 2
-    assert _run("sh", "-c", "echo '1 passed'", cwd=tmp_path).returncode == 0
+
+    def run(*lines: str, status: int = 1) -> subprocess.CompletedProcess:
+        return _run("sh", "-c", f"printf '%s\\n' {' '.join(repr(x) for x in lines)}; exit {status}", cwd=tmp_path)
+
+    failing = run(fatal, *crash, fail)
+    assert failing.returncode == 1 and RERUN not in failing.stdout and fail in failing.stdout
+    assert run(fail, status=3).returncode == 3
+    hung = run("+++++++ Timeout +++++++", *crash)
+    assert hung.returncode == 1 and RERUN not in hung.stdout
+    again = run(fatal, *crash)
+    assert again.returncode == 1 and again.stdout.count(RERUN) == 1 and again.stdout.count(fatal) == 2
+    assert run("1 passed", status=0).returncode == 0
