@@ -621,7 +621,7 @@ def test_disconnect_mid_stream_frees_the_pages(server):
     assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0
 
 
-def test_a_client_that_leaves_before_its_request_runs_leaves_nothing_behind(server):
+def test_a_client_that_leaves_before_its_request_runs_leaves_nothing_behind(server, caplog):
     """A stream whose client leaves before the first event (the response is cancelled before its generator starts,
     so the generator's cleanup never runs): its request is aborted, its pages freed, its answer no longer open, its
     log line written; one plain and one of several choices alike. A handler that leaves while its request waits to be
@@ -654,10 +654,18 @@ def test_a_client_that_leaves_before_its_request_runs_leaves_nothing_behind(serv
 
     for k, (payload, n) in enumerate(((body, 1), ({**body, "n": 3}, 3))):
         aborted, opened = server.metric("dllm_jax_requests_aborted_total"), service.open_answers
-        asyncio.run(leave_at_once(payload, k))
-        assert service.open_answers == opened  # the answer is closed by the response's background task
+        with caplog.at_level(logging.INFO, logger="dllm_jax.server.requests"):
+            caplog.clear()
+            asyncio.run(leave_at_once(payload, k))
+        assert service.open_answers == opened  # the answer was closed although its generator never ran
+        # one log line a choice, 499: the client left
+        assert sorted(r.getMessage().split(":")[0] for r in caplog.records if " 499" in r.getMessage()) == (
+            [f"request left-{k}"] if n == 1 else [f"request left-{k}.{j}" for j in range(n)]
+        )
         deadline = time.time() + 30
-        while server.metric("dllm_jax_kv_pages_used") and time.time() < deadline:
+        while time.time() < deadline and (
+            server.metric("dllm_jax_requests_aborted_total") < aborted + n or server.metric("dllm_jax_kv_pages_used")
+        ):
             time.sleep(0.05)
         assert server.metric("dllm_jax_requests_aborted_total") == aborted + n, payload
         assert server.metric("dllm_jax_kv_pages_used") == 0 and server.metric("dllm_jax_requests_running") == 0

@@ -396,7 +396,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         if req.stream:
             ended = _once(functools.partial(_stream_ended, rid, answer, request.state.request_id, len(prompt), t0))
             events = _events(rid, stream, answer, cid, req, prompt, chat, t0, ended)
-            return EventSourceResponse(events, ping=15, sep="\n", background=BackgroundTask(ended))
+            return _EventStream(events, ended)
         try:
             body = await _collect(request, rid, stream, answer, cid, req, prompt, chat)
         except APIError as e:
@@ -446,7 +446,7 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
         if req.stream:
             ended = _once(functools.partial(_choices_ended, subs, answers, owners, request.state.request_id, t0))
             events = _choice_events(subs, answers, cid, req, chat, n_prompt, ended)
-            return EventSourceResponse(events, ping=15, sep="\n", background=BackgroundTask(ended))
+            return _EventStream(events, ended)
         tasks = [
             asyncio.ensure_future(_collect(request, rid, stream, answer, cid, req, owner, chat))
             for (rid, stream), answer, owner in zip(subs, answers, owners)
@@ -649,10 +649,25 @@ def create_app(service: EngineService, settings: ServeSettings) -> FastAPI:
     return app
 
 
+class _EventStream(EventSourceResponse):
+    """An answer's event stream whose bookkeeping (`ended`: its log line, one open answer fewer, its requests aborted
+    if unfinished) runs however the response ends: the generator's `finally` calls it, and so does this response
+    after it, for a response cancelled or failed before the generator started (a client that leaves while the head
+    is sent, a shutdown), whose `finally` never runs. `ended` runs once (`_once`)."""
+
+    def __init__(self, events, ended: Callable[[], None]):
+        super().__init__(events, ping=15, sep="\n")
+        self.ended = ended
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ended()
+
+
 def _once(fn: Callable[..., None]) -> Callable[..., None]:
-    """fn, run by the first call only. An event stream's bookkeeping is called by its generator's `finally` and by
-    its response's background task (which Starlette runs whether or not the client stayed): a client that leaves
-    before the first event cancels the response before the generator starts, and its `finally` never runs."""
+    """fn, run by the first call only (an event stream's bookkeeping: `_EventStream`)."""
     done = False
 
     def first(*args) -> None:

@@ -144,7 +144,12 @@ class EngineService:
         stream: asyncio.Queue = asyncio.Queue()
         args = (prompt, config, affix, seed, timeout, request_id, time.perf_counter(), auto)
         self._inbox.put(("add", args, loop, done, stream))
-        rid = await done
+        try:
+            rid = await done
+        except asyncio.CancelledError:  # the handler left just after its request was taken in: nobody reads it
+            if done.done() and not done.cancelled() and done.exception() is None:
+                self.abort(done.result())
+            raise
         return rid, stream
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
